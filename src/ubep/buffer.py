@@ -1,0 +1,203 @@
+"""`Buffer`: the one door. Dispatch tokens to their experts' ranks and combine them back."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ubep.errors import BrokenBufferError, UbepError
+from ubep.handle import DispatchHandle, DispatchResult
+from ubep.options import (
+    BACKENDS,
+    MODES,
+    SCHEDULES,
+    SYNCS,
+    BufferConfig,
+    check_choice,
+    check_positive_int,
+)
+from ubep.runtime import make_backend
+from ubep.stats import Stats
+from ubep.validate import check_combine_inputs, check_dispatch_inputs
+
+_buffer_ids = itertools.count(1)
+
+
+class Buffer:
+    """Expert-parallel communication buffer bound to a process group (cf. DeepEP's Buffer).
+
+    Experts are placed contiguously: rank r owns experts `[r*E/P, (r+1)*E/P)`. Rows of any
+    dtype of at most 4 bytes per element (bf16, fp16, fp32, fp8, int8, uint8) are moved as
+    bytes. One Buffer serves calls one at a time; every rank of the group must make the same
+    sequence of calls.
+
+    Arguments:
+        group: the process group; `None` = the default group (`torch.distributed` must be
+            initialized).
+        num_experts: global expert count E, divisible by the group size.
+        hidden: elements per token row.
+        max_tokens_per_rank: the largest token count T any call may pass on any rank.
+        backend: "torch" (all_to_all_single, any process group, across hosts) or "shm"
+            (ranks on one host through shared memory, workers as threads).
+        mode: "ubep" (decomposed, dependency-driven) or "bsp" (the barrier-separated baseline).
+            Used by the shm runtime; recorded but not used by the torch backend.
+        sync: Data-as-Flag variant, "sw" | "tff" | "dc" | "sp" (shm runtime).
+        schedule: token-to-worker schedule, "static" | "balanced" | "hierarchical" (shm).
+        workers: worker threads per rank (shm); None = the cores available to the rank.
+        count_workers: workers in the count role (shm, mode="ubep"); None = cost model.
+        topology: a `ubep.Topology`, a preset name or a TOML path; None = this host.
+        timeout_s: deadline of every wait; a stuck or dead peer becomes an error naming the
+            rank and phase instead of a hang.
+        max_top_k: the largest K (slots per token) any call may pass; sizes shm windows.
+        block_bytes: synchronization block size in bytes (shm), default 512 as in the paper.
+
+    Attributes:
+        rank, world_size, num_experts, num_local_experts, config (`ubep.BufferConfig`),
+        last_stats (stats of the latest dispatch or combine, or None).
+    """
+
+    def __init__(self, group=None, *, num_experts: int, hidden: int, max_tokens_per_rank: int,
+                 backend: str = "torch", mode: str = "ubep", sync: str = "tff",
+                 schedule: str = "hierarchical", workers: int | None = None,
+                 count_workers: int | None = None, topology=None, timeout_s: float = 30.0,
+                 max_top_k: int = 8, block_bytes: int = 512):
+        check_choice("backend", backend, BACKENDS)
+        check_choice("mode", mode, MODES)
+        check_choice("sync", sync, SYNCS)
+        check_choice("schedule", schedule, SCHEDULES)
+        check_positive_int("num_experts", num_experts)
+        check_positive_int("hidden", hidden)
+        check_positive_int("max_tokens_per_rank", max_tokens_per_rank)
+        check_positive_int("max_top_k", max_top_k)
+        check_positive_int("block_bytes", block_bytes, minimum=16)
+        if workers is not None:
+            check_positive_int("workers", workers)
+        if count_workers is not None:
+            check_positive_int("count_workers", count_workers)
+            if workers is not None and workers >= 2 and count_workers >= workers:
+                raise ValueError(f"count_workers={count_workers} must be < workers={workers} "
+                                 f"(token workers need at least one core)")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call "
+                               "torch.distributed.init_process_group first (or use torchrun)")
+        rank = dist.get_rank(group)
+        world_size = dist.get_world_size(group)
+        if num_experts % world_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
+                             f"{world_size} (experts are split evenly across ranks)")
+        self.config = BufferConfig(
+            rank=rank, world_size=world_size, num_experts=num_experts, hidden=hidden,
+            max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k, backend=backend,
+            mode=mode, sync=sync, schedule=schedule, workers=workers,
+            count_workers=count_workers, block_bytes=block_bytes, timeout_s=float(timeout_s),
+            topology=topology)
+        self.group = group
+        self.rank, self.world_size = rank, world_size
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // world_size
+        self.last_stats: Stats | None = None
+        self._id = next(_buffer_ids)
+        self._calls = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._backend = make_backend(self.config, group, self._id)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def close(self) -> None:
+        """Release shared memory, threads and windows. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._backend.close()
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"cannot {what} after close")
+        if self._broken is not None:
+            raise BrokenBufferError(
+                f"cannot {what}: an earlier call failed ({self._broken}); close this Buffer "
+                f"and make a new one") from self._broken
+
+    def _run(self, fn, *args):
+        try:
+            return fn(*args)
+        except UbepError as e:  # a runtime failure leaves peers out of step: refuse further use
+            self._broken = e
+            raise
+
+    # -- the two operations ----------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchResult:
+        """Send each token's row to every rank hosting one of its experts.
+
+        Arguments:
+            x: `[T, hidden]`, any movable dtype, `T <= max_tokens_per_rank`.
+            topk_idx: `[T, K]`, int32/int64, values in `[-1, num_experts)`, distinct per row;
+                `-1` = slot not routed.
+            topk_weights: `[T, K]`, floating; the gating weight of each slot.
+
+        Returns:
+            A `DispatchResult`: `recv_x` `[N, hidden]` expert-major, `recv_weights` `[N]`,
+            `tokens_per_expert` `[num_local_experts]`, row origins, `handle` and `stats`.
+        """
+        with self._lock:
+            self._check_usable("dispatch")
+            c = self.config
+            x, idx, w = check_dispatch_inputs(
+                x, topk_idx, topk_weights, hidden=c.hidden, num_experts=c.num_experts,
+                max_tokens_per_rank=c.max_tokens_per_rank, max_top_k=c.max_top_k)
+            self._calls += 1
+            res = self._run(self._backend.dispatch, x, idx, w, self._calls)
+            self.last_stats = res.stats
+            return res
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
+                weighted: bool = True) -> torch.Tensor:
+        """Send expert outputs back to their tokens and sum them.
+
+        Arguments:
+            expert_out: `[N, hidden]`, floating; row i is the output for the dispatch's row i.
+            handle: the `handle` of the `DispatchResult` these rows answer.
+            weighted: multiply each row by its gating weight before summing (default).
+
+        Returns:
+            `y` `[T, hidden]` in `expert_out.dtype`: for each token, the fp32 sum over its
+            routed slots k of `w[t, k] * row(t, k)` (plain sum if not weighted); zeros for a
+            token with no routed slot.
+        """
+        with self._lock:
+            self._check_usable("combine")
+            if not isinstance(handle, DispatchHandle):
+                raise TypeError(f"handle must be the DispatchHandle of a dispatch, "
+                                f"got {type(handle).__name__}")
+            if handle.buffer_id != self._id:
+                raise ValueError("handle comes from another Buffer; combine with the Buffer "
+                                 "that dispatched")
+            out = check_combine_inputs(expert_out, num_recv=handle.num_recv, hidden=handle.hidden)
+            res = self._run(self._backend.combine, out, handle, bool(weighted))
+            self.last_stats = res.stats
+            return res.y
+
+    def __repr__(self) -> str:
+        c = self.config
+        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        return (f"Buffer(rank={c.rank}/{c.world_size}, num_experts={c.num_experts}, "
+                f"hidden={c.hidden}, backend={c.backend!r}, mode={c.mode!r}, sync={c.sync!r}, "
+                f"{state})")

@@ -1,0 +1,28 @@
+"""Exceptions raised by ubep beyond ValueError/TypeError for bad input."""
+
+
+class UbepError(RuntimeError):
+    """Base class for runtime failures of an executor."""
+
+
+class PeerTimeoutError(UbepError, TimeoutError):
+    """A wait passed its deadline: names the waiting rank, the phase and the peers."""
+
+    def __init__(self, rank: int, phase: str, peers: list[int] | tuple[int, ...], timeout_s: float,
+                 detail: str = ""):
+        self.rank, self.phase, self.peers, self.timeout_s = rank, phase, list(peers), timeout_s
+        msg = (f"rank {rank} timed out after {timeout_s:g}s in phase {phase!r} "
+               f"waiting for rank(s) {self.peers}")
+        super().__init__(msg + (f": {detail}" if detail else ""))
+
+
+class PeerDiedError(UbepError):
+    """A peer process is gone while this rank was waiting for it."""
+
+    def __init__(self, rank: int, phase: str, peers: list[int] | tuple[int, ...]):
+        self.rank, self.phase, self.peers = rank, phase, list(peers)
+        super().__init__(f"rank {rank} in phase {phase!r}: peer rank(s) {self.peers} died")
+
+
+class BrokenBufferError(UbepError):
+    """An earlier failure left the Buffer unusable; close it and make a new one."""

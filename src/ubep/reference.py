@@ -1,0 +1,99 @@
+"""The oracle: dispatch and combine for all ranks at once, in one process, in plain torch.
+
+Written for clarity, not speed. It defines what every executor must produce:
+
+* dispatch on rank r returns the rows routed to r's experts, expert-major: local expert 0
+  first; within an expert ordered by source rank, then source token index. A token routed to
+  two experts of one rank appears once per expert. Rows are moved, not computed, so every
+  executor must match bit for bit.
+* combine on source rank s returns, for each token t, the fp32 sum over t's routed slots k
+  (in slot order) of `w[t, k] * row(t, k)` (`weighted=False`: of `row(t, k)`), cast to the
+  dtype of the expert output. Tokens with no routed slot get zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ReferenceDispatch:
+    """What rank `rank` receives: the fields of `ubep.DispatchResult`, plus the slot."""
+
+    recv_x: torch.Tensor            # [N, hidden], dtype of x
+    recv_weights: torch.Tensor      # [N] float32
+    tokens_per_expert: torch.Tensor  # [E / P] int64
+    recv_src_rank: torch.Tensor     # [N] int64
+    recv_src_token: torch.Tensor    # [N] int64
+    recv_src_slot: torch.Tensor     # [N] int64, the top-k slot k of (token, expert)
+
+
+def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor],
+             topk_weights: list[torch.Tensor], num_experts: int) -> list[ReferenceDispatch]:
+    """Dispatch for every rank at once. `xs[s]` is `[T_s, hidden]`, `topk_idxs[s]` `[T_s, K]`."""
+    world = len(xs)
+    per_rank = num_experts // world
+    out = []
+    for r in range(world):
+        rows, weights, src_rank, src_token, src_slot = [], [], [], [], []
+        counts = torch.zeros(per_rank, dtype=torch.int64)
+        for local in range(per_rank):
+            expert = r * per_rank + local
+            for s in range(world):
+                # nonzero() walks row-major: ascending token index, one slot per token
+                t, k = (topk_idxs[s].to(torch.int64) == expert).nonzero(as_tuple=True)
+                rows.append(xs[s][t])
+                weights.append(topk_weights[s][t, k].to(torch.float32))
+                src_rank.append(torch.full_like(t, s))
+                src_token.append(t)
+                src_slot.append(k)
+                counts[local] += t.numel()
+        hidden, dtype = xs[r].shape[1], xs[r].dtype
+        cat = (lambda ts, dt: torch.cat(ts) if ts else torch.empty(0, dtype=dt))
+        out.append(ReferenceDispatch(
+            recv_x=torch.cat(rows) if rows else torch.empty(0, hidden, dtype=dtype),
+            recv_weights=cat(weights, torch.float32),
+            tokens_per_expert=counts,
+            recv_src_rank=cat(src_rank, torch.int64),
+            recv_src_token=cat(src_token, torch.int64),
+            recv_src_slot=cat(src_slot, torch.int64),
+        ))
+    return out
+
+
+def combine(expert_outs: list[torch.Tensor], dispatched: list[ReferenceDispatch],
+            topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
+            weighted: bool = True) -> list[torch.Tensor]:
+    """Combine for every rank at once.
+
+    `expert_outs[r]` is `[N_r, hidden]`, row i being the expert output for
+    `dispatched[r]`'s row i. Returns `y[s]` `[T_s, hidden]` in `expert_outs`' dtype.
+    """
+    world = len(expert_outs)
+    hidden = expert_outs[0].shape[1]
+    dtype = expert_outs[0].dtype
+    # where each (source rank, token, slot) row landed: (destination rank, row index)
+    landed: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for r in range(world):
+        d = dispatched[r]
+        keys = zip(d.recv_src_rank.tolist(), d.recv_src_token.tolist(), d.recv_src_slot.tolist())
+        for i, key in enumerate(keys):
+            landed[key] = (r, i)
+    ys = []
+    for s in range(world):
+        idx = topk_idxs[s].to(torch.int64).tolist()
+        w = topk_weights[s].to(torch.float32)
+        y = torch.zeros(len(idx), hidden, dtype=torch.float32)
+        for t, experts in enumerate(idx):
+            acc = torch.zeros(hidden, dtype=torch.float32)
+            for k, expert in enumerate(experts):
+                if expert < 0:
+                    continue
+                r, i = landed[(s, t, k)]
+                row = expert_outs[r][i].to(torch.float32)
+                acc = acc + (w[t, k] * row if weighted else row)
+            y[t] = acc
+        ys.append(y.to(dtype))
+    return ys

@@ -1,0 +1,147 @@
+"""Run a function on P real processes with an initialized gloo process group.
+
+Used by the test suite and the benchmarks. Processes come from a forkserver that has
+already imported torch and ubep, so starting ranks is cheap; the TCP store lives in the
+calling process, so no port is raced for.
+
+    from ubep.testing import run_ranks
+    results = run_ranks(my_fn, 2, arg)      # my_fn(rank, world_size, arg) on each rank
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised; carries that rank's traceback."""
+
+    def __init__(self, rank: int, tb: str):
+        self.rank, self.traceback = rank, tb
+        super().__init__(f"rank {rank} failed:\n{tb}")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure, returned instead of raised when `return_exceptions=True`."""
+
+    rank: int
+    kind: str        # "exception" | "died" | "timeout"
+    message: str     # the exception's type and text, traceback, or exit status
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} {self.kind}: {self.message}"
+
+
+_ctx: mp.context.BaseContext | None = None
+
+
+def _context() -> mp.context.BaseContext:
+    global _ctx
+    if _ctx is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep"])
+        _ctx = ctx
+    return _ctx
+
+
+def _child(fn, rank, world_size, port, args, conn, env, pg_timeout_s) -> None:
+    os.environ.update(env)
+    os.environ["UBEP_TEST_RANK"] = str(rank)
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=timedelta(seconds=pg_timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - teardown after a failure; report the failure
+                pass
+        conn.send(("ok", result))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
+        try:
+            conn.send(("exception", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        conn.close()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+              return_exceptions: bool = False, env: dict[str, str] | None = None,
+              pg_timeout_s: float = 60.0) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` processes; return each rank's result.
+
+    `fn` must be importable (a module-level function) and its result picklable. A rank that
+    raises makes this raise `RankFailedError` with its traceback (the first failing rank);
+    with `return_exceptions=True` failures come back as `RankFailure` entries instead, which
+    is how tests check that a peer's death makes the others fail cleanly. Ranks still running
+    after `timeout_s` are killed and reported as timed out.
+    """
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    ctx = _context()
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          wait_for_workers=False, timeout=timedelta(seconds=pg_timeout_s))
+    env = dict(env or {})
+    env.setdefault("UBEP_JOB_ID", f"t{os.getpid()}x{int(time.time() * 1e3) % 100000}")
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, name=f"ubep-rank{rank}",
+                        args=(fn, rank, world_size, store.port, args, child, env, pg_timeout_s))
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+
+    outcomes: list[Any] = [None] * world_size
+    done = [False] * world_size
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not all(done) and time.monotonic() < deadline:
+            for r in range(world_size):
+                if done[r]:
+                    continue
+                if conns[r].poll(0.01):
+                    try:
+                        status, payload = conns[r].recv()
+                    except EOFError:
+                        procs[r].join(1.0)
+                        status, payload = "died", f"exit code {procs[r].exitcode}"
+                    outcomes[r] = payload if status == "ok" else RankFailure(r, status, payload)
+                    done[r] = True
+                elif not procs[r].is_alive() and not conns[r].poll(0):
+                    outcomes[r] = RankFailure(r, "died", f"exit code {procs[r].exitcode}")
+                    done[r] = True
+        for r in range(world_size):
+            if not done[r]:
+                outcomes[r] = RankFailure(r, "timeout", f"still running after {timeout_s:g}s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(2.0)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5.0)
+        for c in conns:
+            c.close()
+    if not return_exceptions:
+        for o in outcomes:
+            if isinstance(o, RankFailure):
+                raise RankFailedError(o.rank, f"[{o.kind}] {o.message}")
+    return outcomes

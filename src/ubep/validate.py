@@ -1,0 +1,104 @@
+"""Input checks shared by every backend: run before any communication, change nothing.
+
+Each failure is a ValueError or TypeError that names the argument, the value and the rule,
+so the caller can fix the call and use the same Buffer again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: dtypes whose rows dispatch moves as bytes. Element size at most 4 bytes: the shared-memory
+#: windows are sized for it.
+MOVABLE_DTYPES = (
+    torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.int16,
+    torch.int32, torch.float8_e4m3fn, torch.float8_e5m2,
+)
+MAX_ELEMENT_BYTES = 4
+
+
+def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_topk_idx(topk_idx: object, *, num_experts: int, num_tokens: int | None) -> torch.Tensor:
+    """Check `topk_idx` `[T, K]` int32/int64 in `[-1, num_experts)`, no repeated expert per row.
+
+    Returns it as contiguous int64.
+    """
+    idx = _check_tensor("topk_idx", topk_idx, 2)
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx must be int32 or int64, got {idx.dtype}")
+    if num_tokens is not None and idx.shape[0] != num_tokens:
+        raise ValueError(
+            f"topk_idx has {idx.shape[0]} rows but x has {num_tokens} tokens; they must match")
+    idx = idx.to(torch.int64).contiguous()
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= num_experts:
+            bad = lo if lo < -1 else hi
+            raise ValueError(
+                f"topk_idx holds expert id {bad}; ids must lie in [-1, {num_experts}) "
+                f"(-1 = slot not routed)")
+        if idx.shape[1] > 1:
+            s, _ = idx.sort(dim=1)
+            dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+            if bool(dup.any()):
+                t = int(dup.any(dim=1).nonzero()[0, 0])
+                raise ValueError(
+                    f"topk_idx row {t} names expert {int(s[t, 1:][dup[t]][0])} twice; "
+                    f"each token's experts must be distinct")
+    return idx
+
+
+def check_dispatch_inputs(x: object, topk_idx: object, topk_weights: object, *, hidden: int,
+                          num_experts: int, max_tokens_per_rank: int, max_top_k: int,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check a dispatch call; return `(x, topk_idx int64, topk_weights float32)`, contiguous."""
+    x = _check_tensor("x", x, 2)
+    if x.shape[1] != hidden:
+        raise ValueError(f"x has hidden size {x.shape[1]} but the Buffer was built for {hidden}")
+    if x.shape[0] > max_tokens_per_rank:
+        raise ValueError(
+            f"x has {x.shape[0]} tokens, more than max_tokens_per_rank={max_tokens_per_rank}")
+    if x.dtype not in MOVABLE_DTYPES:
+        raise TypeError(
+            f"x has dtype {x.dtype}; dispatch moves rows of "
+            f"{', '.join(str(d).removeprefix('torch.') for d in MOVABLE_DTYPES)}")
+    w = _check_tensor("topk_weights", topk_weights, 2)
+    if not isinstance(topk_idx, torch.Tensor):
+        raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+    devices = {x.device, topk_idx.device, w.device}
+    if len(devices) > 1:
+        raise ValueError(
+            f"x, topk_idx and topk_weights must be on one device, got x on {x.device}, "
+            f"topk_idx on {topk_idx.device}, topk_weights on {w.device}")
+    idx = check_topk_idx(topk_idx, num_experts=num_experts, num_tokens=x.shape[0])
+    if idx.shape[1] > max_top_k:
+        raise ValueError(
+            f"topk_idx has {idx.shape[1]} slots per token, more than max_top_k={max_top_k} "
+            f"the Buffer was sized for")
+    if tuple(w.shape) != tuple(idx.shape):
+        raise ValueError(
+            f"topk_weights has shape {tuple(w.shape)}; it must match topk_idx {tuple(idx.shape)}")
+    if not w.is_floating_point():
+        raise TypeError(f"topk_weights must be floating point, got {w.dtype}")
+    return x.contiguous(), idx, w.to(torch.float32).contiguous()
+
+
+def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> torch.Tensor:
+    """Check a combine call's `expert_out` `[num_recv, hidden]`, floating; return contiguous."""
+    out = _check_tensor("expert_out", expert_out, 2)
+    if tuple(out.shape) != (num_recv, hidden):
+        raise ValueError(
+            f"expert_out has shape {tuple(out.shape)}; the handle's dispatch received "
+            f"{num_recv} rows of hidden {hidden}, so it must be ({num_recv}, {hidden})")
+    if not out.is_floating_point() or out.element_size() > MAX_ELEMENT_BYTES:
+        raise TypeError(
+            f"expert_out has dtype {out.dtype}; combine sums rows, so it needs a floating dtype "
+            f"of at most {MAX_ELEMENT_BYTES} bytes (bf16, fp16, fp32, fp8)")
+    return out.contiguous()
