@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 import traceback
@@ -69,10 +70,13 @@ def _child(fn, rank, world_size, port, args, conn, env, pg_timeout_s) -> None:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - teardown after a failure; report the failure
                 pass
-        conn.send(("ok", result))
+        # plain pickle copies tensors; torch's reducers would share them through fds that
+        # vanish when this process exits
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
         try:
-            conn.send(("exception", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            conn.send_bytes(pickle.dumps(("exception", msg)))
         except Exception:  # noqa: BLE001
             pass
     finally:
@@ -119,7 +123,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                     continue
                 if conns[r].poll(0.01):
                     try:
-                        status, payload = conns[r].recv()
+                        status, payload = pickle.loads(conns[r].recv_bytes())
                     except EOFError:
                         procs[r].join(1.0)
                         status, payload = "died", f"exit code {procs[r].exitcode}"
@@ -145,3 +149,63 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             if isinstance(o, RankFailure):
                 raise RankFailedError(o.rank, f"[{o.kind}] {o.message}")
     return outcomes
+
+
+# -- workloads for tests and benchmarks ------------------------------------------------------
+
+ROUTINGS = ("uniform", "skewed", "one_expert", "unrouted", "partial")
+
+
+def make_routing(num_tokens: int, top_k: int, num_experts: int, *, kind: str = "uniform",
+                 seed: int = 0):
+    """`(topk_idx [T, K] int64, topk_weights [T, K] float32)` for a named routing.
+
+    kinds: "uniform" (K distinct experts per token, uniformly), "skewed" (80% of tokens pick
+    their first two experts among experts 0 and 1), "one_expert" (every token's slot 0 is
+    expert 0, the other slots -1), "unrouted" (every slot -1), "partial" (uniform with ~30%
+    of slots set to -1).
+    """
+    import torch
+
+    if kind not in ROUTINGS:
+        raise ValueError(f"kind={kind!r} is not one of {ROUTINGS}")
+    k = min(top_k, num_experts)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.full((num_tokens, top_k), -1, dtype=torch.int64)
+    if num_tokens and kind in ("uniform", "skewed", "partial"):
+        idx[:, :k] = torch.rand(num_tokens, num_experts, generator=g).argsort(dim=1)[:, :k]
+        if kind == "skewed" and num_experts >= 2 and k >= 2:
+            hot = torch.rand(num_tokens, generator=g) < 0.8
+            rest = torch.rand(num_tokens, num_experts - 2, generator=g).argsort(dim=1)[:, :k - 2]
+            idx[hot, 0], idx[hot, 1] = 0, 1
+            idx[hot, 2:k] = rest[hot] + 2
+        if kind == "partial":
+            idx[torch.rand(num_tokens, top_k, generator=g) < 0.3] = -1
+    elif kind == "one_expert":
+        idx[:, 0] = 0
+    weights = torch.rand(num_tokens, top_k, generator=g).to(torch.float32)
+    return idx, weights
+
+
+def make_tokens(rank: int, num_tokens: int, hidden: int, dtype, *, seed: int = 0):
+    """`[T, hidden]` rows of `dtype`, finite, each carrying its origin.
+
+    Element 0 holds the source rank and element 1 the token index (mod 16, exactly
+    representable in every float type); the rest is seeded noise, so a misrouted or torn row
+    differs from the reference in its bytes.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    if dtype.is_floating_point:
+        x = torch.randn(num_tokens, hidden, generator=g).clamp_(-8, 8)
+        if hidden >= 2:
+            x[:, 0] = rank
+            x[:, 1] = torch.arange(num_tokens) % 16
+        return x.to(dtype)
+    info = torch.iinfo(dtype)
+    x = torch.randint(max(info.min, -100), min(info.max, 100) + 1, (num_tokens, hidden),
+                      generator=g, dtype=torch.int64)
+    if hidden >= 2:
+        x[:, 0], x[:, 1] = rank, torch.arange(num_tokens) % 16
+    return x.to(dtype)

@@ -122,3 +122,6 @@ class TorchBackend:
         phases = {"token_exchange": t1 - t0, "reduce": t2 - t1}
         return CombineResult(y=y.to(dtype),
                              stats=self._stats("combine", phases, send.numel(), back.numel()))
+
+    def close(self) -> None:
+        """Nothing to release: the process group belongs to the caller."""
