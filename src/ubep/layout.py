@@ -46,7 +46,8 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
         raise ValueError(f"num_ranks={num_ranks!r} must be a positive int")
     if not isinstance(num_experts, int) or num_experts < 1 or num_experts % num_ranks:
         raise ValueError(
-            f"num_experts={num_experts!r} must be a positive int divisible by num_ranks={num_ranks}")
+            f"num_experts={num_experts!r} must be a positive int divisible by "
+            f"num_ranks={num_ranks}")
     idx = check_topk_idx(topk_idx, num_experts=num_experts, num_tokens=None)
     per_rank = num_experts // num_ranks
     routed = idx >= 0

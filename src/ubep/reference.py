@@ -51,7 +51,8 @@ def dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor],
                 src_slot.append(k)
                 counts[local] += t.numel()
         hidden, dtype = xs[r].shape[1], xs[r].dtype
-        cat = (lambda ts, dt: torch.cat(ts) if ts else torch.empty(0, dtype=dt))
+        def cat(ts, dt):
+            return (torch.cat(ts) if ts else torch.empty(0, dtype=dt))
         out.append(ReferenceDispatch(
             recv_x=torch.cat(rows) if rows else torch.empty(0, hidden, dtype=dtype),
             recv_weights=cat(weights, torch.float32),

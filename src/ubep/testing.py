@@ -16,9 +16,10 @@ import pickle
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 class RankFailedError(RuntimeError):
@@ -209,3 +210,97 @@ def make_tokens(rank: int, num_tokens: int, hidden: int, dtype, *, seed: int = 0
     if hidden >= 2:
         x[:, 0], x[:, 1] = rank, torch.arange(num_tokens) % 16
     return x.to(dtype)
+
+
+# -- cases checked against the reference oracle -------------------------------------------------
+
+_DTYPES = {
+    "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8", "uint8": "uint8",
+    "fp8": "float8_e4m3fn",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One dispatch+combine scenario, reproducible on every rank and in the checking process.
+
+    `tokens[r]` is rank r's token count; inputs come from `make_routing`/`make_tokens`
+    seeded by (seed, rank), so the parent can rebuild every rank's inputs for the oracle.
+    """
+
+    num_experts: int
+    hidden: int
+    top_k: int
+    tokens: tuple[int, ...]
+    routing: str = "uniform"
+    dtype: str = "bf16"
+    seed: int = 0
+    weighted: bool = True
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
+
+    def inputs(self, rank: int):
+        """`(x, topk_idx, topk_weights)` of `rank`."""
+        idx, w = make_routing(self.tokens[rank], self.top_k, self.num_experts,
+                              kind=self.routing, seed=self.seed * 1000 + rank)
+        x = make_tokens(rank, self.tokens[rank], self.hidden, self.torch_dtype(), seed=self.seed)
+        return x, idx, w
+
+
+def expert_fn(recv_x):
+    """The stand-in expert of the tests: a deterministic function of the row, floating out."""
+    import torch
+
+    out_dtype = recv_x.dtype if recv_x.dtype in (torch.bfloat16, torch.float16,
+                                                 torch.float32) else torch.bfloat16
+    return (recv_x.to(torch.float32) * 0.5 + 1.0).to(out_dtype)
+
+
+def run_case(buf, case: Case, rank: int) -> dict:
+    """Dispatch and combine `case` on this rank through `buf`; return what the oracle checks."""
+    x, idx, w = case.inputs(rank)
+    res = buf.dispatch(x, idx, w)
+    y = buf.combine(expert_fn(res.recv_x), res.handle, weighted=case.weighted)
+    return {"recv_x": res.recv_x, "recv_weights": res.recv_weights,
+            "tokens_per_expert": res.tokens_per_expert, "recv_src_rank": res.recv_src_rank,
+            "recv_src_token": res.recv_src_token, "recv_src_slot": res.recv_src_slot, "y": y}
+
+
+def check_case(case: Case, outs: list[dict]) -> None:
+    """Raise AssertionError unless every rank's `run_case` output matches the oracle.
+
+    Dispatch must match bit for bit (rows compared as bytes); combine to fp32-accumulation
+    tolerance in the output dtype.
+    """
+    import torch
+
+    from ubep import reference
+
+    world = len(case.tokens)
+    ins = [case.inputs(r) for r in range(world)]
+    ref = reference.dispatch([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins],
+                             case.num_experts)
+    ref_y = reference.combine([expert_fn(d.recv_x) for d in ref], ref,
+                              [i[1] for i in ins], [i[2] for i in ins], weighted=case.weighted)
+    for r in range(world):
+        got, want = outs[r], ref[r]
+        where = f"{case} rank {r}"
+        for name in ("tokens_per_expert", "recv_src_rank", "recv_src_token", "recv_src_slot"):
+            if not torch.equal(got[name].to(torch.int64), getattr(want, name)):
+                raise AssertionError(f"{where}: {name} {got[name].tolist()} != "
+                                     f"reference {getattr(want, name).tolist()}")
+        gx, wx = got["recv_x"], want.recv_x
+        if gx.dtype != wx.dtype or gx.shape != wx.shape or not torch.equal(
+                gx.contiguous().view(torch.uint8), wx.contiguous().view(torch.uint8)):
+            raise AssertionError(f"{where}: recv_x differs from the reference "
+                                 f"({gx.dtype} {tuple(gx.shape)} vs {wx.dtype} {tuple(wx.shape)})")
+        if not torch.equal(got["recv_weights"], want.recv_weights):
+            raise AssertionError(f"{where}: recv_weights differ from the reference")
+        gy, wy = got["y"], ref_y[r]
+        tol = 1e-5 if gy.dtype == torch.float32 else 2e-2
+        if gy.dtype != wy.dtype or gy.shape != wy.shape or not torch.allclose(
+                gy.to(torch.float32), wy.to(torch.float32), rtol=tol, atol=tol):
+            raise AssertionError(f"{where}: combine output differs from the reference")
