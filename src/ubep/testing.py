@@ -11,8 +11,8 @@ calling process, so no port is raced for.
 from __future__ import annotations
 
 import multiprocessing as mp
+import io
 import os
-import pickle
 import signal
 import time
 import traceback
@@ -45,6 +45,20 @@ class RankFailure:
 _ctx: mp.context.BaseContext | None = None
 
 
+def _dumps(obj: Any) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _context() -> mp.context.BaseContext:
     global _ctx
     if _ctx is None:
@@ -71,13 +85,13 @@ def _child(fn, rank, world_size, port, args, conn, env, pg_timeout_s) -> None:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - teardown after a failure; report the failure
                 pass
-        # plain pickle copies tensors; torch's reducers would share them through fds that
-        # vanish when this process exits
-        conn.send_bytes(pickle.dumps(("ok", result)))
+        # torch.save copies tensors (any view, any dtype); multiprocessing's torch reducers
+        # would share them through fds that vanish when this process exits
+        conn.send_bytes(_dumps(("ok", result)))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
         try:
             msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            conn.send_bytes(pickle.dumps(("exception", msg)))
+            conn.send_bytes(_dumps(("exception", msg)))
         except Exception:  # noqa: BLE001
             pass
     finally:
@@ -124,7 +138,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                     continue
                 if conns[r].poll(0.01):
                     try:
-                        status, payload = pickle.loads(conns[r].recv_bytes())
+                        status, payload = _loads(conns[r].recv_bytes())
                     except EOFError:
                         procs[r].join(1.0)
                         status, payload = "died", f"exit code {procs[r].exitcode}"
