@@ -10,8 +10,8 @@ calling process, so no port is raced for.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import io
+import multiprocessing as mp
 import os
 import signal
 import time
