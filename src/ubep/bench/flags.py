@@ -1,0 +1,214 @@
+"""Host-wide flags for the benchmark: a tight cross-process barrier and a flag ping-pong.
+
+The benchmark aligns the start of every timed call on all ranks with a barrier much
+tighter than gloo's (~300 µs, with tens of µs of exit skew), and measures one flag round
+trip between two processes for the copy bound. Both spin on int64 words in a file under
+/dev/shm mapped by every rank, read with acquire loads and written with release stores
+(Numba `@intrinsic`s; a plain load in a spin loop is hoisted and never exits).
+
+Every wait spins a bounded number of times in Numba, then returns to Python, which
+yields or sleeps briefly and checks a deadline, so two cores shared by many processes
+are not starved.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from pathlib import Path
+
+import llvmlite.ir as ir
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_SLOT = 8            # int64 words per slot: one 64-byte cache line per rank's word
+_PING, _PONG = 0, 1  # slots of the ping-pong; barrier slots follow
+
+
+@intrinsic
+def _load_acquire(typingctx, arr, idx):
+    """`arr[idx]` (int64, C-contiguous 1-D) as an acquire load."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        return builder.load_atomic(ptr, ordering="acquire", align=8)
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, idx, value):
+    """`arr[idx] = value` (int64) as a release store."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        builder.store_atomic(args[2], ptr, ordering="release", align=8)
+        return context.get_dummy_value()
+    return types.void(arr, idx, value), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """The x86 spin-loop hint (`llvm.x86.sse2.pause`; inline asm would abort llvmlite)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                            "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@njit(nogil=True, cache=True)
+def _store(words, idx, value):
+    _store_release(words, idx, value)
+
+
+@njit(nogil=True, cache=True)
+def _wait_all_geq(words, first, count, stride, target, max_spins):
+    """Spin until words[first + i*stride] >= target for all i < count; False if gave up."""
+    for _ in range(max_spins):
+        ok = True
+        for i in range(count):
+            if _load_acquire(words, first + i * stride) < target:
+                ok = False
+                break
+        if ok:
+            return True
+        _pause()
+    return False
+
+
+@njit(nogil=True, cache=True)
+def _ping_pong(words, me_first, rounds, start, max_spins):
+    """`rounds` round trips from `start`; the initiator (me_first) pings, the other pongs.
+
+    Returns the number of rounds completed (fewer if a wait gave up after `max_spins`).
+    """
+    ping, pong = _PING * _SLOT, _PONG * _SLOT
+    for r in range(rounds):
+        seq = start + r
+        if me_first:
+            _store_release(words, ping, seq)
+            spins = 0
+            while _load_acquire(words, pong) < seq:
+                _pause()
+                spins += 1
+                if spins > max_spins:
+                    return r
+        else:
+            spins = 0
+            while _load_acquire(words, ping) < seq:
+                _pause()
+                spins += 1
+                if spins > max_spins:
+                    return r
+            _store_release(words, pong, seq)
+    return rounds
+
+
+class HostSync:
+    """A barrier among `world` ranks and a rank-0/rank-1 ping-pong, over a /dev/shm file.
+
+    Rank 0 creates the file (exclusively) before the others open it; `create` uses the
+    default torch.distributed group to order that. `close()` unmaps, and rank 0 unlinks.
+    """
+
+    def __init__(self, path: Path, rank: int, world: int, timeout_s: float, *, owner: bool):
+        self.path, self.rank, self.world, self.timeout_s = path, rank, world, timeout_s
+        self._owner = owner
+        nbytes = (2 + world) * _SLOT * 8
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.words = np.frombuffer(self._map, dtype=np.int64)
+        self._epoch = 0       # barrier generation
+        self._seq = 0         # ping-pong sequence
+
+    @classmethod
+    def create(cls, rank: int, world: int, job: str, *, timeout_s: float = 60.0,
+               barrier=None) -> HostSync:
+        """Make (rank 0) or open (others) the sync file of job `job`.
+
+        `barrier` is a callable that all ranks call once between creation and opening
+        (default: `torch.distributed.barrier`).
+        """
+        if barrier is None:
+            import torch.distributed as dist
+            barrier = dist.barrier
+        path = Path("/dev/shm") / f"ubep-bench-{job}"
+        if rank == 0:
+            if path.exists():  # left by a dead run with the same job id
+                path.unlink()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, (2 + world) * _SLOT * 8)
+            finally:
+                os.close(fd)
+        barrier()
+        try:
+            return cls(path, rank, world, timeout_s, owner=rank == 0)
+        finally:
+            barrier()
+            if rank == 0:
+                path.unlink(missing_ok=True)  # every rank has it mapped: the name can go
+
+    def _wait(self, what: str, first: int, count: int, stride: int, target: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        tries = 0
+        while not _wait_all_geq(self.words, first, count, stride, target, 2000):
+            tries += 1
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: bench {what} timed out after "
+                                   f"{self.timeout_s:g}s (a peer is stuck or gone)")
+            if tries < 50:
+                os.sched_yield()
+            else:
+                time.sleep(20e-6)
+
+    def barrier(self) -> None:
+        """Return once every rank has entered this barrier (exit skew ~1 µs when idle)."""
+        self._epoch += 1
+        base = (2 + 0) * _SLOT
+        _store(self.words, base + self.rank * _SLOT, self._epoch)
+        self._wait("barrier", base, self.world, _SLOT, self._epoch)
+
+    def flag_round_trip_us(self, rounds: int = 2000, repeats: int = 7) -> float | None:
+        """Median over `repeats` of the mean time of one flag round trip, rank 0 <-> rank 1.
+
+        Every rank must call it; ranks other than 0 and 1 only take part in the barriers.
+        Returns the time on rank 0 and 1, None elsewhere (and None with a single rank).
+        """
+        if self.world < 2:
+            return None
+        samples = []
+        for _ in range(repeats):
+            self.barrier()
+            if self.rank > 1:
+                continue
+            t0 = time.perf_counter()
+            done = _ping_pong(self.words, self.rank == 0, rounds, self._seq + 1, 50_000_000)
+            dt = time.perf_counter() - t0
+            if done != rounds:
+                raise TimeoutError(f"rank {self.rank}: flag ping-pong stalled after {done} "
+                                   f"of {rounds} round trips")
+            self._seq += rounds
+            samples.append(dt / rounds * 1e6)
+        self.barrier()
+        return float(np.median(samples)) if samples else None
+
+    def close(self) -> None:
+        """Unmap. Idempotent. (Rank 0 unlinked the name once everyone had mapped it.)"""
+        if self._map is None:
+            return
+        self.words = None
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
+            pass
+        self._map = None

@@ -1,0 +1,191 @@
+"""The MPI peer: dispatch and combine as a competent MPI programmer would write them.
+
+A comparison point, not a backend of the library. Semantics are those of `ubep.Buffer`
+(and `ubep.reference`): dispatch returns the rows routed to this rank's experts,
+expert-major, then by source rank, then source token; combine returns each token's fp32
+sum over its routed slots (in slot order) of `w * row`, in the expert output's dtype.
+
+The implementation: per-(rank, expert) counts with `Alltoall`; rows (as bytes) and their
+(token, slot, weight) with `Alltoallv`; the reordering into expert-major order and the
+reduction with numpy/torch vectorized indexing. Launch under MPICH's `mpiexec`
+(`.venv/bin/mpiexec -n 2 python -m ubep.bench.mpi_peer check OUT_DIR`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass
+class MpiDispatch:
+    """What `MpiPeer.dispatch` returns; the fields mirror `ubep.DispatchResult`."""
+
+    recv_x: torch.Tensor            # [N, hidden], dtype of x
+    recv_weights: torch.Tensor      # [N] float32
+    tokens_per_expert: torch.Tensor  # [E / P] int64
+    recv_src_rank: torch.Tensor     # [N] int64
+    recv_src_token: torch.Tensor    # [N] int64
+    recv_src_slot: torch.Tensor     # [N] int64
+    # for combine
+    num_tokens: int
+    send_token: np.ndarray          # [S] int64, rows in the order they were sent
+    send_slot: np.ndarray           # [S] int64
+    send_weight: np.ndarray         # [S] float32
+    send_splits: np.ndarray         # [P] rows sent to each rank
+    recv_splits: np.ndarray         # [P] rows received from each rank
+    to_expert_major: np.ndarray     # [N] arrival index of each expert-major row
+
+
+class MpiPeer:
+    """Dispatch/combine over an mpi4py communicator (experts placed contiguously by rank)."""
+
+    def __init__(self, comm, num_experts: int):
+        self.comm = comm
+        self.rank, self.world = comm.Get_rank(), comm.Get_size()
+        if num_experts % self.world:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the "
+                             f"communicator size {self.world}")
+        self.num_experts = num_experts
+        self.per_rank = num_experts // self.world
+
+    def _alltoallv(self, send: np.ndarray, send_rows: np.ndarray, recv_rows: np.ndarray,
+                   row_bytes: int) -> np.ndarray:
+        from mpi4py import MPI
+
+        recv = np.empty(int(recv_rows.sum()) * row_bytes, dtype=np.uint8)
+        scount, rcount = send_rows * row_bytes, recv_rows * row_bytes
+        sdispl = np.concatenate(([0], np.cumsum(scount)[:-1]))
+        rdispl = np.concatenate(([0], np.cumsum(rcount)[:-1]))
+        self.comm.Alltoallv([send.reshape(-1), (scount, sdispl), MPI.BYTE],
+                            [recv, (rcount, rdispl), MPI.BYTE])
+        return recv
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> MpiDispatch:
+        """Send each token's row to every rank hosting one of its experts.
+
+        Arguments:
+            x: `[T, hidden]`, contiguous, any dtype; moved as bytes.
+            topk_idx: `[T, K]` int64, `-1` = slot not routed.
+            topk_weights: `[T, K]` float32.
+        """
+        world, per_rank = self.world, self.per_rank
+        num_tokens, top_k = topk_idx.shape
+        hidden = x.shape[1]
+        row_bytes = hidden * x.element_size()
+        xb = x.view(torch.uint8).numpy().reshape(num_tokens, row_bytes)
+        flat = topk_idx.numpy().reshape(-1)
+
+        # (token, slot) pairs ordered by expert (hence by destination rank), then token
+        pos = np.flatnonzero(flat >= 0)
+        order = np.argsort(flat[pos], kind="stable")
+        pos = pos[order]
+        expert = flat[pos]
+        send_token, send_slot = pos // top_k, pos % top_k
+        send_weight = topk_weights.numpy().reshape(-1)[pos]
+        send_counts = np.bincount(expert, minlength=self.num_experts).astype(np.int64)
+
+        recv_counts = np.empty_like(send_counts)
+        self.comm.Alltoall(send_counts, recv_counts)
+        recv_counts = recv_counts.reshape(world, per_rank)   # [source rank, local expert]
+        send_splits = send_counts.reshape(world, per_rank).sum(1)
+        recv_splits = recv_counts.sum(1)
+
+        rows = np.take(xb, send_token, axis=0)
+        meta = np.empty((len(pos), 3), dtype=np.int32)
+        meta[:, 0], meta[:, 1] = send_token, send_slot
+        meta[:, 2] = send_weight.view(np.int32)
+        recv = self._alltoallv(rows, send_splits, recv_splits, row_bytes)
+        recv_meta = self._alltoallv(meta.view(np.uint8), send_splits, recv_splits, 12)
+
+        # arrival order: source-major, then (expert, token); a stable sort by local expert
+        # makes it expert-major, then source, then token
+        label = np.repeat(np.tile(np.arange(per_rank), world), recv_counts.reshape(-1))
+        to_expert_major = np.argsort(label, kind="stable")
+        num_recv = len(to_expert_major)
+        recv_x = np.take(recv.reshape(num_recv, row_bytes), to_expert_major, axis=0)
+        recv_meta = np.take(recv_meta.view(np.int32).reshape(num_recv, 3), to_expert_major,
+                            axis=0)
+        src_rank = np.repeat(np.arange(world), recv_splits)[to_expert_major]
+        return MpiDispatch(
+            recv_x=torch.from_numpy(recv_x).view(x.dtype).reshape(num_recv, hidden),
+            recv_weights=torch.from_numpy(recv_meta[:, 2].copy().view(np.float32)),
+            tokens_per_expert=torch.from_numpy(recv_counts.sum(0)),
+            recv_src_rank=torch.from_numpy(src_rank.astype(np.int64)),
+            recv_src_token=torch.from_numpy(recv_meta[:, 0].astype(np.int64)),
+            recv_src_slot=torch.from_numpy(recv_meta[:, 1].astype(np.int64)),
+            num_tokens=num_tokens, send_token=send_token, send_slot=send_slot,
+            send_weight=send_weight, send_splits=send_splits, recv_splits=recv_splits,
+            to_expert_major=to_expert_major)
+
+    def combine(self, expert_out: torch.Tensor, d: MpiDispatch,
+                weighted: bool = True) -> torch.Tensor:
+        """Send expert outputs back to their tokens; `[T, hidden]` fp32-accumulated sums."""
+        hidden, dtype = expert_out.shape[1], expert_out.dtype
+        row_bytes = hidden * expert_out.element_size()
+        outb = expert_out.contiguous().view(torch.uint8).numpy().reshape(-1, row_bytes)
+        arrival = np.empty_like(outb)
+        arrival[d.to_expert_major] = outb       # back to arrival order, per source contiguous
+        back = self._alltoallv(arrival, d.recv_splits, d.send_splits, row_bytes)
+        back = torch.from_numpy(back).view(dtype).reshape(-1, hidden).to(torch.float32)
+        if weighted:
+            back = back * torch.from_numpy(d.send_weight).unsqueeze(1)
+        y = torch.zeros(d.num_tokens, hidden, dtype=torch.float32)
+        token, slot = torch.from_numpy(d.send_token), torch.from_numpy(d.send_slot)
+        for k in range(int(slot.max()) + 1 if len(slot) else 0):  # slot order, as the oracle
+            sel = (slot == k).nonzero().squeeze(1)
+            y.index_add_(0, token[sel], back[sel])
+        return y.to(dtype)
+
+
+# -- `python -m ubep.bench.mpi_peer check OUT_DIR`: one run whose results a test checks ----
+
+def _check(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from ubep.testing import make_routing, make_tokens
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    dtype = getattr(torch, args.dtype)
+    num_tokens = args.tokens + rank  # unequal T across ranks
+    idx, w = make_routing(num_tokens, args.top_k, args.experts, kind=args.routing,
+                          seed=args.seed + rank)
+    x = make_tokens(rank, num_tokens, args.hidden, dtype, seed=args.seed)
+    peer = MpiPeer(comm, args.experts)
+    d = peer.dispatch(x, idx, w)
+    expert_out = (d.recv_x.to(torch.float32) * 0.5 + 1).to(dtype)
+    y = peer.combine(expert_out, d)
+    out = Path(args.out_dir)
+    torch.save({"x": x, "topk_idx": idx, "topk_weights": w, "recv_x": d.recv_x,
+                "recv_weights": d.recv_weights, "tokens_per_expert": d.tokens_per_expert,
+                "recv_src_rank": d.recv_src_rank, "recv_src_token": d.recv_src_token,
+                "recv_src_slot": d.recv_src_slot, "expert_out": expert_out, "y": y},
+               out / f"rank{rank}.pt")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ubep.bench.mpi_peer")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="one dispatch+combine; each rank saves rank<r>.pt")
+    c.add_argument("out_dir")
+    c.add_argument("--tokens", type=int, default=5)
+    c.add_argument("--hidden", type=int, default=16)
+    c.add_argument("--top-k", type=int, default=4)
+    c.add_argument("--experts", type=int, default=8)
+    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("--routing", default="uniform")
+    c.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    return _check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
