@@ -1,0 +1,116 @@
+"""Token schedulers: which token worker sends which (token, expert) pair, in what order.
+
+Each scheduler takes one rank's sends (listed row-major: ascending token, then slot) and
+returns a `Schedule`: a permutation of them in worker-major send order plus each worker's
+offsets into it. All three are vectorized numpy; none loops over sends in Python.
+
+* static: worker j owns a fixed range of tokens and sends all of their pairs (the BSP
+  baseline's ownership); loads follow the routing.
+* balanced: all sends in expert order, cut into equal contiguous slices ("balanced w/o
+  mapping" in the paper's ablation).
+* hierarchical (DESIGN.md §2.2): experts are remapped to hop-class-major order (farthest
+  class first), i.e. the sends form a virtual matrix with one row per hop class; each row
+  is cut into `n` token-level equal slices and worker j takes slice j of every row, so
+  reading the matrix column-wise (a logical transposition) gives each worker the same mix
+  of near and far sends. Every worker gets `floor` or `ceil` of `N / n` sends and at most
+  `ceil(V_h / n)` of the `V_h` sends of hop class h: the remainders of the rows are dealt
+  out cyclically, continuing from row to row. A worker finds where each of its slices
+  starts (expert and offset) with the quaternary search (`slice_starts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ubep.plan.search import quaternary_search as quaternary_search  # re-export (contract)
+from ubep.plan.search import quaternary_search_many
+
+SCHEDULES = ("static", "balanced", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One scheduler's answer.
+
+    Attributes:
+        order: `[N]` int64, indices into the row-major send list, in worker-major send order.
+        offsets: `[n + 1]` int64; worker j sends `order[offsets[j]:offsets[j + 1]]`.
+        expert_order: `[E]` int64, the expert order the slices cut (remapped for hierarchical).
+        segment_targets: `[n, S]` int64, where each worker's slices start, as positions in the
+            sends concatenated in `expert_order` (S = 1 for balanced, one per hop class for
+            hierarchical, 0 for static, which cuts tokens, not experts).
+        segment_sizes: `[n, S]` int64, the sends in each of those slices.
+    """
+
+    order: np.ndarray
+    offsets: np.ndarray
+    expert_order: np.ndarray
+    segment_targets: np.ndarray
+    segment_sizes: np.ndarray
+
+
+def equal_cuts(total: int, n: int) -> np.ndarray:
+    """`[n + 1]` cut points splitting `total` items into n contiguous parts of sizes ±1."""
+    return (np.arange(n + 1, dtype=np.int64) * total) // n
+
+
+def schedule_static(token: np.ndarray, num_tokens: int, num_experts: int, n: int) -> Schedule:
+    """Worker j owns tokens `[j*T/n, (j+1)*T/n)` and sends their pairs in (token, slot) order."""
+    offsets = np.searchsorted(token, equal_cuts(num_tokens, n), side="left").astype(np.int64)
+    empty = np.zeros((n, 0), dtype=np.int64)
+    return Schedule(np.arange(token.shape[0], dtype=np.int64), offsets,
+                    np.arange(num_experts, dtype=np.int64), empty, empty)
+
+
+def schedule_balanced(expert: np.ndarray, num_experts: int, n: int) -> Schedule:
+    """All sends in expert order (ascending token within an expert), cut into n equal slices."""
+    order = np.argsort(expert, kind="stable")
+    offsets = equal_cuts(order.shape[0], n)
+    return Schedule(order, offsets, np.arange(num_experts, dtype=np.int64),
+                    offsets[:-1, None].copy(), np.diff(offsets)[:, None])
+
+
+def remap_experts(hop_of_expert: np.ndarray) -> np.ndarray:
+    """The hierarchical expert order: hop-class-major, farthest class first, then expert id."""
+    return np.argsort(-hop_of_expert, kind="stable").astype(np.int64)
+
+
+def schedule_hierarchical(expert: np.ndarray, hop_of_expert: np.ndarray, n: int,
+                          num_hop_classes: int) -> Schedule:
+    """Per hop class, equal token-level slices; worker j takes slice j of every class."""
+    expert_order = remap_experts(hop_of_expert)
+    rank_of_expert = np.empty_like(expert_order)
+    rank_of_expert[expert_order] = np.arange(expert_order.shape[0])
+    by_class = np.argsort(rank_of_expert[expert], kind="stable")   # class-major, expert, token
+    # sends per class, farthest class first (the row order of the virtual matrix)
+    per_class = np.bincount(hop_of_expert[expert], minlength=num_hop_classes)[::-1]
+    base, extra = np.divmod(per_class, n)
+    # deal each row's remainder cyclically, continuing where the previous row stopped
+    first = np.concatenate(([0], np.cumsum(extra)[:-1])) % n
+    j = np.arange(n)
+    sizes = base[:, None] + (((j[None, :] - first[:, None]) % n) < extra[:, None])  # [H, n]
+    row_start = np.concatenate(([0], np.cumsum(per_class)[:-1]))
+    targets = row_start[:, None] + np.cumsum(sizes, axis=1) - sizes                # [H, n]
+    worker_of_pos = np.repeat(np.tile(j, sizes.shape[0]), sizes.ravel())
+    order = by_class[np.argsort(worker_of_pos, kind="stable")]
+    offsets = np.concatenate(([0], np.cumsum(sizes.sum(axis=0)))).astype(np.int64)
+    return Schedule(order, offsets, expert_order, targets.T.astype(np.int64),
+                    sizes.T.astype(np.int64))
+
+
+def slice_starts(counts_in_order: np.ndarray,
+                 targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Where slices start: `(position in expert_order, offset in that expert, steps)`.
+
+    `counts_in_order` are the per-expert send counts in the schedule's expert order;
+    `targets` are slice start positions in the sends concatenated in that order. This is
+    what each worker computes on its own on the device (three pivots per step).
+    """
+    prefix = np.cumsum(counts_in_order)
+    flat = targets.ravel()
+    index, steps = quaternary_search_many(prefix, flat)
+    before = np.concatenate(([0], prefix))[np.minimum(index, prefix.shape[0])]
+    return index.reshape(targets.shape), (flat - before).reshape(targets.shape), steps
+
