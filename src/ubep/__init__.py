@@ -11,6 +11,7 @@ from ubep.handle import DispatchHandle, DispatchResult
 from ubep.layout import DispatchLayout, get_dispatch_layout
 from ubep.options import BufferConfig
 from ubep.plan.topology import Topology
+from ubep.runtime.memory_model import SyncInfo, sync_info
 from ubep.stats import Interval, Stats, chrome_trace, write_chrome_trace
 
 __version__ = "0.1.0"
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer", "BufferConfig", "DispatchHandle", "DispatchResult", "DispatchLayout",
     "get_dispatch_layout", "Stats", "Interval", "chrome_trace", "write_chrome_trace", "Topology",
-    "UbepError", "PeerTimeoutError", "PeerDiedError", "BrokenBufferError",
+    "UbepError", "PeerTimeoutError", "PeerDiedError", "BrokenBufferError", "sync_info", "SyncInfo",
 ]
