@@ -5,7 +5,7 @@ import platform
 
 import pytest
 
-from ubep.runtime.memory_model import SyncInfo, sync_info
+from ubep import SyncInfo, sync_info
 
 
 def test_this_machine_is_reported_and_checked():
