@@ -1,0 +1,171 @@
+"""`ubep bench` and `ubep demo`: measure dispatch+combine for real, side by side.
+
+`ubep bench` times the systems a user could pick on this host (shm-ubep, shm-bsp,
+torch/gloo, and with `--peers` the MPI peer) against the copy bound, on the same routing,
+interleaved, and prints median/p99 with ratios; CSV, JSON and a PNG go to `--out`.
+`ubep demo` (what `make demo` runs) is a short DeepSeek-like bench.
+
+Hook for the sync-variant sweep (`ubep bench --sync-sweep`, module
+`ubep.bench.sync_sweep`): that module may define `add_arguments(group)` to add its options
+to the group below, and must define `main(args) -> int`, which runs instead of the
+side-by-side bench when `--sync-sweep` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import time
+from pathlib import Path
+
+from ubep.bench.config import SYSTEMS, BenchConfig
+
+PEERS_HIDDENS = (2048, 7168)
+PEERS_BATCHES = (1, 8, 16, 64, 128)
+DEMO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _sync_sweep_module():
+    try:
+        return importlib.import_module("ubep.bench.sync_sweep")
+    except ImportError:
+        return None
+
+
+def register(subparsers) -> None:
+    """Add `bench` and `demo` to the `ubep` command line."""
+    p = subparsers.add_parser(
+        "bench", help="time dispatch+combine: shm-ubep, shm-bsp, torch (gloo), MPI, bound",
+        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=None,
+                   help="process counts P (default 2; with --peers also 4 if the host has "
+                        ">= 4 cores)")
+    p.add_argument("--hidden", type=int, nargs="+", default=None,
+                   help="row widths (default 7168; with --peers 2048 7168)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="batch sizes, tokens per rank (default 1 8 16 64 128)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--experts", type=int, default=16, help="global expert count")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS, metavar="SYSTEM",
+                   help=f"systems to compare, of {', '.join(SYSTEMS)} "
+                        f"(default shm-ubep shm-bsp torch; the copy bound always runs)")
+    p.add_argument("--backend", choices=("shm", "torch"), default=None,
+                   help="time one Buffer backend only (with --mode for shm)")
+    p.add_argument("--mode", choices=("ubep", "bsp"), default=None,
+                   help="with --backend shm: the execution mode")
+    p.add_argument("--peers", action="store_true",
+                   help="add the MPI peer (mpiexec) and use the peer sweep defaults")
+    p.add_argument("--iters", type=int, default=100, help="timed iterations per point")
+    p.add_argument("--warmup", type=int, default=10, help="untimed iterations per point")
+    p.add_argument("--routing", default="uniform", help="routing kind (ubep.testing)")
+    p.add_argument("--workers", type=int, default=None, help="shm worker threads per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1200.0, help="whole-run limit, seconds")
+    p.add_argument("--out", default=None,
+                   help="output folder for bench.csv, samples.csv, run.json, bench.png "
+                        "(default results/bench/<time>)")
+    sweep = p.add_argument_group("sync-variant sweep (ubep.bench.sync_sweep)")
+    sweep.add_argument("--sync-sweep", action="store_true",
+                       help="sweep the Data-as-Flag variants (sw, tff, dc, sp) instead")
+    mod = _sync_sweep_module()
+    if mod is not None and hasattr(mod, "add_arguments"):
+        mod.add_arguments(sweep)
+    p.set_defaults(func=_bench_main)
+
+    d = subparsers.add_parser("demo", help="a short DeepSeek-like bench (what `make demo` runs)")
+    d.add_argument("--iters", type=int, default=50, help="timed iterations per point")
+    d.add_argument("--out", default="results/demo", help="output folder")
+    d.set_defaults(func=_demo_main)
+
+
+def _config_from_args(args) -> BenchConfig:
+    systems = args.systems
+    if args.backend is not None:
+        if systems is not None:
+            raise ValueError("give --systems or --backend/--mode, not both")
+        if args.backend == "torch":
+            if args.mode is not None:
+                raise ValueError("--mode applies to --backend shm only")
+            systems = ["torch"]
+        else:
+            systems = [f"shm-{args.mode}"] if args.mode else ["shm-ubep", "shm-bsp"]
+    elif args.mode is not None:
+        raise ValueError("--mode needs --backend shm")
+    if systems is None:
+        systems = ["shm-ubep", "shm-bsp", "torch"]
+    if args.peers and "mpi" not in systems:
+        systems = [*systems, "mpi"]
+    ranks = args.ranks
+    if ranks is None:
+        ranks = [2, 4] if args.peers and (os.cpu_count() or 1) >= 4 else [2]
+    hiddens = args.hidden or (PEERS_HIDDENS if args.peers else (7168,))
+    return BenchConfig(ranks=tuple(ranks), hiddens=tuple(hiddens),
+                       batches=tuple(args.tokens or PEERS_BATCHES), top_k=args.top_k,
+                       experts=args.experts, dtype=args.dtype, systems=tuple(systems),
+                       iters=args.iters, warmup=args.warmup, routing=args.routing,
+                       workers=args.workers, seed=args.seed)
+
+
+def _console():
+    import sys
+
+    from rich.console import Console
+
+    # piped output (make demo | tee, CI logs) gets wide tables instead of 80 columns
+    return Console(width=None if sys.stdout.isatty() else 150)
+
+
+def _run_and_report(cfg: BenchConfig, out_dir: Path, timeout_s: float, console) -> int:
+    from ubep.bench.report import print_report, save
+    from ubep.bench.run import run_bench
+
+    with console.status("benchmarking ...") as status:
+        res = run_bench(cfg, timeout_s=timeout_s,
+                        progress=lambda msg: status.update(f"benchmarking {msg}"))
+    print_report(res, console)
+    paths = save(res, out_dir)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _bench_main(args) -> int:
+    if args.sync_sweep:
+        mod = _sync_sweep_module()
+        if mod is None:
+            raise SystemExit("ubep bench --sync-sweep: ubep.bench.sync_sweep is not built yet")
+        return int(mod.main(args) or 0)
+    try:
+        cfg = _config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"ubep bench: {e}") from None
+    out = Path(args.out or Path("results/bench") / time.strftime("%Y%m%d-%H%M%S"))
+    return _run_and_report(cfg, out, args.timeout, _console())
+
+
+def demo_config(iters: int = 50) -> BenchConfig:
+    """The demo's bench: DeepSeek-like rows (hidden 7168, bf16, top-8), 2 ranks, 16 experts."""
+    from ubep.bench.run import mpi_unavailable_reason
+
+    systems = ["shm-ubep", "shm-bsp", "torch"]
+    if mpi_unavailable_reason() is None:
+        systems.append("mpi")
+    return BenchConfig(ranks=(2,), hiddens=(7168,), batches=DEMO_BATCHES, top_k=8,
+                       experts=16, dtype="bfloat16", systems=tuple(systems), iters=iters,
+                       warmup=5)
+
+
+def _demo_main(args) -> int:
+    from rich.rule import Rule
+
+    console = _console()
+    out = Path(args.out)
+    # -- step 1: the real runtime, side by side with gloo and MPI, against the copy bound --
+    console.print(Rule("ubep demo 1/2: dispatch+combine on this host"))
+    rc = _run_and_report(demo_config(args.iters), out / "bench", 600.0, console)
+    # -- step 2: the simulator's short reproduction of the paper (to be wired in here:
+    #    ubep.sim.reproduce.run(out / "sim", short=True)) --
+    console.print(Rule("ubep demo 2/2: simulated superpods"))
+    console.print("[dim]not part of the demo yet[/]")
+    return rc

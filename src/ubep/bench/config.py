@@ -1,0 +1,85 @@
+"""What one benchmark run measures: `BenchConfig`, checked once, plain data."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ubep.testing import ROUTINGS
+
+#: the systems a run can compare; "bound" (the copy bound) is measured in every run
+BUFFER_SYSTEMS = {"shm-ubep": ("shm", "ubep"), "shm-bsp": ("shm", "bsp"),
+                  "torch": ("torch", "ubep")}
+SYSTEMS = (*BUFFER_SYSTEMS, "mpi")
+BOUND = "bound"
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _ints(name: str, values) -> tuple[int, ...]:
+    out = tuple(values)
+    if not out:
+        raise ValueError(f"{name} must not be empty")
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must hold positive ints, got {v!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run: every system, every (ranks, hidden, batch), the same routing."""
+
+    ranks: tuple[int, ...] = field(default=(2,), metadata={"help": "process counts P"})
+    hiddens: tuple[int, ...] = field(default=(7168,), metadata={"help": "row widths"})
+    batches: tuple[int, ...] = field(default=(1, 8, 16, 64, 128),
+                                     metadata={"help": "tokens per rank"})
+    top_k: int = field(default=8, metadata={"help": "experts per token"})
+    experts: int = field(default=16, metadata={"help": "global expert count E"})
+    dtype: str = field(default="bfloat16", metadata={"help": "row dtype"})
+    systems: tuple[str, ...] = field(default=("shm-ubep", "shm-bsp", "torch"),
+                                     metadata={"help": "systems to compare"})
+    iters: int = field(default=100, metadata={"help": "timed iterations per point"})
+    warmup: int = field(default=10, metadata={"help": "untimed iterations per point"})
+    routing: str = field(default="uniform", metadata={"help": "routing kind (ubep.testing)"})
+    workers: int | None = field(default=None, metadata={"help": "shm workers per rank"})
+    seed: int = field(default=0, metadata={"help": "seed of tokens and routing"})
+    timeout_s: float = field(default=30.0, metadata={"help": "deadline of every wait"})
+
+    def __post_init__(self):
+        object.__setattr__(self, "ranks", _ints("ranks", self.ranks))
+        object.__setattr__(self, "hiddens", _ints("hiddens", self.hiddens))
+        object.__setattr__(self, "batches", _ints("batches", self.batches))
+        object.__setattr__(self, "systems", tuple(self.systems))
+        for name in ("top_k", "experts", "iters"):
+            _ints(name, [getattr(self, name)])
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup!r} must be an int >= 0")
+        if self.workers is not None:
+            _ints("workers", [self.workers])
+        for p in self.ranks:
+            if self.experts % p:
+                raise ValueError(f"experts={self.experts} must be divisible by every rank "
+                                 f"count (ranks={p})")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} must be <= experts={self.experts}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing={self.routing!r} is not one of {ROUTINGS}")
+        if not self.systems:
+            raise ValueError("systems must not be empty")
+        for s in self.systems:
+            if s not in SYSTEMS:
+                raise ValueError(f"system {s!r} is not one of {SYSTEMS}")
+        if len(set(self.systems)) != len(self.systems):
+            raise ValueError(f"systems={self.systems} lists a system twice")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

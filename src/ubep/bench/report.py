@@ -1,0 +1,151 @@
+"""Show and save a `BenchResult`: rich tables, CSV files, a PNG and a JSON description."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ubep.bench.config import BOUND
+from ubep.bench.run import BenchResult
+
+_ORDER = ("shm-ubep", "shm-bsp", "torch", "mpi", BOUND)
+
+
+def _system_key(name: str) -> int:
+    return _ORDER.index(name) if name in _ORDER else len(_ORDER)
+
+
+def _us(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v >= 10_000:
+        return f"{v / 1000:.1f} ms"
+    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}×"
+
+
+def tables(res: BenchResult) -> list[Table]:
+    """One table per (ranks, hidden): a row per (batch, system), dispatch/combine/total."""
+    index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
+    points = sorted({(r["ranks"], r["hidden"]) for r in res.rows})
+    cfg = res.config
+    out = []
+    for world, hidden in points:
+        t = Table(title=f"P={world} ranks, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, "
+                        f"{cfg.experts} experts, {cfg.routing} routing — µs, median / p99 "
+                        f"over {cfg.iters} iterations (max over ranks)",
+                  title_justify="left")
+        for col in ("batch", "system", "dispatch", "combine", "dispatch+combine",
+                    "× ubep", "× bound"):
+            t.add_column(col, justify="left" if col == "system" else "right")
+        batches = sorted({r["batch"] for r in res.rows if (r["ranks"], r["hidden"]) ==
+                          (world, hidden)})
+        for b in batches:
+            names = sorted({r["system"] for r in res.rows if (r["ranks"], r["hidden"],
+                            r["batch"]) == (world, hidden, b)}, key=_system_key)
+            for i, name in enumerate(names):
+                cells = [index[(name, world, hidden, b, op)] for op in
+                         ("dispatch", "combine", "total")]
+                label = f"copy bound (+RTT {res.rtt_us.get(world, 0):.2f})" if name == BOUND \
+                    else name
+                t.add_row(str(b) if i == 0 else "", label,
+                          *[f"{_us(c['median_us'])} / {_us(c['p99_us'])}" for c in cells],
+                          _x(cells[2]["x_ubep"]), _x(cells[2]["x_bound"]),
+                          end_section=i == len(names) - 1,
+                          style="dim" if name == BOUND else None)
+        out.append(t)
+    return out
+
+
+def print_report(res: BenchResult, console: Console | None = None) -> None:
+    """Tables, then the systems that did not run and why, then the machine."""
+    console = console or Console()
+    for t in tables(res):
+        console.print(t)
+    for name, why in sorted(res.unavailable.items()):
+        console.print(f"[yellow]{name}: unavailable[/] — {why}")
+    m = res.machine
+    console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
+                  f"{m.get('load_avg_1m')}; flag round trip "
+                  + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
+                  + f"; {res.elapsed_s:.0f} s[/]")
+
+
+def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
+    """`bench.csv` (one row per point, system and op) and `samples.csv` (every iteration)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary, samples = out_dir / "bench.csv", out_dir / "samples.csv"
+    fields = list(res.rows[0]) if res.rows else ["system"]
+    with summary.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(res.rows)
+    with samples.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["system", "ranks", "hidden", "batch", "iter", "dispatch_us", "combine_us",
+                    "total_us"])
+        for (name, world, hidden, batch), t in sorted(res.samples.items()):
+            for i in range(t.shape[1]):
+                w.writerow([name, world, hidden, batch, i,
+                            *(f"{v:.3f}" for v in t[:, i])])
+    return summary, samples
+
+
+def write_json(res: BenchResult, out_dir: Path) -> Path:
+    """`run.json`: the config, the machine, the flag round trip and unavailable systems."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "run.json"
+    path.write_text(json.dumps({
+        "config": res.config.to_dict(), "machine": res.machine,
+        "flag_round_trip_us": {str(k): v for k, v in res.rtt_us.items()},
+        "unavailable": res.unavailable, "elapsed_s": res.elapsed_s}, indent=2))
+    return path
+
+
+def write_png(res: BenchResult, out_dir: Path, filename: str = "bench.png") -> Path | None:
+    """Latency (dispatch+combine median) vs batch, log-y, a line per system, bound dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    totals = [r for r in res.rows if r["op"] == "total"]
+    points = sorted({(r["ranks"], r["hidden"]) for r in totals})
+    if not points:
+        return None
+    fig, axes = plt.subplots(1, len(points), figsize=(5.2 * len(points), 4.2), squeeze=False)
+    for ax, (world, hidden) in zip(axes[0], points):
+        rows = [r for r in totals if (r["ranks"], r["hidden"]) == (world, hidden)]
+        for system in sorted({r["system"] for r in rows}, key=_system_key):
+            pts = sorted((r["batch"], r["median_us"]) for r in rows if r["system"] == system)
+            xs, ys = zip(*pts)
+            style = dict(linestyle="--", color="black", label="copy bound + flag RTT") \
+                if system == BOUND else dict(marker="o", label=system)
+            ax.plot(xs, ys, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("dispatch + combine, median µs")
+        ax.set_title(f"P={world}, hidden={hidden} {res.config.dtype}, top-{res.config.top_k}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / filename
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def save(res: BenchResult, out_dir: str | Path) -> list[Path]:
+    """Write CSVs, run.json and the PNG into `out_dir`; return their paths."""
+    out_dir = Path(out_dir)
+    paths = [*write_csv(res, out_dir), write_json(res, out_dir)]
+    png = write_png(res, out_dir)
+    return paths + ([png] if png else [])

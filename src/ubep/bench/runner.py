@@ -1,0 +1,176 @@
+"""What each benchmark rank runs: every system, interleaved, on the same routing.
+
+For every (hidden, batch) the rank builds its inputs (the same ones for every system),
+checks one dispatch of every system against the oracle (untimed), then runs
+`warmup + iters` iterations; in each, every system (in an order rotated per iteration,
+so drift hits all alike) does one dispatch and one combine, each started right after a
+tight cross-process barrier (`HostSync`). Each rank returns its own times; the caller
+takes the max over ranks per iteration.
+
+Two launchers share `bench_rank`: `ubep.testing.run_ranks` (gloo group; no MPI) and
+`mpiexec` (`python -m ubep.bench.runner CONFIG OUT`), which adds the MPI peer.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ubep import reference
+from ubep.bench.config import BOUND, BenchConfig
+from ubep.bench.flags import HostSync
+from ubep.bench.systems import make_system
+from ubep.testing import make_routing, make_tokens
+
+
+def _inputs(cfg: BenchConfig, rank: int, batch: int, hidden: int):
+    seed = cfg.seed * 1_000_003 + batch * 131 + hidden
+    idx, w = make_routing(batch, cfg.top_k, cfg.experts, kind=cfg.routing,
+                          seed=seed * 17 + rank)
+    x = make_tokens(rank, batch, hidden, cfg.torch_dtype, seed=seed)
+    return x, idx, w
+
+
+def _agree(ok: bool, reason: str | None) -> str | None:
+    """Collective: None if every rank is ok, else the first rank's reason."""
+    reasons: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if ok else (reason or "failed"))
+    bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
+    return None if not bad else f"rank {bad[0][0]}: {bad[0][1]}"
+
+
+def _try(fn, *args) -> tuple[object, str | None]:
+    try:
+        return fn(*args), None
+    except NotImplementedError as e:
+        return None, f"not built: {e}"
+    except Exception as e:  # noqa: BLE001 - reported as the system's failure, not hidden
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
+    """Run the benchmark on this rank. Collective over the default process group.
+
+    Returns `{"times": {(system, hidden, batch): array [2, iters] µs (dispatch, combine)},
+    "bytes": {(hidden, batch): (dispatch_bytes, combine_bytes)}, "unavailable": {system:
+    reason}, "rtt_us": float | None}`.
+    """
+    # one core per rank: torch's own intra-op threads would compete with the ranks
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    job = os.environ.get("UBEP_JOB_ID", f"b{os.getpid()}")
+    sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0))
+    out: dict = {"times": {}, "bytes": {}, "unavailable": {}, "rtt_us": None}
+    try:
+        out["rtt_us"] = sync.flag_round_trip_us()
+        names = [*cfg.systems, BOUND]
+        for hidden in cfg.hiddens:
+            systems = {}
+            for name in names:
+                if name in out["unavailable"]:
+                    continue
+                sysobj, why = _try(make_system, name, cfg, hidden, comm)
+                why = _agree(why is None, why)
+                if why is None:
+                    systems[name] = sysobj
+                else:
+                    if sysobj is not None:
+                        sysobj.close()
+                    out["unavailable"][name] = why
+            try:
+                _bench_hidden(rank, world, cfg, hidden, systems, sync, out)
+            finally:
+                for s in systems.values():
+                    s.close()
+        out["rtt_us_end"] = sync.flag_round_trip_us()
+    finally:
+        sync.close()
+    return out
+
+
+def _checked_call(s, x, idx, w, ref) -> None:
+    """One untimed dispatch (compared with the oracle) and combine of system `s`."""
+    s.prepare(x, idx, w, ref)
+    s.dispatch()
+    bad = s.check(ref)
+    s.combine()
+    if bad:
+        raise ValueError(bad)
+
+
+def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
+    for batch in cfg.batches:
+        inputs = [_inputs(cfg, r, batch, hidden) for r in range(world)]
+        ref = reference.dispatch([i[0] for i in inputs], [i[1] for i in inputs],
+                                 [i[2] for i in inputs], cfg.experts)[rank]
+        x, idx, w = inputs[rank]
+        # one checked, untimed call per system; a system that fails or errs is dropped
+        for name in list(systems):
+            sync.barrier()
+            _, why = _try(_checked_call, systems[name], x, idx, w, ref)
+            why = _agree(why is None, why)
+            if why is not None:
+                out["unavailable"][name] = f"at hidden={hidden} batch={batch}: {why}"
+                systems.pop(name).close()
+        if BOUND in systems:
+            b = systems[BOUND]
+            out["bytes"][(hidden, batch)] = (b.dispatch_bytes, b.combine_bytes)
+        order = list(systems.values())
+        times = {s.name: np.empty((2, cfg.iters)) for s in order}
+        perf = time.perf_counter_ns
+        for it in range(cfg.warmup + cfg.iters):
+            k = it % len(order)
+            for s in order[k:] + order[:k]:
+                sync.barrier()
+                t0 = perf()
+                s.dispatch()
+                t1 = perf()
+                sync.barrier()
+                t2 = perf()
+                s.combine()
+                t3 = perf()
+                if it >= cfg.warmup:
+                    times[s.name][:, it - cfg.warmup] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+        for name, t in times.items():
+            out["times"][(name, hidden, batch)] = t
+
+
+# -- the mpiexec launcher ---------------------------------------------------------------------
+
+def _mpi_main(config_path: str, out_path: str) -> int:
+    """Under mpiexec: join a gloo group through a TCP store, run `bench_rank`, gather."""
+    from datetime import timedelta
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    with open(config_path, "rb") as f:
+        cfg = pickle.load(f)
+    timeout = timedelta(seconds=max(cfg.timeout_s, 30.0))
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=timeout) if rank == 0 else None
+    port = comm.bcast(store.port if rank == 0 else None, root=0)
+    if rank:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        result = ("ok", bench_rank(rank, world, cfg, comm))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
+        result = ("exception", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    results = comm.gather(result, root=0)
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "wb") as f:
+            pickle.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_mpi_main(sys.argv[1], sys.argv[2]))

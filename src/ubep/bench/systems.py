@@ -1,0 +1,135 @@
+"""The systems a benchmark rank times: Buffer backends, the MPI peer and the copy bound.
+
+Each system is set up once per row width (`hidden`), given one batch's inputs with
+`prepare`, then timed through argument-free `dispatch()` and `combine()` calls, so the
+timed region holds the operation and nothing of the harness. `check` compares the last
+dispatch with the oracle's bytes, so no system is timed while it gives wrong answers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ubep.bench.config import BUFFER_SYSTEMS, BenchConfig
+from ubep.reference import ReferenceDispatch
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+def check_dispatch(name: str, got, ref: ReferenceDispatch) -> str | None:
+    """None if `got` (a dispatch result) matches the oracle bit for bit, else what differs."""
+    if not _same_bytes(got.recv_x, ref.recv_x):
+        return f"{name}: recv_x differs from the oracle"
+    for field in ("tokens_per_expert", "recv_src_rank", "recv_src_token"):
+        if not torch.equal(getattr(got, field), getattr(ref, field)):
+            return f"{name}: {field} differs from the oracle"
+    return None
+
+
+class BufferSystem:
+    """`ubep.Buffer` with one backend and mode ("shm-ubep", "shm-bsp", "torch")."""
+
+    def __init__(self, name: str, cfg: BenchConfig, hidden: int):
+        import ubep
+
+        backend, mode = BUFFER_SYSTEMS[name]
+        self.name = name
+        self.buf = ubep.Buffer(num_experts=cfg.experts, hidden=hidden,
+                               max_tokens_per_rank=max(cfg.batches), backend=backend,
+                               mode=mode, workers=cfg.workers if backend == "shm" else None,
+                               timeout_s=cfg.timeout_s, max_top_k=cfg.top_k)
+        self._args = self._res = None
+
+    def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
+        self._args = (x, topk_idx, topk_weights)
+
+    def dispatch(self) -> None:
+        self._res = self.buf.dispatch(*self._args)
+
+    def combine(self) -> None:
+        self.buf.combine(self._res.recv_x, self._res.handle)
+
+    def check(self, ref: ReferenceDispatch) -> str | None:
+        return check_dispatch(self.name, self._res, ref)
+
+    def close(self) -> None:
+        self.buf.close()
+
+
+class MpiSystem:
+    """The MPI peer (`ubep.bench.mpi_peer`) on MPI.COMM_WORLD."""
+
+    def __init__(self, name: str, cfg: BenchConfig, hidden: int, comm):
+        from ubep.bench.mpi_peer import MpiPeer
+
+        if comm is None:
+            raise RuntimeError("not launched under mpiexec (use `ubep bench --peers`)")
+        self.name = name
+        self.peer = MpiPeer(comm, cfg.experts)
+        self._args = self._res = None
+
+    def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
+        self._args = (x, topk_idx, topk_weights)
+
+    def dispatch(self) -> None:
+        self._res = self.peer.dispatch(*self._args)
+
+    def combine(self) -> None:
+        self.peer.combine(self._res.recv_x, self._res)
+
+    def check(self, ref: ReferenceDispatch) -> str | None:
+        return check_dispatch(self.name, self._res, ref)
+
+    def close(self) -> None:
+        pass
+
+
+class CopyBound:
+    """The bytes dispatch and combine must move on this rank, copied once by one core.
+
+    Dispatch must write each routed (token, expert) row of this rank once; combine must
+    bring each received row back once. `dispatch()` and `combine()` copy exactly those byte
+    counts, contiguous (memcpy, the fastest copy this core has). The flag round trip is
+    added when the results are summarised, not here.
+    """
+
+    def __init__(self, name: str, cfg: BenchConfig, hidden: int):
+        self.name = name
+        self.row_bytes = hidden * torch.empty(0, dtype=cfg.torch_dtype).element_size()
+        rows = max(cfg.batches) * cfg.top_k * max(cfg.ranks)  # room for any skew
+        self._src = np.ones(rows * self.row_bytes, dtype=np.uint8)
+        self._dst = np.zeros_like(self._src)
+        self.dispatch_bytes = self.combine_bytes = 0
+
+    def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
+        self.dispatch_bytes = int((topk_idx >= 0).sum()) * self.row_bytes
+        self.combine_bytes = ref.recv_x.shape[0] * self.row_bytes
+
+    def dispatch(self) -> None:
+        n = self.dispatch_bytes
+        np.copyto(self._dst[:n], self._src[:n])
+
+    def combine(self) -> None:
+        n = self.combine_bytes
+        np.copyto(self._dst[:n], self._src[:n])
+
+    def check(self, ref: ReferenceDispatch) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def make_system(name: str, cfg: BenchConfig, hidden: int, comm=None):
+    """Build the system `name` on this rank (collective for the Buffer systems)."""
+    if name in BUFFER_SYSTEMS:
+        return BufferSystem(name, cfg, hidden)
+    if name == "mpi":
+        return MpiSystem(name, cfg, hidden, comm)
+    if name == "bound":
+        return CopyBound(name, cfg, hidden)
+    raise ValueError(f"system {name!r} is unknown")

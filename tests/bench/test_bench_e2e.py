@@ -1,0 +1,78 @@
+"""`ubep bench` end to end on a tiny config: every available system runs and is written out."""
+
+import csv
+import json
+
+import pytest
+
+from ubep.bench.cli import _config_from_args
+from ubep.bench.config import BenchConfig
+from ubep.bench.run import mpi_unavailable_reason
+from ubep.cli import build_parser, main
+
+TINY = ["--ranks", "2", "--hidden", "64", "--tokens", "1", "5", "--experts", "4",
+        "--top-k", "2", "--iters", "4", "--warmup", "1"]
+
+
+def _read(out):
+    with (out / "bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    return rows, json.loads((out / "run.json").read_text())
+
+
+def _check_complete(rows, run, systems):
+    """Every system either has a row per (batch, op) with a positive median, or a reason."""
+    ran = {r["system"] for r in rows}
+    assert "bound" in ran
+    for s in systems:
+        assert (s in ran) != (s in run["unavailable"]), (s, run["unavailable"])
+    for s in ran:
+        got = {(int(r["batch"]), r["op"]) for r in rows if r["system"] == s}
+        assert got == {(b, op) for b in (1, 5) for op in ("dispatch", "combine", "total")}, s
+    for r in rows:
+        assert float(r["median_us"]) > 0 and float(r["p99_us"]) >= float(r["min_us"])
+        assert int(r["samples"]) == 4
+        total = float(r["median_us"]) if r["op"] == "total" else None
+        if total is not None:
+            assert float(r["x_bound"]) > 0
+    # the bound moves exactly the routed rows: batch * top_k rows of 64 bf16 at most
+    for r in rows:
+        if r["system"] == "bound" and r["op"] == "dispatch":
+            assert 0 < int(r["bytes_per_rank"]) <= int(r["batch"]) * 2 * 64 * 2
+
+
+def test_bench_side_by_side(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", *TINY, "--out", str(out)]) == 0
+    rows, run = _read(out)
+    _check_complete(rows, run, ["shm-ubep", "shm-bsp", "torch"])
+    assert "torch" in {r["system"] for r in rows}   # gloo is always there
+    assert (out / "bench.png").stat().st_size > 0
+    assert run["flag_round_trip_us"]["2"] > 0
+
+
+@pytest.mark.skipif(mpi_unavailable_reason() is not None, reason=str(mpi_unavailable_reason()))
+def test_bench_peers_under_mpiexec(tmp_path):
+    out = tmp_path / "peers"
+    assert main(["bench", *TINY, "--peers", "--out", str(out)]) == 0
+    rows, run = _read(out)
+    _check_complete(rows, run, ["shm-ubep", "shm-bsp", "torch", "mpi"])
+    assert {"torch", "mpi"} <= {r["system"] for r in rows}
+
+
+def _args(*argv):
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_bench_options():
+    cfg = _config_from_args(_args("--backend", "shm", "--mode", "bsp"))
+    assert cfg.systems == ("shm-bsp",)
+    cfg = _config_from_args(_args("--peers"))
+    assert cfg.systems[-1] == "mpi" and cfg.hiddens == (2048, 7168)
+    assert cfg.batches == (1, 8, 16, 64, 128)
+    with pytest.raises(ValueError, match="--mode needs --backend shm"):
+        _config_from_args(_args("--mode", "ubep"))
+    with pytest.raises(ValueError, match="experts=6 must be divisible"):
+        BenchConfig(ranks=(4,), experts=6, top_k=2)
+    with pytest.raises(ValueError, match="system 'nccl'"):
+        BenchConfig(systems=("nccl",))
