@@ -6,9 +6,9 @@ interleaved, and prints median/p99 with ratios; CSV, JSON and a PNG go to `--out
 `ubep demo` (what `make demo` runs) is a short DeepSeek-like bench.
 
 Hook for the sync-variant sweep (`ubep bench --sync-sweep`, module
-`ubep.bench.sync_sweep`): that module may define `add_arguments(group)` to add its options
-to the group below, and must define `main(args) -> int`, which runs instead of the
-side-by-side bench when `--sync-sweep` is given.
+`ubep.bench.sync_sweep`): its `add_sync_sweep_args(parser)` adds `--sync-sweep` and its
+`--sweep-*` options to `bench`; with `--sync-sweep`, its `run_sync_sweep_command(args)`
+runs instead of the side-by-side bench.
 """
 
 from __future__ import annotations
@@ -66,12 +66,11 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None,
                    help="output folder for bench.csv, samples.csv, run.json, bench.png "
                         "(default results/bench/<time>)")
-    sweep = p.add_argument_group("sync-variant sweep (ubep.bench.sync_sweep)")
-    sweep.add_argument("--sync-sweep", action="store_true",
-                       help="sweep the Data-as-Flag variants (sw, tff, dc, sp) instead")
     mod = _sync_sweep_module()
-    if mod is not None and hasattr(mod, "add_arguments"):
-        mod.add_arguments(sweep)
+    if mod is not None:
+        mod.add_sync_sweep_args(p)       # --sync-sweep and its --sweep-* options
+    else:
+        p.add_argument("--sync-sweep", action="store_true", help="(not built yet)")
     p.set_defaults(func=_bench_main)
 
     d = subparsers.add_parser("demo", help="a short DeepSeek-like bench (what `make demo` runs)")
@@ -135,7 +134,7 @@ def _bench_main(args) -> int:
         mod = _sync_sweep_module()
         if mod is None:
             raise SystemExit("ubep bench --sync-sweep: ubep.bench.sync_sweep is not built yet")
-        return int(mod.main(args) or 0)
+        return int(mod.run_sync_sweep_command(args) or 0)
     try:
         cfg = _config_from_args(args)
     except ValueError as e:
