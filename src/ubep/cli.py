@@ -12,6 +12,7 @@ import sys
 
 _COMMAND_MODULES = [
     "ubep.bench.cli",
+    "ubep.moe.cli",
 ]
 
 

@@ -1,0 +1,208 @@
+"""End-to-end EP decoding on P processes: per-step latency (TPOT) per communication backend.
+
+`e2e_rank` runs on every rank (through `ubep.testing.run_ranks`): it builds the model,
+optionally decodes each batch with the unsplit model first (the reference, and the
+"unsplit" timing row), converts the model to EP and decodes the same prompts once per
+backend. `summarize` turns the ranks' results into TPOT percentiles and the share of a step
+spent in dispatch+combine; `plot_tpot` draws the per-token latency normalised to gloo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ubep.moe.convert import convert_to_ep, ep_layers, moe_blocks, set_buffer
+from ubep.moe.decode import DecodeResult, greedy_decode
+from ubep.moe.models import build_model, make_prompts
+
+#: backend label -> (Buffer backend, mode). "gloo" is the torch backend over the gloo group.
+BACKEND_SPECS: dict[str, tuple[str, str]] = {
+    "gloo": ("torch", "ubep"),
+    "shm-bsp": ("shm", "bsp"),
+    "shm-ubep": ("shm", "ubep"),
+}
+UNSPLIT = "unsplit"  # label of the reference run: each rank runs all experts, no communication
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def available_backends() -> list[str]:
+    """Backend labels whose Buffer backend is registered in this build."""
+    from ubep.runtime import _BACKENDS
+    return [name for name, (backend, _) in BACKEND_SPECS.items() if backend in _BACKENDS]
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    """What one end-to-end run decodes, and through which backends."""
+
+    arch: str = field(metadata={"help": "qwen3 | deepseek"})
+    size: str = field(default="tiny", metadata={"help": "model preset: tiny | small"})
+    batches: tuple[int, ...] = field(default=(1,), metadata={"help": "sequences per rank"})
+    steps: int = field(default=16, metadata={"help": "decode steps (tokens) per sequence"})
+    prompt_len: int = field(default=8, metadata={"help": "prompt tokens"})
+    backends: tuple[str, ...] = field(default=("gloo",), metadata={"help": "BACKEND_SPECS keys"})
+    seed: int = field(default=0, metadata={"help": "weights and prompts seed"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16"})
+    reference: bool = field(default=True, metadata={"help": "decode with the unsplit model"})
+    keep_logits: bool = field(default=False, metadata={"help": "return per-step logits"})
+    threads: int = field(default=1, metadata={"help": "torch intra-op threads per rank"})
+    timeout_s: float = field(default=60.0, metadata={"help": "Buffer wait deadline"})
+    buffer_options: tuple[tuple[str, object], ...] = field(
+        default=(), metadata={"help": "extra Buffer keyword arguments (sync, workers, ...)"})
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        for b in self.backends:
+            if b not in BACKEND_SPECS:
+                raise ValueError(f"backend {b!r} is not one of {', '.join(BACKEND_SPECS)}")
+        if not self.batches or any(int(b) < 1 for b in self.batches):
+            raise ValueError(f"batches={self.batches!r} must be positive sequence counts")
+        if self.steps < 1 or self.prompt_len < 1:
+            raise ValueError(f"steps={self.steps} and prompt_len={self.prompt_len} must be >= 1")
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's decode of one batch through one backend (or the unsplit model)."""
+
+    backend: str
+    batch: int
+    result: DecodeResult
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What `e2e_rank` returns: the runs, and parameter counts before/after conversion."""
+
+    rank: int
+    params_full: int
+    params_ep: int
+    local_experts_per_layer: list[int]
+    num_experts: int
+    runs: list[RankRun]
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def e2e_rank(rank: int, world_size: int, cfg: E2EConfig) -> RankReport:
+    """Run `cfg` on this rank (call through `run_ranks`; needs the default process group)."""
+    import ubep
+
+    torch.set_num_threads(cfg.threads)
+    model = build_model(cfg.arch, cfg.size, seed=cfg.seed, dtype=_DTYPES[cfg.dtype])
+    params_full = count_params(model)
+    prompts = {b: make_prompts(model.config.vocab_size, b, cfg.prompt_len, seed=cfg.seed,
+                               rank=rank) for b in cfg.batches}
+    runs: list[RankRun] = []
+    if cfg.reference:
+        for b in cfg.batches:
+            runs.append(RankRun(UNSPLIT, b, greedy_decode(model, prompts[b], cfg.steps,
+                                                          keep_logits=cfg.keep_logits)))
+    block = moe_blocks(model)[0][1]
+    hidden, top_k = model.config.hidden_size, int(block.gate.top_k)
+    num_experts = int(block.experts.gate_up_proj.shape[0])
+    converted = False
+    for name in cfg.backends:
+        backend, mode = BACKEND_SPECS[name]
+        buf = ubep.Buffer(num_experts=num_experts, hidden=hidden,
+                          max_tokens_per_rank=max(cfg.batches) * cfg.prompt_len,
+                          backend=backend, mode=mode, max_top_k=top_k, timeout_s=cfg.timeout_s,
+                          **dict(cfg.buffer_options))
+        try:
+            if converted:
+                set_buffer(model, buf)
+            else:
+                convert_to_ep(model, buf)
+                converted = True
+            for b in cfg.batches:
+                runs.append(RankRun(name, b, greedy_decode(model, prompts[b], cfg.steps,
+                                                           keep_logits=cfg.keep_logits)))
+        finally:
+            buf.close()
+    return RankReport(rank=rank, params_full=params_full,
+                      params_ep=count_params(model) if converted else params_full,
+                      local_experts_per_layer=[m.num_local_experts for m in ep_layers(model)],
+                      num_experts=num_experts, runs=runs)
+
+
+@dataclass(frozen=True)
+class TPOTSummary:
+    """Per-token latency of one (arch, batch, backend) over the measured steps."""
+
+    arch: str
+    batch: int
+    backend: str
+    steps: int
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    comm_share: float          # median over steps of (dispatch+combine) / step time
+    norm_p50: float | None     # p50 / gloo's p50 (None without a gloo run)
+    latencies_ms: list[float]  # per measured step: the slowest rank's step time
+
+
+def step_latencies(reports: list[RankReport], backend: str, batch: int,
+                   warmup: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per measured step: the slowest rank's latency (s), and the mean over ranks of the
+    dispatch+combine share of the step."""
+    runs = [next(r.result for r in rep.runs if r.backend == backend and r.batch == batch)
+            for rep in reports]
+    step = np.stack([r.step_s.numpy() for r in runs])[:, warmup:]
+    comm = np.stack([r.comm_s.numpy() for r in runs])[:, warmup:]
+    return step.max(axis=0), (comm / step).mean(axis=0)
+
+
+def summarize(arch: str, reports: list[RankReport], warmup: int = 2) -> list[TPOTSummary]:
+    """TPOT P50/P99 and communication share per (batch, backend) from all ranks' reports."""
+    keys = list(dict.fromkeys((r.backend, r.batch) for r in reports[0].runs))
+    out: list[TPOTSummary] = []
+    gloo_p50 = {}
+    for backend, batch in keys:
+        lat, share = step_latencies(reports, backend, batch, warmup)
+        if len(lat) == 0:
+            raise ValueError(f"warmup={warmup} leaves no measured step")
+        p50 = float(np.percentile(lat, 50)) * 1e3
+        if backend == "gloo":
+            gloo_p50[batch] = p50
+        out.append(TPOTSummary(
+            arch=arch, batch=batch, backend=backend, steps=len(lat), p50_ms=p50,
+            p99_ms=float(np.percentile(lat, 99)) * 1e3, mean_ms=float(lat.mean()) * 1e3,
+            comm_share=float(np.median(share)), norm_p50=None,
+            latencies_ms=[float(v) * 1e3 for v in lat]))
+    return [TPOTSummary(**{**s.__dict__, "norm_p50": (s.p50_ms / gloo_p50[s.batch]
+                                                      if s.batch in gloo_p50 else None)})
+            for s in out]
+
+
+def plot_tpot(summaries: list[TPOTSummary], path) -> None:
+    """Violin + box plot of per-token latency normalised to gloo's median, one panel per
+    (arch, batch) (the paper's Fig. 11 style). Panels without a gloo run use absolute ms."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((s.arch, s.batch) for s in summaries))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6), squeeze=False)
+    for ax, (arch, batch) in zip(axes[0], panels):
+        rows = [s for s in summaries if s.arch == arch and s.batch == batch]
+        gloo = next((s for s in rows if s.backend == "gloo"), None)
+        scale = gloo.p50_ms if gloo else 1.0
+        data = [np.asarray(s.latencies_ms) / scale for s in rows]
+        pos = np.arange(1, len(rows) + 1)
+        ax.violinplot(data, positions=pos, showextrema=False)
+        ax.boxplot(data, positions=pos, widths=0.15, showfliers=False)
+        ax.set_xticks(pos, [s.backend for s in rows], rotation=20)
+        ax.set_title(f"{arch}, batch {batch}")
+        ax.set_ylabel("TPOT / gloo median" if gloo else "TPOT (ms)")
+        if gloo:
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
