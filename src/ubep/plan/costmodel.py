@@ -33,6 +33,12 @@ def choose_count_workers(workers: int, num_experts: int, top_k: int, num_tokens:
             raise ValueError(f"{name}={v!r} must be an int >= 0")
     if not (alpha > 0 and beta > 0):
         raise ValueError(f"alpha={alpha!r} and beta={beta!r} must be positive")
+    return balance_count_workers(workers, num_experts, top_k, num_tokens, alpha, beta)
+
+
+def balance_count_workers(workers: int, num_experts: int, top_k: int, num_tokens: int,
+                          alpha: float = DEFAULT_ALPHA, beta: float = DEFAULT_BETA) -> int:
+    """`choose_count_workers` without the argument checks (the planner's per-call path)."""
     if workers == 1:
         return 0
     count_cost = beta * num_experts

@@ -7,10 +7,13 @@ from functools import cached_property
 
 import numpy as np
 
-from ubep.plan.costmodel import choose_count_workers
+from ubep.plan.costmodel import balance_count_workers
 from ubep.plan.schedule import (
     SCHEDULES,
+    ExpertLayout,
     Schedule,
+    expert_layout,
+    expert_sort,
     schedule_balanced,
     schedule_hierarchical,
     schedule_static,
@@ -19,6 +22,7 @@ from ubep.plan.schedule import (
 from ubep.plan.topology import Topology
 
 MODES = ("ubep", "bsp")
+ENGINES = ("numba", "numpy")
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,7 @@ class Plan:
                 "sends_per_worker_max": int(per.max()) if per.size else 0}
 
 
-def _as_numpy_idx(topk_idx, num_experts: int) -> np.ndarray:
+def _as_numpy_idx(topk_idx, num_experts: int, check_range: bool = True) -> np.ndarray:
     if hasattr(topk_idx, "detach"):  # torch.Tensor, without importing torch here
         if topk_idx.device.type != "cpu":
             topk_idx = topk_idx.cpu()
@@ -152,13 +156,26 @@ def _as_numpy_idx(topk_idx, num_experts: int) -> np.ndarray:
     if topk_idx.dtype.kind not in "iu":
         raise TypeError(f"topk_idx must hold integers, got dtype {topk_idx.dtype}")
     idx = topk_idx.astype(np.int64, copy=False)
-    if idx.size:
+    if check_range and idx.size:
         lo, hi = int(idx.min()), int(idx.max())
         if lo < -1 or hi >= num_experts:
-            bad = lo if lo < -1 else hi
-            raise ValueError(f"topk_idx holds expert id {bad}; ids must be in "
-                             f"[-1, num_experts={num_experts}) (-1 = not routed)")
+            _bad_expert(lo if lo < -1 else hi, num_experts)
     return idx
+
+
+def _bad_expert(bad: int, num_experts: int):
+    raise ValueError(f"topk_idx holds expert id {bad}; ids must be in "
+                     f"[-1, num_experts={num_experts}) (-1 = not routed)")
+
+
+def _expert_layout(topology: Topology, rank: int, experts_per_rank: int) -> ExpertLayout:
+    # fixed per (fabric, rank): computed once per Topology object, not on every dispatch
+    cache = topology._plan_cache
+    layout = cache.get((rank, experts_per_rank))
+    if layout is None:
+        layout = expert_layout(topology.hop_matrix()[rank], experts_per_rank)
+        cache[(rank, experts_per_rank)] = layout
+    return layout
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -171,7 +188,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, workers: int,
               count_workers: int | None = None, schedule: str = "hierarchical",
-              mode: str = "ubep") -> Plan:
+              mode: str = "ubep", engine: str = "numba") -> Plan:
     """Plan one rank's dispatch: roles of its workers and each token worker's ordered sends.
 
     Experts are placed contiguously: rank r owns experts `[r*E/P, (r+1)*E/P)` with
@@ -188,6 +205,8 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
             `[1, workers - 1]`; None = `costmodel.choose_count_workers`. Ignored for "bsp".
         schedule: "static" | "balanced" | "hierarchical".
         mode: "ubep" (count and token roles) | "bsp" (every worker does every phase).
+        engine: "numba" (one compiled pass, the default) or "numpy" (the vectorized
+            reference); both give the same plan.
 
     Returns:
         A `Plan`.
@@ -197,6 +216,8 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
                         f"got {type(topology).__name__}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is not one of {', '.join(map(repr, ENGINES))}")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
     num_ranks = topology.num_ranks
@@ -208,13 +229,13 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
         raise ValueError(f"num_experts={num_experts} must be divisible by topology.num_ranks="
                          f"{num_ranks}")
     workers = _check_int("workers", workers, 1)
-    idx = _as_numpy_idx(topk_idx, num_experts)
+    idx = _as_numpy_idx(topk_idx, num_experts, check_range=engine != "numba")
     num_tokens, top_k = idx.shape
 
     if mode == "bsp" or workers == 1:
         n_count = 0
     elif count_workers is None:
-        n_count = choose_count_workers(workers, num_experts, top_k, num_tokens)
+        n_count = balance_count_workers(workers, num_experts, top_k, num_tokens)
     else:
         n_count = _check_int("count_workers", count_workers, 1)
         if n_count >= workers:
@@ -222,19 +243,51 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
                              f"(token workers need at least one thread)")
     n_token = workers - n_count
 
+    experts_per_rank = num_experts // num_ranks
+    layout = _expert_layout(topology, rank, experts_per_rank)
+    if engine == "numba":
+        from ubep.plan.fastplan import plan_kernel
+
+        kind = SCHEDULES.index(schedule)
+        sends, send_experts, window_pos, hops, offsets, send_counts, targets, sizes, bad = \
+            plan_kernel(np.ascontiguousarray(idx), num_experts, experts_per_rank,
+                        layout.hop_of_rank, layout.rank_of_expert, kind, n_token,
+                        topology.num_hop_classes)
+        if bad != -1:
+            _bad_expert(int(bad), num_experts)
+        expert_order = layout.expert_order if schedule == "hierarchical" else layout.identity
+    else:
+        sched = _numpy_schedule(idx, num_experts, experts_per_rank, layout, schedule, n_token,
+                                topology.num_hop_classes)
+        sends, send_experts, window_pos, hops, send_counts = sched[:5]
+        offsets, expert_order, targets, sizes = sched[5:]
+    cuts = (np.arange(n_count + 1) * num_ranks) // max(n_count, 1)
+    count_dest_ranges = [(int(cuts[i]), int(cuts[i + 1])) for i in range(n_count)]
+    return Plan(
+        rank=rank, num_ranks=num_ranks, num_experts=num_experts, num_tokens=num_tokens,
+        top_k=top_k, schedule=schedule, mode=mode, workers=workers, count_workers=n_count,
+        token_workers=n_token, sends=sends, send_experts=send_experts, window_pos=window_pos,
+        hops=hops, worker_offsets=offsets, send_counts=send_counts,
+        count_dest_ranges=count_dest_ranges, expert_order=expert_order,
+        segment_targets=targets, segment_sizes=sizes,
+        hop_names=topology._hop_names)
+
+
+def _numpy_schedule(idx: np.ndarray, num_experts: int, experts_per_rank: int,
+                    layout: ExpertLayout, schedule: str, n_token: int, num_hop_classes: int):
+    """The vectorized reference path of `make_plan` (see `ubep.plan.schedule`)."""
+    num_tokens, top_k = idx.shape
     # the sends, row-major (ascending token, then slot)
     flat = idx.reshape(-1)
     pos = np.flatnonzero(flat >= 0)
     expert = flat[pos]
     token = pos // top_k if top_k else pos
     slot = pos - token * top_k
-    experts_per_rank = num_experts // num_ranks
     dest = expert // experts_per_rank
-    hop_of_rank = topology.hop_matrix()[rank]
-    hops = hop_of_rank[dest]
+    hops = layout.hop_of_rank[dest]
 
     send_counts = np.bincount(expert, minlength=num_experts).astype(np.int64)
-    by_expert = np.argsort(expert, kind="stable")
+    by_expert = expert_sort(expert, num_experts)
     first_of_expert = np.cumsum(send_counts) - send_counts
     window_pos = np.empty_like(expert)
     window_pos[by_expert] = np.arange(expert.shape[0]) - first_of_expert[expert[by_expert]]
@@ -243,20 +296,10 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
     if schedule == "static":
         sched = schedule_static(token, num_tokens, num_experts, n_token)
     elif schedule == "balanced":
-        sched = schedule_balanced(expert, num_experts, n_token)
+        sched = schedule_balanced(by_expert, num_experts, n_token)
     else:
-        hop_of_expert = np.repeat(hop_of_rank, experts_per_rank)
-        sched = schedule_hierarchical(expert, hop_of_expert, n_token, topology.num_hop_classes)
-
+        sched = schedule_hierarchical(expert, layout, n_token, num_hop_classes)
     o = sched.order
     sends = np.stack((token[o], slot[o], dest[o]), axis=1)
-    cuts = (np.arange(n_count + 1) * num_ranks) // max(n_count, 1)
-    count_dest_ranges = [(int(cuts[i]), int(cuts[i + 1])) for i in range(n_count)]
-    return Plan(
-        rank=rank, num_ranks=num_ranks, num_experts=num_experts, num_tokens=num_tokens,
-        top_k=top_k, schedule=schedule, mode=mode, workers=workers, count_workers=n_count,
-        token_workers=n_token, sends=sends, send_experts=expert[o], window_pos=window_pos[o],
-        hops=hops[o], worker_offsets=sched.offsets, send_counts=send_counts,
-        count_dest_ranges=count_dest_ranges, expert_order=sched.expert_order,
-        segment_targets=sched.segment_targets, segment_sizes=sched.segment_sizes,
-        hop_names=topology.hop_class_names())
+    return (sends, expert[o], window_pos[o], hops[o], send_counts, sched.offsets,
+            sched.expert_order, sched.segment_targets, sched.segment_sizes)

@@ -64,9 +64,22 @@ def schedule_static(token: np.ndarray, num_tokens: int, num_experts: int, n: int
                     np.arange(num_experts, dtype=np.int64), empty, empty)
 
 
-def schedule_balanced(expert: np.ndarray, num_experts: int, n: int) -> Schedule:
-    """All sends in expert order (ascending token within an expert), cut into n equal slices."""
-    order = np.argsort(expert, kind="stable")
+def _small_key(n: int) -> type:
+    """The narrowest int dtype for keys < n (numpy's stable sort radix-sorts 8/16-bit ints)."""
+    return np.int16 if n < 2**15 else np.int64
+
+
+def expert_sort(expert: np.ndarray, num_experts: int) -> np.ndarray:
+    """Stable order of the sends by expert (ascending token within an expert)."""
+    return np.argsort(expert.astype(_small_key(num_experts)), kind="stable")
+
+
+def schedule_balanced(by_expert: np.ndarray, num_experts: int, n: int) -> Schedule:
+    """All sends in expert order (ascending token within an expert), cut into n equal slices.
+
+    `by_expert` is `expert_sort(expert, num_experts)`.
+    """
+    order = by_expert
     offsets = equal_cuts(order.shape[0], n)
     return Schedule(order, offsets, np.arange(num_experts, dtype=np.int64),
                     offsets[:-1, None].copy(), np.diff(offsets)[:, None])
@@ -77,25 +90,53 @@ def remap_experts(hop_of_expert: np.ndarray) -> np.ndarray:
     return np.argsort(-hop_of_expert, kind="stable").astype(np.int64)
 
 
-def schedule_hierarchical(expert: np.ndarray, hop_of_expert: np.ndarray, n: int,
+@dataclass(frozen=True)
+class ExpertLayout:
+    """What the schedulers need per (topology, rank, experts per rank): fixed across calls."""
+
+    hop_of_rank: np.ndarray      # [P] hop class from this rank to each rank
+    hop_of_expert: np.ndarray    # [E] hop class from this rank to each expert's rank
+    expert_order: np.ndarray     # [E] remap_experts(hop_of_expert)
+    rank_of_expert: np.ndarray   # [E] small ints, position of each expert in expert_order
+    identity: np.ndarray         # [E] arange: the expert order of static and balanced
+
+
+def expert_layout(hop_of_rank: np.ndarray, experts_per_rank: int) -> ExpertLayout:
+    """Remap the experts once; the schedulers reuse it on every call."""
+    hop_of_expert = np.repeat(hop_of_rank, experts_per_rank)
+    expert_order = remap_experts(hop_of_expert)
+    num_experts = expert_order.shape[0]
+    rank_of_expert = np.empty(num_experts, dtype=_small_key(num_experts))
+    rank_of_expert[expert_order] = np.arange(num_experts)
+    layout = ExpertLayout(np.ascontiguousarray(hop_of_rank, dtype=np.int64), hop_of_expert,
+                          expert_order, rank_of_expert, np.arange(num_experts, dtype=np.int64))
+    for a in (layout.hop_of_rank, hop_of_expert, expert_order, rank_of_expert, layout.identity):
+        a.setflags(write=False)
+    return layout
+
+
+def schedule_hierarchical(expert: np.ndarray, layout: ExpertLayout, n: int,
                           num_hop_classes: int) -> Schedule:
     """Per hop class, equal token-level slices; worker j takes slice j of every class."""
-    expert_order = remap_experts(hop_of_expert)
-    rank_of_expert = np.empty_like(expert_order)
-    rank_of_expert[expert_order] = np.arange(expert_order.shape[0])
-    by_class = np.argsort(rank_of_expert[expert], kind="stable")   # class-major, expert, token
+    hop_of_expert, expert_order = layout.hop_of_expert, layout.expert_order
+    # class-major, then expert, then token (small int keys: numpy radix-sorts them)
+    by_class = np.argsort(layout.rank_of_expert[expert], kind="stable")
     # sends per class, farthest class first (the row order of the virtual matrix)
     per_class = np.bincount(hop_of_expert[expert], minlength=num_hop_classes)[::-1]
     base, extra = np.divmod(per_class, n)
     # deal each row's remainder cyclically, continuing where the previous row stopped
-    first = np.concatenate(([0], np.cumsum(extra)[:-1])) % n
+    first = (np.cumsum(extra) - extra) % n
     j = np.arange(n)
     sizes = base[:, None] + (((j[None, :] - first[:, None]) % n) < extra[:, None])  # [H, n]
-    row_start = np.concatenate(([0], np.cumsum(per_class)[:-1]))
-    targets = row_start[:, None] + np.cumsum(sizes, axis=1) - sizes                # [H, n]
-    worker_of_pos = np.repeat(np.tile(j, sizes.shape[0]), sizes.ravel())
-    order = by_class[np.argsort(worker_of_pos, kind="stable")]
-    offsets = np.concatenate(([0], np.cumsum(sizes.sum(axis=0)))).astype(np.int64)
+    targets = (np.cumsum(per_class) - per_class)[:, None] + np.cumsum(sizes, axis=1) - sizes
+    per_worker = sizes.sum(axis=0)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(per_worker, out=offsets[1:])
+    # slice (h, j) lands after worker j's slices of the farther classes: a scatter, no sort
+    lands = offsets[None, :-1] + np.cumsum(sizes, axis=0) - sizes                    # [H, n]
+    shift = np.repeat((lands - targets).ravel(), sizes.ravel())
+    order = np.empty_like(by_class)
+    order[np.arange(shift.shape[0]) + shift] = by_class
     return Schedule(order, offsets, expert_order, targets.T.astype(np.int64),
                     sizes.T.astype(np.int64))
 

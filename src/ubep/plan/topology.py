@@ -140,7 +140,16 @@ class Topology:
 
     def hop_class_names(self) -> tuple[str, ...]:
         """Name of each hop class: "local", then the tier names."""
+        return self._hop_names
+
+    @cached_property
+    def _hop_names(self) -> tuple[str, ...]:
         return ("local",) + tuple(t.name for t in self.tiers)
+
+    @cached_property
+    def _plan_cache(self) -> dict:
+        """Per-rank expert layouts the planner derives from this fabric (see planner.py)."""
+        return {}
 
     # -- scaled copies -----------------------------------------------------------------
     def with_ranks(self, n: int) -> Topology:
