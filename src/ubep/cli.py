@@ -13,6 +13,7 @@ import sys
 _COMMAND_MODULES = [
     "ubep.bench.cli",
     "ubep.moe.cli",
+    "ubep.plan.cli",
 ]
 
 

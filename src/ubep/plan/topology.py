@@ -262,20 +262,7 @@ class Topology:
         """
         from ubep.plan.hostinfo import discover_host
 
-        info = discover_host()
-        n = info.num_nodes if ranks is None else _check_int("ranks", ranks, minimum=1)
-        workers = max(1, info.num_cores // n)
-        outer = Tier("host", n, latency_ns=200.0 if info.num_nodes > 1 else 100.0,
-                     bandwidth_GBps=10.0)
-        tiers: tuple[Tier, ...] = (outer,)
-        if info.num_nodes > 1:
-            per_node = math.ceil(n / info.num_nodes)
-            if per_node < n:
-                tiers = (Tier("numa", per_node, latency_ns=100.0, bandwidth_GBps=10.0), outer)
-        return Topology(name="host", description=f"this machine: {info.describe()}",
-                        num_ranks=n, workers_per_rank=workers, atomic_block_bytes=64,
-                        flag_bytes=8, tiers=tiers, local_latency_ns=20.0,
-                        local_bandwidth_GBps=20.0)
+        return host_topology(discover_host(), ranks)
 
     @staticmethod
     def resolve(obj: Topology | str | os.PathLike | None, num_ranks: int) -> Topology:
@@ -304,6 +291,23 @@ class Topology:
         tiers = " > ".join(f"{t.name}/{t.ranks_per_group}" for t in self.tiers)
         return (f"Topology({self.name!r}, {self.num_ranks} ranks x {self.workers_per_rank} "
                 f"workers, tiers {tiers})")
+
+
+def host_topology(info, ranks: int | None = None) -> Topology:
+    """The host topology for a `ubep.plan.hostinfo.HostInfo` (see `Topology.host`)."""
+    n = info.num_nodes if ranks is None else _check_int("ranks", ranks, minimum=1)
+    workers = max(1, info.num_cores // n)
+    outer = Tier("host", n, latency_ns=200.0 if info.num_nodes > 1 else 100.0,
+                 bandwidth_GBps=10.0)
+    tiers: tuple[Tier, ...] = (outer,)
+    if info.num_nodes > 1:
+        per_node = math.ceil(n / info.num_nodes)
+        if per_node < n:
+            tiers = (Tier("numa", per_node, latency_ns=100.0, bandwidth_GBps=10.0), outer)
+    return Topology(name="host", description=f"this machine: {info.describe()}",
+                    num_ranks=n, workers_per_rank=workers, atomic_block_bytes=64,
+                    flag_bytes=8, tiers=tiers, local_latency_ns=20.0,
+                    local_bandwidth_GBps=20.0)
 
 
 # -- validation -------------------------------------------------------------------------

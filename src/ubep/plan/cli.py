@@ -1,0 +1,154 @@
+"""`ubep topology`: list, show and validate fabric descriptions (presets or TOML files)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+from ubep.plan.topology import PRESETS, Topology
+
+_COLORS = ("bright_white", "green", "yellow", "red", "magenta", "cyan", "blue")
+_MAX_CELLS = 48
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("topology", help="list, show or validate a fabric topology",
+                              description=__doc__)
+    sub = p.add_subparsers(dest="topology_command", metavar="ACTION")
+    sub.required = True
+    for name in ("show", "describe"):
+        s = sub.add_parser(name, help="print tiers and the hop-class matrix of a preset or file")
+        s.add_argument("topology", help=f"a preset ({', '.join(PRESETS)}) or a TOML file")
+        s.add_argument("--ranks", type=int, default=None, help="scale to this many ranks")
+        s.set_defaults(func=_show)
+    v = sub.add_parser("validate", help="check a TOML topology file; errors name the bad key")
+    v.add_argument("file")
+    v.set_defaults(func=_validate)
+    ls = sub.add_parser("list", help="list the shipped presets")
+    ls.set_defaults(func=_list)
+
+
+def load(spec: str, ranks: int | None = None) -> Topology:
+    """A preset name or a TOML path, optionally scaled to `ranks`."""
+    if spec in PRESETS:
+        return Topology.preset(spec, ranks=ranks)
+    topo = Topology.from_toml(spec)
+    return topo if ranks is None else topo.with_ranks(ranks)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _show(args: argparse.Namespace) -> int:
+    console = _console()
+    try:
+        topo = load(args.topology, args.ranks)
+    except (ValueError, TypeError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    for line in describe(topo):
+        console.print(line)
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    console = _console()
+    try:
+        topo = Topology.from_toml(args.file)
+    except (ValueError, TypeError) as e:
+        console.print(f"[red]invalid:[/red] {e}")
+        return 2
+    console.print(f"[green]ok:[/green] {topo}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    table = Table(title="topology presets")
+    for col in ("name", "ranks", "workers/rank", "tiers", "description"):
+        table.add_column(col)
+    for name in PRESETS:
+        t = Topology.preset(name)
+        table.add_row(name, str(t.num_ranks), str(t.workers_per_rank),
+                      " > ".join(x.name for x in t.tiers), t.description)
+    _console().print(table)
+    return 0
+
+
+def describe(topo: Topology) -> list:
+    """Rich renderables: a header, the tier table and the hop-class picture."""
+    from rich.table import Table
+    from rich.text import Text
+
+    out: list = [Text(f"{topo.name}: {topo.description}".rstrip(": "), style="bold"),
+                 f"{topo.num_ranks} ranks, {topo.workers_per_rank} workers per rank, "
+                 f"atomic block {topo.atomic_block_bytes} B (flag {topo.flag_bytes} B)"]
+    hops = topo.hop_matrix()
+    pairs = np.bincount(hops.ravel(), minlength=topo.num_hop_classes)
+    table = Table(title="hop classes")
+    for col, just in (("class", "right"), ("tier", "left"), ("ranks/group", "right"),
+                      ("latency ns", "right"), ("bandwidth GB/s", "right"),
+                      ("peers of rank 0", "right"), ("pairs", "right")):
+        table.add_column(col, justify=just)
+    row0 = np.bincount(hops[0], minlength=topo.num_hop_classes)
+    for h, name in enumerate(topo.hop_class_names()):
+        rpg = "1" if h == 0 else str(topo.tiers[h - 1].ranks_per_group)
+        table.add_row(Text(str(h), style=_COLORS[h % len(_COLORS)]), name, rpg,
+                      f"{topo.hop_latency_ns(h):g}", f"{topo.hop_bandwidth_GBps(h):g}",
+                      str(row0[h]), str(pairs[h]))
+    out.append(table)
+    out.extend(hop_picture(topo))
+    return out
+
+
+def _cell_size(topo: Topology) -> int:
+    """Ranks per picture cell: 1, or the smallest tier group that fits the picture."""
+    if topo.num_ranks <= _MAX_CELLS:
+        return 1
+    for tier in topo.tiers:
+        if math.ceil(topo.num_ranks / tier.ranks_per_group) <= _MAX_CELLS:
+            return tier.ranks_per_group
+    return math.ceil(topo.num_ranks / _MAX_CELLS)
+
+
+def hop_picture(topo: Topology) -> list:
+    """The hop-class matrix as rows of colored digits; large fabrics in blocks of ranks."""
+    from rich.text import Text
+
+    hops = topo.hop_matrix()
+    c = _cell_size(topo)
+    n = math.ceil(topo.num_ranks / c)
+    if c == 1:
+        title = f"hop class of every (src row, dst column) pair, {topo.num_ranks} ranks:"
+        cells = hops
+    else:
+        title = (f"hop class between groups of {c} ranks ({n} x {n} cells; a cell shows the "
+                 f"largest class inside it):")
+        pad = np.full((n * c, n * c), -1, dtype=np.int64)
+        pad[:topo.num_ranks, :topo.num_ranks] = hops
+        cells = pad.reshape(n, c, n, c).max(axis=(1, 3))
+    lines = [Text(title, style="italic")]
+    for row in cells:
+        t = Text("  ")
+        for h in row:
+            t.append(f"{h} " if h >= 0 else "  ", style=_COLORS[h % len(_COLORS)])
+        lines.append(t)
+    if c > 1:  # and the inside of the first cell, rank by rank
+        lines.append(Text(f"inside the first cell (ranks 0..{min(c, topo.num_ranks) - 1}):",
+                          style="italic"))
+        for row in hops[:c, :c]:
+            t = Text("  ")
+            for h in row:
+                t.append(f"{h} ", style=_COLORS[h % len(_COLORS)])
+            lines.append(t)
+    legend = Text("  legend: ")
+    for h, name in enumerate(topo.hop_class_names()):
+        legend.append(f"{h}={name} ", style=_COLORS[h % len(_COLORS)])
+    lines.append(legend)
+    return lines
