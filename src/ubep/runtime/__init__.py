@@ -31,6 +31,7 @@ class Backend(Protocol):
 #: backend name -> "module:factory"; a factory takes (config, group, buffer_id).
 _BACKENDS: dict[str, str] = {
     "torch": "ubep.runtime.torch_backend:TorchBackend",
+    "shm": "ubep.runtime.shm.backend:ShmBackend",
 }
 
 

@@ -1,0 +1,130 @@
+"""Acquire/release atomics, a CPU pause hint and raw-address views for Numba kernels.
+
+Numba has no public CPU atomics, and a plain load in a spin loop is hoisted out of the loop
+by LLVM (the loop then never exits). These `@intrinsic`s emit LLVM `load atomic ... acquire`
+and `store atomic ... release` on naturally aligned int64 words (an under-aligned atomic
+becomes a library call that crashes), `atomicrmw add` for counters, and the pause hint as the
+LLVM intrinsic `llvm.x86.sse2.pause` (inline asm aborts the process under llvmlite).
+
+Every shared word is addressed by its raw address (segment base + byte offset), so a kernel
+takes one int64 array of segment bases instead of a tuple of arrays. Callers guarantee that
+an address passed here is 8-byte aligned and inside a mapped segment.
+"""
+
+from __future__ import annotations
+
+import platform
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_I64 = ir.IntType(64)
+_IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def _ptr(builder, addr):
+    return builder.inttoptr(addr, _I64.as_pointer())
+
+
+@intrinsic
+def load_acquire(typingctx, addr):
+    """`load atomic i64 acquire` from the 8-byte aligned address `addr`."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = context.cast(builder, args[0], signature.args[0], types.int64)
+        return builder.load_atomic(_ptr(builder, a), ordering="acquire", align=8)
+
+    return types.int64(addr), codegen
+
+
+@intrinsic
+def store_release(typingctx, addr, value):
+    """`store atomic i64 release` of `value` to the 8-byte aligned address `addr`."""
+    if not isinstance(addr, types.Integer) or not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = context.cast(builder, args[0], signature.args[0], types.int64)
+        v = context.cast(builder, args[1], signature.args[1], types.int64)
+        builder.store_atomic(v, _ptr(builder, a), ordering="release", align=8)
+        return context.get_dummy_value()
+
+    return types.void(addr, value), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, addr, value):
+    """`atomicrmw add ... acq_rel` on the int64 at `addr`; returns the previous value."""
+    if not isinstance(addr, types.Integer) or not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = context.cast(builder, args[0], signature.args[0], types.int64)
+        v = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.atomic_rmw("add", _ptr(builder, a), v, ordering="acq_rel")
+
+    return types.int64(addr, value), codegen
+
+
+@intrinsic
+def cpu_pause(typingctx):
+    """The spin-wait hint (`pause` on x86); nothing elsewhere."""
+
+    def codegen(context, builder, signature, args):
+        if _IS_X86:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _pointer_intrinsic(name, elem, doc):
+    ptr_t = types.CPointer(elem)
+
+    def typer(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            a = context.cast(builder, args[0], signature.args[0], types.int64)
+            return builder.inttoptr(a, context.get_value_type(ptr_t))
+
+        return ptr_t(addr), codegen
+
+    typer.__doc__ = doc
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+u8_ptr = _pointer_intrinsic("u8_ptr", types.uint8, "The raw address as `uint8*` (for carray).")
+u16_ptr = _pointer_intrinsic("u16_ptr", types.uint16, "The raw address as `uint16*`.")
+i64_ptr = _pointer_intrinsic("i64_ptr", types.int64, "The raw address as `int64*`.")
+f32_ptr = _pointer_intrinsic("f32_ptr", types.float32, "The raw address as `float32*`.")
+
+
+@intrinsic
+def bits_to_f32(typingctx, bits):
+    """Reinterpret a uint32 bit pattern as float32 (bf16 -> fp32 is `bits << 16`)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint32)
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+#: Which ordering guarantee the runtime relies on here (see `ubep.runtime.shm.memory_model`).
+MEMORY_MODEL = (
+    "x86-TSO: stores become visible in program order; a release store of the flag/marker "
+    "word written after the payload (by our own copy loops, never memcpy) and an acquire "
+    "load on the reader side suffice" if _IS_X86 else
+    "release/acquire atomics: the payload stores happen-before the flag/marker release store, "
+    "which synchronizes with the reader's acquire load")

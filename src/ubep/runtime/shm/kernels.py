@@ -1,0 +1,682 @@
+"""Numba kernels of the shm runtime: send counts and rows, poll, reorder, reduce.
+
+Every kernel is `@njit(nogil=True, cache=True)`, so worker threads run them in parallel.
+Shared words are addressed by raw address (`bases[d]` + offset, see `region.py`). Rules:
+
+* every flag/marker read is `load_acquire` (a plain load in a spin loop gets hoisted);
+* rows are copied by our own byte loops (XOR with a runtime zero keeps LLVM from turning
+  them into `memcpy`, whose store order is not defined), and each block's marker word is
+  written last with `store_release`;
+* waits are bounded: a poll kernel spins at most `spins` rounds with `cpu_pause` and returns
+  what is still missing; the Python side backs off, checks deadline and liveness, re-enters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, njit
+
+from ubep.plan.blocks import SENTINEL_I64
+from ubep.runtime.shm.atomics import (
+    bits_to_f32,
+    cpu_pause,
+    f32_ptr,
+    fetch_add,
+    i64_ptr,
+    load_acquire,
+    store_release,
+    u8_ptr,
+    u16_ptr,
+)
+from ubep.runtime.shm.region import (
+    L_BB,
+    L_CBATCH_OFF,
+    L_COUNT_OFF,
+    L_CSLOTS,
+    L_CSTRIDE,
+    L_CW,
+    L_CWIN_OFF,
+    L_DBATCH_OFF,
+    L_DROWS,
+    L_DSTRIDE,
+    L_DWIN_OFF,
+    L_EL,
+    L_FMT,
+    L_HELLO_OFF,
+    L_KMAX,
+    L_MW,
+    L_PPB,
+    L_WORLD,
+    SLOT_ELEM,
+    SLOT_NTW,
+    SLOT_STATUS,
+)
+
+FMT_SW, FMT_TFF, FMT_DC, FMT_SP = 0, 1, 2, 3
+SENT = SENTINEL_I64
+_C1 = -7046029254386353131   # 0x9E3779B97F4A7C15
+_C2 = -4658895280553007687   # 0xBF58476D1CE4E5B9
+#: combine row element codes: how `reduce` turns stored elements into fp32
+ELEM_F32, ELEM_BF16, ELEM_LUT16, ELEM_LUT8 = 0, 1, 2, 3
+
+_jit = njit(nogil=True, cache=True)
+
+
+# -- records and blocks -----------------------------------------------------------------------
+@_jit
+def _mix(m, bid):
+    return (m ^ (bid * _C1)) * _C2
+
+
+@_jit
+def _rec_byte(head, hl, body, bl, q):
+    if q < hl:
+        return np.int64(head[q])
+    q -= hl
+    if q < bl:
+        return np.int64(body[q])
+    return np.int64(0)
+
+
+@_jit
+def _rec_word(head, hl, body, bl, pos):
+    """The 8 record bytes at `pos` as a little-endian int64 (zeros past the record)."""
+    w = np.int64(0)
+    for i in range(8):
+        w |= _rec_byte(head, hl, body, bl, pos + i) << np.int64(8 * i)
+    return w
+
+
+@_jit
+def _copy_out(dst_addr, head, hl, body, bl, a, c, z):
+    """Copy record bytes [a, c) to dst_addr; our own loops, never memcpy."""
+    d = carray(u8_ptr(dst_addr), c - a)
+    i = a
+    while i < c and i < hl:
+        d[i - a] = head[i] ^ z
+        i += 1
+    if i < c:
+        o = i - a
+        b0 = i - hl
+        for j in range(c - i):
+            d[o + j] = body[b0 + j] ^ z
+
+
+@_jit
+def _copy_in(src_addr, head, hl, body, a, c):
+    """Copy record bytes [a, c) from src_addr into head/body (the inverse of _copy_out)."""
+    s = carray(u8_ptr(src_addr), c - a)
+    i = a
+    while i < c and i < hl:
+        head[i] = s[i - a]
+        i += 1
+    if i < c:
+        o = i - a
+        b0 = i - hl
+        for j in range(c - i):
+            body[b0 + j] = s[o + j]
+
+
+@_jit
+def num_blocks(rec, ppb):
+    n = (rec + ppb - 1) // ppb
+    return n if n > 0 else 1
+
+
+@_jit
+def write_record(dst, bb, ppb, fmt, head, hl, body, bl, epoch, bid0, z):
+    """Write one record as blocks at `dst`, each block's marker word last (release).
+
+    Returns the record's checksum term (dc: sum of mixed marker words).
+    """
+    rec = hl + bl
+    nb = num_blocks(rec, ppb)
+    cs = np.int64(0)
+    for b in range(nb):
+        blk = dst + b * bb
+        p0 = b * ppb
+        if fmt == FMT_TFF:
+            p1 = min(p0 + ppb, rec)
+            if p1 > p0:
+                _copy_out(blk, head, hl, body, bl, p0, p1, z)
+            store_release(blk + bb - 8, epoch)
+        else:
+            p1 = min(p0 + bb - 8, rec)
+            if p1 > p0:
+                _copy_out(blk, head, hl, body, bl, p0, p1, z)
+            m = _rec_word(head, hl, body, bl, p0 + bb - 8)
+            store_release(blk + bb - 8, m)
+            cs += _mix(m, bid0 + b)
+    return cs
+
+
+@_jit
+def _blocks_ready(src, nb, bb, fmt, epoch):
+    """tff: every block's flag holds `epoch`; sp: no marker holds the sentinel."""
+    for b in range(nb):
+        v = load_acquire(src + b * bb + bb - 8)
+        if fmt == FMT_TFF:
+            if v != epoch:
+                return False
+        elif v == SENT:
+            return False
+    return True
+
+
+@_jit
+def _read_record(src, bb, ppb, head, hl, body, bl):
+    rec = hl + bl
+    nb = num_blocks(rec, ppb)
+    for b in range(nb):
+        p0 = b * ppb
+        p1 = min(p0 + ppb, rec)
+        if p1 > p0:
+            _copy_in(src + b * bb, head, hl, body, p0, p1)
+
+
+@_jit
+def _rearm(src, nb, bb):
+    for b in range(nb):
+        store_release(src + b * bb + bb - 8, SENT)
+
+
+@_jit
+def _markers_checksum(src, nb, bb, bid0):
+    cs = np.int64(0)
+    for b in range(nb):
+        cs += _mix(load_acquire(src + b * bb + bb - 8), bid0 + b)
+    return cs
+
+
+@_jit
+def arm_sentinels(base, lay):
+    """sp: fill every marker word of this region's windows with the sentinel."""
+    bb = lay[L_BB]
+    world = lay[L_WORLD]
+    for start, rows, stride in ((lay[L_DWIN_OFF], 2 * world * lay[L_DROWS], lay[L_DSTRIDE]),
+                                (lay[L_CWIN_OFF], 2 * lay[L_CSLOTS], lay[L_CSTRIDE])):
+        nb = stride // bb
+        for r in range(rows):
+            row = base + start + r * stride
+            for b in range(nb):
+                carray(i64_ptr(row + b * bb + bb - 8), 1)[0] = SENT
+
+
+# -- planning (one token worker) ---------------------------------------------------------------
+@_jit
+def plan_single(idx, expert_order, static, experts_per_rank):
+    """The Plan of one token worker: `(sends [N,3], window_pos [N], send_counts [E])`.
+
+    Same arrays as `ubep.plan.make_plan(..., workers=1)`: static sends row-major; balanced
+    and hierarchical sort by the position of the expert in `expert_order`, then token.
+    """
+    t_n, k_n = idx.shape
+    e_n = expert_order.shape[0]
+    counts = np.zeros(e_n, np.int64)
+    for t in range(t_n):
+        for k in range(k_n):
+            e = idx[t, k]
+            if e >= 0:
+                counts[e] += 1
+    n = 0
+    start = np.empty(e_n, np.int64)
+    for i in range(e_n):
+        e = expert_order[i]
+        start[e] = n
+        n += counts[e]
+    sends = np.empty((n, 3), np.int64)
+    pos = np.empty(n, np.int64)
+    fill = np.zeros(e_n, np.int64)
+    i = 0
+    for t in range(t_n):
+        for k in range(k_n):
+            e = idx[t, k]
+            if e < 0:
+                continue
+            j = i if static else start[e] + fill[e]
+            sends[j, 0] = t
+            sends[j, 1] = k
+            sends[j, 2] = e // experts_per_rank
+            pos[j] = fill[e]
+            fill[e] += 1
+            i += 1
+    return sends, pos, counts
+
+
+# -- dispatch -----------------------------------------------------------------------------------
+@_jit
+def send_counts(bases, lay, me, epoch, counts, n_tw, elem, status, d_lo, d_hi):
+    """Write my per-expert counts (and how many batch flags follow) into ranks [d_lo, d_hi)."""
+    world, el, cw = lay[L_WORLD], lay[L_EL], lay[L_CW]
+    par = epoch & 1
+    for d in range(d_lo, d_hi):
+        slot = bases[d] + lay[L_COUNT_OFF] + (par * world + me) * cw * 8
+        w = carray(i64_ptr(slot), cw)
+        for i in range(el):
+            w[i] = counts[d * el + i]
+        w[el + SLOT_NTW] = n_tw
+        w[el + SLOT_ELEM] = elem
+        w[el + SLOT_STATUS] = status
+        store_release(slot + (cw - 1) * 8, epoch)
+
+
+@_jit
+def send_rows(bases, lay, me, epoch, x, idx, weights, sends, window_pos, counts, z, cs):
+    """Write each send's record (meta + row) into its destination's window for me.
+
+    `window_pos` is the row among my rows for that expert; rows of one destination are laid
+    out expert by expert. Adds each destination's checksum term to `cs[d]`.
+    """
+    world, el = lay[L_WORLD], lay[L_EL]
+    bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
+    par = epoch & 1
+    first = np.empty(world * el, np.int64)   # first window row of each expert at its dest
+    for d in range(world):
+        acc = 0
+        for i in range(el):
+            first[d * el + i] = acc
+            acc += counts[d * el + i]
+    head = np.zeros(16, np.uint8)
+    head_i = head.view(np.int32)
+    head_f = head.view(np.float32)
+    rb = x.shape[1]
+    nb = num_blocks(16 + rb, ppb)
+    win = lay[L_DWIN_OFF] + (par * world + me) * lay[L_DROWS] * lay[L_DSTRIDE]
+    for i in range(sends.shape[0]):
+        t, k, d = sends[i, 0], sends[i, 1], sends[i, 2]
+        row = first[idx[t, k]] + window_pos[i]
+        head_i[0] = t
+        head_i[1] = k
+        head_f[2] = weights[t, k]
+        dst = bases[d] + win + row * lay[L_DSTRIDE]
+        cs[d] += write_record(dst, bb, ppb, fmt, head, 16, x[t], rb, epoch, row * nb, z)
+
+
+@_jit
+def write_batch_flags(bases, lay, combine, me, epoch, j, cs, corrupt):
+    """sw/dc: after its rows, worker j tells every rank its batch is complete (+checksum)."""
+    world, mw = lay[L_WORLD], lay[L_MW]
+    off = lay[L_CBATCH_OFF] if combine else lay[L_DBATCH_OFF]
+    par = epoch & 1
+    for d in range(world):
+        slot = bases[d] + off + ((par * world + me) * mw + j) * 64
+        carray(i64_ptr(slot), 1)[0] = cs[d] + corrupt
+        store_release(slot + 56, epoch)
+
+
+@_jit
+def poll_counts(base, lay, epoch, s_lo, s_hi, counts, meta, got, spins):
+    """Collect the count slots of sources [s_lo, s_hi) that hold `epoch`; return how many lack.
+
+    `counts` `[world, E/P]` and `meta` `[world, 3]` (token workers, dtype, status) receive
+    the slots; `got[s]` marks sources already read.
+    """
+    world, el, cw = lay[L_WORLD], lay[L_EL], lay[L_CW]
+    par = epoch & 1
+    missing = 0
+    for _ in range(max(spins, 1)):
+        missing = 0
+        for s in range(s_lo, s_hi):
+            if got[s]:
+                continue
+            slot = base + lay[L_COUNT_OFF] + (par * world + s) * cw * 8
+            if load_acquire(slot + (cw - 1) * 8) == epoch:
+                w = carray(i64_ptr(slot), cw)
+                for i in range(el):
+                    counts[s, i] = w[i]
+                for i in range(3):
+                    meta[s, i] = w[el + i]
+                got[s] = 1
+            else:
+                missing += 1
+        if missing == 0:
+            return 0
+        cpu_pause()
+    return missing
+
+
+@_jit
+def offsets(counts, out_start, tokens_per_expert):
+    """Prefix sums: output row of each (source, expert) run; returns N (rows received)."""
+    world, el = counts.shape
+    n = 0
+    for e in range(el):
+        tokens_per_expert[e] = 0
+        for s in range(world):
+            out_start[s, e] = n
+            n += counts[s, e]
+            tokens_per_expert[e] += counts[s, e]
+    return n
+
+
+@_jit
+def _batch_complete(base, lay, combine, epoch, s, n_tw):
+    """sw/dc: whether source s's n_tw batch flags hold epoch; returns (done, checksum sum)."""
+    world, mw = lay[L_WORLD], lay[L_MW]
+    off = lay[L_CBATCH_OFF] if combine else lay[L_DBATCH_OFF]
+    par = epoch & 1
+    total = np.int64(0)
+    for j in range(n_tw):
+        slot = base + off + ((par * world + s) * mw + j) * 64
+        if load_acquire(slot + 56) != epoch:
+            return False, total
+        total += carray(i64_ptr(slot), 1)[0]
+    return True, total
+
+
+@_jit
+def recv_rows(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, out_x, out_w,
+              out_rank, out_tok, out_slot, spins):
+    """Reorder received rows [lo, hi) (source-major item order) into the expert-major output.
+
+    A row is taken once its blocks are seen complete (tff flags / sp markers) or its source's
+    batch is complete (sw) and verified (dc). `batch[s]`: 0 unknown, 1 complete, -1 dc
+    checksum mismatch seen (retried). Returns the rows of [lo, hi) still missing.
+    """
+    world, el = lay[L_WORLD], lay[L_EL]
+    bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
+    stride = lay[L_DSTRIDE]
+    par = epoch & 1
+    rb = out_x.shape[1]
+    nb = num_blocks(16 + rb, ppb)
+    head = np.zeros(16, np.uint8)
+    head_i = head.view(np.int32)
+    head_f = head.view(np.float32)
+    remaining = 0
+    for _ in range(max(spins, 1)):
+        remaining = 0
+        g = 0
+        for s in range(world):
+            r_s = 0
+            for e in range(el):
+                r_s += counts[s, e]
+            if g + r_s <= lo or g >= hi or r_s == 0:
+                g += r_s
+                continue
+            win = base + lay[L_DWIN_OFF] + (par * world + s) * lay[L_DROWS] * stride
+            if fmt == FMT_SW or fmt == FMT_DC:
+                if batch[s] != 1:
+                    ok, total = _batch_complete(base, lay, False, epoch, s, meta[s, 0])
+                    if ok and fmt == FMT_DC:
+                        mine = np.int64(0)
+                        for q in range(r_s):
+                            mine += _markers_checksum(win + q * stride, nb, bb, q * nb)
+                        ok = mine == total
+                        if not ok:
+                            batch[s] = -1
+                    if ok:
+                        batch[s] = 1
+                if batch[s] != 1:
+                    for gi in range(max(g, lo), min(g + r_s, hi)):
+                        if not done[gi]:
+                            remaining += 1
+                    g += r_s
+                    continue
+            q = 0
+            for e in range(el):
+                for r in range(counts[s, e]):
+                    gi = g + q
+                    if lo <= gi < hi and not done[gi]:
+                        src = win + q * stride
+                        if (fmt == FMT_TFF or fmt == FMT_SP) and not _blocks_ready(
+                                src, nb, bb, fmt, epoch):
+                            remaining += 1
+                        else:
+                            o = out_start[s, e] + r
+                            _read_record(src, bb, ppb, head, 16, out_x[o], rb)
+                            out_tok[o] = head_i[0]
+                            out_slot[o] = head_i[1]
+                            out_w[o] = head_f[2]
+                            out_rank[o] = s
+                            if fmt == FMT_SP:
+                                _rearm(src, nb, bb)
+                            done[gi] = 1
+                    q += 1
+            g += r_s
+        if remaining == 0:
+            return 0
+        cpu_pause()
+    return remaining
+
+
+# -- combine ------------------------------------------------------------------------------------
+@_jit
+def send_hello(bases, lay, me, epoch, n_tw, elem, status):
+    """Combine: tell every rank this call started (token workers, dtype, status)."""
+    world = lay[L_WORLD]
+    par = epoch & 1
+    for d in range(world):
+        slot = bases[d] + lay[L_HELLO_OFF] + (par * world + me) * 64
+        w = carray(i64_ptr(slot), 8)
+        w[SLOT_NTW] = n_tw
+        w[SLOT_ELEM] = elem
+        w[SLOT_STATUS] = status
+        store_release(slot + 56, epoch)
+
+
+@_jit
+def poll_hello(base, lay, epoch, meta, got, spins):
+    world = lay[L_WORLD]
+    par = epoch & 1
+    missing = 0
+    for _ in range(max(spins, 1)):
+        missing = 0
+        for s in range(world):
+            if got[s]:
+                continue
+            slot = base + lay[L_HELLO_OFF] + (par * world + s) * 64
+            if load_acquire(slot + 56) == epoch:
+                w = carray(i64_ptr(slot), 8)
+                for i in range(3):
+                    meta[s, i] = w[i]
+                got[s] = 1
+            else:
+                missing += 1
+        if missing == 0:
+            return 0
+        cpu_pause()
+    return missing
+
+
+@_jit
+def send_back(bases, lay, epoch, rows, src_rank, src_tok, src_slot, lo, hi, z, cs):
+    """Write expert-output rows [lo, hi) to their source's window at slot token*KMAX + k."""
+    bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
+    kmax, stride = lay[L_KMAX], lay[L_CSTRIDE]
+    par = epoch & 1
+    head = np.zeros(1, np.uint8)
+    rb = rows.shape[1]
+    nb = num_blocks(rb, ppb)
+    win = lay[L_CWIN_OFF] + par * lay[L_CSLOTS] * stride
+    for i in range(lo, hi):
+        s = src_rank[i]
+        slot = src_tok[i] * kmax + src_slot[i]
+        dst = bases[s] + win + slot * stride
+        cs[s] += write_record(dst, bb, ppb, fmt, head, 0, rows[i], rb, epoch, slot * nb, z)
+
+
+@_jit
+def _accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y):
+    """y += wgt * row, the row's elements read from blocks at src and converted to fp32."""
+    nb = num_blocks(rb, ppb)
+    for b in range(nb):
+        p0 = b * ppb
+        p1 = min(p0 + ppb, rb)
+        if p1 <= p0:
+            break
+        blk = src + b * bb
+        i0 = p0 // es
+        n = (p1 - p0) // es
+        if elem == ELEM_F32:
+            v = carray(f32_ptr(blk), n)
+            for i in range(n):
+                y[i0 + i] += wgt * v[i]
+        elif elem == ELEM_BF16:
+            v16 = carray(u16_ptr(blk), n)
+            for i in range(n):
+                y[i0 + i] += wgt * bits_to_f32(np.uint32(v16[i]) << np.uint32(16))
+        elif elem == ELEM_LUT16:
+            v16 = carray(u16_ptr(blk), n)
+            for i in range(n):
+                y[i0 + i] += wgt * lut[v16[i]]
+        else:
+            v8 = carray(u8_ptr(blk), n)
+            for i in range(n):
+                y[i0 + i] += wgt * lut[v8[i]]
+
+
+@_jit
+def _accumulate_plain(src, bb, ppb, rb, es, elem, lut, y):
+    """y += row (unweighted: the reference adds the row itself, no multiply by 1)."""
+    nb = num_blocks(rb, ppb)
+    for b in range(nb):
+        p0 = b * ppb
+        p1 = min(p0 + ppb, rb)
+        if p1 <= p0:
+            break
+        blk = src + b * bb
+        i0 = p0 // es
+        n = (p1 - p0) // es
+        if elem == ELEM_F32:
+            v = carray(f32_ptr(blk), n)
+            for i in range(n):
+                y[i0 + i] += v[i]
+        elif elem == ELEM_BF16:
+            v16 = carray(u16_ptr(blk), n)
+            for i in range(n):
+                y[i0 + i] += bits_to_f32(np.uint32(v16[i]) << np.uint32(16))
+        elif elem == ELEM_LUT16:
+            v16 = carray(u16_ptr(blk), n)
+            for i in range(n):
+                y[i0 + i] += lut[v16[i]]
+        else:
+            v8 = carray(u8_ptr(blk), n)
+            for i in range(n):
+                y[i0 + i] += lut[v8[i]]
+
+
+@_jit
+def reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello, tlo, thi,
+                  done, batch, y, spins):
+    """Sum each token of [tlo, thi) once all its routed slots arrived; return tokens missing.
+
+    `y` `[T, hidden]` float32 (zeroed by the caller); slot order as the reference sums.
+    """
+    el = lay[L_EL]
+    world = lay[L_WORLD]
+    bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
+    kmax, stride = lay[L_KMAX], lay[L_CSTRIDE]
+    par = epoch & 1
+    nb = num_blocks(rb, ppb)
+    win = base + lay[L_CWIN_OFF] + par * lay[L_CSLOTS] * stride
+    t_n, k_n = idx.shape
+    remaining = 0
+    for _ in range(max(spins, 1)):
+        if fmt == FMT_SW or fmt == FMT_DC:
+            for r in range(world):
+                if batch[r] == 1 or hello[r, 0] < 0:
+                    continue
+                ok, total = _batch_complete(base, lay, True, epoch, r, hello[r, 0])
+                if ok and fmt == FMT_DC:
+                    mine = np.int64(0)
+                    for t in range(t_n):
+                        for k in range(k_n):
+                            e = idx[t, k]
+                            if e >= 0 and e // el == r:
+                                slot = t * kmax + k
+                                mine += _markers_checksum(win + slot * stride, nb, bb, slot * nb)
+                    ok = mine == total
+                    if not ok:
+                        batch[r] = -1
+                if ok:
+                    batch[r] = 1
+        remaining = 0
+        for t in range(tlo, thi):
+            if done[t]:
+                continue
+            ready = True
+            for k in range(k_n):
+                e = idx[t, k]
+                if e < 0:
+                    continue
+                if fmt == FMT_SW or fmt == FMT_DC:
+                    if batch[e // el] != 1:
+                        ready = False
+                        break
+                elif not _blocks_ready(win + (t * kmax + k) * stride, nb, bb, fmt, epoch):
+                    ready = False
+                    break
+            if not ready:
+                remaining += 1
+                continue
+            for k in range(k_n):
+                e = idx[t, k]
+                if e < 0:
+                    continue
+                src = win + (t * kmax + k) * stride
+                if weighted:
+                    _accumulate(src, bb, ppb, rb, es, elem, lut, weights[t, k], y[t])
+                else:
+                    _accumulate_plain(src, bb, ppb, rb, es, elem, lut, y[t])
+                if fmt == FMT_SP:
+                    _rearm(src, nb, bb)
+            done[t] = 1
+        if remaining == 0:
+            return 0
+        cpu_pause()
+    return remaining
+
+
+# -- sentinel checks (sp) -----------------------------------------------------------------------
+@_jit
+def sp_check_dispatch(x, weights, sends, bb):
+    """First send index whose record holds the sentinel at a marker position, else -1."""
+    head = np.zeros(16, np.uint8)
+    head_i = head.view(np.int32)
+    head_f = head.view(np.float32)
+    rb = x.shape[1]
+    nb = num_blocks(16 + rb, bb)
+    for i in range(sends.shape[0]):
+        t, k = sends[i, 0], sends[i, 1]
+        head_i[0] = t
+        head_i[1] = k
+        head_f[2] = weights[t, k]
+        for b in range(nb):
+            if _rec_word(head, 16, x[t], rb, b * bb + bb - 8) == SENT:
+                return i
+    return -1
+
+
+@_jit
+def sp_check_rows(rows, bb):
+    """First row (no header) holding the sentinel at a marker position, else -1."""
+    head = np.zeros(1, np.uint8)
+    rb = rows.shape[1]
+    nb = num_blocks(rb, bb)
+    for i in range(rows.shape[0]):
+        for b in range(nb):
+            if _rec_word(head, 0, rows[i], rb, b * bb + bb - 8) == SENT:
+                return i
+    return -1
+
+
+# -- local (in-rank) synchronization ----------------------------------------------------------
+@_jit
+def barrier_arrive(addr):
+    """Arrive at a worker barrier whose counter lives at `addr`; returns the new count."""
+    return fetch_add(addr, 1) + 1
+
+
+@_jit
+def poll_at_least(addr, target, spins):
+    """Spin until the int64 at `addr` reaches `target`; True if it did."""
+    for _ in range(max(spins, 1)):
+        if load_acquire(addr) >= target:
+            return True
+        cpu_pause()
+    return False
+
+
+@_jit
+def publish(addr, value):
+    store_release(addr, value)

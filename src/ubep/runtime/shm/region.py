@@ -1,0 +1,78 @@
+"""The layout of one rank's shared-memory region: count slots, batch flags, windows.
+
+Every rank owns one region; peers write into it, the owner reads it. Everything exists
+twice, indexed by the parity of the call's epoch: a rank can be at most one call ahead of a
+peer that still reads (every call waits for a message of the same call from every peer), so
+call e+2 never overwrites what call e's reader still needs, and flags holding epoch e-2 are
+never taken for call e.
+
+    counts  [2][world] x CW int64  per source: counts of my experts, token workers, dtype,
+                                   status, ..., epoch (last word, release-stored)
+    dbatch  [2][world][MW] x 8     dispatch batch flags of sw/dc: checksum, ..., epoch
+    hello   [2][world] x 8         combine: token workers, dtype, status, ..., epoch
+    cbatch  [2][world][MW] x 8     combine batch flags of sw/dc
+    dwin    [2][world][DROWS]      dispatch rows from each source (a record per row)
+    cwin    [2][CSLOTS]            combine rows back to my tokens, slot t*KMAX + k
+
+The layout is packed into one int64 array (`L_*` indices) that every kernel takes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ubep.plan.blocks import BlockFormat
+
+#: bytes of the header each dispatch record carries before the row: token int32,
+#: slot int32, weight float32, pad
+META_BYTES = 16
+FMT_CODES = {"sw": 0, "tff": 1, "dc": 2, "sp": 3}
+
+(L_WORLD, L_EL, L_MW, L_CW, L_COUNT_OFF, L_DBATCH_OFF, L_HELLO_OFF, L_CBATCH_OFF, L_DWIN_OFF,
+ L_DROWS, L_DSTRIDE, L_CWIN_OFF, L_CSLOTS, L_CSTRIDE, L_KMAX, L_BB, L_PPB, L_FMT,
+ L_SIZE) = range(19)
+L_LEN = 19
+
+#: words of a count/hello slot before the epoch word
+SLOT_NTW, SLOT_ELEM, SLOT_STATUS = 0, 1, 2
+STATUS_OK, STATUS_ABORT = 0, 1
+
+_PAGE = 4096
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def region_layout(*, world: int, experts_per_rank: int, max_workers: int, hidden: int,
+                  max_tokens: int, max_top_k: int, fmt: BlockFormat,
+                  max_element_bytes: int = 4) -> np.ndarray:
+    """The `L_*` layout array of a region for these sizes (identical on every rank)."""
+    el = experts_per_rank
+    cw = _align(el + 4, 8)
+    d_rows = max_tokens * min(max_top_k, el)
+    d_stride = fmt.wire_bytes(META_BYTES + hidden * max_element_bytes)
+    c_slots = max_tokens * max_top_k
+    c_stride = fmt.wire_bytes(hidden * max_element_bytes)
+    off = _PAGE  # header page: unused, keeps the rest page-aligned
+    count_off = off
+    off += 2 * world * cw * 8
+    dbatch_off = off
+    off += 2 * world * max_workers * 64
+    hello_off = off
+    off += 2 * world * 64
+    cbatch_off = off
+    off += 2 * world * max_workers * 64
+    dwin_off = off = _align(off, _PAGE)
+    off += 2 * world * d_rows * d_stride
+    cwin_off = off = _align(off, _PAGE)
+    off += 2 * c_slots * c_stride
+    size = _align(max(off, _PAGE), _PAGE)
+    lay = np.zeros(L_LEN, dtype=np.int64)
+    lay[[L_WORLD, L_EL, L_MW, L_CW, L_COUNT_OFF, L_DBATCH_OFF, L_HELLO_OFF, L_CBATCH_OFF,
+         L_DWIN_OFF, L_DROWS, L_DSTRIDE, L_CWIN_OFF, L_CSLOTS, L_CSTRIDE, L_KMAX, L_BB, L_PPB,
+         L_FMT, L_SIZE]] = [
+        world, el, max_workers, cw, count_off, dbatch_off, hello_off, cbatch_off, dwin_off,
+        d_rows, d_stride, cwin_off, c_slots, c_stride, max_top_k, fmt.block_bytes,
+        fmt.payload_per_block, FMT_CODES[fmt.sync], size]
+    return lay
