@@ -2,13 +2,14 @@
 
 import pytest
 
-from ubep.verify.machine import MODELS, Await, Deliver, Load, Protocol, Store, check
+from ubep.verify.machine import MODELS, Await, Deliver, Fence, Load, Protocol, Store, check
 
 
-def _sb() -> Protocol:
-    """Store buffering: each thread stores its flag, then loads the other's."""
-    return Protocol("SB", "store buffering", (Store((("x", 1),), 1), Load("y", "r")),
-                    (Store((("y", 1),), 1), Load("x", "r")), {"x": 0, "y": 0}, ())
+def _sb(fence: bool = False) -> Protocol:
+    """Store buffering: each thread stores its flag, (fences,) then loads the other's."""
+    mid = (Fence(),) if fence else ()
+    return Protocol("SB", "store buffering", (Store((("x", 1),), 1), *mid, Load("y", "r")),
+                    (Store((("y", 1),), 1), *mid, Load("x", "r")), {"x": 0, "y": 0}, ())
 
 
 def _mp(release: bool) -> Protocol:
@@ -28,6 +29,12 @@ def test_store_buffering_both_zero_only_with_store_buffers(model):
     both_zero = any(o[("S", "r")] == 0 and o[("R", "r")] == 0 for o in outs)
     assert both_zero == (model != "sc")
     assert any(o[("S", "r")] == 1 and o[("R", "r")] == 1 for o in outs)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fences_forbid_store_buffering(model):
+    outs = [_values(o) for o in check(_sb(fence=True), model).outcomes]
+    assert not any(o[("S", "r")] == 0 and o[("R", "r")] == 0 for o in outs)
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -63,9 +63,9 @@ def test_dc_without_release_is_stale_with_repeated_data():
     assert check(dc(release=False, repeat=True), "tso").ok
 
 
-def test_sw_without_fence_needs_tso():
-    assert check(sw(fence=False), "tso").ok
-    assert not check(sw(fence=False), "weak").ok
+def test_sw_without_release_needs_tso():
+    assert check(sw(release=False), "tso").ok
+    assert not check(sw(release=False), "weak").ok
 
 
 def test_sp_needs_the_rearm_and_a_released_ack():

@@ -104,9 +104,9 @@ class SyncInfo:
 
 def _variants(order: str) -> tuple[VariantGuarantee, ...]:
     return (
-        VariantGuarantee("sw", "a separate flag per (source, destination) batch, stored after "
-                         "a fence that follows all payload blocks", f"the fence; {order}",
-                         "batch"),
+        VariantGuarantee("sw", "a separate flag per (source worker, destination) batch, a "
+                         "release store after all of that worker's blocks",
+                         f"the flag written after the batch; {order}", "batch"),
         VariantGuarantee("tff", "the flag word of each block to hold the call's epoch",
                          f"the flag word written after the block's payload; {order}", "block"),
         VariantGuarantee("dc", "a checksum word (epoch + checksum of the blocks' marker words) "

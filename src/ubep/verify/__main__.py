@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the counterexamples of one variant under one model")
     args = ap.parse_args(argv)
     console = Console()
+    if not console.is_terminal:      # piped: do not squeeze the table into 80 columns
+        console = Console(width=120)
     if args.trace:
         name, model = args.trace
         protos = {p.name: p for p in variants(args.blocks, args.epochs, args.repeat)}
@@ -40,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"epochs, every interleaving)")
     table.add_column("variant", no_wrap=True)
     for m in MODELS:
-        table.add_column(m)
-    table.add_column("claim holds")
+        table.add_column(m, no_wrap=True)
+    table.add_column("claim holds", no_wrap=True)
     cells: dict[str, list[str]] = {}
     verdict: dict[str, bool] = {}
     protos = {}

@@ -52,8 +52,8 @@ class Fence:
 
 @dataclass(frozen=True)
 class Await:
-    """Spin until the word at `addr` satisfies `op` ("eq", "ne", "epoch_eq": value[0] ==
-    arg) against `arg`; keep the value read in register `reg` (if given)."""
+    """Spin until the word at `addr` satisfies `op` ("eq" | "ne") against `arg`; keep the
+    value read in register `reg` (if given)."""
 
     addr: str
     op: str
@@ -83,8 +83,8 @@ class Deliver:
 
 @dataclass(frozen=True)
 class CheckSum:
-    """Compare the values of `regs` with value[1] of register `sum_reg`; on mismatch jump
-    back to instruction `retry_pc` (the receiver re-reads the markers)."""
+    """Compare the values of `regs` (as a tuple) with the value in register `sum_reg`; on
+    mismatch jump back to instruction `retry_pc` (the receiver re-reads the markers)."""
 
     regs: tuple[str, ...]
     sum_reg: str
@@ -187,9 +187,7 @@ def _holds(op: str, value, arg) -> bool:
         return value == arg
     if op == "ne":
         return value != arg
-    if op == "epoch_eq":
-        return isinstance(value, tuple) and value[0] == arg
-    raise ValueError(f"op={op!r} is not one of 'eq', 'ne', 'epoch_eq'")
+    raise ValueError(f"op={op!r} is not one of 'eq', 'ne'")
 
 
 def _can_drain(model: str, sbuf, i: int) -> bool:
@@ -274,7 +272,7 @@ class _Run:
                 yield label, self._with(state, t, (pc + 1, regs, sbuf), mem), bad
             elif isinstance(ins, CheckSum):
                 r = dict(regs)
-                same = tuple(r[n][0] for n in ins.regs) == r[ins.sum_reg][0][1]
+                same = tuple(r[n][0] for n in ins.regs) == r[ins.sum_reg][0]
                 target = pc + 1 if same else ins.retry_pc
                 yield (f"{who} checksum {'matches' if same else 'mismatch, retry'}",
                        self._with(state, t, (target, regs, sbuf), mem), None)

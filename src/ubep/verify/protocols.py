@@ -4,9 +4,14 @@ One sender streams `blocks` blocks per epoch to one receiver, for `epochs` epoch
 the same window (no reset pass between epochs). Every block has two words: a payload word
 and a last word that is the flag (tff), the marker (dc, sp) or a second payload word (sw).
 After consuming an epoch the receiver releases the window with an ack (a release store);
-the sender waits for the ack before it reuses the window. In the runtime this is whatever
-orders one call after the previous one (the next call's counts exchange); the model makes
-it explicit so that re-arming is checked too.
+the sender waits for the ack before it reuses the window. In the shm runtime windows are
+double-buffered by epoch parity, and a sender can only start call e+2 after every receiver
+has sent its counts of call e+1 (a release store), which it does after finishing call e: that
+counts message is the ack. The model uses one window and an explicit ack, a stricter reuse,
+so that re-arming (sp) is checked against a sender that reuses the window at once.
+
+As in the runtime (`ubep.plan.blocks`), each block's last word is written last: the tff flag,
+or the marker word (a payload word) of sw, dc and sp.
 
 Data values are either distinct per epoch or the same in every epoch ("repeat": the same
 tokens dispatched twice), which is what makes a stale block look valid by its bytes.
@@ -21,7 +26,6 @@ from ubep.verify.machine import (
     Await,
     CheckSum,
     Deliver,
-    Fence,
     Instr,
     Load,
     Protocol,
@@ -66,18 +70,17 @@ def _words(blocks: int) -> dict[str, object]:
     return {f"b{b}.{w}": 0 for b in range(blocks) for w in (0, 1)}
 
 
-# -- sw: data, fence, one flag per batch --------------------------------------------------------
+# -- sw: data, then one flag per batch ------------------------------------------------------
 
-def sw(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, fence: bool = True,
+def sw(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool = True,
        flag_first: bool = False) -> Protocol:
-    """Stop-and-wait: all payload blocks, a fence, then the batch flag (= epoch)."""
+    """Stop-and-wait: all payload blocks, then the batch flag (= epoch) with a release store
+    (the fence: every earlier store is visible before the flag)."""
     def send(e):
         data = [Store(tuple((f"b{b}.{w}", _value(e, b, w, repeat)) for w in (0, 1)), e)
                 for b in range(blocks)]
-        flag = [Store((("flag", e),), e, release=fence)]
-        if flag_first:
-            return flag + data
-        return data + ([Fence()] if fence else []) + flag
+        flag = [Store((("flag", e),), e, release=release)]
+        return flag + data if flag_first else data + flag
 
     def recv(e, _pc):
         out: list[Instr] = [Await("flag", "eq", e)]
@@ -86,11 +89,11 @@ def sw(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, fence: bool = 
         return out
 
     s, r = _two_sided(send, recv, epochs)
-    name, claimed, what = "sw", ALL, "payload blocks, fence, then a separate batch flag"
+    name, claimed, what = "sw", ALL, "payload blocks, then a batch flag, release store (fence)"
     if flag_first:
         name, claimed, what = "sw_flag_first", (), "BROKEN: batch flag stored before the payload"
-    elif not fence:
-        name, claimed, what = "sw_no_fence", ORDERED, "no fence: flag is a plain store after data"
+    elif not release:
+        name, claimed, what = "sw_plain", ORDERED, "batch flag a plain store after the data"
     return Protocol(name, what, s, r, {**_words(blocks), "flag": 0, "ack": 0}, claimed)
 
 
@@ -126,21 +129,23 @@ def tff(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool
     return Protocol(name, what, s, r, {**_words(blocks), "ack": 0}, claimed)
 
 
-# -- dc: no flags; a checksum of the blocks' marker words, with the epoch -----------------------
+# -- dc: no flags; a checksum of the blocks' marker words, then the epoch ---------------------
 
 def dc(blocks: int = 2, epochs: int = 2, repeat: bool = False, *,
        release: bool = True) -> Protocol:
-    """Data-for-checksum: blocks (payload, marker); then (epoch, markers) as one word."""
+    """Data-for-checksum: blocks (payload, marker); then the checksum word, then the epoch
+    word of the batch slot (release)."""
     def send(e):
         out: list[Instr] = [Store(tuple((f"b{b}.{w}", _value(e, b, w, repeat)) for w in (0, 1)),
                                   e) for b in range(blocks)]
         markers = tuple(_value(e, b, 1, repeat) for b in range(blocks))
-        out.append(Store((("sum", (e, markers)),), e, release))
+        out.append(Store((("sum", markers), ("sum.epoch", e)), e, release))
         return out
 
     def recv(e, pc):
-        out: list[Instr] = [Await("sum", "epoch_eq", e, "c")]
-        loop = pc + len(out)
+        out: list[Instr] = [Await("sum.epoch", "eq", e)]
+        loop = pc + len(out)           # a mismatch re-reads the checksum and the markers
+        out.append(Load("sum", "c"))
         out += [Load(f"b{b}.1", f"m{b}") for b in range(blocks)]
         out.append(CheckSum(tuple(f"m{b}" for b in range(blocks)), "c", loop))
         for b in range(blocks):
@@ -148,10 +153,11 @@ def dc(blocks: int = 2, epochs: int = 2, repeat: bool = False, *,
         return out
 
     s, r = _two_sided(send, recv, epochs)
-    name, claimed, what = "dc", ALL, "checksum word (epoch, markers) stored last, release"
+    name, claimed, what = "dc", ALL, "checksum, then epoch word stored last (release)"
     if not release:
-        name, claimed, what = "dc_plain", ORDERED, "checksum word stored last, plain store"
-    return Protocol(name, what, s, r, {**_words(blocks), "sum": (0, ()), "ack": 0}, claimed)
+        name, claimed, what = "dc_plain", ORDERED, "checksum and epoch words, plain stores"
+    return Protocol(name, what, s, r, {**_words(blocks), "sum": (), "sum.epoch": 0, "ack": 0},
+                    claimed)
 
 
 # -- sp: the receiver arms marker words with a sentinel and re-arms after consuming -------------
@@ -204,7 +210,7 @@ def variants(blocks: int = 2, epochs: int = 2, repeat: bool = False) -> list[Pro
     kw = {"blocks": blocks, "epochs": epochs, "repeat": repeat}
     return [
         sw(**kw), tff(**kw), dc(**kw), sp(**kw),
-        sw(**kw, fence=False), tff(**kw, release=False), dc(**kw, release=False),
+        sw(**kw, release=False), tff(**kw, release=False), dc(**kw, release=False),
         sp(**kw, release=False), sp(**kw, ack_release=False),
         sw(**kw, flag_first=True), tff(**kw, flag_first=True), sp(**kw, marker_first=True),
         sp(**kw, rearm=False), sp(**kw, sentinel_in_data=True),
