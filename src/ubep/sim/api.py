@@ -1,0 +1,192 @@
+"""`simulate()`: build the routing, plan every rank with `ubep.plan`, run the engine.
+
+`prepare()` does the parts that do not depend on the cost constants (routing, plans, the
+send table), so calibration and sweeps plan once and run the engine many times.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import numpy as np
+
+from ubep.options import MODES, SCHEDULES, SYNCS, check_choice, check_positive_int
+from ubep.plan import make_plan
+from ubep.sim import engine
+from ubep.sim.fabric import Fabric
+from ubep.sim.metrics import SimResult
+from ubep.sim.params import CostParams, calibrated
+from ubep.sim.workload import ROUTINGS, make_topk
+
+OPS = ("dispatch", "combine")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated operation: workload and mechanism choices (the CLI is built from it)."""
+
+    tokens_per_rank: int = field(default=128, metadata={"help": "tokens per rank (batch)"})
+    hidden: int = field(default=7168, metadata={"help": "elements per token row"})
+    top_k: int = field(default=8, metadata={"help": "experts per token"})
+    num_experts: int = field(default=0, metadata={"help": "global experts (0: one per rank)"})
+    bytes_per_element: int = field(default=2, metadata={"help": "bytes per element"})
+    mode: str = field(default="ubep", metadata={"help": "ubep (decomposed) | bsp (baseline)"})
+    sync: str = field(default="tff", metadata={"help": "sw | tff | dc | sp (ubep only)"})
+    schedule: str = field(default="hierarchical",
+                          metadata={"help": "static | balanced | hierarchical"})
+    workers: int = field(default=0, metadata={"help": "workers per rank (0: the topology's)"})
+    count_workers: int = field(default=0,
+                               metadata={"help": "count workers (0: the cost model's choice)"})
+    op: str = field(default="dispatch", metadata={"help": "dispatch | combine"})
+    routing: str = field(default="uniform", metadata={"help": "uniform | hot"})
+    hot_experts: int = field(default=0, metadata={"help": "experts made hot (routing skew)"})
+    seed: int = field(default=0, metadata={"help": "routing seed"})
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_rank", "hidden", "top_k", "bytes_per_element"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("num_experts", "workers", "count_workers", "hot_experts", "seed"):
+            check_positive_int(name, getattr(self, name), minimum=0)
+        check_choice("mode", self.mode, MODES)
+        check_choice("sync", self.sync, SYNCS)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("op", self.op, OPS)
+        check_choice("routing", self.routing, ROUTINGS)
+
+    @staticmethod
+    def help() -> dict[str, str]:
+        return {f.name: f.metadata["help"] for f in fields(SimConfig)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Routing, plans and the send table of one config on one topology."""
+
+    config: SimConfig
+    topology: object
+    num_experts: int
+    workers: int
+    count_workers: int
+    topk: np.ndarray
+    plans: list
+    plan_s: float
+
+
+def resolve_topology(topology, ranks: int | None = None):
+    """A `ubep.Topology` from a preset name, a TOML path or a Topology (rescaled to `ranks`)."""
+    from ubep.plan.topology import Topology
+
+    if isinstance(topology, Topology):
+        return topology if ranks is None else topology.with_ranks(ranks)
+    if isinstance(topology, str) and ranks is None:
+        from ubep.plan.topology import PRESETS
+        if topology in PRESETS:
+            return Topology.preset(topology)
+        return Topology.from_toml(topology)
+    if ranks is None:
+        raise TypeError(f"topology must be a preset name, a TOML path or a Topology, "
+                        f"got {type(topology).__name__}")
+    return Topology.resolve(topology, ranks)
+
+
+def prepare(topology, config: SimConfig, *, ranks: int | None = None) -> Prepared:
+    """Route and plan every rank (independent of the cost constants)."""
+    topo = resolve_topology(topology, ranks)
+    P = topo.num_ranks
+    workers = config.workers or topo.workers_per_rank
+    topo = topo.with_workers(workers)
+    E = config.num_experts or P
+    if E % P:
+        raise ValueError(f"num_experts={E} must be a multiple of the rank count {P}")
+    if config.top_k > E:
+        raise ValueError(f"top_k={config.top_k} must be <= num_experts={E}")
+    if config.mode == "ubep" and workers < 2:
+        raise ValueError(f"workers={workers}: ubep mode needs >= 2 (count + token workers)")
+    if config.count_workers >= workers:
+        raise ValueError(f"count_workers={config.count_workers} must be < workers={workers}")
+    topk = make_topk(P, config.tokens_per_rank, config.top_k, E, routing=config.routing,
+                     hot_experts=config.hot_experts, seed=config.seed)
+    t = time.perf_counter()
+    plans = [make_plan(topk[r], topology=topo, rank=r, num_experts=E, workers=workers,
+                       count_workers=(config.count_workers or None) if config.mode == "ubep"
+                       else None, schedule=config.schedule, mode=config.mode)
+             for r in range(P)]
+    plan_s = time.perf_counter() - t
+    nc = int(plans[0].count_workers) if config.mode == "ubep" else 0
+    return Prepared(config=config, topology=topo, num_experts=E, workers=workers,
+                    count_workers=nc, topk=topk, plans=plans, plan_s=plan_s)
+
+
+def execute(prep: Prepared, params: CostParams | None = None, *, exact: bool = False
+            ) -> SimResult:
+    """Run the engine on a prepared operation with cost constants `params`
+    (default: the calibrated ones)."""
+    params = params or calibrated(prep.topology.name)
+    c = prep.config
+    t = time.perf_counter()
+    fab = Fabric.of(prep.topology, params)
+    table = engine.table_from_plans(prep.plans, fab, prep.workers)
+    if c.mode == "bsp":
+        table = _all_workers(table)
+    if c.op == "combine":
+        table = engine.combine_table(table, fab)
+    row_bytes = c.hidden * c.bytes_per_element
+    out = engine.run(c.op, c.mode, c.sync, table, fab, params, row_bytes=row_bytes,
+                     tokens_per_rank=c.tokens_per_rank, top_k=c.top_k,
+                     num_experts=prep.num_experts, count_workers=prep.count_workers,
+                     exact=exact)
+    out.extra.update(src=table.src, dst=table.dst)
+    P = fab.num_ranks
+    payload = int(table.src.size) * row_bytes
+    wire = int(table.src.size) * out.wire_bytes_per_row
+    lat = out.latency_us
+    bw = (payload / P) / (lat * 1e3) if lat > 0 else float("inf")
+    return SimResult(config=c, topology=fab.name, num_ranks=P, workers=prep.workers,
+                     latency_us=lat, bandwidth_GBps=bw, phases_us=out.phases_us,
+                     payload_bytes=payload, wire_bytes=wire,
+                     payload_efficiency=payload / wire if wire else 1.0,
+                     count_workers=prep.count_workers, engine=out, plan_s=prep.plan_s,
+                     engine_s=time.perf_counter() - t)
+
+
+def _all_workers(table: engine.SendTable) -> engine.SendTable:
+    """BSP: every worker sends (the plan has no count role)."""
+    return table
+
+
+def simulate(topology, *, tokens_per_rank: int = 128, hidden: int = 7168, top_k: int = 8,
+             num_experts: int = 0, bytes_per_element: int = 2, mode: str = "ubep",
+             sync: str = "tff", schedule: str = "hierarchical", workers: int | None = None,
+             count_workers: int | None = None, op: str = "dispatch", routing: str = "uniform",
+             hot_experts: int = 0, seed: int = 0, ranks: int | None = None,
+             params: CostParams | None = None, exact: bool = False) -> SimResult:
+    """Simulate one dispatch or combine of every rank on a modelled fabric.
+
+    Arguments:
+        topology: a preset name ("cm384", "nvl72", "nvl576", "ib-cluster"), a TOML path or a
+            `ubep.Topology`; `ranks` rescales it (default: the preset's size).
+        tokens_per_rank, hidden, top_k, bytes_per_element: the workload per rank.
+        num_experts: global experts, a multiple of the rank count (0: one per rank).
+        mode: "ubep" | "bsp"; sync: "sw" | "tff" | "dc" | "sp" (ubep; bsp has its own flag
+            phase); schedule: "static" | "balanced" | "hierarchical".
+        workers, count_workers: per rank (None: the topology's / the cost model's choice).
+        op: "dispatch" | "combine". routing: "uniform" | "hot" with `hot_experts` hot ones.
+        params: cost constants (default: the calibrated ones). exact: use the event engine.
+    Returns:
+        `SimResult` with `latency_us`, `bandwidth_GBps`, `phases_us`, per-rank `stats(r)`.
+    """
+    hot = routing == "hot" or hot_experts > 0
+    cfg = SimConfig(tokens_per_rank=tokens_per_rank, hidden=hidden, top_k=top_k,
+                    num_experts=num_experts, bytes_per_element=bytes_per_element, mode=mode,
+                    sync=sync, schedule=schedule, workers=workers or 0,
+                    count_workers=count_workers or 0, op=op, routing="hot" if hot else routing,
+                    hot_experts=hot_experts, seed=seed)
+    return execute(prepare(topology, cfg, ranks=ranks), params, exact=exact)
+
+
+def with_config(prep: Prepared, **changes) -> SimConfig:
+    return replace(prep.config, **changes)

@@ -1,0 +1,387 @@
+"""Executes every rank's plan on the fabric model: BSP phases or UBEP roles.
+
+The row stores of every worker of every rank run through one event simulation (numba,
+`fastevents`; `events` is its plain-Python twin): each worker keeps at most `window_rows`
+stores in flight, a store completes after its issue time, its ports' FIFO queues and the
+hop latency. Everything else is vectorised over ranks and workers with numpy: phases,
+barriers, flags, counts and the reordering (a FIFO queue per worker, `queues`), per mode:
+
+* bsp: init | token_send | SyncAll | flag+count | flag verify | SyncAll | cumsum | reorder,
+  every worker of a rank in the same phase, ranks coupled through the flags;
+* ubep: count workers count, send counts, wait for every source's counts, prefix-sum and
+  publish; token workers send, then reorder each received row once it is visible (per the
+  sync variant) and the offsets are published.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ubep.sim.fabric import Fabric, time_us, wire_layout
+from ubep.sim.params import CostParams
+from ubep.sim.queues import fifo_depart
+
+
+@dataclass(frozen=True)
+class SendTable:
+    """All row stores of one operation, flat over every rank (one entry per row)."""
+
+    src: np.ndarray      # [N] sending rank
+    dst: np.ndarray      # [N] receiving rank
+    hop: np.ndarray      # [N] hop class
+    lane: np.ndarray     # [N] sending worker lane (rank * workers + worker)
+    pos: np.ndarray      # [N] index in that worker's send list
+    lane_len: np.ndarray  # [P * workers] sends per lane (0 for count workers)
+    workers: int          # workers per rank
+    first_sender: np.ndarray  # [P] worker id of each rank's first sending worker
+
+
+def table_from_plans(plans: list, fabric: Fabric, workers: int) -> SendTable:
+    """Flatten the token workers' send lists of every rank's `ubep.plan.Plan`."""
+    P = len(plans)
+    first = np.zeros(P, dtype=np.int64)
+    dests: list[np.ndarray] = []
+    lens: list[np.ndarray] = []
+    lane_ids: list[np.ndarray] = []
+    for r, plan in enumerate(plans):
+        nc, nt = int(plan.count_workers), int(plan.token_workers)
+        first[r] = nc
+        if nc + nt > workers:
+            raise ValueError(f"plan of rank {r} uses {nc} count + {nt} token workers, "
+                             f"more than workers={workers}")
+        dests.append(np.asarray(plan.sends)[:, 2])
+        lens.append(np.diff(np.asarray(plan.worker_offsets)))
+        lane_ids.append(np.arange(r * workers + nc, r * workers + nc + nt, dtype=np.int64))
+    lens_a = np.concatenate(lens).astype(np.int64)
+    ids = np.concatenate(lane_ids)
+    lane_len = np.zeros(P * workers, dtype=np.int64)
+    lane_len[ids] = lens_a
+    lane = np.repeat(ids, lens_a)
+    starts = np.cumsum(lens_a) - lens_a
+    pos = np.arange(lane.size, dtype=np.int64) - np.repeat(starts, lens_a)
+    d_ = np.concatenate(dests).astype(np.int64)
+    s_ = lane // workers
+    return SendTable(src=s_, dst=d_, hop=fabric.hop[s_, d_], lane=lane, pos=pos,
+                     lane_len=lane_len, workers=workers, first_sender=first)
+
+
+def combine_table(dispatch: SendTable, fabric: Fabric) -> SendTable:
+    """The combine's stores: every dispatched row goes back; a rank's rows (in the
+    dispatch's receive order) are cut into equal contiguous slices over all its workers."""
+    P, n = fabric.num_ranks, dispatch.workers
+    o = np.lexsort((dispatch.pos, dispatch.lane, dispatch.dst))   # receive order per rank
+    src, dst = dispatch.dst[o], dispatch.src[o]
+    counts = np.bincount(src, minlength=P)
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    k = np.arange(src.size) - start[src]                          # index within the rank
+    worker = (k * n) // np.maximum(counts[src], 1)
+    lane = src * n + worker
+    lane_start = np.zeros(P * n + 1, dtype=np.int64)
+    np.add.at(lane_start, lane + 1, 1)
+    lane_len = lane_start[1:].copy()
+    pos = np.arange(src.size) - np.cumsum(lane_start)[:-1][lane]
+    return SendTable(src=src, dst=dst, hop=fabric.hop[src, dst], lane=lane, pos=pos,
+                     lane_len=lane_len, workers=n, first_sender=np.zeros(P, dtype=np.int64))
+
+
+@dataclass
+class EngineOutput:
+    """What one operation did: per-rank end times, per-worker intervals, per-row trace."""
+
+    latency_us: float
+    rank_end_us: np.ndarray                     # [P]
+    phases_us: dict[str, float]                 # critical path pieces of the slowest rank
+    rank_phase_us: dict[str, np.ndarray]        # name -> [P] duration per rank
+    # per-worker intervals, flat: rank, worker, name, start, end, busy(1)/wait(0)
+    iv_rank: np.ndarray
+    iv_worker: np.ndarray
+    iv_name: np.ndarray                         # object array of str
+    iv_start: np.ndarray
+    iv_end: np.ndarray
+    iv_busy: np.ndarray
+    # per row (indexed like the SendTable)
+    row_issue_start: np.ndarray
+    row_issue_end: np.ndarray
+    row_complete: np.ndarray
+    row_visible: np.ndarray
+    row_proc_start: np.ndarray
+    row_proc_end: np.ndarray
+    row_proc_lane: np.ndarray
+    # synchronisation arrivals, for dependency checks
+    ready_us: np.ndarray                        # [P] offsets published (ubep) / t4 (bsp)
+    sync_arrival_us: np.ndarray                 # [P, P] flag/count from s arrives at d
+    wire_bytes_per_row: int
+    blocks_per_row: int
+    extra: dict = field(default_factory=dict)
+
+
+class _Intervals:
+    """Accumulates interval columns; kept as arrays (Stats objects are built on demand)."""
+
+    def __init__(self) -> None:
+        self.cols: list[tuple] = []
+
+    def add(self, rank, worker, name: str, start, end, busy: bool) -> None:
+        rank, worker, start, end = np.broadcast_arrays(
+            np.asarray(rank), np.asarray(worker), np.asarray(start, dtype=float),
+            np.asarray(end, dtype=float))
+        keep = end > start
+        if keep.any():
+            self.cols.append((rank[keep], worker[keep], name, start[keep], end[keep], busy))
+
+    def arrays(self):
+        if not self.cols:
+            z = np.zeros(0)
+            return z.astype(np.int64), z.astype(np.int64), z.astype(object), z, z, z.astype(bool)
+        r = np.concatenate([c[0] for c in self.cols]).astype(np.int64)
+        w = np.concatenate([c[1] for c in self.cols]).astype(np.int64)
+        nm = np.concatenate([np.full(c[0].size, c[2], dtype=object) for c in self.cols])
+        s = np.concatenate([c[3] for c in self.cols])
+        e = np.concatenate([c[4] for c in self.cols])
+        b = np.concatenate([np.full(c[0].size, c[5]) for c in self.cols])
+        return r, w, nm, s, e, b
+
+
+def send_stage(table: SendTable, fabric: Fabric, params: CostParams, *, lane_start: np.ndarray,
+               issue_us: float, wire_bytes: int, sync: str, blocks: int,
+               exact: bool = False) -> dict[str, np.ndarray]:
+    """Token-sending of every worker: issue, window, sync writes, ports, latency, visibility.
+
+    Returns per row `issue_start`, `issue_end`, `complete`, `visible`; per lane `issue_done`
+    (the worker may move on) and `complete_done` (its last store landed). `exact` runs the
+    plain Python event engine instead of its numba twin.
+    """
+    L = fabric.latency_us[table.hop]
+    svc = fabric.service_us(wire_bytes, table.hop)
+    sp = SyncCosts.of(params, sync, blocks)
+    W = int(params.window_rows)
+    if exact:
+        from ubep.sim.events import send_stage_events as stage
+    else:
+        from ubep.sim.fastevents import send_stage_fast as stage
+    st, ie, comp, wd = stage(table, L, svc, fabric.port_of_hop, issue_us, lane_start, W, sp)
+    vis = _visibility(table, sp, comp, wd, L)
+    issue_done = lane_start.astype(float).copy()
+    np.maximum.at(issue_done, table.lane, np.maximum(ie, np.nan_to_num(wd, nan=-np.inf)))
+    complete_done = lane_start.astype(float).copy()
+    np.maximum.at(complete_done, table.lane, comp)
+    return {"issue_start": st, "issue_end": ie, "complete": comp, "visible": vis,
+            "issue_done": issue_done, "complete_done": complete_done}
+
+
+@dataclass(frozen=True)
+class SyncCosts:
+    """What a sync variant costs the sending worker and the receiver, in us.
+
+    tff/sp: the row's own bytes tell the receiver (a check per block). sw: after each batch
+    of `batch` rows the worker drains its window, fences and writes a flag; the batch is
+    visible when the flag lands. dc: after each batch the worker checksums it and writes
+    the checksum (no drain); visible once checksum and rows landed and were verified.
+    """
+
+    sync: str
+    batch: int
+    detect_us: float          # receiver, per row (tff/sp)
+    fence_us: float           # sw, sender, per batch (after the drain)
+    flag_us: float            # sw flag / dc checksum store issue
+    checksum_us_per_row: float  # dc: sender per row of the batch, and receiver per row
+    poll_us: float            # sw: receiver reads the flag
+
+    @staticmethod
+    def of(params: CostParams, sync: str, blocks: int) -> SyncCosts:
+        return SyncCosts(sync=sync, batch=int(params.sync_batch_rows),
+                         detect_us=blocks * params.detect_ns_per_block * 1e-3,
+                         fence_us=params.fence_us, flag_us=params.flag_issue_us,
+                         checksum_us_per_row=blocks * params.checksum_ns_per_block * 1e-3,
+                         poll_us=params.poll_us)
+
+    @property
+    def batched(self) -> bool:
+        return self.sync in ("sw", "dc")
+
+    def write_done(self, issue_end: float, batch_complete: float, rows: int) -> float:
+        """When the worker has written the batch's flag (sw) or checksum (dc)."""
+        if self.sync == "sw":
+            return max(issue_end, batch_complete) + self.fence_us + self.flag_us
+        return issue_end + rows * self.checksum_us_per_row + self.flag_us
+
+
+def _visibility(table: SendTable, sp: SyncCosts, comp: np.ndarray, wd: np.ndarray,
+                L: np.ndarray) -> np.ndarray:
+    """When the receiver knows each row is there."""
+    if not sp.batched or table.src.size == 0:
+        return comp + sp.detect_us
+    batch = table.pos // sp.batch
+    nb = int(batch.max()) + 1
+    key = table.lane * nb + batch
+    size = table.lane_len.size * nb
+    bcomp = np.full(size, -np.inf)
+    np.maximum.at(bcomp, key, comp)
+    bL = np.zeros(size)
+    np.maximum.at(bL, key, L)
+    bwd = np.full(size, -np.inf)
+    closes = ~np.isnan(wd)
+    bwd[key[closes]] = wd[closes]
+    brows = np.bincount(key, minlength=size)
+    if sp.sync == "sw":
+        bvis = bwd + bL + sp.poll_us
+    else:
+        bvis = np.maximum(bcomp, bwd + bL) + brows * sp.checksum_us_per_row
+    return bvis[key]
+
+
+def _fan_out(P: int, senders: int, per_store_us: float, start: np.ndarray, fabric: Fabric
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """`senders` workers of each rank write one small store to every rank (round robin).
+
+    Returns `(local_done [P], arrival [P, P])` (arrival[s, d]: the store from s lands on d).
+    """
+    d = np.arange(P)
+    k = d // senders + 1                      # position of d in its worker's list
+    arrival = start[:, None] + k[None, :] * per_store_us + fabric.latency_us[fabric.hop]
+    return start + math.ceil(P / senders) * per_store_us, arrival
+
+
+def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params: CostParams, *,
+        row_bytes: int, tokens_per_rank: int, top_k: int, num_experts: int,
+        count_workers: int, exact: bool = False) -> EngineOutput:
+    """Simulate one dispatch or combine of every rank; see the module docstring."""
+    P, n = fabric.num_ranks, table.workers
+    ivs = _Intervals()
+    ranks = np.arange(P)
+    lane_rank = np.repeat(ranks, n)
+    lane_worker = np.tile(np.arange(n), P)
+    eff_sync = "sw" if mode == "bsp" else sync
+    blocks, wire = wire_layout(row_bytes, "tff" if eff_sync == "tff" else "raw",
+                               fabric.block_bytes, fabric.flag_bytes)
+    issue_us = time_us(wire, params.core_bw_GBps)
+    row_copy_us = time_us(row_bytes, params.copy_bw_GBps) + (
+        blocks * params.rearm_ns_per_block * 1e-3 if eff_sync == "sp" and mode == "ubep" else 0)
+    e_local = max(1, num_experts // P)
+    recv_rows = np.bincount(table.dst, minlength=P)
+    t0 = np.full(P, params.launch_us)
+    phase: dict[str, np.ndarray] = {"launch": t0.copy()}
+    ivs.add(lane_rank, lane_worker, "launch", 0.0, t0[lane_rank], False)
+
+    if mode == "bsp":
+        t1 = t0 + params.phase_fixed_us
+        ivs.add(lane_rank, lane_worker, "init", t0[lane_rank], t1[lane_rank], True)
+        ss = send_stage(table, fabric, params, lane_start=t1[lane_rank], issue_us=issue_us,
+                        wire_bytes=wire, sync="tff", blocks=blocks, exact=exact)
+        lane_done = ss["complete_done"]                   # BSP waits for completion (fence)
+        send_end = t1.copy()
+        np.maximum.at(send_end, lane_rank, lane_done)
+        ivs.add(lane_rank, lane_worker, "token_send", t1[lane_rank], lane_done, True)
+        ivs.add(lane_rank, lane_worker, "barrier_wait", lane_done, send_end[lane_rank], False)
+        t2 = send_end + params.barrier_us
+        ivs.add(lane_rank, lane_worker, "syncall", send_end[lane_rank], t2[lane_rank], False)
+        fs = t2 + params.phase_fixed_us
+        local_done, arrival = _fan_out(P, n, params.flag_issue_us, fs, fabric)
+        my_flags = (P - lane_worker + n - 1) // n      # destinations of worker w: w, w+n, ...
+        ivs.add(lane_rank, lane_worker, "flag_count", t2[lane_rank],
+                fs[lane_rank] + my_flags * params.flag_issue_us, True)
+        got = arrival.max(axis=0)
+        t3 = np.maximum(local_done, got) + math.ceil(P / n) * params.poll_us
+        ivs.add(lane_rank, lane_worker, "flag_verify",
+                fs[lane_rank] + my_flags * params.flag_issue_us, t3[lane_rank], False)
+        t4 = t3 + params.barrier_us
+        ivs.add(lane_rank, lane_worker, "syncall", t3[lane_rank], t4[lane_rank], False)
+        if op == "dispatch":
+            t5 = t4 + params.phase_fixed_us + \
+                P * e_local * params.cumsum_ns_per_entry * 1e-3 / n
+            ivs.add(lane_rank, lane_worker, "cumsum", t4[lane_rank], t5[lane_rank], True)
+        else:
+            t5 = t4.copy()
+        rows = recv_rows[lane_rank] // n + (lane_worker < recv_rows[lane_rank] % n)
+        lane_end = t5[lane_rank] + rows * row_copy_us
+        name = "reorder" if op == "dispatch" else "reduce"
+        ivs.add(lane_rank, lane_worker, name, t5[lane_rank], lane_end, True)
+        rank_end = t5 + np.ceil(recv_rows / n) * row_copy_us
+        # rows are processed after the second barrier, by worker (k mod n) in receive order
+        o = np.lexsort((np.arange(table.dst.size), table.dst))
+        k = np.empty(table.dst.size, dtype=np.int64)
+        grp_start = np.concatenate([[0], np.cumsum(recv_rows)[:-1]])
+        k[o] = np.arange(table.dst.size) - grp_start[table.dst[o]]
+        p_lane = table.dst * n + k % n
+        p_start = t5[table.dst] + (k // n) * row_copy_us
+        p_end = p_start + row_copy_us
+        phase.update(init=t1 - t0, token_send=send_end - t1, syncall=t2 - send_end + t4 - t3,
+                     flag_count=local_done - t2, flag_verify=t3 - local_done)
+        if op == "dispatch":
+            phase.update(cumsum=t5 - t4)
+        phase[name] = rank_end - t5
+        ready, sync_arr = t4, arrival
+        ss_vis = ss["complete"]
+    else:
+        nc = count_workers if op == "dispatch" else 0
+        if op == "dispatch" and nc < 1:
+            raise ValueError(f"count_workers={nc}: ubep mode needs at least one count worker")
+        t_start = t0 + params.phase_fixed_us
+        if op == "dispatch":
+            cw_lane = lane_worker < nc
+            count_end = t_start + tokens_per_rank * top_k * params.count_ns_per_pair * 1e-3 / nc
+            local_done, arrival = _fan_out(P, nc, params.flag_issue_us, count_end, fabric)
+            got = arrival.max(axis=0)
+            wait_end = np.maximum(local_done, got) + math.ceil(P / nc) * params.poll_us
+            cs_end = wait_end + P * e_local * params.cumsum_ns_per_entry * 1e-3 / nc
+            ready = cs_end + params.signal_us
+            cr, cw = lane_rank[cw_lane], lane_worker[cw_lane]
+            ivs.add(cr, cw, "count", t0[cr], count_end[cr], True)
+            mine = (P - cw + nc - 1) // nc
+            ivs.add(cr, cw, "send_counts", count_end[cr],
+                    count_end[cr] + mine * params.flag_issue_us, True)
+            ivs.add(cr, cw, "count_wait", count_end[cr] + mine * params.flag_issue_us,
+                    wait_end[cr], False)
+            ivs.add(cr, cw, "cumsum", wait_end[cr], cs_end[cr], True)
+            ivs.add(cr, cw, "publish", cs_end[cr], ready[cr], True)
+            phase.update(count=count_end - t0, send_counts=local_done - count_end,
+                         count_wait=wait_end - local_done, cumsum=cs_end - wait_end,
+                         publish=ready - cs_end)
+        else:
+            ready = t_start.copy()
+            arrival = np.zeros((P, P))
+        ss = send_stage(table, fabric, params, lane_start=t_start[lane_rank], issue_us=issue_us,
+                        wire_bytes=wire, sync=eff_sync, blocks=blocks, exact=exact)
+        is_token = lane_worker >= (nc if op == "dispatch" else 0)
+        lane_done = ss["issue_done"]
+        tr, tw = lane_rank[is_token], lane_worker[is_token]
+        ivs.add(tr, tw, "token_send", t_start[tr], lane_done[is_token], True)
+        # reorder (dispatch) / reduce (combine) by the receiving rank's token workers
+        n_tok = n - (nc if op == "dispatch" else 0)
+        first = nc if op == "dispatch" else 0
+        proc_start_lane = np.maximum(lane_done, ready[lane_rank] + params.signal_us)
+        vis = ss["visible"]
+        o = np.lexsort((np.arange(vis.size), vis, table.dst))
+        k = np.empty(vis.size, dtype=np.int64)
+        grp_start = np.concatenate([[0], np.cumsum(recv_rows)[:-1]])
+        k[o] = np.arange(vis.size) - grp_start[table.dst[o]]
+        p_lane = table.dst * n + first + k % n_tok
+        arrive = np.maximum(vis, proc_start_lane[p_lane])
+        p_end = fifo_depart(p_lane, arrive, np.full(vis.size, row_copy_us))
+        p_start = p_end - row_copy_us
+        lane_end = np.where(is_token, proc_start_lane, 0.0)
+        np.maximum.at(lane_end, p_lane, p_end)
+        name = "reorder" if op == "dispatch" else "reduce"
+        ivs.add(tr, tw, "offset_wait", lane_done[is_token], proc_start_lane[is_token], False)
+        ivs.add(tr, tw, name, proc_start_lane[is_token], lane_end[is_token], True)
+        rank_end = np.maximum(ready, 0.0)
+        np.maximum.at(rank_end, lane_rank, lane_end)
+        send_end = t_start.copy()
+        np.maximum.at(send_end, lane_rank, np.where(is_token, lane_done, 0.0))
+        phase.update(token_send=send_end - t_start, **{name: rank_end - send_end})
+        sync_arr = arrival
+        ss_vis = vis
+    r_, w_, nm, s_, e_, b_ = ivs.arrays()
+    crit = int(np.argmax(rank_end))
+    return EngineOutput(
+        latency_us=float(rank_end.max(initial=0.0)), rank_end_us=rank_end,
+        phases_us={k: float(v[crit]) for k, v in phase.items()}, rank_phase_us=phase,
+        iv_rank=r_, iv_worker=w_, iv_name=nm, iv_start=s_, iv_end=e_, iv_busy=b_,
+        row_issue_start=ss["issue_start"], row_issue_end=ss["issue_end"],
+        row_complete=ss["complete"], row_visible=ss_vis, row_proc_start=p_start,
+        row_proc_end=p_end, row_proc_lane=p_lane, ready_us=ready, sync_arrival_us=sync_arr,
+        wire_bytes_per_row=wire, blocks_per_row=blocks,
+        extra={"critical_rank": crit})

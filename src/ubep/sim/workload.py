@@ -1,0 +1,53 @@
+"""Routings the simulator runs: uniform, or uniform with a few hot experts.
+
+Deterministic for a seed; one `[num_ranks, tokens_per_rank, top_k]` int64 array for all
+ranks at once, drawn with numpy (the torch generators of `ubep.testing` are per rank and
+too slow at 256 ranks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ROUTINGS = ("uniform", "hot")
+HOT_WEIGHT = 16.0   # a hot expert is this many times likelier to be picked than another
+
+
+def make_topk(num_ranks: int, tokens_per_rank: int, top_k: int, num_experts: int, *,
+              routing: str = "uniform", hot_experts: int = 0, seed: int = 0) -> np.ndarray:
+    """`topk_idx` of every rank, `[num_ranks, tokens_per_rank, top_k]` int64.
+
+    Each token picks `top_k` distinct experts. "uniform": every expert alike. "hot" (or
+    `hot_experts > 0`): `hot_experts` experts drawn at random are `HOT_WEIGHT` times likelier
+    (weighted sampling without replacement, Efraimidis-Spirakis keys).
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing={routing!r} is not one of {ROUTINGS}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if not 0 <= hot_experts <= num_experts:
+        raise ValueError(f"hot_experts={hot_experts} must be in [0, num_experts={num_experts}]")
+    rng = np.random.default_rng(seed)
+    n = num_ranks * tokens_per_rank
+    if routing == "hot" or hot_experts > 0:
+        hot = rng.choice(num_experts, size=hot_experts, replace=False)
+        w = np.ones(num_experts)
+        w[hot] = HOT_WEIGHT
+        keys = np.log(rng.random((n, num_experts))) / w   # larger is likelier
+        idx = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
+    else:
+        idx = _distinct_uniform(rng, n, top_k, num_experts)
+    return idx.astype(np.int64).reshape(num_ranks, tokens_per_rank, top_k)
+
+
+def _distinct_uniform(rng: np.random.Generator, n: int, k: int, e: int) -> np.ndarray:
+    """`n` rows of `k` distinct uniform draws from `range(e)` (redraw rows with repeats)."""
+    if 2 * k > e:   # dense: permutation keys are cheap enough
+        return np.argpartition(rng.random((n, e)), k - 1, axis=1)[:, :k]
+    idx = rng.integers(0, e, size=(n, k))
+    while True:
+        s = np.sort(idx, axis=1)
+        bad = np.nonzero((s[:, 1:] == s[:, :-1]).any(axis=1))[0]
+        if bad.size == 0:
+            return idx
+        idx[bad] = rng.integers(0, e, size=(bad.size, k))
