@@ -139,10 +139,10 @@ def hop_picture(topo: Topology) -> list:
         for h in row:
             t.append(f"{h} " if h >= 0 else "  ", style=_COLORS[h % len(_COLORS)])
         lines.append(t)
-    if c > 1:  # and the inside of the first cell, rank by rank
-        lines.append(Text(f"inside the first cell (ranks 0..{min(c, topo.num_ranks) - 1}):",
-                          style="italic"))
-        for row in hops[:c, :c]:
+    if c > 1:  # and the inside of the first cell, rank by rank (at most 32 of them)
+        m = min(c, topo.num_ranks, 32)
+        lines.append(Text(f"ranks 0..{m - 1} (inside the first cell):", style="italic"))
+        for row in hops[:m, :m]:
             t = Text("  ")
             for h in row:
                 t.append(f"{h} ", style=_COLORS[h % len(_COLORS)])

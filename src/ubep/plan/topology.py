@@ -227,7 +227,7 @@ class Topology:
                               bandwidth_GBps=_typed(t, "bandwidth_GBps", "float", where, prefix)))
         return Topology(
             name=_typed(data, "name", "str", where),
-            description=_typed(data, "description", "str", where) if "description" in data
+            description=_typed(data, "description", "text", where) if "description" in data
             else "",
             num_ranks=num_ranks,
             workers_per_rank=_typed(data, "workers_per_rank", "int", where),
@@ -335,6 +335,8 @@ def _typed(table: dict, key: str, kind: str, where: str, prefix: str = "") -> An
     bad = None
     if kind == "str":
         bad = None if isinstance(value, str) and value else "a non-empty string"
+    elif kind == "text":
+        bad = None if isinstance(value, str) else "a string"
     elif kind == "int":
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
         bad = None if ok else "a positive integer"
