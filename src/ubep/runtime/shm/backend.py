@@ -100,7 +100,7 @@ class _Resources:
     """What must be released: segments, their views, the worker pool. Owns no backend ref."""
 
     def __init__(self):
-        self.own: segments.SharedMemory | None = None
+        self.own: segments.Segment | None = None
         self.own_name: str | None = None
         self.own_unlinked = False
         self.peers: list = []

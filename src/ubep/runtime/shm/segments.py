@@ -9,10 +9,9 @@ freed by the kernel when the last mapping goes, so even a SIGKILLed rank leaks n
 from __future__ import annotations
 
 import _posixshmem
+import mmap
 import os
 import re
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 
 PREFIX = "ubep_"
 SHM_DIR = "/dev/shm"
@@ -75,35 +74,50 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _untrack(shm: SharedMemory) -> None:
-    # Python 3.11 registers attached segments with the resource tracker, which would then
-    # unlink them (or warn) when this process exits; attaching must not claim ownership.
+class Segment:
+    """One mapped POSIX shared-memory segment (`buf` is the mmap)."""
+
+    def __init__(self, name: str, buf: mmap.mmap):
+        self.name, self.buf, self.size = name, buf, len(buf)
+
+    def close(self) -> None:
+        """Unmap (fails with BufferError while numpy views of `buf` are alive)."""
+        if not self.buf.closed:
+            self.buf.close()
+
+
+# We map segments ourselves instead of using multiprocessing.shared_memory: on Python 3.11
+# it registers every attach with the resource tracker, which processes of one job share
+# (forkserver), so one rank's unregister races another's and the tracker unlinks or warns.
+def _open(name: str, flags: int, size: int | None) -> Segment:
+    fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
     try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-    except Exception:  # noqa: BLE001 - tracker not running: nothing to undo
-        pass
+        if size is not None:
+            os.ftruncate(fd, size)
+        else:
+            size = os.fstat(fd).st_size
+        return Segment(name, mmap.mmap(fd, size))
+    finally:
+        os.close(fd)
 
 
-def create(name: str, size: int) -> SharedMemory:
+def create(name: str, size: int) -> Segment:
     """Create `name` exclusively with `size` bytes (zero-filled).
 
     A leftover with the same name (a dead process that had our pid) is unlinked first;
     a live owner is an error.
     """
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
     try:
-        shm = SharedMemory(name=name, create=True, size=size)
+        return _open(name, flags, size)
     except FileExistsError:
         pid = owner_pid(name)
         if pid is not None and pid != os.getpid() and pid_alive(pid):
             raise
         unlink_name(name)
-        shm = SharedMemory(name=name, create=True, size=size)
-    _untrack(shm)  # we release it ourselves (unlink after bootstrap, close on close())
-    return shm
+        return _open(name, flags, size)
 
 
-def attach(name: str) -> SharedMemory:
-    """Map an existing segment without taking ownership."""
-    shm = SharedMemory(name=name, create=False)
-    _untrack(shm)
-    return shm
+def attach(name: str) -> Segment:
+    """Map an existing segment (never unlinks it)."""
+    return _open(name, os.O_RDWR, None)
