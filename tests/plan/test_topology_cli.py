@@ -1,0 +1,58 @@
+"""`ubep topology`: show a preset, validate files, errors naming the key."""
+
+from __future__ import annotations
+
+from ubep.cli import main
+
+GOOD = """
+name = "two-level"
+num_ranks = 8
+workers_per_rank = 2
+atomic_block_bytes = 64
+flag_bytes = 8
+local_latency_ns = 20
+local_bandwidth_GBps = 20
+[[tiers]]
+name = "pair"
+ranks_per_group = 2
+latency_ns = 100
+bandwidth_GBps = 10
+[[tiers]]
+name = "all"
+latency_ns = 300
+bandwidth_GBps = 5
+"""
+
+
+def test_show_cm384_prints_tiers_and_the_picture(capsys):
+    assert main(["topology", "show", "cm384"]) == 0
+    out = capsys.readouterr().out
+    for word in ("npu", "board", "pod", "2500", "929", "218", "groups of 16 ranks",
+                 "legend: 0=local 1=npu 2=board 3=pod"):
+        assert word in out
+
+
+def test_show_a_small_file_draws_every_pair(tmp_path, capsys):
+    path = tmp_path / "t.toml"
+    path.write_text(GOOD)
+    assert main(["topology", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  0 1 2")]
+    assert rows == [["0", "1", "2", "2", "2", "2", "2", "2"]]
+
+
+def test_validate_names_the_bad_key(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text(GOOD.replace("latency_ns = 300", "latency_ns = 'slow'"))
+    assert main(["topology", "validate", str(path)]) == 2
+    assert "tiers[1].latency_ns" in capsys.readouterr().out.replace("\n", "")
+    good = tmp_path / "good.toml"
+    good.write_text(GOOD)
+    assert main(["topology", "validate", str(good)]) == 0
+    assert main(["topology", "show", "nvl73"]) == 2
+
+
+def test_list_names_the_presets(capsys):
+    assert main(["topology", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("cm384", "nvl72", "nvl576", "ib-cluster", "host"))
