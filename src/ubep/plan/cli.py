@@ -28,6 +28,14 @@ def register(subparsers) -> None:
     v.set_defaults(func=_validate)
     ls = sub.add_parser("list", help="list the shipped presets")
     ls.set_defaults(func=_list)
+    st = sub.add_parser("study", help="scheduler quality (vs exact optimum) and planning speed")
+    st.add_argument("--instances", type=int, default=300, help="small instances (<= 12 sends)")
+    st.add_argument("--paper-instances", type=int, default=30,
+                    help="instances at the paper's scale (256 ranks, 128 tokens x top-8)")
+    st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--no-speed", action="store_true", help="skip the planning-time table")
+    st.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    st.set_defaults(func=_study)
 
 
 def load(spec: str, ranks: int | None = None) -> Topology:
@@ -152,3 +160,51 @@ def hop_picture(topo: Topology) -> list:
         legend.append(f"{h}={name} ", style=_COLORS[h % len(_COLORS)])
     lines.append(legend)
     return lines
+
+
+def _study(args: argparse.Namespace) -> int:
+    from ubep.plan import quality
+
+    small, small_meta = quality.small_instance_study(args.instances, args.seed)
+    big, big_meta = quality.paper_scale_study(args.paper_instances, args.seed)
+    speed = [] if args.no_speed else quality.planning_times()
+    tables = [
+        (f"objective / exact optimum, {small_meta['instances']} instances of "
+         f"{small_meta['sends_min']}-{small_meta['sends_max']} sends on 2-4 workers "
+         f"({small_meta['topology']}, {small_meta['ranks']} ranks, "
+         f"{small_meta['row_bytes']} B rows)",
+         ["schedule", "mean", "p95", "worst", "optimal"],
+         [[r.schedule, f"{r.mean:.3f}", f"{r.p95:.3f}", f"{r.worst:.3f}",
+           f"{r.share_optimal:.0%}"] for r in small]),
+        (f"objective / lower bound at paper scale, {big_meta['instances']} routings: "
+         f"{big_meta['ranks']} ranks, {big_meta['tokens']} tokens x top-{big_meta['top_k']}, "
+         f"{big_meta['workers']} workers ({big_meta['token_workers']} token workers)",
+         ["schedule", "mean", "p95", "worst"],
+         [[r.schedule, f"{r.mean:.3f}", f"{r.p95:.3f}", f"{r.worst:.3f}"] for r in big]),
+    ]
+    if speed:
+        tables.append((
+            "make_plan time per call (best of 7 x 200 calls; cpu = thread CPU time)",
+            ["tokens x top-k", "experts", "workers", "engine", "schedule", "cpu us", "wall us"],
+            [[f"{r['tokens']} x {r['top_k']}", str(r["experts"]), str(r["workers"]),
+              r["engine"], r["schedule"], f"{r['cpu_us']:.1f}", f"{r['wall_us']:.1f}"]
+             for r in speed]))
+    if args.markdown:
+        for title, cols, rows in tables:
+            print(f"\n{title}\n")
+            print("| " + " | ".join(cols) + " |")
+            print("|" + "---|" * len(cols))
+            for row in rows:
+                print("| " + " | ".join(row) + " |")
+        return 0
+    from rich.table import Table
+
+    console = _console()
+    for title, cols, rows in tables:
+        table = Table(title=title)
+        for c in cols:
+            table.add_column(c)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    return 0
