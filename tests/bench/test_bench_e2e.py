@@ -76,3 +76,11 @@ def test_bench_options():
         BenchConfig(ranks=(4,), experts=6, top_k=2)
     with pytest.raises(ValueError, match="system 'nccl'"):
         BenchConfig(systems=("nccl",))
+
+
+def test_demo_config_is_the_deepseek_like_default():
+    from ubep.bench.cli import demo_config
+
+    cfg = demo_config()
+    assert (cfg.hiddens, cfg.dtype, cfg.top_k, cfg.ranks) == ((7168,), "bfloat16", 8, (2,))
+    assert cfg.batches[0] == 1 and cfg.batches[-1] == 128

@@ -42,6 +42,13 @@ class MpiDispatch:
     to_expert_major: np.ndarray     # [N] arrival index of each expert-major row
 
 
+def _rows(raw: np.ndarray, dtype: torch.dtype, hidden: int) -> torch.Tensor:
+    """`[N, row_bytes]` uint8 as `[N, hidden]` of `dtype`, sharing memory when N > 0."""
+    if raw.shape[0] == 0:  # torch sees an empty array's strides as 0 and refuses the view
+        return torch.empty(0, hidden, dtype=dtype)
+    return torch.from_numpy(raw).view(dtype)
+
+
 class MpiPeer:
     """Dispatch/combine over an mpi4py communicator (experts placed contiguously by rank)."""
 
@@ -114,7 +121,7 @@ class MpiPeer:
                             axis=0)
         src_rank = np.repeat(np.arange(world), recv_splits)[to_expert_major]
         return MpiDispatch(
-            recv_x=torch.from_numpy(recv_x).view(x.dtype).reshape(num_recv, hidden),
+            recv_x=_rows(recv_x, x.dtype, hidden),
             recv_weights=torch.from_numpy(recv_meta[:, 2].copy().view(np.float32)),
             tokens_per_expert=torch.from_numpy(recv_counts.sum(0)),
             recv_src_rank=torch.from_numpy(src_rank.astype(np.int64)),
@@ -133,7 +140,7 @@ class MpiPeer:
         arrival = np.empty_like(outb)
         arrival[d.to_expert_major] = outb       # back to arrival order, per source contiguous
         back = self._alltoallv(arrival, d.recv_splits, d.send_splits, row_bytes)
-        back = torch.from_numpy(back).view(dtype).reshape(-1, hidden).to(torch.float32)
+        back = _rows(back.reshape(-1, row_bytes), dtype, hidden).to(torch.float32)
         if weighted:
             back = back * torch.from_numpy(d.send_weight).unsqueeze(1)
         y = torch.zeros(d.num_tokens, hidden, dtype=torch.float32)
@@ -154,34 +161,35 @@ def _check(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     dtype = getattr(torch, args.dtype)
-    num_tokens = args.tokens + rank  # unequal T across ranks
-    idx, w = make_routing(num_tokens, args.top_k, args.experts, kind=args.routing,
-                          seed=args.seed + rank)
-    x = make_tokens(rank, num_tokens, args.hidden, dtype, seed=args.seed)
     peer = MpiPeer(comm, args.experts)
-    d = peer.dispatch(x, idx, w)
-    expert_out = (d.recv_x.to(torch.float32) * 0.5 + 1).to(dtype)
-    y = peer.combine(expert_out, d)
-    out = Path(args.out_dir)
-    torch.save({"x": x, "topk_idx": idx, "topk_weights": w, "recv_x": d.recv_x,
-                "recv_weights": d.recv_weights, "tokens_per_expert": d.tokens_per_expert,
-                "recv_src_rank": d.recv_src_rank, "recv_src_token": d.recv_src_token,
-                "recv_src_slot": d.recv_src_slot, "expert_out": expert_out, "y": y},
-               out / f"rank{rank}.pt")
+    for routing in args.routing.split(","):
+        num_tokens = args.tokens + rank  # unequal T across ranks
+        idx, w = make_routing(num_tokens, args.top_k, args.experts, kind=routing,
+                              seed=args.seed + rank)
+        x = make_tokens(rank, num_tokens, args.hidden, dtype, seed=args.seed)
+        d = peer.dispatch(x, idx, w)
+        expert_out = (d.recv_x.to(torch.float32) * 0.5 + 1).to(dtype)
+        y = peer.combine(expert_out, d)
+        torch.save({"x": x, "topk_idx": idx, "topk_weights": w, "recv_x": d.recv_x,
+                    "recv_weights": d.recv_weights, "tokens_per_expert": d.tokens_per_expert,
+                    "recv_src_rank": d.recv_src_rank, "recv_src_token": d.recv_src_token,
+                    "recv_src_slot": d.recv_src_slot, "expert_out": expert_out, "y": y},
+                   Path(args.out_dir) / f"{routing}-rank{rank}.pt")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ubep.bench.mpi_peer")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="one dispatch+combine; each rank saves rank<r>.pt")
+    c = sub.add_parser("check", help="dispatch+combine per routing; each rank saves "
+                                      "<routing>-rank<r>.pt")
     c.add_argument("out_dir")
     c.add_argument("--tokens", type=int, default=5)
     c.add_argument("--hidden", type=int, default=16)
     c.add_argument("--top-k", type=int, default=4)
     c.add_argument("--experts", type=int, default=8)
     c.add_argument("--dtype", default="bfloat16")
-    c.add_argument("--routing", default="uniform")
+    c.add_argument("--routing", default="uniform", help="comma-separated routing kinds")
     c.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     return _check(args)
