@@ -6,8 +6,8 @@ expert-major, then by source rank, then source token; combine returns each token
 sum over its routed slots (in slot order) of `w * row`, in the expert output's dtype.
 
 The implementation: per-(rank, expert) counts with `Alltoall`; rows (as bytes) and their
-(token, slot, weight) with `Alltoallv`; the reordering into expert-major order and the
-reduction with numpy/torch vectorized indexing. Launch under MPICH's `mpiexec`
+(token, slot, weight) with two concurrent `Ialltoallv`; the reordering into expert-major
+order and the reduction with numpy/torch vectorized indexing. Launch under MPICH's `mpiexec`
 (`.venv/bin/mpiexec -n 2 python -m ubep.bench.mpi_peer check OUT_DIR`).
 """
 
@@ -62,16 +62,21 @@ class MpiPeer:
         self.per_rank = num_experts // self.world
 
     def _alltoallv(self, send: np.ndarray, send_rows: np.ndarray, recv_rows: np.ndarray,
-                   row_bytes: int) -> np.ndarray:
+                   row_bytes: int, *, blocking: bool = True):
+        """Alltoallv of rows of `row_bytes`; the received bytes (and the request if not
+        `blocking`: wait on it before reading them)."""
         from mpi4py import MPI
 
         recv = np.empty(int(recv_rows.sum()) * row_bytes, dtype=np.uint8)
         scount, rcount = send_rows * row_bytes, recv_rows * row_bytes
         sdispl = np.concatenate(([0], np.cumsum(scount)[:-1]))
         rdispl = np.concatenate(([0], np.cumsum(rcount)[:-1]))
-        self.comm.Alltoallv([send.reshape(-1), (scount, sdispl), MPI.BYTE],
-                            [recv, (rcount, rdispl), MPI.BYTE])
-        return recv
+        args = ([send.reshape(-1), (scount, sdispl), MPI.BYTE],
+                [recv, (rcount, rdispl), MPI.BYTE])
+        if blocking:
+            self.comm.Alltoallv(*args)
+            return recv
+        return recv, self.comm.Ialltoallv(*args)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor) -> MpiDispatch:
@@ -82,6 +87,8 @@ class MpiPeer:
             topk_idx: `[T, K]` int64, `-1` = slot not routed.
             topk_weights: `[T, K]` float32.
         """
+        from mpi4py import MPI
+
         world, per_rank = self.world, self.per_rank
         num_tokens, top_k = topk_idx.shape
         hidden = x.shape[1]
@@ -108,8 +115,12 @@ class MpiPeer:
         meta = np.empty((len(pos), 3), dtype=np.int32)
         meta[:, 0], meta[:, 1] = send_token, send_slot
         meta[:, 2] = send_weight.view(np.int32)
-        recv = self._alltoallv(rows, send_splits, recv_splits, row_bytes)
-        recv_meta = self._alltoallv(meta.view(np.uint8), send_splits, recv_splits, 12)
+        # rows and their (token, slot, weight) travel at once: two nonblocking collectives
+        recv, req_rows = self._alltoallv(rows, send_splits, recv_splits, row_bytes,
+                                         blocking=False)
+        recv_meta, req_meta = self._alltoallv(meta.view(np.uint8), send_splits, recv_splits, 12,
+                                              blocking=False)
+        MPI.Request.Waitall([req_rows, req_meta])
 
         # arrival order: source-major, then (expert, token); a stable sort by local expert
         # makes it expert-major, then source, then token
