@@ -14,6 +14,7 @@ _COMMAND_MODULES = [
     "ubep.bench.cli",
     "ubep.moe.cli",
     "ubep.plan.cli",
+    "ubep.sim.cli",
 ]
 
 

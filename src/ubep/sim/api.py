@@ -74,6 +74,16 @@ class Prepared:
     topk: np.ndarray
     plans: list
     plan_s: float
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def table(self, fab: Fabric) -> engine.SendTable:
+        """The send table (depends only on the plans and the hop matrix; kept)."""
+        if "t" not in self._tables:
+            t = engine.table_from_plans(self.plans, fab, self.workers)
+            if self.config.op == "combine":
+                t = engine.combine_table(t, fab)
+            self._tables["t"] = t
+        return self._tables["t"]
 
 
 def resolve_topology(topology, ranks: int | None = None):
@@ -121,24 +131,20 @@ def prepare(topology, config: SimConfig, *, ranks: int | None = None) -> Prepare
                     count_workers=nc, topk=topk, plans=plans, plan_s=plan_s)
 
 
-def execute(prep: Prepared, params: CostParams | None = None, *, exact: bool = False
-            ) -> SimResult:
+def execute(prep: Prepared, params: CostParams | None = None, *, exact: bool = False,
+            cache: dict | None = None) -> SimResult:
     """Run the engine on a prepared operation with cost constants `params`
-    (default: the calibrated ones)."""
+    (default: the calibrated ones). `cache`: see `engine.send_stage` (calibration)."""
     params = params or calibrated(prep.topology.name)
     c = prep.config
     t = time.perf_counter()
     fab = Fabric.of(prep.topology, params)
-    table = engine.table_from_plans(prep.plans, fab, prep.workers)
-    if c.mode == "bsp":
-        table = _all_workers(table)
-    if c.op == "combine":
-        table = engine.combine_table(table, fab)
+    table = prep.table(fab)
     row_bytes = c.hidden * c.bytes_per_element
     out = engine.run(c.op, c.mode, c.sync, table, fab, params, row_bytes=row_bytes,
                      tokens_per_rank=c.tokens_per_rank, top_k=c.top_k,
                      num_experts=prep.num_experts, count_workers=prep.count_workers,
-                     exact=exact)
+                     exact=exact, cache=cache)
     out.extra.update(src=table.src, dst=table.dst)
     P = fab.num_ranks
     payload = int(table.src.size) * row_bytes
@@ -151,11 +157,6 @@ def execute(prep: Prepared, params: CostParams | None = None, *, exact: bool = F
                      payload_efficiency=payload / wire if wire else 1.0,
                      count_workers=prep.count_workers, engine=out, plan_s=prep.plan_s,
                      engine_s=time.perf_counter() - t)
-
-
-def _all_workers(table: engine.SendTable) -> engine.SendTable:
-    """BSP: every worker sends (the plan has no count role)."""
-    return table
 
 
 def simulate(topology, *, tokens_per_rank: int = 128, hidden: int = 7168, top_k: int = 8,

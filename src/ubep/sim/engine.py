@@ -147,12 +147,14 @@ class _Intervals:
 
 def send_stage(table: SendTable, fabric: Fabric, params: CostParams, *, lane_start: np.ndarray,
                issue_us: float, wire_bytes: int, sync: str, blocks: int,
-               exact: bool = False) -> dict[str, np.ndarray]:
+               exact: bool = False, cache: dict | None = None) -> dict[str, np.ndarray]:
     """Token-sending of every worker: issue, window, sync writes, ports, latency, visibility.
 
     Returns per row `issue_start`, `issue_end`, `complete`, `visible`; per lane `issue_done`
     (the worker may move on) and `complete_done` (its last store landed). `exact` runs the
-    plain Python event engine instead of its numba twin.
+    plain Python event engine instead of its numba twin. `cache` (a dict the caller owns)
+    keeps results across calls that differ only in constants the send stage ignores
+    (calibration); a common start time is a shift, so it is not part of the key.
     """
     L = fabric.latency_us[table.hop]
     svc = fabric.service_us(wire_bytes, table.hop)
@@ -162,7 +164,16 @@ def send_stage(table: SendTable, fabric: Fabric, params: CostParams, *, lane_sta
         from ubep.sim.events import send_stage_events as stage
     else:
         from ubep.sim.fastevents import send_stage_fast as stage
-    st, ie, comp, wd = stage(table, L, svc, fabric.port_of_hop, issue_us, lane_start, W, sp)
+    t0 = float(lane_start[0]) if lane_start.size else 0.0
+    if cache is not None and np.all(lane_start == t0):
+        key = (id(table), exact, issue_us, W, sp, fabric.latency_us.tobytes(),
+               fabric.port_bw_GBps.tobytes(), wire_bytes)
+        if key not in cache:
+            cache[key] = (table, stage(table, L, svc, fabric.port_of_hop, issue_us,
+                                       np.zeros_like(lane_start, dtype=float), W, sp))
+        st, ie, comp, wd = (a + t0 for a in cache[key][1])
+    else:
+        st, ie, comp, wd = stage(table, L, svc, fabric.port_of_hop, issue_us, lane_start, W, sp)
     vis = _visibility(table, sp, comp, wd, L)
     issue_done = lane_start.astype(float).copy()
     np.maximum.at(issue_done, table.lane, np.maximum(ie, np.nan_to_num(wd, nan=-np.inf)))
@@ -247,7 +258,7 @@ def _fan_out(P: int, senders: int, per_store_us: float, start: np.ndarray, fabri
 
 def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params: CostParams, *,
         row_bytes: int, tokens_per_rank: int, top_k: int, num_experts: int,
-        count_workers: int, exact: bool = False) -> EngineOutput:
+        count_workers: int, exact: bool = False, cache: dict | None = None) -> EngineOutput:
     """Simulate one dispatch or combine of every rank; see the module docstring."""
     P, n = fabric.num_ranks, table.workers
     ivs = _Intervals()
@@ -270,7 +281,7 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
         t1 = t0 + params.phase_fixed_us
         ivs.add(lane_rank, lane_worker, "init", t0[lane_rank], t1[lane_rank], True)
         ss = send_stage(table, fabric, params, lane_start=t1[lane_rank], issue_us=issue_us,
-                        wire_bytes=wire, sync="tff", blocks=blocks, exact=exact)
+                        wire_bytes=wire, sync="tff", blocks=blocks, exact=exact, cache=cache)
         lane_done = ss["complete_done"]                   # BSP waits for completion (fence)
         send_end = t1.copy()
         np.maximum.at(send_end, lane_rank, lane_done)
@@ -344,7 +355,8 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
             ready = t_start.copy()
             arrival = np.zeros((P, P))
         ss = send_stage(table, fabric, params, lane_start=t_start[lane_rank], issue_us=issue_us,
-                        wire_bytes=wire, sync=eff_sync, blocks=blocks, exact=exact)
+                        wire_bytes=wire, sync=eff_sync, blocks=blocks, exact=exact,
+                        cache=cache)
         is_token = lane_worker >= (nc if op == "dispatch" else 0)
         lane_done = ss["issue_done"]
         tr, tw = lane_rank[is_token], lane_worker[is_token]

@@ -1,0 +1,185 @@
+"""`ubep simulate | calibrate | reproduce | tune`: the superpod simulator's commands.
+
+The options of `simulate` and `tune` are generated from `SimConfig` (one flag per field,
+its help text from the field's metadata).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from ubep.sim.api import SimConfig
+
+
+def _add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    for f in fields(SimConfig):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not MISSING else None
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default,
+                       help=f"{f.metadata['help']} (default: {default})")
+
+
+def _topology_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", default="cm384",
+                   help="preset (cm384, nvl72, nvl576, ib-cluster) or TOML file")
+    p.add_argument("--ranks", type=int, default=64, help="ranks to simulate (default: 64)")
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("simulate", help="simulate one dispatch/combine on a modelled "
+                              "superpod fabric", description=_simulate.__doc__)
+    _topology_flags(s)
+    _add_config_flags(s)
+    s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of all ranks")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.set_defaults(func=_simulate)
+
+    c = subparsers.add_parser("calibrate", help="fit the simulator's constants to the "
+                              "paper's published points", description=_calibrate.__doc__)
+    c.add_argument("--points", type=Path, default=None,
+                   help="paper_public.yaml (default: ../shared/calibration/)")
+    c.add_argument("--out", type=Path, default=None,
+                   help="where to write (default: the package's calibration_v1.json)")
+    c.add_argument("--max-nfev", type=int, default=15, help="evaluations per window size")
+    c.add_argument("--check", action="store_true",
+                   help="only re-run the shipped fit points and print model vs target")
+    c.set_defaults(func=_calibrate)
+
+    r = subparsers.add_parser("reproduce", help="the paper's experiments on the calibrated "
+                              "model: CSV + PNG + report.md", description=_reproduce.__doc__)
+    r.add_argument("--out", type=Path, default=Path("results/reproduce"), help="output folder")
+    r.add_argument("--short", action="store_true", help="a ~30 s subset (CI, make demo)")
+    r.add_argument("--topology", default="cm384",
+                   help="preset: cm384, nvl72, nvl576, ib-cluster")
+    r.set_defaults(func=_reproduce)
+
+    t = subparsers.add_parser("tune", help="sweep the count-worker number in the simulator "
+                              "and compare with the cost model", description=_tune.__doc__)
+    _topology_flags(t)
+    _add_config_flags(t, skip=("count_workers", "mode", "op"))
+    t.add_argument("--max-count-workers", type=int, default=16)
+    t.set_defaults(func=_tune)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _config(args: argparse.Namespace, **override) -> SimConfig:
+    kw = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
+    kw.update(override)
+    return SimConfig(**kw)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """Simulate one dispatch or combine of every rank and print latency and phases."""
+    from rich.table import Table
+
+    from ubep.sim.api import execute, prepare
+    from ubep.stats import write_chrome_trace
+
+    console = _console()
+    try:
+        res = execute(prepare(args.topology, _config(args), ranks=args.ranks))
+    except (ValueError, TypeError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    summary = res.summary()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        tab = Table(title=f"{res.config.op} on {res.topology}, {res.num_ranks} ranks x "
+                    f"{res.workers} workers ({res.config.mode}, {res.config.sync}, "
+                    f"{res.config.schedule})")
+        tab.add_column("quantity")
+        tab.add_column("value", justify="right")
+        tab.add_row("latency", f"{res.latency_us:.2f} us")
+        tab.add_row("effective bandwidth", f"{res.bandwidth_GBps:.1f} GB/s")
+        tab.add_row("payload efficiency", f"{res.payload_efficiency:.3f}")
+        tab.add_row("count workers", str(res.count_workers))
+        for k, v in res.phases_us.items():
+            tab.add_row(f"phase {k} (slowest rank)", f"{v:.2f} us")
+        tab.add_row("simulation time", f"{res.plan_s + res.engine_s:.2f} s")
+        console.print(tab)
+    if args.trace:
+        write_chrome_trace(res.all_stats(), args.trace)
+        console.print(f"trace: {args.trace}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Fit the free cost constants by least squares to paper_public.yaml (and nothing else)."""
+    from rich.table import Table
+
+    from ubep.sim import calibrate as cal
+    from ubep.sim.params import load_calibration
+
+    console = _console()
+    if args.check:
+        rec = load_calibration()
+        if not rec:
+            console.print("[red]error:[/red] no calibration file shipped yet")
+            return 2
+        model = cal.check(rec)
+    else:
+        rec = cal.fit(args.points or cal.DEFAULT_POINTS, max_nfev=args.max_nfev,
+                      progress=console.print)
+        path = cal.write(rec, args.out)
+        console.print(f"wrote {path}")
+        model = [p["model"] for p in rec["points"]]
+    tab = Table(title=f"fit points (rms relative residual {rec['rms_relative_residual']:.3f})")
+    for col in ("point", "target", "model", "residual"):
+        tab.add_column(col, justify="left" if col == "point" else "right")
+    for p, m in zip(rec["points"], model):
+        tab.add_row(p["name"], f"{p['target']:.1f} {p['unit']}", f"{m:.1f}",
+                    f"{(m - p['target']) / p['target']:+.3f}")
+    console.print(tab)
+    return 0
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    """Regenerate the paper's experiments from the fitted model into --out."""
+    from ubep.sim.reproduce import run
+
+    report = run(args.out, short=args.short, topology=args.topology)
+    _console().print(f"report: {report}")
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    """Simulate n_count = 1..max for one workload; print the best and the cost model's pick."""
+    from rich.table import Table
+
+    from ubep.plan import choose_count_workers
+    from ubep.sim.api import execute, prepare
+
+    console = _console()
+    rows = []
+    try:
+        base = _config(args, mode="ubep")
+        for c in range(1, args.max_count_workers + 1):
+            cfg = _config(args, mode="ubep", count_workers=c)
+            rows.append((c, execute(prepare(args.topology, cfg, ranks=args.ranks)).latency_us))
+        prep = prepare(args.topology, base, ranks=args.ranks)
+    except (ValueError, TypeError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    best = min(rows, key=lambda r: r[1])
+    model = choose_count_workers(prep.workers, prep.num_experts, base.top_k,
+                                 base.tokens_per_rank)
+    tab = Table(title=f"count workers on {args.topology}, {args.ranks} ranks, "
+                f"batch {base.tokens_per_rank}")
+    tab.add_column("count workers", justify="right")
+    tab.add_column("latency (us)", justify="right")
+    for c, v in rows:
+        mark = (" best" if c == best[0] else "") + (" cost model" if c == model else "")
+        tab.add_row(str(c), f"{v:.2f}{mark}")
+    console.print(tab)
+    console.print(f"best: {best[0]} ({best[1]:.2f} us); cost model: {model}")
+    return 0

@@ -1,0 +1,512 @@
+"""`ubep reproduce`: the paper's experiments on the calibrated model, as CSV + PNG + report.
+
+Every experiment lists its simulations (jobs) first, so one progress bar covers the whole
+run; then it writes `<name>.csv`, `<name>.png` and a section of `report.md`. Numbers that
+were calibration targets are labelled "fitted", everything else "predicted".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from ubep.sim.api import SimConfig, execute, prepare
+from ubep.sim.metrics import SimResult
+from ubep.sim.params import CostParams, calibrated, load_calibration
+
+# Table 4 of the paper (cm384, 128 tokens x top-8, hidden 7168, 1 byte, one expert per rank)
+PAPER_TABLE4 = {16: (103, 73), 64: (139, 101), 256: (151, 112)}
+TABLE4 = dict(tokens_per_rank=128, hidden=7168, top_k=8, bytes_per_element=1)
+FITTED_RANKS = (16, 64, 256)
+
+
+@dataclass(frozen=True)
+class Job:
+    key: tuple
+    ranks: int
+    config: SimConfig
+
+
+@dataclass
+class Experiment:
+    name: str
+    title: str
+    jobs: list[Job]
+    finish: Callable[[dict, Path], str]   # results by key, out dir -> markdown section
+
+
+def _cfg(mode: str = "ubep", **kw) -> SimConfig:
+    base = dict(TABLE4)
+    base.update(kw)
+    sched = base.pop("schedule", "static" if mode == "bsp" else "hierarchical")
+    return SimConfig(mode=mode, schedule=sched, **base)
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _md_table(rows: list[dict], cols: list[str]) -> str:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+    return str(v)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# -- experiments -------------------------------------------------------------------------
+
+def exp_table4(short: bool, topo: str) -> Experiment:
+    ranks = (16, 32, 64) if short else (16, 32, 64, 128, 256)
+    jobs = [Job((r, m), r, _cfg(m)) for r in ranks for m in ("bsp", "ubep")]
+
+    def finish(res: dict, out: Path) -> str:
+        rows = []
+        for r in ranks:
+            b, u = res[(r, "bsp")], res[(r, "ubep")]
+            paper = PAPER_TABLE4.get(r) if topo == "cm384" else None
+            rows.append({"ranks": r, "label": "fitted" if paper else "predicted",
+                         "bsp_us": b.latency_us, "bsp_GBps": b.bandwidth_GBps,
+                         "ubep_us": u.latency_us, "ubep_GBps": u.bandwidth_GBps,
+                         "speedup": b.latency_us / u.latency_us,
+                         "paper_bsp_us": paper[0] if paper else "",
+                         "paper_ubep_us": paper[1] if paper else ""})
+        _write_csv(out / "table4.csv", rows)
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(ranks, [x["bsp_us"] for x in rows], "o-", label="BSP (CANN-EP) model")
+        ax.plot(ranks, [x["ubep_us"] for x in rows], "s-", label="UBEP model")
+        if topo == "cm384":
+            pr = [r for r in ranks if r in PAPER_TABLE4]
+            ax.plot(pr, [PAPER_TABLE4[r][0] for r in pr], "kx", label="paper BSP")
+            ax.plot(pr, [PAPER_TABLE4[r][1] for r in pr], "k+", label="paper UBEP")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("dispatch latency (us)")
+        ax.set_title(f"Table 4 analogue ({topo})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "table4.png", dpi=110)
+        plt.close(fig)
+        return _md_table(rows, ["ranks", "label", "bsp_us", "bsp_GBps", "ubep_us",
+                                "ubep_GBps", "speedup", "paper_bsp_us", "paper_ubep_us"])
+
+    return Experiment("table4", "Dispatch latency and bandwidth vs ranks, BSP vs UBEP "
+                      "(Table 4)", jobs, finish)
+
+
+def exp_fig3b(short: bool, topo: str) -> Experiment:
+    cores = (8, 16, 24, 32, 48)
+    jobs = [Job(("c", c), 16, _cfg("bsp", workers=c)) for c in cores]
+    paper = dict(zip(cores, (100.0, 76.7, 57.6, 45.6, 31.1)))
+
+    def finish(res: dict, out: Path) -> str:
+        t8 = res[("c", 8)].phases_us["token_send"]
+        rows = []
+        for c in cores:
+            t = res[("c", c)].phases_us["token_send"]
+            rows.append({"cores": c, "label": "fitted" if topo == "cm384" else "predicted",
+                         "token_send_us": t, "efficiency_pct": 100 * t8 * 8 / (t * c),
+                         "paper_efficiency_pct": paper[c] if topo == "cm384" else ""})
+        _write_csv(out / "fig3b.csv", rows)
+        plt = _plt()
+        fig, ax1 = plt.subplots(figsize=(6, 4))
+        ax1.plot(cores, [r["efficiency_pct"] for r in rows], "o-", label="model efficiency")
+        if topo == "cm384":
+            ax1.plot(cores, [paper[c] for c in cores], "kx", label="paper")
+        ax1.set_xlabel("vector cores")
+        ax1.set_ylabel("efficiency vs 8 cores (%)")
+        ax2 = ax1.twinx()
+        ax2.plot(cores, [r["token_send_us"] for r in rows], "g--", label="latency")
+        ax2.set_ylabel("Token-Sending latency (us)")
+        ax1.legend(loc="upper right")
+        ax1.set_title(f"Token-Sending vs cores, BSP, 16 ranks ({topo})")
+        fig.tight_layout()
+        fig.savefig(out / "fig3b.png", dpi=110)
+        plt.close(fig)
+        return _md_table(rows, ["cores", "label", "token_send_us", "efficiency_pct",
+                                "paper_efficiency_pct"])
+
+    return Experiment("fig3b", "Token-Sending latency and efficiency vs cores (Fig. 3b)",
+                      jobs, finish)
+
+
+def exp_fig7(short: bool, topo: str) -> Experiment:
+    R = 32 if short else 128
+    batches = (8, 32, 128) if short else (8, 16, 32, 64, 128)
+    ranks = (32, 64) if short else (64, 128, 256)
+    experts = (R, 2 * R) if short else (128, 256)
+    jobs = [Job(("b", b, m), R, _cfg(m, tokens_per_rank=b)) for b in batches
+            for m in ("bsp", "ubep")]
+    jobs += [Job(("r", r, m), r, _cfg(m)) for r in ranks for m in ("bsp", "ubep")]
+    jobs += [Job(("e", e, m), R, _cfg(m, num_experts=e)) for e in experts
+             for m in ("bsp", "ubep")]
+
+    def finish(res: dict, out: Path) -> str:
+        rows = []
+        for kind, vals, what in (("b", batches, "batch"), ("r", ranks, "ranks"),
+                                 ("e", experts, "experts")):
+            for v in vals:
+                b, u = res[(kind, v, "bsp")], res[(kind, v, "ubep")]
+                rows.append({"sweep": what, "value": v, "ranks": b.num_ranks,
+                             "label": "predicted", "bsp_us": b.latency_us,
+                             "ubep_us": u.latency_us, "speedup": b.latency_us / u.latency_us})
+        _write_csv(out / "fig7.csv", rows)
+        plt = _plt()
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        for ax, what in zip(axes, ("batch", "ranks", "experts")):
+            sel = [r for r in rows if r["sweep"] == what]
+            x = [r["value"] for r in sel]
+            ax.plot(x, [r["bsp_us"] for r in sel], "o-", label="BSP")
+            ax.plot(x, [r["ubep_us"] for r in sel], "s-", label="UBEP")
+            ax.set_xlabel(what)
+            ax.set_ylabel("dispatch latency (us)")
+            ax.set_xscale("log", base=2)
+            ax.legend()
+        fig.suptitle(f"Latency vs batch (at {R} ranks), ranks, experts ({topo})")
+        fig.tight_layout()
+        fig.savefig(out / "fig7.png", dpi=110)
+        plt.close(fig)
+        return _md_table(rows, ["sweep", "value", "ranks", "label", "bsp_us", "ubep_us",
+                                "speedup"])
+
+    return Experiment("fig7", "Latency vs batch, ranks and experts (Fig. 7)", jobs, finish)
+
+
+def exp_fig8(short: bool, topo: str) -> Experiment:
+    R = 32 if short else 64
+    batches = (32, 128) if short else (32, 64, 128)
+    jobs = [Job(("b", b, m), R, _cfg(m, tokens_per_rank=b)) for b in batches
+            for m in ("bsp", "ubep")]
+
+    def finish(res: dict, out: Path) -> str:
+        rows = []
+        for b in batches:
+            for m in ("bsp", "ubep"):
+                r = res[("b", b, m)]
+                crit = int(r.engine.extra["critical_rank"])
+                per: dict[tuple[int, str], float] = {}
+                for iv in r.worker_intervals(crit):
+                    k = (iv.worker, iv.name)
+                    per[k] = per.get(k, 0.0) + iv.duration_us
+                for (w, name), d in sorted(per.items()):
+                    rows.append({"batch": b, "mode": m, "rank": crit, "worker": w,
+                                 "phase": name, "us": d, "label": "predicted"})
+        _write_csv(out / "fig8.csv", rows)
+        plt = _plt()
+        fig, axes = plt.subplots(len(batches), 2, figsize=(12, 2.6 * len(batches)),
+                                 squeeze=False)
+        names = sorted({r["phase"] for r in rows})
+        cmap = plt.get_cmap("tab20")
+        for i, b in enumerate(batches):
+            for j, m in enumerate(("bsp", "ubep")):
+                ax = axes[i][j]
+                sel = [r for r in rows if r["batch"] == b and r["mode"] == m]
+                workers = sorted({r["worker"] for r in sel})
+                bottom = np.zeros(len(workers))
+                for c, name in enumerate(names):
+                    v = np.array([sum(r["us"] for r in sel if r["worker"] == w
+                                      and r["phase"] == name) for w in workers])
+                    if v.any():
+                        ax.bar(workers, v, bottom=bottom, color=cmap(c % 20), label=name)
+                        bottom += v
+                ax.set_title(f"{m.upper()} batch {b}", fontsize=9)
+                ax.set_ylabel("us")
+        axes[0][1].legend(fontsize=6, ncol=2, loc="upper right")
+        fig.suptitle(f"Per-worker phase breakdown, slowest rank, {R} ranks ({topo})")
+        fig.tight_layout()
+        fig.savefig(out / "fig8.png", dpi=110)
+        plt.close(fig)
+        summary = []
+        for b in batches:
+            for m in ("bsp", "ubep"):
+                r = res[("b", b, m)]
+                summary.append({"batch": b, "mode": m, "latency_us": r.latency_us,
+                                **{k: v for k, v in r.phases_us.items() if k != "launch"}})
+        cols = ["batch", "mode", "latency_us"] + sorted(
+            {k for s in summary for k in s} - {"batch", "mode", "latency_us"})
+        return ("Phase durations on the slowest rank (UBEP phases overlap):\n\n"
+                + _md_table(summary, cols))
+
+    return Experiment("fig8", "Per-phase breakdown per worker (Fig. 8)", jobs, finish)
+
+
+def exp_fig9(short: bool, topo: str) -> Experiment:
+    scheds = ("static", "balanced", "hierarchical")
+    R = 64
+    jobs = [Job(("s", s), R, _cfg("ubep", num_experts=256, schedule=s, hot_experts=8,
+                                  routing="hot")) for s in scheds]
+
+    def finish(res: dict, out: Path) -> str:
+        rows, summary = [], []
+        for s in scheds:
+            r = res[("s", s)]
+            e = r.engine
+            # per worker (all ranks): Token-Sending latency = its last issue - role start
+            sel = e.iv_name == "token_send"
+            lat = e.iv_end[sel] - e.iv_start[sel]
+            ranks, workers = e.iv_rank[sel], e.iv_worker[sel]
+            for rk, w, v in zip(ranks, workers, lat):
+                rows.append({"schedule": s, "rank": int(rk), "worker": int(w), "us": float(v),
+                             "label": "predicted"})
+            summary.append({"schedule": s, "label": "predicted", "max_us": float(lat.max()),
+                            "mean_us": float(lat.mean()), "min_us": float(lat.min()),
+                            "dispatch_us": r.latency_us})
+        _write_csv(out / "fig9.csv", rows)
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for s in scheds:
+            v = [x["us"] for x in rows if x["schedule"] == s and x["rank"] == 0]
+            ax.plot(range(len(v)), v, ".-", label=f"{s} (max all ranks "
+                    f"{[m['max_us'] for m in summary if m['schedule'] == s][0]:.1f} us)")
+        ax.set_xlabel("token worker (rank 0)")
+        ax.set_ylabel("Token-Sending latency (us)")
+        ax.set_title(f"64 ranks, 256 experts, top-8, 8 hot experts ({topo})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "fig9.png", dpi=110)
+        plt.close(fig)
+        return _md_table(summary, ["schedule", "label", "max_us", "mean_us", "min_us",
+                                   "dispatch_us"])
+
+    return Experiment("fig9", "Per-worker Token-Sending latency with hot experts, by "
+                      "scheduler (Fig. 9)", jobs, finish)
+
+
+def exp_fig10(short: bool, topo: str) -> Experiment:
+    sizes = (10, 1000, 10000) if short else (10, 30, 100, 300, 1000, 3000, 10000)
+    ranks = (16,) if short else (16, 32, 64)
+    syncs = ("sw", "tff", "dc", "sp")
+    jobs = [Job((r, s, y), r, _cfg("ubep", tokens_per_rank=8, hidden=s, sync=y))
+            for r in ranks for s in sizes for y in syncs]
+
+    def finish(res: dict, out: Path) -> str:
+        rows = [{"ranks": r, "bytes": s, "sync": y, "label": "predicted",
+                 "latency_us": res[(r, s, y)].latency_us,
+                 "payload_efficiency": res[(r, s, y)].payload_efficiency}
+                for r in ranks for s in sizes for y in syncs]
+        _write_csv(out / "fig10.csv", rows)
+        plt = _plt()
+        fig, axes = plt.subplots(1, len(ranks), figsize=(4.5 * len(ranks), 3.8), squeeze=False)
+        for ax, r in zip(axes[0], ranks):
+            for y in syncs:
+                ax.plot(sizes, [res[(r, s, y)].latency_us for s in sizes], "o-", label=y)
+            ax.set_xscale("log")
+            ax.set_xlabel("bytes per token")
+            ax.set_ylabel("dispatch latency (us)")
+            ax.set_title(f"{r} ranks")
+            ax.legend()
+        fig.suptitle(f"Sync variants vs data size, 8 tokens x top-8 ({topo})")
+        fig.tight_layout()
+        fig.savefig(out / "fig10.png", dpi=110)
+        plt.close(fig)
+        piv = []
+        for r in ranks:
+            for s in sizes:
+                piv.append({"ranks": r, "bytes": s, **{y: res[(r, s, y)].latency_us
+                                                       for y in syncs}})
+        return _md_table(piv, ["ranks", "bytes", *syncs])
+
+    return Experiment("fig10", "sw / tff / dc / sp vs data size (Fig. 10)", jobs, finish)
+
+
+def exp_fig12(short: bool, topo: str) -> Experiment:
+    ranks = (16, 32, 64) if short else (16, 32, 64, 128, 256)
+    batches = (32, 128)
+    topks = (2, 4, 8)
+    R = 32 if short else 64
+    jobs = [Job(("b", b, r, m), r, _cfg(m, tokens_per_rank=b)) for b in batches
+            for r in ranks for m in ("bsp", "ubep")]
+    jobs += [Job(("k", k, m), R, _cfg(m, top_k=k)) for k in topks for m in ("bsp", "ubep")]
+
+    def finish(res: dict, out: Path) -> str:
+        rows = []
+        for b in batches:
+            for r in ranks:
+                x, y = res[("b", b, r, "bsp")], res[("b", b, r, "ubep")]
+                fitted = topo == "cm384" and b == 128 and r in FITTED_RANKS
+                rows.append({"sweep": f"batch {b}", "ranks": r, "top_k": 8,
+                             "label": "fitted" if fitted else "predicted",
+                             "bsp_us": x.latency_us, "ubep_us": y.latency_us,
+                             "speedup": x.latency_us / y.latency_us})
+        for k in topks:
+            x, y = res[("k", k, "bsp")], res[("k", k, "ubep")]
+            rows.append({"sweep": "top-k", "ranks": R, "top_k": k, "label": "predicted",
+                         "bsp_us": x.latency_us, "ubep_us": y.latency_us,
+                         "speedup": x.latency_us / y.latency_us})
+        _write_csv(out / "fig12_13.csv", rows)
+        plt = _plt()
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        for ax, b in zip(axes, batches):
+            sel = [r for r in rows if r["sweep"] == f"batch {b}"]
+            ax.plot(ranks, [r["bsp_us"] for r in sel], "o-", label="BSP")
+            ax.plot(ranks, [r["ubep_us"] for r in sel], "s-", label="UBEP")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("ranks")
+            ax.set_ylabel("latency (us)")
+            ax.set_title(f"batch {b}")
+            ax.legend()
+        sel = [r for r in rows if r["sweep"] == "top-k"]
+        axes[2].plot(topks, [r["bsp_us"] for r in sel], "o-", label="BSP")
+        axes[2].plot(topks, [r["ubep_us"] for r in sel], "s-", label="UBEP")
+        axes[2].set_xlabel("top-k")
+        axes[2].set_title(f"{R} ranks, batch 128")
+        axes[2].legend()
+        fig.suptitle(f"Batch 32/128 across ranks, and top-k ({topo})")
+        fig.tight_layout()
+        fig.savefig(out / "fig12_13.png", dpi=110)
+        plt.close(fig)
+        return _md_table(rows, ["sweep", "ranks", "top_k", "label", "bsp_us", "ubep_us",
+                                "speedup"])
+
+    return Experiment("fig12_13", "Batch 32 and 128 across ranks; top-k 2/4/8 (Figs. 12-13)",
+                      jobs, finish)
+
+
+def exp_fig14(short: bool, topo: str) -> Experiment:
+    from ubep.plan import choose_count_workers
+
+    ranks = (64,) if short else (64, 128, 256)
+    batches = (8, 32, 128) if short else (8, 16, 32, 64, 128)
+    ncs = (1, 2, 4, 8, 16) if short else tuple(range(1, 17))
+    jobs = [Job((r, b, c), r, _cfg("ubep", tokens_per_rank=b, count_workers=c))
+            for r in ranks for b in batches for c in ncs]
+
+    def finish(res: dict, out: Path) -> str:
+        rows, best = [], []
+        for r in ranks:
+            for b in batches:
+                lat = [res[(r, b, c)].latency_us for c in ncs]
+                for c, v in zip(ncs, lat):
+                    rows.append({"ranks": r, "batch": b, "count_workers": c, "latency_us": v,
+                                 "label": "predicted"})
+                k = int(np.argmin(lat))
+                model = choose_count_workers(48, r, 8, b)
+                best.append({"ranks": r, "batch": b, "best_count_workers": ncs[k],
+                             "best_us": lat[k], "cost_model_choice": model,
+                             "cost_model_us": res[(r, b, model)].latency_us
+                             if (r, b, model) in res else "",
+                             "label": "predicted"})
+        _write_csv(out / "fig14.csv", rows)
+        _write_csv(out / "fig14_best.csv", best)
+        plt = _plt()
+        grid = np.array([[res[(r, b, c)].latency_us for c in ncs] for r in ranks
+                         for b in batches])
+        norm = grid / grid.min(axis=1, keepdims=True)
+        fig, ax = plt.subplots(figsize=(9, 0.45 * len(grid) + 1.5))
+        im = ax.imshow(norm, aspect="auto", cmap="viridis_r", vmin=1.0, vmax=min(norm.max(), 2))
+        ax.set_xticks(range(len(ncs)), [str(c) for c in ncs])
+        ax.set_yticks(range(len(grid)), [f"{r} ranks, batch {b}" for r in ranks
+                                         for b in batches], fontsize=7)
+        for i, row in enumerate(best):
+            ax.plot(ncs.index(row["best_count_workers"]), i, "w*", ms=9)
+            if row["cost_model_choice"] in ncs:
+                ax.plot(ncs.index(row["cost_model_choice"]), i, "rx", ms=7)
+        ax.set_xlabel("count workers (white star: best; red x: cost model's choice)")
+        fig.colorbar(im, label="latency / row minimum")
+        ax.set_title(f"Count-worker sweep ({topo})")
+        fig.tight_layout()
+        fig.savefig(out / "fig14.png", dpi=110)
+        plt.close(fig)
+        return _md_table(best, ["ranks", "batch", "best_count_workers", "best_us",
+                                "cost_model_choice", "cost_model_us"])
+
+    return Experiment("fig14", "Count-worker sweep, best per row vs the cost model "
+                      "(Fig. 14, Appendix A)", jobs, finish)
+
+
+EXPERIMENTS = (exp_table4, exp_fig3b, exp_fig7, exp_fig8, exp_fig9, exp_fig10, exp_fig12,
+               exp_fig14)
+
+
+def run(out_dir: str | Path, short: bool = True, topology: str = "cm384",
+        params: CostParams | None = None, progress: bool = True) -> Path:
+    """Run every experiment into `out_dir`; returns the path of `report.md`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = params or calibrated(topology)
+    exps = [f(short, topology) for f in EXPERIMENTS]
+    total = sum(len(e.jobs) for e in exps)
+    t0 = time.perf_counter()
+    results: dict[str, dict] = {}
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cols = (TextColumn("[progress.description]{task.description}"), BarColumn(),
+            MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, disable=not progress, transient=False) as bar:
+        task = bar.add_task("reproduce", total=total)
+        for e in exps:
+            bar.update(task, description=f"{e.name:>9}")
+            res: dict = {}
+            for j in e.jobs:
+                res[j.key] = _simulate(topology, j, params)
+                bar.advance(task)
+            results[e.name] = res
+    sections = [(e, e.finish(results[e.name], out)) for e in exps]
+    wall = time.perf_counter() - t0
+    report = _report(out, sections, topology, short, params, wall, total)
+    (out / "config.json").write_text(json.dumps({
+        "topology": topology, "short": short, "params": params.__dict__,
+        "simulations": total, "wall_s": round(wall, 1)}, indent=2))
+    return report
+
+
+def _simulate(topology: str, job: Job, params: CostParams) -> SimResult:
+    cfg = job.config
+    if cfg.num_experts == 0:
+        cfg = replace(cfg, num_experts=job.ranks)
+    return execute(prepare(topology, cfg, ranks=job.ranks), params)
+
+
+def _report(out: Path, sections, topology: str, short: bool, params: CostParams,
+            wall: float, total: int) -> Path:
+    cal = load_calibration()
+    lines = [f"# ubep simulator: the paper's experiments on `{topology}`",
+             "",
+             f"{'Short' if short else 'Full'} run: {total} simulations in {wall:.1f} s. "
+             "Model: `ubep.sim` with the constants of `calibration_v1.json` "
+             f"(fitted {cal.get('created', '?')}, rms relative residual "
+             f"{cal.get('rms_relative_residual', float('nan')):.3f}). Labels: **fitted** = a "
+             "calibration target of shared/calibration/paper_public.yaml; **predicted** = "
+             "not fitted. Workload unless stated: 128 tokens x top-8 per rank, hidden 7168, "
+             "1 byte per element, one expert per rank, uniform routing, seed 0.",
+             "",
+             "Cost constants used:",
+             "",
+             "| constant | value | meaning |", "|---|---|---|"]
+    helps = CostParams.help()
+    for k, v in params.__dict__.items():
+        lines.append(f"| {k} | {v:.4g} | {helps[k]} |")
+    for e, md in sections:
+        lines += ["", f"## {e.title}", "", f"![{e.name}]({e.name}.png)", "", md]
+    p = out / "report.md"
+    p.write_text("\n".join(lines) + "\n")
+    return p
