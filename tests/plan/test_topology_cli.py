@@ -56,3 +56,15 @@ def test_list_names_the_presets(capsys):
     assert main(["topology", "list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ("cm384", "nvl72", "nvl576", "ib-cluster", "host"))
+
+
+def test_plan_shows_each_workers_hop_mix(capsys):
+    argv = ["topology", "plan", "cm384", "--ranks", "32", "--workers", "5", "--tokens", "20",
+            "--mode", "bsp"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "5 token" in out and "sends=160" in out
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.count("│") == 7]
+    totals = [int(r[-1]) for r in rows]
+    assert len(totals) == 5 and sum(totals) == 160 and max(totals) - min(totals) <= 1
+    assert main(argv[:3] + ["--rank", "99"]) == 2

@@ -28,6 +28,20 @@ def register(subparsers) -> None:
     v.set_defaults(func=_validate)
     ls = sub.add_parser("list", help="list the shipped presets")
     ls.set_defaults(func=_list)
+    pl = sub.add_parser("plan", help="plan one rank's dispatch of a random routing and show "
+                        "each token worker's load per hop class")
+    pl.add_argument("topology", help=f"a preset ({', '.join(PRESETS)}) or a TOML file")
+    pl.add_argument("--ranks", type=int, default=None, help="scale to this many ranks")
+    pl.add_argument("--rank", type=int, default=0, help="the planning rank")
+    pl.add_argument("--experts", type=int, default=None, help="global experts (default: ranks)")
+    pl.add_argument("--tokens", type=int, default=128)
+    pl.add_argument("--top-k", type=int, default=8)
+    pl.add_argument("--workers", type=int, default=None, help="default: the topology's")
+    pl.add_argument("--schedule", default="hierarchical",
+                    choices=("static", "balanced", "hierarchical"))
+    pl.add_argument("--mode", default="ubep", choices=("ubep", "bsp"))
+    pl.add_argument("--seed", type=int, default=0)
+    pl.set_defaults(func=_plan)
     st = sub.add_parser("study", help="scheduler quality (vs exact optimum) and planning speed")
     st.add_argument("--instances", type=int, default=300, help="small instances (<= 12 sends)")
     st.add_argument("--paper-instances", type=int, default=30,
@@ -160,6 +174,37 @@ def hop_picture(topo: Topology) -> list:
         legend.append(f"{h}={name} ", style=_COLORS[h % len(_COLORS)])
     lines.append(legend)
     return lines
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from ubep.plan import make_plan
+
+    console = _console()
+    try:
+        topo = load(args.topology, args.ranks)
+        experts = args.experts or topo.num_ranks
+        rng = np.random.default_rng(args.seed)
+        k = min(args.top_k, experts)
+        idx = np.argsort(rng.random((args.tokens, experts)), axis=1)[:, :k]
+        plan = make_plan(idx, topology=topo, rank=args.rank, num_experts=experts,
+                         workers=args.workers or topo.workers_per_rank,
+                         schedule=args.schedule, mode=args.mode)
+    except (ValueError, TypeError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    console.print(repr(plan), soft_wrap=True)
+    counts = plan.hop_counts()
+    table = Table(title=f"sends per token worker and hop class ({plan.schedule})")
+    table.add_column("worker", justify="right")
+    for h, name in enumerate(plan.hop_names):
+        table.add_column(f"{h} {name}", justify="right", style=_COLORS[h % len(_COLORS)])
+    table.add_column("total", justify="right")
+    for j, row in enumerate(counts):
+        table.add_row(str(plan.count_workers + j), *map(str, row), str(row.sum()))
+    console.print(table)
+    return 0
 
 
 def _study(args: argparse.Namespace) -> int:

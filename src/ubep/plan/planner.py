@@ -132,6 +132,14 @@ class Plan:
         ext = np.concatenate((self.expert_order, [self.num_experts]))
         return ext[pos], offset, steps
 
+    def __repr__(self) -> str:
+        per = self.sends_per_worker()
+        load = f"{per.min()}-{per.max()}" if per.size else "0"
+        return (f"Plan(rank={self.rank}/{self.num_ranks}, schedule={self.schedule!r}, "
+                f"mode={self.mode!r}, workers={self.workers} ({self.count_workers} count + "
+                f"{self.token_workers} token), sends={self.num_sends} ({load} per worker), "
+                f"tokens={self.num_tokens}x{self.top_k}, experts={self.num_experts})")
+
     def summary(self) -> dict:
         """Small JSON-able description (for stats and traces)."""
         per = self.sends_per_worker()
