@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from ubep.testing import run_ranks
 
     console = Console()
+    if not console.is_terminal:  # piped or logged: do not squeeze the table to 80 columns
+        console = Console(width=140)
     built = available_backends()
     backends = args.backends or built
     missing = [b for b in backends if b not in built]
@@ -105,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
                         f"{args.steps - args.warmup} measured steps")
     for col in ("arch", "batch", "backend", "P50 ms", "P99 ms", "mean ms", "comm share",
                 "P50 vs gloo", "tokens = unsplit"):
-        table.add_column(col, justify="right" if col not in ("arch", "backend") else "left")
+        table.add_column(col, justify="left" if col in ("arch", "backend") else "right",
+                         no_wrap=True)
     for s in summaries:
         m = matches.get((s.arch, s.batch, s.backend))
         table.add_row(s.arch, str(s.batch), s.backend, f"{s.p50_ms:.2f}", f"{s.p99_ms:.2f}",
