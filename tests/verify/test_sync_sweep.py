@@ -75,7 +75,7 @@ def test_sweep_runs_every_variant_on_the_torch_backend(tmp_path):
 
 @pytest.mark.skipif("shm" not in _BACKENDS, reason="shm backend not registered yet")
 def test_sweep_runs_every_variant_on_the_shm_backend():
-    cfg = SyncSweepConfig(payloads=(16, 1024), iters=5, warmup=2, backend="shm")
+    cfg = SyncSweepConfig(payloads=(1024,), iters=5, warmup=2, backend="shm")
     _check_run(run_sync_sweep(cfg, progress=False), cfg)
 
 
@@ -95,3 +95,67 @@ def test_table_and_gain_from_recorded_points(tmp_path):
     text = console.export_text()
     assert "sp +50%" in text and "dc -10%" in text and "5.0 / 6.0" in text
     assert write_sync_sweep(result, tmp_path)["json"].exists()
+
+
+# -- the block formats alone (ping-pong) ---------------------------------------------------------
+
+def _threads_pingpong(sync, block_bytes, payload, rounds=50):
+    """Both sides of the ping-pong as two threads of this process (nogil kernels)."""
+    import threading
+
+    import numpy as np
+
+    from ubep.bench.sync_pingpong import _FMT, _pingpong
+    from ubep.plan.blocks import SENTINEL_I64, BlockFormat
+
+    fmt = BlockFormat(sync, block_bytes)
+    win = fmt.wire_bytes(payload)
+    mem = np.zeros(2 * (win + 64) // 8, np.int64)
+    if sync == "sp":                           # arm the marker word of every block
+        for d in (0, 1):
+            for blk in range(win // block_bytes):
+                mem[(d * (win + 64) + (blk + 1) * block_bytes) // 8 - 1] = SENTINEL_I64
+    base = mem.ctypes.data
+    a, b = base, base + win + 64
+    rng = np.random.default_rng(payload)
+    src = [rng.integers(0, 1 << 60, payload // 8 + 1, dtype=np.int64) for _ in range(2)]
+    dst = [np.zeros_like(s) for s in src]
+    done = [0, 0]
+    stamps = np.zeros(rounds, np.int64)
+
+    def side(i):
+        out_w, in_w = (a, b) if i == 0 else (b, a)
+        done[i] = _pingpong(out_w, out_w + win, in_w, in_w + win, _FMT[sync], block_bytes,
+                            src[i], dst[i], payload // 8, i == 0, rounds, 1, 0, 50_000_000,
+                            stamps)
+
+    threads = [threading.Thread(target=side, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return done, src, dst, stamps
+
+
+@pytest.mark.parametrize("sync", ["sw", "tff", "dc", "sp"])
+@pytest.mark.parametrize("block_bytes, payload", [(64, 200), (512, 16), (512, 1512)])
+def test_pingpong_formats_deliver_every_byte(sync, block_bytes, payload):
+    done, src, dst, stamps = _threads_pingpong(sync, block_bytes, payload)
+    assert done == [50, 50]
+    n = payload // 8
+    assert (dst[0][:n] == src[1][:n]).all() and (dst[1][:n] == src[0][:n]).all()
+    assert (stamps > 0).all()
+
+
+def test_pingpong_sweep_on_two_ranks(tmp_path):
+    from ubep.bench.sync_sweep import run_sync_pingpong
+
+    cfg = SyncSweepConfig(payloads=(16, 2048), pingpong_rounds=20, pingpong_runs=2)
+    result = run_sync_pingpong(cfg)
+    assert result.metric == "pingpong"
+    assert {(p.payload_bytes, p.sync) for p in result.points} == {
+        (pl, v) for pl in cfg.payloads for v in cfg.syncs}
+    for p in result.points:
+        assert p.iters == 40 and 0 < p.min_us <= p.median_us <= p.p99_us
+    paths = write_sync_sweep(result, tmp_path)
+    assert paths["png"].name == "sync_pingpong.png" and paths["png"].stat().st_size > 1000

@@ -14,6 +14,10 @@ combine, as in a real MoE layer.
 
     ubep bench --sync-sweep                 # through engineer F's `ubep bench`
     python -m ubep.bench.sync_sweep         # the same, standalone
+
+With `--sweep-kind pingpong` (or `both`, the default) it also times the block formats
+alone, without the runtime around them (`ubep.bench.sync_pingpong`): there the variants'
+differences are not hidden by the per-call costs of a Python runtime.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class SyncSweepConfig:
     dtype: str = field(default="bfloat16", metadata={"help": "row dtype"})
     workers: int | None = field(default=None, metadata={"help": "worker threads per rank"})
     timeout_s: float = field(default=30.0, metadata={"help": "deadline of every wait"})
+    pingpong_rounds: int = field(default=200, metadata={"help": "ping-pong: rounds per run"})
+    pingpong_runs: int = field(default=10, metadata={"help": "ping-pong: timed runs per point"})
 
     def __post_init__(self):
         if not self.payloads:
@@ -74,7 +80,7 @@ class SyncSweepConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
         for name, lo in (("ranks", 2), ("rows_per_pair", 1), ("iters", 1), ("warmup", 0),
-                         ("block_bytes", 16)):
+                         ("block_bytes", 16), ("pingpong_rounds", 1), ("pingpong_runs", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}={v!r} must be an int >= {lo}")
@@ -88,14 +94,15 @@ class SyncSweepConfig:
 
 @dataclass(frozen=True)
 class SweepPoint:
-    """One (payload, variant): dispatch latency over iterations (max over ranks), µs."""
+    """One (payload, variant): latency over samples, µs (dispatch: max over ranks per
+    iteration; ping-pong: one-way, half of each round trip)."""
 
     payload_bytes: int
     sync: str
     median_us: float
     p99_us: float
     min_us: float
-    combine_median_us: float
+    combine_median_us: float | None
     iters: int
 
 
@@ -108,6 +115,7 @@ class SyncSweepResult:
     unavailable: dict[str, str]
     host: str
     seconds: float
+    metric: str = "dispatch"          # "dispatch" (Buffer calls) | "pingpong" (formats alone)
 
     def point(self, payload: int, sync: str) -> SweepPoint | None:
         for p in self.points:
@@ -130,8 +138,9 @@ class SyncSweepResult:
         return best.sync, (sw.median_us - best.median_us) / sw.median_us
 
     def to_dict(self) -> dict:
-        return {"config": asdict(self.config), "host": self.host, "seconds": self.seconds,
-                "unavailable": self.unavailable, "points": [asdict(p) for p in self.points]}
+        return {"metric": self.metric, "config": asdict(self.config), "host": self.host,
+                "seconds": self.seconds, "unavailable": self.unavailable,
+                "points": [asdict(p) for p in self.points]}
 
 
 # -- what every rank runs ---------------------------------------------------------------------
@@ -253,8 +262,34 @@ def run_sync_sweep(cfg: SyncSweepConfig, *, progress: bool = True) -> SyncSweepR
                                          float(np.percentile(d, 99)), float(d.min()),
                                          float(np.median(t[1])), int(d.size)))
             bar.advance(task)
-    host = f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
-    return SyncSweepResult(cfg, points, unavailable, host, time.monotonic() - start)
+    return SyncSweepResult(cfg, points, unavailable, _host(), time.monotonic() - start)
+
+
+def _host() -> str:
+    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
+
+
+def run_sync_pingpong(cfg: SyncSweepConfig) -> SyncSweepResult:
+    """The block formats alone (`ubep.bench.sync_pingpong`): one-way latency of a message of
+    each payload per variant between 2 ranks, every delivery checked; metric "pingpong"."""
+    from ubep.bench.sync_pingpong import pingpong_rank
+    from ubep.testing import run_ranks
+
+    bad = [p for p in cfg.payloads if p % 8]
+    if bad:
+        raise ValueError(f"payloads {bad} must be multiples of 8 bytes for the ping-pong")
+    start = time.monotonic()
+    out = run_ranks(pingpong_rank, 2, cfg.payloads, cfg.syncs, cfg.block_bytes,
+                    cfg.pingpong_rounds, cfg.pingpong_runs, cfg.timeout_s,
+                    timeout_s=300.0 + cfg.timeout_s)[0]
+    points = []
+    for payload in cfg.payloads:
+        for v in cfg.syncs:
+            d = out["samples"][(payload, v)]
+            points.append(SweepPoint(payload, v, float(np.median(d)),
+                                     float(np.percentile(d, 99)), float(d.min()), None,
+                                     int(d.size)))
+    return SyncSweepResult(cfg, points, {}, _host(), time.monotonic() - start, "pingpong")
 
 
 # -- reports ----------------------------------------------------------------------------------
@@ -268,9 +303,15 @@ def sweep_table(result: SyncSweepResult):
     from rich.table import Table
 
     cfg = result.config
-    table = Table(title=f"dispatch latency by sync variant, µs (median / p99), {cfg.ranks} "
-                        f"ranks, backend={cfg.backend}, mode={cfg.mode}, "
-                        f"block={cfg.block_bytes} B, {cfg.iters} iters")
+    if result.metric == "pingpong":
+        title = (f"one-way message latency by block format, µs (median / p99), 2 ranks, "
+                 f"block={cfg.block_bytes} B, {result.points[0].iters if result.points else 0} "
+                 f"round trips")
+    else:
+        title = (f"dispatch latency by sync variant, µs (median / p99), {cfg.ranks} ranks, "
+                 f"backend={cfg.backend}, mode={cfg.mode}, block={cfg.block_bytes} B, "
+                 f"{cfg.iters} iters")
+    table = Table(title=title)
     table.add_column("per pair", justify="right")
     for v in cfg.syncs:
         table.add_column(v, justify="right")
@@ -312,10 +353,14 @@ def plot_sync_sweep(result: SyncSweepResult, path: str | Path) -> Path:
     ax.set_xticks(list(result.config.payloads))
     ax.set_xticklabels([_size(p) for p in result.config.payloads], rotation=45)
     ax.set_xlabel("payload per (source, destination) pair")
-    ax.set_ylabel("dispatch latency (µs)")
     cfg = result.config
-    ax.set_title(f"Sync variants, {cfg.ranks} ranks, {cfg.backend}/{cfg.mode}, "
-                 f"block {cfg.block_bytes} B")
+    if result.metric == "pingpong":
+        ax.set_ylabel("one-way latency (µs)")
+        ax.set_title(f"Block formats alone (ping-pong), 2 ranks, block {cfg.block_bytes} B")
+    else:
+        ax.set_ylabel("dispatch latency (µs)")
+        ax.set_title(f"Sync variants, {cfg.ranks} ranks, {cfg.backend}/{cfg.mode}, "
+                     f"block {cfg.block_bytes} B")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -326,19 +371,22 @@ def plot_sync_sweep(result: SyncSweepResult, path: str | Path) -> Path:
 
 
 def write_sync_sweep(result: SyncSweepResult, out_dir: str | Path) -> dict[str, Path]:
-    """Write `sync_sweep.csv`, `sync_sweep.json` and `sync_sweep.png` into `out_dir`."""
+    """Write `<name>.csv`, `.json` and `.png` into `out_dir`; name = "sync_sweep" (dispatch)
+    or "sync_pingpong"."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"csv": out / "sync_sweep.csv", "json": out / "sync_sweep.json"}
+    name = "sync_pingpong" if result.metric == "pingpong" else "sync_sweep"
+    paths = {"csv": out / f"{name}.csv", "json": out / f"{name}.json"}
     with paths["csv"].open("w", newline="") as f:
         wr = csv.writer(f)
         wr.writerow(["payload_bytes", "sync", "median_us", "p99_us", "min_us",
                      "combine_median_us", "iters"])
         for p in result.points:
+            comb = "" if p.combine_median_us is None else f"{p.combine_median_us:.3f}"
             wr.writerow([p.payload_bytes, p.sync, f"{p.median_us:.3f}", f"{p.p99_us:.3f}",
-                         f"{p.min_us:.3f}", f"{p.combine_median_us:.3f}", p.iters])
+                         f"{p.min_us:.3f}", comb, p.iters])
     paths["json"].write_text(json.dumps(result.to_dict(), indent=1))
-    paths["png"] = plot_sync_sweep(result, out / "sync_sweep.png")
+    paths["png"] = plot_sync_sweep(result, out / f"{name}.png")
     return paths
 
 
@@ -361,6 +409,11 @@ def add_sync_sweep_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-mode", default="ubep", choices=MODES, help="default ubep")
     g.add_argument("--sweep-block-bytes", type=int, default=512, help="default 512")
     g.add_argument("--sweep-workers", type=int, default=None, help="threads per rank")
+    g.add_argument("--sweep-kind", default="both", choices=("dispatch", "pingpong", "both"),
+                   help="dispatch: Buffer calls per variant; pingpong: the block formats alone "
+                        "(one-way message latency); both (default)")
+    g.add_argument("--sweep-pingpong-runs", type=int, default=10,
+                   help="ping-pong: timed runs of 200 round trips per point (10)")
     g.add_argument("--sweep-out", default="results/sync_sweep",
                    help="folder for sync_sweep.{csv,json,png} (default results/sync_sweep)")
 
@@ -377,7 +430,8 @@ def config_from_args(args: argparse.Namespace) -> SyncSweepConfig:
                            rows_per_pair=args.sweep_rows, iters=args.sweep_iters,
                            warmup=args.sweep_warmup, backend=args.sweep_backend,
                            mode=args.sweep_mode, block_bytes=args.sweep_block_bytes,
-                           workers=args.sweep_workers)
+                           workers=args.sweep_workers,
+                           pingpong_runs=getattr(args, "sweep_pingpong_runs", 10))
 
 
 def run_sync_sweep_command(args: argparse.Namespace) -> int:
@@ -390,14 +444,20 @@ def run_sync_sweep_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
-    result = run_sync_sweep(cfg)
-    console.print(sweep_table(result))
-    for v, why in result.unavailable.items():
-        console.print(f"[yellow]{v} unavailable[/yellow]: {why}")
-    paths = write_sync_sweep(result, args.sweep_out)
-    console.print(f"wrote {', '.join(str(p) for p in paths.values())} "
-                  f"({result.seconds:.0f} s, {result.host})")
-    return 0 if result.points else 1
+    kind = getattr(args, "sweep_kind", "dispatch")
+    results = []
+    if kind in ("dispatch", "both"):
+        results.append(run_sync_sweep(cfg))
+    if kind in ("pingpong", "both"):
+        results.append(run_sync_pingpong(cfg))
+    for result in results:
+        console.print(sweep_table(result))
+        for v, why in result.unavailable.items():
+            console.print(f"[yellow]{v} unavailable[/yellow]: {why}")
+        paths = write_sync_sweep(result, args.sweep_out)
+        console.print(f"wrote {', '.join(str(p) for p in paths.values())} "
+                      f"({result.seconds:.0f} s, {result.host})")
+    return 0 if all(r.points for r in results) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
