@@ -162,3 +162,14 @@ def test_host_topology_from_numa_layouts(tmp_path):
     assert info.num_nodes >= 1 and info.num_cores >= 1
     here = Topology.host()
     assert here.num_ranks == discover_host().num_nodes
+
+
+def test_pickles_without_its_caches():
+    import pickle
+
+    topo = Topology.preset("cm384")
+    topo.hop_matrix()
+    data = pickle.dumps(topo)
+    assert len(data) < 4096           # the 384 x 384 hop matrix is not shipped
+    back = pickle.loads(data)
+    assert back == topo and (back.hop_matrix() == topo.hop_matrix()).all()

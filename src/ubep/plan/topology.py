@@ -83,6 +83,10 @@ class Topology:
     def __post_init__(self) -> None:
         _check_topology(self, where=f"topology {self.name!r}")
 
+    def __getstate__(self) -> dict:
+        # derived caches (hop matrix, planner layouts) are rebuilt on demand, not shipped
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
     # -- hop classes ------------------------------------------------------------------
     @property
     def num_hop_classes(self) -> int:
