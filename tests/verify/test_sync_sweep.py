@@ -93,7 +93,7 @@ def test_table_and_gain_from_recorded_points(tmp_path):
     console = Console(record=True, width=160)
     console.print(sweep_table(result))
     text = console.export_text()
-    assert "sp +50%" in text and "dc -10%" in text and "5.0 / 6.0" in text
+    assert "sp +50%" in text and "dc -10%" in text and "5.00 / 6.00" in text
     assert write_sync_sweep(result, tmp_path)["json"].exists()
 
 

@@ -294,6 +294,11 @@ def run_sync_pingpong(cfg: SyncSweepConfig) -> SyncSweepResult:
 
 # -- reports ----------------------------------------------------------------------------------
 
+def _us(x: float) -> str:
+    """Microseconds with the digits that mean something: 0.42, 12.3, 4852."""
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 1000 else f"{x:.0f}"
+
+
 def _size(n: int) -> str:
     return f"{n // 1024} KB" if n >= 1024 and n % 1024 == 0 else f"{n} B"
 
@@ -324,7 +329,7 @@ def sweep_table(result: SyncSweepResult):
             if p is None:
                 cells.append("-")
                 continue
-            text = f"{p.median_us:.1f} / {p.p99_us:.1f}"
+            text = f"{_us(p.median_us)} / {_us(p.p99_us)}"
             cells.append(f"[bold green]{text}[/bold green]" if v == best else text)
         g = result.gain_over_sw(payload)
         cells.append(f"{g[0]} {g[1] * 100:+.0f}%" if g else "-")
