@@ -173,3 +173,21 @@ def test_pickles_without_its_caches():
     assert len(data) < 4096           # the 384 x 384 hop matrix is not shipped
     back = pickle.loads(data)
     assert back == topo and (back.hop_matrix() == topo.hop_matrix()).all()
+
+
+def test_hop_classes_form_a_tree_on_random_fabrics():
+    """Hop classes of any fabric: symmetric, 0 only on the diagonal, and ultrametric
+    (a detour through a third rank is never nearer), for every scaled size."""
+    from hypothesis import given, settings
+    from plan_strategies import topologies
+
+    @settings(max_examples=60, deadline=None)
+    @given(topo=topologies(max_ranks=30))
+    def check(topo):
+        for n in (topo.num_ranks, max(1, topo.num_ranks // 2), topo.num_ranks + 5):
+            hops = topo.with_ranks(n).hop_matrix()
+            assert (hops == hops.T).all() and ((hops == 0) == np.eye(n, dtype=bool)).all()
+            # ultrametric: hop(a, c) <= max(hop(a, b), hop(b, c)) for all a, b, c
+            assert (hops[:, None, :] <= np.maximum(hops[:, :, None], hops[None, :, :])).all()
+
+    check()
