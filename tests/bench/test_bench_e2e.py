@@ -48,6 +48,8 @@ def test_bench_side_by_side(tmp_path):
     _check_complete(rows, run, ["shm-ubep", "shm-bsp", "torch"])
     assert "torch" in {r["system"] for r in rows}   # gloo is always there
     assert (out / "bench.png").stat().st_size > 0
+    md = (out / "bench.md").read_text()
+    assert md.count("| 5 | torch |") == 1 and "| 1 | copy bound |" in md
     assert run["flag_round_trip_us"]["2"] > 0
 
 

@@ -78,6 +78,34 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
                   + f"; {res.elapsed_s:.0f} s[/]")
 
 
+def markdown(res: BenchResult) -> str:
+    """The tables of `tables()` as GitHub markdown (for docs/results.md)."""
+    cfg = res.config
+    index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
+    lines = []
+    for world, hidden in sorted({(r["ranks"], r["hidden"]) for r in res.rows}):
+        lines += [f"**P={world}, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, {cfg.experts} "
+                  f"experts** — µs, median / p99 of {cfg.iters} iterations (max over ranks)", "",
+                  "| batch | system | dispatch | combine | dispatch+combine | × ubep | × bound |",
+                  "|---:|:---|---:|---:|---:|---:|---:|"]
+        batches = sorted({r["batch"] for r in res.rows if (r["ranks"], r["hidden"]) ==
+                          (world, hidden)})
+        for b in batches:
+            names = sorted({r["system"] for r in res.rows if (r["ranks"], r["hidden"],
+                            r["batch"]) == (world, hidden, b)}, key=_system_key)
+            for name in names:
+                c = [index[(name, world, hidden, b, op)] for op in ("dispatch", "combine",
+                                                                     "total")]
+                label = "copy bound" if name == BOUND else name
+                cells = [f"{_us(x['median_us'])} / {_us(x['p99_us'])}" for x in c]
+                lines.append(f"| {b} | {label} | {' | '.join(cells)} | {_x(c[2]['x_ubep'])} | "
+                             f"{_x(c[2]['x_bound'])} |")
+        lines.append("")
+    for name, why in sorted(res.unavailable.items()):
+        lines.append(f"- {name}: unavailable — {why}")
+    return "\n".join(lines) + "\n"
+
+
 def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
     """`bench.csv` (one row per point, system and op) and `samples.csv` (every iteration)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,8 +172,11 @@ def write_png(res: BenchResult, out_dir: Path, filename: str = "bench.png") -> P
 
 
 def save(res: BenchResult, out_dir: str | Path) -> list[Path]:
-    """Write CSVs, run.json and the PNG into `out_dir`; return their paths."""
+    """Write CSVs, run.json, bench.md and the PNG into `out_dir`; return their paths."""
     out_dir = Path(out_dir)
     paths = [*write_csv(res, out_dir), write_json(res, out_dir)]
+    md = out_dir / "bench.md"
+    md.write_text(markdown(res))
+    paths.append(md)
     png = write_png(res, out_dir)
     return paths + ([png] if png else [])
