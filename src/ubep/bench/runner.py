@@ -4,8 +4,8 @@ For every (hidden, batch) the rank builds its inputs (the same ones for every sy
 checks one dispatch of every system against the oracle (untimed), then runs
 `warmup + iters` iterations; in each, every system (in an order rotated per iteration,
 so drift hits all alike) does one dispatch and one combine, each started right after a
-tight cross-process barrier (`HostSync`). Each rank returns its own times; the caller
-takes the max over ranks per iteration.
+tight cross-process barrier (`HostSync`), with Python's cyclic GC paused. Each rank
+returns its own times; the caller takes the max over ranks per iteration.
 
 Two launchers share `bench_rank`: `ubep.testing.run_ranks` (gloo group; no MPI) and
 `mpiexec` (`python -m ubep.bench.runner CONFIG OUT`), which adds the MPI peer.
@@ -13,6 +13,7 @@ Two launchers share `bench_rank`: `ubep.testing.run_ranks` (gloo group; no MPI) 
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import sys
@@ -124,21 +125,31 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
         order = list(systems.values())
         times = {s.name: np.empty((2, cfg.iters)) for s in order}
         perf = time.perf_counter_ns
-        for it in range(cfg.warmup + cfg.iters):
-            k = it % len(order)
-            for s in order[k:] + order[:k]:
-                sync.barrier()
-                t0 = perf()
-                s.dispatch()
-                t1 = perf()
-                sync.barrier()
-                t2 = perf()
-                s.combine()
-                t3 = perf()
-                if it >= cfg.warmup:
-                    times[s.name][:, it - cfg.warmup] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+        gc.collect()
+        gc.disable()  # a collection inside a timed call would land on one system at random
+        try:
+            _timed_loop(cfg, order, sync, times, perf)
+        finally:
+            gc.enable()
         for name, t in times.items():
             out["times"][(name, hidden, batch)] = t
+
+
+def _timed_loop(cfg, order, sync, times, perf) -> None:
+    """`warmup + iters` iterations; each runs every system once, order rotated per iteration."""
+    for it in range(cfg.warmup + cfg.iters):
+        k = it % len(order)
+        for s in order[k:] + order[:k]:
+            sync.barrier()
+            t0 = perf()
+            s.dispatch()
+            t1 = perf()
+            sync.barrier()
+            t2 = perf()
+            s.combine()
+            t3 = perf()
+            if it >= cfg.warmup:
+                times[s.name][:, it - cfg.warmup] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
 
 
 # -- the mpiexec launcher ---------------------------------------------------------------------
