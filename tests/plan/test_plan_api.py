@@ -113,3 +113,19 @@ def test_count_worker_model_trends():
         choose_count_workers(0, 256, 8, 128)
     with pytest.raises(ValueError, match="alpha"):
         choose_count_workers(4, 256, 8, 128, alpha=0)
+
+
+def test_hierarchical_expert_order_is_class_major_and_rotated_past_the_rank():
+    topo = Topology.preset("cm384", ranks=32)
+    for rank in (0, 5, 31):
+        p = plan(np.zeros((1, 1), dtype=np.int64), topology=topo, rank=rank, num_experts=64)
+        hop = topo.hop_matrix()[rank][p.expert_order // 2]
+        assert (np.diff(hop) <= 0).all()                 # farthest class first
+        assert sorted(p.expert_order.tolist()) == list(range(64))
+        far = p.expert_order[hop == hop[0]]
+        # the far class starts at the first far expert after this rank's own experts
+        after = [e for e in range(64) if e >= (rank + 1) * 2 and e in set(far.tolist())]
+        assert far[0] == (after[0] if after else far.min())
+        balanced = plan(np.zeros((1, 1), dtype=np.int64), topology=topo, rank=rank,
+                        num_experts=64, schedule="balanced")
+        assert balanced.expert_order.tolist() == list(range(64))   # no remap: the ablation

@@ -181,7 +181,7 @@ def _expert_layout(topology: Topology, rank: int, experts_per_rank: int) -> Expe
     cache = topology._plan_cache
     layout = cache.get((rank, experts_per_rank))
     if layout is None:
-        layout = expert_layout(topology.hop_matrix()[rank], experts_per_rank)
+        layout = expert_layout(topology.hop_matrix()[rank], experts_per_rank, rank)
         cache[(rank, experts_per_rank)] = layout
     return layout
 

@@ -9,8 +9,9 @@ offsets into it. All three are vectorized numpy; none loops over sends in Python
 * balanced: all sends in expert order, cut into equal contiguous slices ("balanced w/o
   mapping" in the paper's ablation).
 * hierarchical (DESIGN.md §2.2): experts are remapped to hop-class-major order (farthest
-  class first), i.e. the sends form a virtual matrix with one row per hop class; each row
-  is cut into `n` token-level equal slices and worker j takes slice j of every row, so
+  class first; inside a class rotated to start after the planning rank), i.e. the sends
+  form a virtual matrix with one row per hop class; each row is cut into `n` token-level
+  equal slices and worker j takes slice j of every row, so
   reading the matrix column-wise (a logical transposition) gives each worker the same mix
   of near and far sends. Every worker gets `floor` or `ceil` of `N / n` sends and at most
   `ceil(V_h / n)` of the `V_h` sends of hop class h: the remainders of the rows are dealt
@@ -85,9 +86,17 @@ def schedule_balanced(by_expert: np.ndarray, num_experts: int, n: int) -> Schedu
                     offsets[:-1, None].copy(), np.diff(offsets)[:, None])
 
 
-def remap_experts(hop_of_expert: np.ndarray) -> np.ndarray:
-    """The hierarchical expert order: hop-class-major, farthest class first, then expert id."""
-    return np.argsort(-hop_of_expert, kind="stable").astype(np.int64)
+def remap_experts(hop_of_expert: np.ndarray, first: int = 0) -> np.ndarray:
+    """The hierarchical expert order: hop-class-major, farthest class first; inside a class,
+    experts in id order rotated to start at expert `first`.
+
+    The planner passes the first expert after its own rank's, so that at the start of a
+    dispatch the ranks' workers aim at different destinations instead of all at the
+    lowest-numbered one (an incast at a single rank).
+    """
+    num_experts = hop_of_expert.shape[0]
+    rotated = (np.arange(num_experts) - first) % max(num_experts, 1)
+    return np.lexsort((rotated, -hop_of_expert)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -96,15 +105,15 @@ class ExpertLayout:
 
     hop_of_rank: np.ndarray      # [P] hop class from this rank to each rank
     hop_of_expert: np.ndarray    # [E] hop class from this rank to each expert's rank
-    expert_order: np.ndarray     # [E] remap_experts(hop_of_expert)
+    expert_order: np.ndarray     # [E] remap_experts(hop_of_expert, first)
     rank_of_expert: np.ndarray   # [E] small ints, position of each expert in expert_order
     identity: np.ndarray         # [E] arange: the expert order of static and balanced
 
 
-def expert_layout(hop_of_rank: np.ndarray, experts_per_rank: int) -> ExpertLayout:
-    """Remap the experts once; the schedulers reuse it on every call."""
+def expert_layout(hop_of_rank: np.ndarray, experts_per_rank: int, rank: int = -1) -> ExpertLayout:
+    """Remap the experts once for `rank`; the schedulers reuse it on every call."""
     hop_of_expert = np.repeat(hop_of_rank, experts_per_rank)
-    expert_order = remap_experts(hop_of_expert)
+    expert_order = remap_experts(hop_of_expert, first=(rank + 1) * experts_per_rank)
     num_experts = expert_order.shape[0]
     rank_of_expert = np.empty(num_experts, dtype=_small_key(num_experts))
     rank_of_expert[expert_order] = np.arange(num_experts)
