@@ -143,6 +143,8 @@ def test_invalid_toml_syntax_and_missing_file(tmp_path):
         Topology.from_toml(path)
     with pytest.raises(ValueError, match="does not exist"):
         Topology.from_toml(tmp_path / "nope.toml")
+    with pytest.raises(ValueError, match="cannot be read"):
+        Topology.resolve(tmp_path, 4)
 
 
 def test_host_topology_from_numa_layouts(tmp_path):

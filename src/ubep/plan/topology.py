@@ -192,6 +192,8 @@ class Topology:
             data = tomllib.loads(p.read_text())
         except FileNotFoundError:
             raise ValueError(f"topology file {str(p)!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"topology file {str(p)!r} cannot be read: {e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: not valid TOML: {e}") from None
         return Topology.from_dict(data, where=str(p))
