@@ -64,15 +64,6 @@ def _check_run(result, cfg):
         assert 0 < p.min_us <= p.median_us <= p.p99_us
 
 
-def test_sweep_runs_every_variant_on_the_torch_backend(tmp_path):
-    cfg = SyncSweepConfig(payloads=(64,), iters=3, warmup=1, backend="torch")
-    result = run_sync_sweep(cfg, progress=False)
-    _check_run(result, cfg)
-    paths = write_sync_sweep(result, tmp_path)
-    assert paths["png"].stat().st_size > 1000
-    assert len(paths["csv"].read_text().splitlines()) == 1 + len(cfg.syncs)
-
-
 @pytest.mark.skipif("shm" not in _BACKENDS, reason="shm backend not registered yet")
 def test_sweep_runs_every_variant_on_the_shm_backend():
     cfg = SyncSweepConfig(payloads=(1024,), iters=5, warmup=2, backend="shm")
@@ -159,3 +150,21 @@ def test_pingpong_sweep_on_two_ranks(tmp_path):
         assert p.iters == 40 and 0 < p.min_us <= p.median_us <= p.p99_us
     paths = write_sync_sweep(result, tmp_path)
     assert paths["png"].name == "sync_pingpong.png" and paths["png"].stat().st_size > 1000
+
+
+def test_command_runs_and_writes_files(tmp_path, capsys):
+    from ubep.bench.sync_sweep import main
+
+    rc = main(["--sweep-payloads", "32", "--sweep-iters", "2", "--sweep-warmup", "0",
+               "--sweep-backend", "torch", "--sweep-kind", "dispatch", "--sweep-syncs", "sw,sp",
+               "--sweep-out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "sync guarantee here" in out and "32 B" in out
+    rows = (tmp_path / "sync_sweep.csv").read_text().splitlines()
+    assert [r.split(",")[:2] for r in rows[1:]] == [["32", "sw"], ["32", "sp"]]
+    for r in rows[1:]:
+        median, p99, low = (float(v) for v in r.split(",")[2:5])
+        assert 0 < low <= median <= p99
+    assert (tmp_path / "sync_sweep.png").stat().st_size > 1000
+    assert main(["--sweep-payloads", "7", "--sweep-out", str(tmp_path)]) == 2

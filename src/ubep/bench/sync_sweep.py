@@ -444,12 +444,19 @@ def run_sync_sweep_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
+    if not console.is_terminal:      # piped or logged: do not squeeze the table
+        console = Console(width=120)
     try:
         cfg = config_from_args(args)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
     kind = getattr(args, "sweep_kind", "dispatch")
+    from ubep.runtime.memory_model import sync_info
+
+    info = sync_info()
+    console.print(f"sync guarantee here: {info.memory_model} ({info.machine}); flag/marker "
+                  f"words: {info.flag_store}")
     results = []
     if kind in ("dispatch", "both"):
         results.append(run_sync_sweep(cfg))
