@@ -117,7 +117,7 @@ def _threads_pingpong(sync, block_bytes, payload, rounds=50):
     def side(i):
         out_w, in_w = (a, b) if i == 0 else (b, a)
         done[i] = _pingpong(out_w, out_w + win, in_w, in_w + win, _FMT[sync], block_bytes,
-                            src[i], dst[i], payload // 8, i == 0, rounds, 1, 0, 50_000_000,
+                            src[i], dst[i], payload // 8, i == 0, rounds, 1, 50_000_000,
                             stamps)
 
     threads = [threading.Thread(target=side, args=(i,)) for i in (0, 1)]
@@ -134,7 +134,8 @@ def test_pingpong_formats_deliver_every_byte(sync, block_bytes, payload):
     done, src, dst, stamps = _threads_pingpong(sync, block_bytes, payload)
     assert done == [50, 50]
     n = payload // 8
-    assert (dst[0][:n] == src[1][:n]).all() and (dst[1][:n] == src[0][:n]).all()
+    # the last round (epoch 50) sent src XOR 50 each way
+    assert (dst[0][:n] == src[1][:n] ^ 50).all() and (dst[1][:n] == src[0][:n] ^ 50).all()
     assert (stamps > 0).all()
 
 

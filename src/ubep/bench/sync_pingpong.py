@@ -62,8 +62,10 @@ def _mix(m, b):
 
 
 @_jit
-def _send(win, slot, fmt, bb, src, nwords, epoch, z):
-    """Write `nwords` int64 words of `src` as blocks at `win`, each block's last word last."""
+def _send(win, slot, fmt, bb, src, nwords, epoch):
+    """Write `nwords` int64 words of `src` XOR `epoch` as blocks at `win`, each block's last
+    word last (XOR: every round's message differs, and LLVM cannot turn the loop into a
+    memcpy, whose store order is undefined)."""
     bw = bb // 8
     pw = bw - 1 if fmt == 1 else bw          # payload words per block
     nb = max(1, (nwords + pw - 1) // pw)
@@ -74,11 +76,11 @@ def _send(win, slot, fmt, bb, src, nwords, epoch, z):
         p0 = b * pw
         body = min(nwords - p0, bw - 1)       # words before the last word of the block
         for i in range(body):
-            d[i] = src[p0 + i] ^ z             # ^ z: LLVM must not turn this into memcpy
+            d[i] = src[p0 + i] ^ epoch
         if fmt == 1:
             store_release(blk + bb - 8, epoch)
         else:
-            m = src[p0 + bw - 1] if p0 + bw - 1 < nwords else np.int64(0)
+            m = src[p0 + bw - 1] ^ epoch if p0 + bw - 1 < nwords else np.int64(0)
             store_release(blk + bb - 8, m)
             cs += _mix(m, b)
     if fmt == 0:
@@ -133,21 +135,22 @@ def _recv(win, slot, fmt, bb, dst, nwords, epoch, max_spins):
 
 @_jit
 def _pingpong(out_win, out_slot, in_win, in_slot, fmt, bb, src, dst, nwords, initiator,
-              rounds, epoch0, z, max_spins, stamps):
-    """`rounds` round trips; the initiator records each one's cycles in `stamps`.
-    Returns the rounds completed (fewer if a wait gave up)."""
+              rounds, epoch0, max_spins, stamps):
+    """`rounds` round trips (epochs epoch0, epoch0 + 1 ...); the initiator records each one's
+    cycles in `stamps`. Returns the rounds completed (fewer if a wait gave up); `dst` holds
+    the last message received (`src` XOR the last epoch)."""
     for r in range(rounds):
         e = epoch0 + r
         if initiator:
             t0 = _cycles()
-            _send(out_win, out_slot, fmt, bb, src, nwords, e, z)
+            _send(out_win, out_slot, fmt, bb, src, nwords, e)
             if not _recv(in_win, in_slot, fmt, bb, dst, nwords, e, max_spins):
                 return r
             stamps[r] = _cycles() - t0
         else:
             if not _recv(in_win, in_slot, fmt, bb, dst, nwords, e, max_spins):
                 return r
-            _send(out_win, out_slot, fmt, bb, src, nwords, e, z)
+            _send(out_win, out_slot, fmt, bb, src, nwords, e)
     return rounds
 
 
@@ -228,35 +231,39 @@ def pingpong_rank(rank: int, world: int, payloads, syncs, block_bytes: int, roun
     samples: dict = {}
     rate = cycles_per_us() if _IS_X86 else 0.0
     max_spins = 200_000_000                         # pause ~ 10-140 cycles: seconds
+    bad = [p for p in payloads if p % MARKER_BYTES]
+    if bad:
+        raise ValueError(f"payloads {bad} must be multiples of {MARKER_BYTES} bytes")
+    # every run visits every (payload, variant), in an order rotated per run, so that the
+    # load of a shared host drifts over all points alike
+    points = [(p, v) for p in payloads for v in syncs]
     try:
-        for payload in payloads:
-            if payload % MARKER_BYTES:
-                raise ValueError(f"payload {payload} must be a multiple of {MARKER_BYTES}")
-            nwords = payload // 8
-            for run in range(repeats + 1):
-                k = run % len(syncs)
-                for v in syncs[k:] + syncs[:k]:
-                    stamps = np.zeros(rounds, np.int64)
-                    out_d, in_d = (0, 1) if rank == 0 else (1, 0)
-                    sync.barrier()
-                    t0 = time.perf_counter_ns()
-                    done = _pingpong(wins.addr(v, out_d), wins.addr(v, out_d) + wins.win_bytes,
-                                     wins.addr(v, in_d), wins.addr(v, in_d) + wins.win_bytes,
-                                     _FMT[v], block_bytes, src, dst, nwords, rank == 0, rounds,
-                                     epochs[v], 0, max_spins, stamps)
-                    t1 = time.perf_counter_ns()
-                    if done != rounds:
-                        raise TimeoutError(f"rank {rank}: {v} ping-pong stuck at round {done} "
-                                           f"of {rounds} ({payload} B)")
-                    epochs[v] += rounds
-                    if rank == 0 and not np.array_equal(dst[:nwords], src[:nwords]):
-                        raise ValueError(f"{v} ping-pong delivered wrong bytes ({payload} B)")
-                    if rank == 0 and run > 0:
-                        if rate > 0:
-                            one_way = stamps / rate / 2
-                        else:                 # no cycle counter: the run's mean, per round
-                            one_way = np.full(rounds, (t1 - t0) / 1e3 / rounds / 2)
-                        samples.setdefault((payload, v), []).append(one_way)
+        for run in range(repeats + 1):
+            k = (run * 7) % len(points)
+            for payload, v in points[k:] + points[:k]:
+                nwords = payload // 8
+                stamps = np.zeros(rounds, np.int64)
+                out_d, in_d = (0, 1) if rank == 0 else (1, 0)
+                sync.barrier()
+                t0 = time.perf_counter_ns()
+                done = _pingpong(wins.addr(v, out_d), wins.addr(v, out_d) + wins.win_bytes,
+                                 wins.addr(v, in_d), wins.addr(v, in_d) + wins.win_bytes,
+                                 _FMT[v], block_bytes, src, dst, nwords, rank == 0, rounds,
+                                 epochs[v], max_spins, stamps)
+                t1 = time.perf_counter_ns()
+                if done != rounds:
+                    raise TimeoutError(f"rank {rank}: {v} ping-pong stuck at round {done} "
+                                       f"of {rounds} ({payload} B)")
+                epochs[v] += rounds
+                if not np.array_equal(dst[:nwords], src[:nwords] ^ (epochs[v] - 1)):
+                    raise ValueError(f"rank {rank}: {v} ping-pong delivered wrong bytes "
+                                     f"({payload} B)")
+                if rank == 0 and run > 0:
+                    if rate > 0:
+                        one_way = stamps / rate / 2
+                    else:                 # no cycle counter: the run's mean, per round
+                        one_way = np.full(rounds, (t1 - t0) / 1e3 / rounds / 2)
+                    samples.setdefault((payload, v), []).append(one_way)
     finally:
         wins.close()
         sync.close()

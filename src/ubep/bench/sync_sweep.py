@@ -58,8 +58,8 @@ class SyncSweepConfig:
     dtype: str = field(default="bfloat16", metadata={"help": "row dtype"})
     workers: int | None = field(default=None, metadata={"help": "worker threads per rank"})
     timeout_s: float = field(default=30.0, metadata={"help": "deadline of every wait"})
-    pingpong_rounds: int = field(default=200, metadata={"help": "ping-pong: rounds per run"})
-    pingpong_runs: int = field(default=10, metadata={"help": "ping-pong: timed runs per point"})
+    pingpong_rounds: int = field(default=100, metadata={"help": "ping-pong: rounds per run"})
+    pingpong_runs: int = field(default=20, metadata={"help": "ping-pong: timed runs per point"})
 
     def __post_init__(self):
         if not self.payloads:
@@ -417,8 +417,8 @@ def add_sync_sweep_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-kind", default="both", choices=("dispatch", "pingpong", "both"),
                    help="dispatch: Buffer calls per variant; pingpong: the block formats alone "
                         "(one-way message latency); both (default)")
-    g.add_argument("--sweep-pingpong-runs", type=int, default=10,
-                   help="ping-pong: timed runs of 200 round trips per point (10)")
+    g.add_argument("--sweep-pingpong-runs", type=int, default=20,
+                   help="ping-pong: timed runs of 100 round trips per point (20)")
     g.add_argument("--sweep-out", default="results/sync_sweep",
                    help="folder for sync_sweep.{csv,json,png} (default results/sync_sweep)")
 
@@ -436,7 +436,7 @@ def config_from_args(args: argparse.Namespace) -> SyncSweepConfig:
                            warmup=args.sweep_warmup, backend=args.sweep_backend,
                            mode=args.sweep_mode, block_bytes=args.sweep_block_bytes,
                            workers=args.sweep_workers,
-                           pingpong_runs=getattr(args, "sweep_pingpong_runs", 10))
+                           pingpong_runs=getattr(args, "sweep_pingpong_runs", 20))
 
 
 def run_sync_sweep_command(args: argparse.Namespace) -> int:
