@@ -634,6 +634,8 @@ class ShmBackend:
             idx, done = d["idx"], d["done"]
             want = {int(e) // int(el) for t in range(tlo, thi) if not done[t]
                     for e in idx[t] if e >= 0}
+            if self.fmt.sync in ("sw", "dc"):   # batch-granular: the ranks not complete
+                want = {r for r in want if batch[r] != 1}
             return sorted(want | {s for s in range(self.world) if not got[s]})
 
         self._wait(cl, poll, "combine/rows", peers,

@@ -1,0 +1,224 @@
+"""Single-process checks of the shm building blocks: block formats, atomics, kernels, plans."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ubep.plan.blocks import SENTINEL, BlockFormat, sentinel_refusal
+from ubep.runtime.shm import kernels as K
+from ubep.runtime.shm.atomics import fetch_add, load_acquire, store_release
+from ubep.runtime.shm.region import (
+    L_DROWS,
+    L_DSTRIDE,
+    L_DWIN_OFF,
+    L_SIZE,
+    META_BYTES,
+    region_layout,
+)
+
+# -- block formats (pure) ---------------------------------------------------------------------
+
+
+@given(sync=st.sampled_from(["sw", "tff", "dc", "sp"]),
+       block=st.integers(2, 64).map(lambda n: 8 * n), record=st.integers(1, 20000))
+def test_blocks_hold_the_record_and_efficiency_is_bounded(sync, block, record):
+    f = BlockFormat(sync, block)
+    n = f.num_blocks(record)
+    assert (n - 1) * f.payload_per_block < record <= n * f.payload_per_block
+    assert 0 < f.efficiency(record) <= (block - 8) / block if sync == "tff" else 1.0
+    assert all(p % 8 == 0 and p < n * block for p in f.marker_positions(record))
+
+
+def test_tff_efficiency_matches_the_paper_format():
+    f = BlockFormat("tff", 512)
+    assert f.payload_per_block == 504
+    assert f.efficiency(504 * 10) == pytest.approx(504 / 512)
+    assert BlockFormat("sp", 512).efficiency(512 * 3) == 1.0
+
+
+@pytest.mark.parametrize("block", [0, 8, 12, 100, True])
+def test_bad_block_sizes_are_refused(block):
+    with pytest.raises(ValueError, match="block_bytes"):
+        BlockFormat("tff", block)
+
+
+def test_sentinel_is_nan_in_every_float_it_guards_and_refusal_names_tff():
+    raw = torch.tensor(list(SENTINEL.to_bytes(8, "little")), dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.isnan(raw.view(dtype)).all()
+        assert sentinel_refusal(str(dtype)) is None
+    for name in ("int8", "float8_e4m3fn", "uint8"):
+        assert "tff" in sentinel_refusal(name)
+
+
+# -- atomics -----------------------------------------------------------------------------------
+def test_spin_on_acquire_load_sees_a_store_from_another_thread():
+    word = np.zeros(8, np.int64)
+    addr = word.ctypes.data
+
+    def later():
+        time.sleep(0.05)
+        store_release_py(addr, 7)
+
+    t = threading.Thread(target=later)
+    t.start()
+    deadline = time.monotonic() + 10
+    seen = False
+    while time.monotonic() < deadline and not seen:
+        seen = K.poll_at_least(addr, 7, 1000)   # a hoisted load would never see it
+    t.join()
+    assert seen and word[0] == 7
+
+
+def store_release_py(addr, v):
+    K.publish(addr, v)
+
+
+def test_fetch_add_counts_every_arrival_from_threads():
+    word = np.zeros(8, np.int64)
+    addr = word.ctypes.data
+
+    def arrive():
+        for _ in range(1000):
+            K.barrier_arrive(addr)
+
+    ts = [threading.Thread(target=arrive) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert word[0] == 4000
+
+
+def test_intrinsics_are_exported():
+    assert callable(load_acquire) and callable(store_release) and callable(fetch_add)
+
+
+# -- records through a local region --------------------------------------------------------------
+def _region(sync, block, hidden=13, tokens=4, top_k=2):
+    fmt = BlockFormat(sync, block)
+    lay = region_layout(world=1, experts_per_rank=2, max_workers=1, hidden=hidden,
+                        max_tokens=tokens, max_top_k=top_k, fmt=fmt)
+    mem = np.zeros(int(lay[L_SIZE]) + 64, np.uint8)
+    base = (mem.ctypes.data + 63) // 64 * 64
+    bases = np.array([base], np.int64)
+    if sync == "sp":
+        K.arm_sentinels(base, lay)
+    return mem, lay, base, bases
+
+
+@pytest.mark.parametrize("sync", ["sw", "tff", "dc", "sp"])
+@pytest.mark.parametrize("block", [16, 64, 512])
+def test_dispatch_round_trip_through_one_rank_region(sync, block):
+    mem, lay, base, bases = _region(sync, block)
+    idx = np.array([[0, 1], [1, -1], [-1, -1], [0, 1]], np.int64)
+    w = np.random.default_rng(0).random((4, 2)).astype(np.float32)
+    x = np.random.default_rng(1).integers(0, 255, (4, 26), dtype=np.uint8)   # 13 bf16
+    for epoch in (1, 2, 3):
+        sends, pos, counts = K.plan_single(idx, np.arange(2), False, 2)
+        K.send_counts(bases, lay, 0, epoch, counts, 1, 0, 0, 0, 1)
+        cs = np.zeros(1, np.int64)
+        K.send_rows(bases, lay, 0, epoch, x, idx, w, sends, pos, counts, np.uint8(0), cs)
+        K.write_batch_flags(bases, lay, 0, 0, epoch, 0, cs, 0)
+        rc = np.zeros((1, 2), np.int64)
+        meta = np.zeros((1, 3), np.int64)
+        got = np.zeros(1, np.int8)
+        assert K.poll_counts(base, lay, epoch, 0, 1, rc, meta, got, 1) == 0
+        assert rc.tolist() == [[2, 3]] and meta[0, 0] == 1
+        out_start = np.zeros((1, 2), np.int64)
+        tpe = np.zeros(2, np.int64)
+        n = K.offsets(rc, out_start, tpe)
+        out_x = np.zeros((n, 26), np.uint8)
+        out_w = np.zeros(n, np.float32)
+        ints = np.zeros((3, n), np.int64)
+        done = np.zeros(n, np.uint8)
+        batch = np.zeros(1, np.int64)
+        assert K.recv_rows(base, lay, epoch, rc, meta, out_start, 0, n, done, batch, out_x,
+                           out_w, ints[0], ints[1], ints[2], 1) == 0
+        # expert 0: tokens 0, 3; expert 1: tokens 0, 1, 3
+        assert ints[1].tolist() == [0, 3, 0, 1, 3] and ints[2].tolist() == [0, 0, 1, 0, 1]
+        np.testing.assert_array_equal(out_x, x[[0, 3, 0, 1, 3]])
+        np.testing.assert_array_equal(out_w, w[[0, 3, 0, 1, 3], [0, 0, 1, 0, 1]])
+        # the next epoch must not see these rows as new: nothing was sent for epoch + 1
+        if sync in ("tff", "sp"):
+            done[:] = 0
+            assert K.recv_rows(base, lay, epoch + 2, rc, meta, out_start, 0, n, done, batch,
+                               out_x, out_w, ints[0], ints[1], ints[2], 1) == n
+    del mem
+
+
+def test_dc_detects_a_changed_marker_word():
+    mem, lay, base, bases = _region("dc", 64)
+    idx = np.array([[0, 1]], np.int64)
+    w = np.ones((1, 2), np.float32)
+    x = np.arange(26, dtype=np.uint8)[None, :]
+    sends, pos, counts = K.plan_single(idx, np.arange(2), False, 2)
+    K.send_counts(bases, lay, 0, 1, counts, 1, 0, 0, 0, 1)
+    cs = np.zeros(1, np.int64)
+    K.send_rows(bases, lay, 0, 1, x, idx, w, sends, pos, counts, np.uint8(0), cs)
+    K.write_batch_flags(bases, lay, 0, 0, 1, 0, cs, 0)
+    # corrupt the first row's marker word (last 8 bytes of its first block), epoch 1 = parity 1
+    marker = int(lay[L_DWIN_OFF] + lay[L_DROWS] * lay[L_DSTRIDE]) + 64 - 8
+    mem_view = np.frombuffer(mem, np.uint8)
+    off = base - mem.ctypes.data + marker
+    mem_view[off] ^= 1
+    rc = np.array([[1, 1]], np.int64)
+    meta = np.array([[1, 0, 0]], np.int64)
+    out_start = np.array([[0, 1]], np.int64)
+    batch = np.zeros(1, np.int64)
+    args = (np.zeros((2, 26), np.uint8), np.zeros(2, np.float32), np.zeros(2, np.int64),
+            np.zeros(2, np.int64), np.zeros(2, np.int64))
+    assert K.recv_rows(base, lay, 1, rc, meta, out_start, 0, 2, np.zeros(2, np.uint8), batch,
+                       *args, 4) == 2
+    assert batch[0] == -1
+    mem_view[off] ^= 1
+    assert K.recv_rows(base, lay, 1, rc, meta, out_start, 0, 2, np.zeros(2, np.uint8), batch,
+                       *args, 1) == 0
+
+
+def test_copy_kernels_do_not_call_memcpy():
+    from numba import njit
+
+    # a fresh, uncached compile (cached code cannot be inspected)
+    fresh = njit(nogil=True)(K.write_record.py_func)
+    mem, lay, base, bases = _region("tff", 64)
+    head = np.zeros(16, np.uint8)
+    body = np.arange(300, dtype=np.int64).astype(np.uint8)
+    fresh(base, 64, 56, K.FMT_TFF, head, 16, body, 300, 1, 0, np.uint8(0))
+    asm = fresh.inspect_asm(fresh.signatures[0])
+    assert "memcpy" not in asm and "memmove" not in asm
+    assert "pause" not in asm  # sanity: we are looking at the writer, not a poll loop
+    del mem
+
+
+# -- the single-worker plan equals make_plan -------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(0, 12), top_k=st.integers(1, 4), world=st.sampled_from([1, 2, 4]),
+       schedule=st.sampled_from(["static", "balanced", "hierarchical"]),
+       seed=st.integers(0, 1000), kind=st.sampled_from(["uniform", "skewed", "partial"]))
+def test_plan_single_matches_make_plan(tokens, top_k, world, schedule, seed, kind):
+    from ubep.plan import Topology, make_plan
+    from ubep.testing import make_routing
+
+    num_experts = 4 * world
+    topo = Topology.preset("cm384", ranks=world) if world > 1 else Topology.resolve(None, 1)
+    idx, _ = make_routing(tokens, top_k, num_experts, kind=kind, seed=seed)
+    for rank in range(world):
+        p = make_plan(idx, topology=topo, rank=rank, num_experts=num_experts, workers=1,
+                      schedule=schedule)
+        sends, pos, counts = K.plan_single(idx.numpy(), np.ascontiguousarray(p.expert_order),
+                                           schedule == "static", 4)
+        np.testing.assert_array_equal(sends, p.sends)
+        np.testing.assert_array_equal(pos, p.window_pos)
+        np.testing.assert_array_equal(counts, p.send_counts)
+
+
+def test_record_header_size_is_what_dispatch_sends():
+    assert META_BYTES == 16
