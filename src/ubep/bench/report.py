@@ -101,13 +101,41 @@ def markdown(res: BenchResult) -> str:
                 lines.append(f"| {b} | {label} | {' | '.join(cells)} | {_x(c[2]['x_ubep'])} | "
                              f"{_x(c[2]['x_bound'])} |")
         lines.append("")
+    lines += _phase_markdown(res)
     for name, why in sorted(res.unavailable.items()):
         lines.append(f"- {name}: unavailable — {why}")
     return "\n".join(lines) + "\n"
 
 
+def _phase_markdown(res: BenchResult) -> list[str]:
+    """Where the time goes inside each Buffer backend: one line per (point, system, op)."""
+    if not res.phase_rows:
+        return []
+    lines = ["**Inside the backends** — each phase's median µs (max over ranks), as the "
+             "backend's own stats report it; `outside` = measured call time − backend total "
+             "(Buffer's validation and Python glue)", "",
+             "| P | hidden | batch | system | op | backend total | outside | phases |",
+             "|---:|---:|---:|:---|:---|---:|---:|:---|"]
+    med = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r["median_us"]
+           for r in res.rows}
+    groups: dict[tuple, dict[str, float]] = {}
+    for r in res.phase_rows:
+        op, phase = r["phase"].split(":", 1)
+        key = (r["ranks"], r["hidden"], r["batch"], _system_key(r["system"]), r["system"], op)
+        groups.setdefault(key, {})[phase] = r["median_us"]
+    for (world, hidden, batch, _, system, op), ph in sorted(groups.items()):
+        total = ph.pop("backend_total", None)
+        measured = med.get((system, world, hidden, batch, op))
+        outside = measured - total if measured is not None and total is not None else None
+        parts = ", ".join(f"{k} {_us(v)}" for k, v in sorted(ph.items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {world} | {hidden} | {batch} | {system} | {op} | {_us(total)} | "
+                     f"{_us(outside)} | {parts} |")
+    return lines + [""]
+
+
 def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
-    """`bench.csv` (one row per point, system and op) and `samples.csv` (every iteration)."""
+    """`bench.csv` (one row per point, system and op), `samples.csv` (every iteration) and
+    `phases.csv` (the Buffer backends' own phase times, if any)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary, samples = out_dir / "bench.csv", out_dir / "samples.csv"
     fields = list(res.rows[0]) if res.rows else ["system"]
@@ -123,6 +151,11 @@ def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
             for i in range(t.shape[1]):
                 w.writerow([name, world, hidden, batch, i,
                             *(f"{v:.3f}" for v in t[:, i])])
+    if res.phase_rows:
+        with (out_dir / "phases.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(res.phase_rows[0]))
+            w.writeheader()
+            w.writerows(res.phase_rows)
     return summary, samples
 
 

@@ -79,6 +79,9 @@ class BenchResult:
     unavailable: dict = field(default_factory=dict)  # system -> reason
     rtt_us: dict = field(default_factory=dict)    # P -> flag round trip, µs
     bytes: dict = field(default_factory=dict)     # (P, hidden, batch) -> (dispatch, combine) B
+    #: one dict per (system, P, hidden, batch, "<op>:<phase>"): the backend's own phase times,
+    #: median over iterations of the max over ranks (Buffer systems only)
+    phase_rows: list[dict] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
     elapsed_s: float = 0.0
 
@@ -159,6 +162,14 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
         if name == BOUND:  # copy time + one flag round trip per dispatch+combine
             t = t + res.rtt_us[world] / 2
         res.samples[(name, world, hidden, batch)] = np.vstack([t, t.sum(0, keepdims=True)])
+    for (name, hidden, batch), first_iters in first.get("phases", {}).items():
+        iters = [r["phases"][(name, hidden, batch)] for r in per_rank]
+        for key in sorted(first_iters[0]) if first_iters else ():
+            per_iter = [max(rank_iters[i].get(key, 0.0) for rank_iters in iters)
+                        for i in range(len(first_iters))]
+            res.phase_rows.append({"system": name, "ranks": world, "hidden": hidden,
+                                   "batch": batch, "phase": key,
+                                   "median_us": float(np.median(per_iter))})
 
 
 def _summarise(res: BenchResult) -> None:

@@ -60,6 +60,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     """Run the benchmark on this rank. Collective over the default process group.
 
     Returns `{"times": {(system, hidden, batch): array [2, iters] µs (dispatch, combine)},
+    "phases": {(system, hidden, batch): [per iteration {"<op>:<phase>": µs}]} (Buffer systems),
     "bytes": {(hidden, batch): (dispatch_bytes, combine_bytes)}, "unavailable": {system:
     reason}, "rtt_us": float | None}`.
     """
@@ -67,7 +68,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     job = os.environ.get("UBEP_JOB_ID", f"b{os.getpid()}")
     sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0))
-    out: dict = {"times": {}, "bytes": {}, "unavailable": {}, "rtt_us": None}
+    out: dict = {"times": {}, "phases": {}, "bytes": {}, "unavailable": {}, "rtt_us": None}
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
         names = [*cfg.systems, BOUND]
@@ -124,18 +125,21 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
             out["bytes"][(hidden, batch)] = (b.dispatch_bytes, b.combine_bytes)
         order = list(systems.values())
         times = {s.name: np.empty((2, cfg.iters)) for s in order}
+        phases = {s.name: [] for s in order if hasattr(s, "phases")}
         perf = time.perf_counter_ns
         gc.collect()
         gc.disable()  # a collection inside a timed call would land on one system at random
         try:
-            _timed_loop(cfg, order, sync, times, perf)
+            _timed_loop(cfg, order, sync, times, phases, perf)
         finally:
             gc.enable()
         for name, t in times.items():
             out["times"][(name, hidden, batch)] = t
+        for name, per_iter in phases.items():
+            out["phases"][(name, hidden, batch)] = per_iter
 
 
-def _timed_loop(cfg, order, sync, times, perf) -> None:
+def _timed_loop(cfg, order, sync, times, phases, perf) -> None:
     """`warmup + iters` iterations; each runs every system once, order rotated per iteration."""
     for it in range(cfg.warmup + cfg.iters):
         k = it % len(order)
@@ -150,6 +154,8 @@ def _timed_loop(cfg, order, sync, times, perf) -> None:
             t3 = perf()
             if it >= cfg.warmup:
                 times[s.name][:, it - cfg.warmup] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+                if s.name in phases:  # after the timed region
+                    phases[s.name].append(s.phases())
 
 
 # -- the mpiexec launcher ---------------------------------------------------------------------

@@ -56,6 +56,20 @@ class BufferSystem:
     def check(self, ref: ReferenceDispatch) -> str | None:
         return check_dispatch(self.name, self._res, ref)
 
+    def phases(self) -> dict[str, float]:
+        """The backend's own account of the last dispatch and combine, µs by phase.
+
+        Keys are `"<op>:<phase>"` plus `"<op>:backend_total"` (the time inside the backend).
+        """
+        out: dict[str, float] = {}
+        for op, st in (("dispatch", self._res.stats), ("combine", self.buf.last_stats)):
+            if st is None:
+                continue
+            out[f"{op}:backend_total"] = st.total_us
+            for name, us in st.phases_us.items():
+                out[f"{op}:{name}"] = us
+        return out
+
     def close(self) -> None:
         self.buf.close()
 
