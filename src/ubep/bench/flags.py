@@ -208,11 +208,19 @@ class HostSync:
             if self.rank > 1:
                 continue
             t0 = time.perf_counter()
-            done = _ping_pong(self.words, self.rank == 0, rounds, self._seq + 1, 50_000_000)
+            deadline = time.monotonic() + self.timeout_s
+            done = 0
+            while done < rounds:  # a stalled wait returns here to back off; rounds are
+                # idempotent to resume (a ping or pong is a store of the round's number)
+                step = _ping_pong(self.words, self.rank == 0, rounds - done,
+                                  self._seq + 1 + done, 20_000)
+                done += step
+                if step == 0:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {self.rank}: flag ping-pong stalled after "
+                                           f"{done} of {rounds} round trips")
+                    os.sched_yield()
             dt = time.perf_counter() - t0
-            if done != rounds:
-                raise TimeoutError(f"rank {self.rank}: flag ping-pong stalled after {done} "
-                                   f"of {rounds} round trips")
             self._seq += rounds
             samples.append(dt / rounds * 1e6)
         self.barrier()
