@@ -72,6 +72,6 @@ def test_ep_decode_matches_unsplit_p2(two_rank_reports, backend):
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek"])
 def test_ep_decode_matches_unsplit_p4(arch):
     backends = tuple(b for b in ("gloo", "shm-ubep") if b in available_backends())
-    reports = _decode_all(arch, 4, backends, timeout_s=400.0)
+    reports = _decode_all(arch, 4, backends, timeout_s=600.0)
     for backend in backends:
         _check(reports, arch, 4, backend)

@@ -113,3 +113,21 @@ def test_one_rank_ep_decodes_like_the_model(arch, single_rank_group):
     assert torch.equal(ep.tokens, ref.tokens)
     torch.testing.assert_close(ep.logits, ref.logits, rtol=1e-4, atol=1e-4)
     assert (ep.comm_s > 0).all() and (ep.comm_s < ep.step_s).all()
+
+
+def test_greedy_decoder_call_order():
+    from ubep.moe.decode import GreedyDecoder
+
+    model = build_model("qwen3")
+    dec = GreedyDecoder(model, make_prompts(model.config.vocab_size, 1, 4))
+    with pytest.raises(RuntimeError, match="prefill"):
+        dec.step()
+    with pytest.raises(RuntimeError, match="prefill"):
+        dec.result()
+    dec.prefill()
+    with pytest.raises(RuntimeError, match="already"):
+        dec.prefill()
+    dec.step()
+    res = dec.result()
+    assert res.tokens.shape == (1, 2) and res.step_s.shape == (1,) and res.logits.shape[1] == 2
+    assert torch.equal(res.tokens, greedy_decode(model, dec.prompt_ids, 1).tokens)

@@ -65,6 +65,18 @@ def _tokens_match(reports: list[RankReport], backend: str, batch: int) -> bool |
     return match
 
 
+def _command_line(args: argparse.Namespace) -> str:
+    """The `ubep e2e` command line that reproduces `args` (defaults spelled out)."""
+    parts = ["ubep", "e2e"]
+    for key, value in vars(args).items():
+        if key in ("func", "command") or value is None or value is False:
+            continue
+        parts.append("--" + key.replace("_", "-"))
+        if value is not True:
+            parts += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    return " ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -126,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
             for i, v in enumerate(s.latencies_ms):
                 w.writerow([s.arch, s.batch, s.backend, i + args.warmup, f"{v:.4f}"])
     summary = {
-        "command": "ubep e2e " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                          vars(args).items() if k not in ("func",)),
+        "command": _command_line(args),
         "ranks": args.ranks, "size": args.size, "dtype": args.dtype, "steps": args.steps,
         "warmup": args.warmup, "params": params,
         "rows": [{**{k: v for k, v in asdict(s).items() if k != "latencies_ms"},

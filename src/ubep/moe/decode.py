@@ -45,7 +45,70 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-@torch.no_grad()
+class GreedyDecoder:
+    """Greedy decoding of one batch, one step per call, so that several decoders (one per
+    backend) can take turns step by step and see the same host load.
+
+    `prefill()` once, then `step()` any number of times, then `result()`. Every rank of an EP
+    model must make the same sequence of calls (each MoE layer is a collective).
+    """
+
+    def __init__(self, model: nn.Module, prompt_ids: torch.Tensor, *, keep_logits: bool = True):
+        if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2:
+            raise ValueError(f"prompt_ids must be a [batch, length] tensor, got "
+                             f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
+        self.model, self.prompt_ids, self.keep_logits = model, prompt_ids, keep_logits
+        self._layers = ep_layers(model)
+        self._cache = _new_cache(model)
+        self._key = _cache_kwarg(model)
+        self._tokens: list[torch.Tensor] = []
+        self._logits: list[torch.Tensor] = []
+        self._step_s: list[float] = []
+        self._comm_s: list[float] = []
+        self._prefill_s: float | None = None
+
+    def _forward(self, ids: torch.Tensor) -> None:
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                         **{self._key: self._cache})
+        last = out.logits[:, -1].float()
+        self._tokens.append(last.argmax(-1))
+        if self.keep_logits:
+            self._logits.append(last)
+
+    def _comm_total(self) -> float:
+        return sum(layer.comm_s for layer in self._layers)
+
+    @torch.no_grad()
+    def prefill(self) -> None:
+        """Run the prompt through the model; its last logits give the first token."""
+        if self._prefill_s is not None:
+            raise RuntimeError("prefill() was already called")
+        t0 = time.perf_counter()
+        self._forward(self.prompt_ids)
+        self._prefill_s = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Feed the latest token, pick the next one; time the forward and its communication."""
+        if self._prefill_s is None:
+            raise RuntimeError("call prefill() before step()")
+        c0 = self._comm_total()
+        t0 = time.perf_counter()
+        self._forward(self._tokens[-1].unsqueeze(1))
+        self._step_s.append(time.perf_counter() - t0)
+        self._comm_s.append(self._comm_total() - c0)
+
+    def result(self) -> DecodeResult:
+        if self._prefill_s is None:
+            raise RuntimeError("nothing decoded yet: call prefill() first")
+        return DecodeResult(
+            tokens=torch.stack(self._tokens, dim=1),
+            logits=torch.stack(self._logits, dim=1) if self.keep_logits else None,
+            step_s=torch.tensor(self._step_s, dtype=torch.float64),
+            comm_s=torch.tensor(self._comm_s, dtype=torch.float64),
+            prefill_s=self._prefill_s)
+
+
 def greedy_decode(model: nn.Module, prompt_ids: torch.Tensor, steps: int, *,
                   keep_logits: bool = True) -> DecodeResult:
     """Prefill `prompt_ids` `[B, L]`, then run `steps` greedy decode steps of one token each.
@@ -53,41 +116,10 @@ def greedy_decode(model: nn.Module, prompt_ids: torch.Tensor, steps: int, *,
     Always runs exactly `steps` steps (no stopping on EOS): with an EP model every rank must
     make the same number of forwards.
     """
-    if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2:
-        raise ValueError(f"prompt_ids must be a [batch, length] tensor, got "
-                         f"{getattr(prompt_ids, 'shape', type(prompt_ids).__name__)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps={steps!r} must be an int >= 0")
-    layers = ep_layers(model)
-    cache = _new_cache(model)
-    key = _cache_kwarg(model)
-
-    def comm_total() -> float:
-        return sum(layer.comm_s for layer in layers)
-
-    t0 = time.perf_counter()
-    out = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1, **{key: cache})
-    last = out.logits[:, -1].float()
-    nxt = last.argmax(-1)
-    prefill_s = time.perf_counter() - t0
-
-    tokens = [nxt]
-    logits = [last] if keep_logits else None
-    step_s = torch.zeros(steps, dtype=torch.float64)
-    comm_s = torch.zeros(steps, dtype=torch.float64)
-    for i in range(steps):
-        c0 = comm_total()
-        t0 = time.perf_counter()
-        out = model(input_ids=nxt.unsqueeze(1), use_cache=True, logits_to_keep=1,
-                    **{key: cache})
-        last = out.logits[:, -1].float()
-        nxt = last.argmax(-1)
-        step_s[i] = time.perf_counter() - t0
-        comm_s[i] = comm_total() - c0
-        tokens.append(nxt)
-        if keep_logits:
-            logits.append(last)
-    return DecodeResult(
-        tokens=torch.stack(tokens, dim=1),
-        logits=torch.stack(logits, dim=1) if keep_logits else None,
-        step_s=step_s, comm_s=comm_s, prefill_s=prefill_s)
+    decoder = GreedyDecoder(model, prompt_ids, keep_logits=keep_logits)
+    decoder.prefill()
+    for _ in range(steps):
+        decoder.step()
+    return decoder.result()

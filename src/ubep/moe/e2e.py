@@ -1,21 +1,22 @@
 """End-to-end EP decoding on P processes: per-step latency (TPOT) per communication backend.
 
 `e2e_rank` runs on every rank (through `ubep.testing.run_ranks`): it builds the model,
-optionally decodes each batch with the unsplit model first (the reference, and the
-"unsplit" timing row), converts the model to EP and decodes the same prompts once per
-backend. `summarize` turns the ranks' results into TPOT percentiles and the share of a step
-spent in dispatch+combine; `plot_tpot` draws the per-token latency normalised to gloo.
+keeps an unsplit copy (the reference, and the "unsplit" timing row), converts the model to
+EP and decodes the same prompts once per backend, the decoders taking turns step by step.
+`summarize` turns the ranks' results into TPOT percentiles and the share of a step spent in
+dispatch+combine; `plot_tpot` draws the per-token latency normalised to gloo.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ubep.moe.convert import convert_to_ep, ep_layers, moe_blocks, set_buffer
-from ubep.moe.decode import DecodeResult, greedy_decode
+from ubep.moe.decode import DecodeResult, GreedyDecoder
 from ubep.moe.models import build_model, make_prompts
 
 #: backend label -> (Buffer backend, mode). "gloo" is the torch backend over the gloo group.
@@ -91,42 +92,55 @@ def count_params(model: torch.nn.Module) -> int:
 
 
 def e2e_rank(rank: int, world_size: int, cfg: E2EConfig) -> RankReport:
-    """Run `cfg` on this rank (call through `run_ranks`; needs the default process group)."""
+    """Run `cfg` on this rank (call through `run_ranks`; needs the default process group).
+
+    For each batch size, one decoder per backend (and one for the unsplit model) decode the
+    same prompts taking turns step by step, starting with a different one each step, so
+    every backend sees the same drift of host load: on a shared host this matters more than
+    any per-backend warmup.
+    """
     import ubep
 
     torch.set_num_threads(cfg.threads)
     model = build_model(cfg.arch, cfg.size, seed=cfg.seed, dtype=_DTYPES[cfg.dtype])
     params_full = count_params(model)
+    reference = copy.deepcopy(model) if cfg.reference else None
     prompts = {b: make_prompts(model.config.vocab_size, b, cfg.prompt_len, seed=cfg.seed,
                                rank=rank) for b in cfg.batches}
-    runs: list[RankRun] = []
-    if cfg.reference:
-        for b in cfg.batches:
-            runs.append(RankRun(UNSPLIT, b, greedy_decode(model, prompts[b], cfg.steps,
-                                                          keep_logits=cfg.keep_logits)))
     block = moe_blocks(model)[0][1]
     hidden, top_k = model.config.hidden_size, int(block.gate.top_k)
     num_experts = int(block.experts.gate_up_proj.shape[0])
-    converted = False
-    for name in cfg.backends:
-        backend, mode = BACKEND_SPECS[name]
-        buf = ubep.Buffer(num_experts=num_experts, hidden=hidden,
-                          max_tokens_per_rank=max(cfg.batches) * cfg.prompt_len,
-                          backend=backend, mode=mode, max_top_k=top_k, timeout_s=cfg.timeout_s,
-                          **dict(cfg.buffer_options))
-        try:
-            if converted:
-                set_buffer(model, buf)
-            else:
-                convert_to_ep(model, buf)
-                converted = True
-            for b in cfg.batches:
-                runs.append(RankRun(name, b, greedy_decode(model, prompts[b], cfg.steps,
-                                                           keep_logits=cfg.keep_logits)))
-        finally:
+    buffers: dict[str, object] = {}
+    runs: list[RankRun] = []
+    try:
+        for name in cfg.backends:
+            backend, mode = BACKEND_SPECS[name]
+            buffers[name] = ubep.Buffer(
+                num_experts=num_experts, hidden=hidden,
+                max_tokens_per_rank=max(cfg.batches) * cfg.prompt_len, backend=backend,
+                mode=mode, max_top_k=top_k, timeout_s=cfg.timeout_s, **dict(cfg.buffer_options))
+        if buffers:
+            convert_to_ep(model, next(iter(buffers.values())))
+        for b in cfg.batches:
+            decoders: dict[str, tuple[GreedyDecoder, object]] = {}
+            if reference is not None:
+                decoders[UNSPLIT] = (GreedyDecoder(reference, prompts[b],
+                                                   keep_logits=cfg.keep_logits), None)
+            for name, buf in buffers.items():
+                decoders[name] = (GreedyDecoder(model, prompts[b], keep_logits=cfg.keep_logits),
+                                  buf)
+            order = list(decoders)
+            for i in range(-1, cfg.steps):      # -1: the prefills
+                for k in range(len(order)):
+                    dec, buf = decoders[order[(max(i, 0) + k) % len(order)]]
+                    if buf is not None:
+                        set_buffer(model, buf)
+                    dec.prefill() if i < 0 else dec.step()
+            runs += [RankRun(name, b, dec.result()) for name, (dec, _) in decoders.items()]
+    finally:
+        for buf in buffers.values():
             buf.close()
-    return RankReport(rank=rank, params_full=params_full,
-                      params_ep=count_params(model) if converted else params_full,
+    return RankReport(rank=rank, params_full=params_full, params_ep=count_params(model),
                       local_experts_per_layer=[m.num_local_experts for m in ep_layers(model)],
                       num_experts=num_experts, runs=runs)
 
