@@ -125,7 +125,7 @@ def test_dispatch_round_trip_through_one_rank_region(sync, block):
         sends, pos, counts = K.plan_single(idx, np.arange(2), False, 2)
         K.send_counts(bases, lay, 0, epoch, counts, 1, 0, 0, 0, 1)
         cs = np.zeros(1, np.int64)
-        K.send_rows(bases, lay, 0, epoch, x, idx, w, sends, pos, counts, np.uint8(0), cs)
+        K.send_rows(bases, lay, 0, epoch, x, idx, w, sends, pos, counts, cs)
         K.write_batch_flags(bases, lay, 0, 0, epoch, 0, cs, 0)
         rc = np.zeros((1, 2), np.int64)
         meta = np.zeros((1, 3), np.int64)
@@ -162,7 +162,7 @@ def test_dc_detects_a_changed_marker_word():
     sends, pos, counts = K.plan_single(idx, np.arange(2), False, 2)
     K.send_counts(bases, lay, 0, 1, counts, 1, 0, 0, 0, 1)
     cs = np.zeros(1, np.int64)
-    K.send_rows(bases, lay, 0, 1, x, idx, w, sends, pos, counts, np.uint8(0), cs)
+    K.send_rows(bases, lay, 0, 1, x, idx, w, sends, pos, counts, cs)
     K.write_batch_flags(bases, lay, 0, 0, 1, 0, cs, 0)
     # corrupt the first row's marker word (last 8 bytes of its first block), epoch 1 = parity 1
     marker = int(lay[L_DWIN_OFF] + lay[L_DROWS] * lay[L_DSTRIDE]) + 64 - 8
@@ -191,7 +191,7 @@ def test_copy_kernels_do_not_call_memcpy():
     mem, lay, base, bases = _region("tff", 64)
     head = np.zeros(16, np.uint8)
     body = np.arange(300, dtype=np.int64).astype(np.uint8)
-    fresh(base, 64, 56, K.FMT_TFF, head, 16, body, 300, 1, 0, np.uint8(0))
+    fresh(base, 64, 56, K.FMT_TFF, head, 16, body, 300, 1, 0)
     asm = fresh.inspect_asm(fresh.signatures[0])
     assert "memcpy" not in asm and "memmove" not in asm
     assert "pause" not in asm  # sanity: we are looking at the writer, not a poll loop

@@ -426,7 +426,7 @@ class ShmBackend:
         a = _now_us()
         cs = d["cs"][tj]
         K.send_rows(self.bases, self.lay, self.rank, cl.epoch, d["xb"], d["idx"], d["w"],
-                    d["sends"][tj], d["pos"][tj], d["counts"], np.uint8(0), cs)
+                    d["sends"][tj], d["pos"][tj], d["counts"], cs)
         if flags and self.fmt.sync in ("sw", "dc"):
             K.write_batch_flags(self.bases, self.lay, 0, self.rank, cl.epoch, tj, cs,
                                 self._dc_corrupt)
@@ -596,7 +596,7 @@ class ShmBackend:
         lo, hi = j * n_recv // cl.n, (j + 1) * n_recv // cl.n
         ints, cs = d["ints"], d["cs"][j]
         K.send_back(self.bases, self.lay, cl.epoch, d["rows"], ints[0], ints[1], ints[2], lo, hi,
-                    np.uint8(0), cs)
+                    cs)
         if flags and self.fmt.sync in ("sw", "dc"):
             K.write_batch_flags(self.bases, self.lay, 1, self.rank, cl.epoch, j, cs,
                                 self._dc_corrupt)
