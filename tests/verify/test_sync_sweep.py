@@ -11,6 +11,7 @@ from ubep.bench.sync_sweep import (
     SyncSweepResult,
     add_sync_sweep_args,
     config_from_args,
+    load_sync_sweep,
     run_sync_sweep,
     sweep_table,
     write_sync_sweep,
@@ -85,7 +86,8 @@ def test_table_and_gain_from_recorded_points(tmp_path):
     console.print(sweep_table(result))
     text = console.export_text()
     assert "sp +50%" in text and "dc -10%" in text and "5.00 / 6.00" in text
-    assert write_sync_sweep(result, tmp_path)["json"].exists()
+    back = load_sync_sweep(write_sync_sweep(result, tmp_path)["json"])
+    assert back.points == result.points and back.config == cfg and back.metric == "dispatch"
 
 
 # -- the block formats alone (ping-pong) ---------------------------------------------------------

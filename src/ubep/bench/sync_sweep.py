@@ -338,7 +338,7 @@ def sweep_table(result: SyncSweepResult):
 
 
 def plot_sync_sweep(result: SyncSweepResult, path: str | Path) -> Path:
-    """Median dispatch latency per variant vs payload per pair (log-x), p99 dashed; a PNG."""
+    """Median latency per variant vs payload per pair (log-x, log-y), p99 dashed; a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -355,6 +355,7 @@ def plot_sync_sweep(result: SyncSweepResult, path: str | Path) -> Path:
         ax.plot(xs, [p.p99_us for p in pts], linestyle="--", color=line.get_color(),
                 alpha=0.5, label=f"{v} (p99)")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")          # p99 on a shared host can be 1000x the median
     ax.set_xticks(list(result.config.payloads))
     ax.set_xticklabels([_size(p) for p in result.config.payloads], rotation=45)
     ax.set_xlabel("payload per (source, destination) pair")
@@ -393,6 +394,15 @@ def write_sync_sweep(result: SyncSweepResult, out_dir: str | Path) -> dict[str, 
     paths["json"].write_text(json.dumps(result.to_dict(), indent=1))
     paths["png"] = plot_sync_sweep(result, out / f"{name}.png")
     return paths
+
+
+def load_sync_sweep(path: str | Path) -> SyncSweepResult:
+    """Read back a result written by `write_sync_sweep` (its `.json`), e.g. to re-plot it."""
+    d = json.loads(Path(path).read_text())
+    cfg = SyncSweepConfig(**{k: tuple(v) if isinstance(v, list) else v
+                             for k, v in d["config"].items()})
+    return SyncSweepResult(cfg, [SweepPoint(**p) for p in d["points"]], d["unavailable"],
+                           d["host"], d["seconds"], d.get("metric", "dispatch"))
 
 
 # -- command line -----------------------------------------------------------------------------
