@@ -127,15 +127,17 @@ def load_points(path: str | Path = DEFAULT_POINTS) -> tuple[list[FitPoint], dict
     return pts, dict(tab["workload"])
 
 
-def fit(points_path: str | Path = DEFAULT_POINTS, *, windows=WINDOWS, max_nfev: int = 40,
-        progress: Callable[[str], None] | None = None) -> dict:
-    """Least-squares fit; returns the calibration record (see `write`)."""
+def fit(points_path: str | Path = DEFAULT_POINTS, *, windows=WINDOWS, max_nfev: int = 15,
+        start: CostParams | None = None, progress: Callable[[str], None] | None = None
+        ) -> dict:
+    """Least-squares fit (from `start`'s values, default `FREE`'s initial ones) for each
+    window size in `windows`; returns the best one's calibration record (see `write`)."""
     from scipy.optimize import least_squares
 
     pts, workload = load_points(points_path)
     prob = Problem(pts, workload)
     names = list(FREE)
-    x0 = np.log([FREE[n][0] for n in names])
+    x0 = np.log([getattr(start, n) if start else FREE[n][0] for n in names])
     lo = np.log([FREE[n][1] for n in names])
     hi = np.log([FREE[n][2] for n in names])
     t_start = time.perf_counter()
@@ -154,8 +156,10 @@ def fit(points_path: str | Path = DEFAULT_POINTS, *, windows=WINDOWS, max_nfev: 
     cost, w, x = best
     params = _params(names, x, w)
     model = prob.model(params)
-    return record(pts, workload, params, model, names + ["window_rows"],
-                  seconds=time.perf_counter() - t_start)
+    rec = record(pts, workload, params, model, names + ["window_rows"],
+                 seconds=time.perf_counter() - t_start)
+    rec["windows_tried"] = list(windows)
+    return rec
 
 
 def _params(names: list[str], x: np.ndarray, window: int) -> CostParams:
@@ -192,3 +196,17 @@ def check(rec: dict) -> np.ndarray:
     """Re-run the model at the record's constants; returns each point's model value."""
     pts = [FitPoint(**{k: r[k] for k in FitPoint.__dataclass_fields__}) for r in rec["points"]]
     return Problem(pts, rec["workload"]).model(CostParams(**rec["params"]))
+
+
+def refresh(rec: dict) -> dict:
+    """The record with model values and residuals re-evaluated by the current code (the
+    planner evolves; the fitted constants stay)."""
+    pts = [FitPoint(**{k: r[k] for k in FitPoint.__dataclass_fields__}) for r in rec["points"]]
+    model = check(rec)
+    new = record(pts, rec["workload"], CostParams(**rec["params"]), model, rec["free"],
+                 seconds=rec.get("fit_seconds", 0.0))
+    for k in ("created", "windows_tried", "note"):
+        if k in rec:
+            new[k] = rec[k]
+    new["evaluated"] = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return new

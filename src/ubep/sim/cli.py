@@ -47,6 +47,8 @@ def register(subparsers) -> None:
     c.add_argument("--max-nfev", type=int, default=15, help="evaluations per window size")
     c.add_argument("--check", action="store_true",
                    help="only re-run the shipped fit points and print model vs target")
+    c.add_argument("--refresh", action="store_true",
+                   help="re-evaluate the shipped fit with the current code and rewrite it")
     c.set_defaults(func=_calibrate)
 
     r = subparsers.add_parser("reproduce", help="the paper's experiments on the calibrated "
@@ -121,12 +123,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     from ubep.sim.params import load_calibration
 
     console = _console()
-    if args.check:
+    if args.check or args.refresh:
         rec = load_calibration()
         if not rec:
             console.print("[red]error:[/red] no calibration file shipped yet")
             return 2
-        model = cal.check(rec)
+        if args.refresh:
+            rec = cal.refresh(rec)
+            console.print(f"wrote {cal.write(rec, args.out)}")
+        model = cal.check(rec) if args.check else [p["model"] for p in rec["points"]]
     else:
         rec = cal.fit(args.points or cal.DEFAULT_POINTS, max_nfev=args.max_nfev,
                       progress=console.print)

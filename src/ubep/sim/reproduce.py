@@ -85,7 +85,7 @@ def _plt():
 # -- experiments -------------------------------------------------------------------------
 
 def exp_table4(short: bool, topo: str) -> Experiment:
-    ranks = (16, 32, 64) if short else (16, 32, 64, 128, 256)
+    ranks = (16, 32) if short else (16, 32, 64, 128, 256)
     jobs = [Job((r, m), r, _cfg(m)) for r in ranks for m in ("bsp", "ubep")]
 
     def finish(res: dict, out: Path) -> str:
@@ -160,9 +160,9 @@ def exp_fig3b(short: bool, topo: str) -> Experiment:
 
 
 def exp_fig7(short: bool, topo: str) -> Experiment:
-    R = 32 if short else 128
-    batches = (8, 32, 128) if short else (8, 16, 32, 64, 128)
-    ranks = (32, 64) if short else (64, 128, 256)
+    R = 16 if short else 128
+    batches = (8, 128) if short else (8, 16, 32, 64, 128)
+    ranks = (16, 32) if short else (64, 128, 256)
     experts = (R, 2 * R) if short else (128, 256)
     jobs = [Job(("b", b, m), R, _cfg(m, tokens_per_rank=b)) for b in batches
             for m in ("bsp", "ubep")]
@@ -202,7 +202,7 @@ def exp_fig7(short: bool, topo: str) -> Experiment:
 
 
 def exp_fig8(short: bool, topo: str) -> Experiment:
-    R = 32 if short else 64
+    R = 16 if short else 64
     batches = (32, 128) if short else (32, 64, 128)
     jobs = [Job(("b", b, m), R, _cfg(m, tokens_per_rank=b)) for b in batches
             for m in ("bsp", "ubep")]
@@ -302,7 +302,7 @@ def exp_fig9(short: bool, topo: str) -> Experiment:
 
 
 def exp_fig10(short: bool, topo: str) -> Experiment:
-    sizes = (10, 1000, 10000) if short else (10, 30, 100, 300, 1000, 3000, 10000)
+    sizes = (10, 10000) if short else (10, 30, 100, 300, 1000, 3000, 10000)
     ranks = (16,) if short else (16, 32, 64)
     syncs = ("sw", "tff", "dc", "sp")
     jobs = [Job((r, s, y), r, _cfg("ubep", tokens_per_rank=8, hidden=s, sync=y))
@@ -339,10 +339,10 @@ def exp_fig10(short: bool, topo: str) -> Experiment:
 
 
 def exp_fig12(short: bool, topo: str) -> Experiment:
-    ranks = (16, 32, 64) if short else (16, 32, 64, 128, 256)
+    ranks = (16, 32) if short else (16, 32, 64, 128, 256)
     batches = (32, 128)
     topks = (2, 4, 8)
-    R = 32 if short else 64
+    R = 16 if short else 64
     jobs = [Job(("b", b, r, m), r, _cfg(m, tokens_per_rank=b)) for b in batches
             for r in ranks for m in ("bsp", "ubep")]
     jobs += [Job(("k", k, m), R, _cfg(m, top_k=k)) for k in topks for m in ("bsp", "ubep")]
@@ -394,9 +394,9 @@ def exp_fig12(short: bool, topo: str) -> Experiment:
 def exp_fig14(short: bool, topo: str) -> Experiment:
     from ubep.plan import choose_count_workers
 
-    ranks = (64,) if short else (64, 128, 256)
-    batches = (8, 32, 128) if short else (8, 16, 32, 64, 128)
-    ncs = (1, 2, 4, 8, 16) if short else tuple(range(1, 17))
+    ranks = (32,) if short else (64, 128, 256)
+    batches = (8, 128) if short else (8, 16, 32, 64, 128)
+    ncs = (1, 2, 4, 8) if short else tuple(range(1, 17))
     jobs = [Job((r, b, c), r, _cfg("ubep", tokens_per_rank=b, count_workers=c))
             for r in ranks for b in batches for c in ncs]
 
@@ -457,6 +457,7 @@ def run(out_dir: str | Path, short: bool = True, topology: str = "cm384",
     total = sum(len(e.jobs) for e in exps)
     t0 = time.perf_counter()
     results: dict[str, dict] = {}
+    done: dict[tuple, SimResult] = {}
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     cols = (TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -467,15 +468,18 @@ def run(out_dir: str | Path, short: bool = True, topology: str = "cm384",
             bar.update(task, description=f"{e.name:>9}")
             res: dict = {}
             for j in e.jobs:
-                res[j.key] = _simulate(topology, j, params)
+                k = (j.ranks, j.config)          # experiments share some runs
+                if k not in done:
+                    done[k] = _simulate(topology, j, params)
+                res[j.key] = done[k]
                 bar.advance(task)
             results[e.name] = res
     sections = [(e, e.finish(results[e.name], out)) for e in exps]
     wall = time.perf_counter() - t0
-    report = _report(out, sections, topology, short, params, wall, total)
+    report = _report(out, sections, topology, short, params, wall, len(done))
     (out / "config.json").write_text(json.dumps({
         "topology": topology, "short": short, "params": params.__dict__,
-        "simulations": total, "wall_s": round(wall, 1)}, indent=2))
+        "jobs": total, "simulations": len(done), "wall_s": round(wall, 1)}, indent=2))
     return report
 
 
