@@ -74,7 +74,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=_bench_main)
 
     d = subparsers.add_parser("demo", help="a short DeepSeek-like bench (what `make demo` runs)")
-    d.add_argument("--iters", type=int, default=50, help="timed iterations per point")
+    d.add_argument("--iters", type=int, default=40, help="timed iterations per point")
     d.add_argument("--out", default="results/demo", help="output folder")
     d.set_defaults(func=_demo_main)
 
@@ -143,7 +143,7 @@ def _bench_main(args) -> int:
     return _run_and_report(cfg, out, args.timeout, _console())
 
 
-def demo_config(iters: int = 50) -> BenchConfig:
+def demo_config(iters: int = 40) -> BenchConfig:
     """The demo's bench: DeepSeek-like rows (hidden 7168, bf16, top-8), 2 ranks, 16 experts."""
     from ubep.bench.run import mpi_unavailable_reason
 

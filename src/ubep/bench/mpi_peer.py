@@ -7,8 +7,8 @@ sum over its routed slots (in slot order) of `w * row`, in the expert output's d
 
 The implementation: per-(rank, expert) counts with `Alltoall`; rows (as bytes) and their
 (token, slot, weight) with two concurrent `Ialltoallv`; the reordering into expert-major
-order and the reduction with numpy/torch vectorized indexing. Launch under MPICH's `mpiexec`
-(`.venv/bin/mpiexec -n 2 python -m ubep.bench.mpi_peer check OUT_DIR`).
+order with numpy indexing, and the reduction as K fused multiply-adds in fp32. Launch
+under MPICH's `mpiexec` (`.venv/bin/mpiexec -n 2 python -m ubep.bench.mpi_peer check DIR`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class MpiDispatch:
     send_splits: np.ndarray         # [P] rows sent to each rank
     recv_splits: np.ndarray         # [P] rows received from each rank
     to_expert_major: np.ndarray     # [N] arrival index of each expert-major row
+    slot_index: torch.Tensor        # [S] int64, token * K + slot of each sent row
+    slot_weights: torch.Tensor      # [T, K] float32, 0 where not routed
+    slot_routed: torch.Tensor       # [T, K] float32, 1 where routed, else 0
 
 
 def _rows(raw: np.ndarray, dtype: torch.dtype, hidden: int) -> torch.Tensor:
@@ -97,6 +100,7 @@ class MpiPeer:
         flat = topk_idx.numpy().reshape(-1)
 
         # (token, slot) pairs ordered by expert (hence by destination rank), then token
+        routed = topk_idx >= 0
         pos = np.flatnonzero(flat >= 0)
         order = np.argsort(flat[pos], kind="stable")
         pos = pos[order]
@@ -140,7 +144,9 @@ class MpiPeer:
             recv_src_slot=torch.from_numpy(recv_meta[:, 1].astype(np.int64)),
             num_tokens=num_tokens, send_token=send_token, send_slot=send_slot,
             send_weight=send_weight, send_splits=send_splits, recv_splits=recv_splits,
-            to_expert_major=to_expert_major)
+            to_expert_major=to_expert_major, slot_index=torch.from_numpy(pos),
+            slot_weights=torch.where(routed, topk_weights, 0.0),
+            slot_routed=routed.to(torch.float32))
 
     def combine(self, expert_out: torch.Tensor, d: MpiDispatch,
                 weighted: bool = True) -> torch.Tensor:
@@ -151,14 +157,18 @@ class MpiPeer:
         arrival = np.empty_like(outb)
         arrival[d.to_expert_major] = outb       # back to arrival order, per source contiguous
         back = self._alltoallv(arrival, d.recv_splits, d.send_splits, row_bytes)
-        back = _rows(back.reshape(-1, row_bytes), dtype, hidden).to(torch.float32)
-        if weighted:
-            back = back * torch.from_numpy(d.send_weight).unsqueeze(1)
-        y = torch.zeros(d.num_tokens, hidden, dtype=torch.float32)
-        token, slot = torch.from_numpy(d.send_token), torch.from_numpy(d.send_slot)
-        for k in range(int(slot.max()) + 1 if len(slot) else 0):  # slot order, as the oracle
-            sel = (slot == k).nonzero().squeeze(1)
-            y.index_add_(0, token[sel], back[sel])
+        back = _rows(back.reshape(-1, row_bytes), dtype, hidden)
+        # rows to token-major [T, K, hidden] (unrouted slots zero), then per slot, in slot
+        # order, y += w[:, k] * rows[:, k] in fp32 (one pass over the rows, no fp32 copy)
+        num_tokens, top_k = d.slot_weights.shape
+        alloc = torch.empty if len(d.send_token) == num_tokens * top_k else torch.zeros
+        slots = alloc(num_tokens * top_k, hidden, dtype=dtype)
+        slots.index_copy_(0, d.slot_index, back)
+        slots = slots.view(num_tokens, top_k, hidden)
+        w = d.slot_weights if weighted else d.slot_routed
+        y = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        for k in range(top_k):
+            y.addcmul_(slots[:, k], w[:, k:k + 1])
         return y.to(dtype)
 
 
