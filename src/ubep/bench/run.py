@@ -8,6 +8,7 @@ Per iteration the time of an operation is the max over ranks; warm-up is exclude
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import platform
@@ -31,14 +32,25 @@ def mpiexec_path() -> Path:
     return Path(sys.executable).parent / "mpiexec"
 
 
+@functools.cache
 def mpi_unavailable_reason() -> str | None:
-    """Why the MPI peer cannot run here, or None if it can."""
+    """Why the MPI peer cannot run here, or None if it can (probes `mpiexec -n 2` once)."""
     try:
         import mpi4py  # noqa: F401
     except ImportError as e:
         return f"mpi4py is not installed ({e}); pip install -e '.[mpi]'"
     if not mpiexec_path().exists():
         return f"no mpiexec at {mpiexec_path()} (pip install mpich)"
+    probe = [str(mpiexec_path()), "-n", "2", sys.executable, "-c",
+             "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"]
+    try:
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"`mpiexec -n 2` does not run here: {e}"
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+        return f"`mpiexec -n 2` failed here (exit {proc.returncode}): {tail[0][:200]}"
     return None
 
 
@@ -101,7 +113,7 @@ def _launch_mpiexec(cfg: BenchConfig, world: int, timeout_s: float) -> list[dict
         cmd = [str(mpiexec_path()), "-n", str(world), sys.executable, "-m",
                "ubep.bench.runner", str(cfg_path), str(out_path)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
         try:
             log, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
