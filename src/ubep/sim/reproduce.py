@@ -309,21 +309,29 @@ def exp_fig10(short: bool, topo: str) -> Experiment:
             for r in ranks for s in sizes for y in syncs]
 
     def finish(res: dict, out: Path) -> str:
+        def deliver(r: SimResult) -> float:
+            e = r.engine   # issue start -> the receiver knows the row is there
+            return float(np.mean(e.row_visible - e.row_issue_start))
+
         rows = [{"ranks": r, "bytes": s, "sync": y, "label": "predicted",
                  "latency_us": res[(r, s, y)].latency_us,
+                 "row_delivery_us": deliver(res[(r, s, y)]),
                  "payload_efficiency": res[(r, s, y)].payload_efficiency}
                 for r in ranks for s in sizes for y in syncs]
         _write_csv(out / "fig10.csv", rows)
         plt = _plt()
-        fig, axes = plt.subplots(1, len(ranks), figsize=(4.5 * len(ranks), 3.8), squeeze=False)
-        for ax, r in zip(axes[0], ranks):
+        fig, axes = plt.subplots(2, len(ranks), figsize=(4.5 * len(ranks), 7), squeeze=False)
+        for i, r in enumerate(ranks):
             for y in syncs:
-                ax.plot(sizes, [res[(r, s, y)].latency_us for s in sizes], "o-", label=y)
-            ax.set_xscale("log")
-            ax.set_xlabel("bytes per token")
-            ax.set_ylabel("dispatch latency (us)")
-            ax.set_title(f"{r} ranks")
-            ax.legend()
+                axes[0][i].plot(sizes, [res[(r, s, y)].latency_us for s in sizes], "o-", label=y)
+                axes[1][i].plot(sizes, [deliver(res[(r, s, y)]) for s in sizes], "o-", label=y)
+            for ax, what in ((axes[0][i], "dispatch latency (us)"),
+                             (axes[1][i], "mean row delivery (us)")):
+                ax.set_xscale("log")
+                ax.set_xlabel("bytes per token")
+                ax.set_ylabel(what)
+                ax.set_title(f"{r} ranks")
+                ax.legend()
         fig.suptitle(f"Sync variants vs data size, 8 tokens x top-8 ({topo})")
         fig.tight_layout()
         fig.savefig(out / "fig10.png", dpi=110)
@@ -331,9 +339,12 @@ def exp_fig10(short: bool, topo: str) -> Experiment:
         piv = []
         for r in ranks:
             for s in sizes:
-                piv.append({"ranks": r, "bytes": s, **{y: res[(r, s, y)].latency_us
-                                                       for y in syncs}})
-        return _md_table(piv, ["ranks", "bytes", *syncs])
+                piv.append({"ranks": r, "bytes": s,
+                            **{y: res[(r, s, y)].latency_us for y in syncs},
+                            **{f"{y} delivery": deliver(res[(r, s, y)]) for y in syncs}})
+        return ("Dispatch latency (us) and mean per-row delivery time (issue start to the "
+                "receiver seeing the row, us):\n\n"
+                + _md_table(piv, ["ranks", "bytes", *syncs, *[f"{y} delivery" for y in syncs]]))
 
     return Experiment("fig10", "sw / tff / dc / sp vs data size (Fig. 10)", jobs, finish)
 
