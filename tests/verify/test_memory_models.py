@@ -12,11 +12,12 @@ def _sb(fence: bool = False) -> Protocol:
                     (Store((("y", 1),), 1), *mid, Load("x", "r")), {"x": 0, "y": 0}, ())
 
 
-def _mp(release: bool) -> Protocol:
-    """Message passing: data then flag; the reader loads flag, then data."""
+def _mp(release: bool, acquire: bool) -> Protocol:
+    """Message passing: data then flag; the reader waits for the flag, then loads data."""
     return Protocol("MP", "message passing",
                     (Store((("data", 1),), 1), Store((("flag", 1),), 1, release)),
-                    (Load("flag", "f"), Load("data", "d")), {"data": 0, "flag": 0}, ())
+                    (Await("flag", "eq", 1, acquire=acquire), Load("data", "d")),
+                    {"data": 0, "flag": 0}, ())
 
 
 def _values(outcome) -> dict:
@@ -39,10 +40,14 @@ def test_fences_forbid_store_buffering(model):
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("release", [False, True])
-def test_message_passing_reorders_only_on_weak_without_release(model, release):
-    outs = [_values(o) for o in check(_mp(release), model).outcomes]
-    flag_without_data = any(o[("R", "f")] == 1 and o[("R", "d")] == 0 for o in outs)
-    assert flag_without_data == (model in ("weak", "block") and not release)
+@pytest.mark.parametrize("acquire", [False, True])
+def test_message_passing_needs_release_and_acquire_only_where_weak(model, release, acquire):
+    outs = [_values(o) for o in check(_mp(release, acquire), model).outcomes]
+    stale_data = any(o[("R", "d")] == 0 for o in outs)
+    stores_reorder = model in ("weak", "block") and not release
+    loads_reorder = model == "weak" and not acquire
+    assert stale_data == (stores_reorder or loads_reorder)
+    assert any(o[("R", "d")] == 1 for o in outs)
 
 
 def test_thread_sees_its_own_buffered_store():

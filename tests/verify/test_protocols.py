@@ -51,6 +51,18 @@ def test_tff_without_release_is_torn_only_on_the_weak_model():
     assert "S drain b0.0" not in steps
 
 
+@pytest.mark.parametrize("make", [tff, sp], ids=["tff", "sp"])
+def test_plain_polling_loads_are_torn_only_on_the_weak_model(make):
+    # the acquire half of release/acquire: without it the payload load runs ahead of the
+    # flag/marker load on a weakly ordered CPU
+    proto = make(acquire=False)
+    for model in ("sc", "tso", "block"):
+        assert check(proto, model).ok, model
+    weak = check(proto, "weak")
+    assert set(weak.counterexamples) == {"torn"}
+    assert any("(early, before instruction" in step for step in weak.counterexamples["torn"])
+
+
 def test_tff_without_release_delivers_right_on_tso():
     assert check(tff(release=False, blocks=3, epochs=3), "tso").ok
 

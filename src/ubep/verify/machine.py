@@ -10,14 +10,13 @@ Memory models (`MODELS`):
 * ``sc``    sequential consistency: a store is visible to the other thread at once.
 * ``tso``   x86-TSO: each thread has a FIFO store buffer, drained oldest first; a thread's
             loads see its own buffered stores first (store forwarding).
-* ``weak``  a reordering store buffer (PSO-like, the part of Arm/POWER ordering that
-            matters for a flag written after data): buffered stores drain in any order,
-            except that stores to one address stay in order and a *release* store drains
-            only when it is the oldest entry (all earlier stores are visible first).
-            Loads are not reordered (the receiver's loads are acquire loads in the real
-            runtime; load reordering is not modelled).
+* ``weak``  Arm/POWER-like: a reordering store buffer (buffered stores drain in any
+            order, except that stores to one address stay in order and a *release* store
+            drains only when it is the oldest entry: all earlier stores are visible first),
+            and load-load reordering: a plain load may be performed early, before plain
+            loads and non-acquire awaits that precede it (never before an acquire await).
 * ``block`` the paper's hardware: a block store (all words of one block) is one atomic
-            store; otherwise as ``weak`` (blocks drain in any order).
+            store; blocks drain in any order as under ``weak``; loads stay in order.
 
 Every word holds a value and a ghost tag: the epoch whose store wrote it (0 = initial
 contents or a receiver's re-arm). Protocols compute only with values; the checker judges a
@@ -53,12 +52,14 @@ class Fence:
 @dataclass(frozen=True)
 class Await:
     """Spin until the word at `addr` satisfies `op` ("eq" | "ne") against `arg`; keep the
-    value read in register `reg` (if given)."""
+    value read in register `reg` (if given). An `acquire` load keeps later loads after it;
+    under ``weak`` a later plain load may otherwise be performed before it."""
 
     addr: str
     op: str
     arg: object
     reg: str | None = None
+    acquire: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ class CheckResult:
 # -- the machine ------------------------------------------------------------------------------
 
 # A thread: (pc, registers as a sorted tuple of (name, (value, tag)), store buffer as a tuple
-# of entries ((address index, value, tag) ..., release)). A state: (memory, sender, receiver).
+# of entries ((address index, value, tag) ..., release), loads performed early as a sorted
+# tuple of instruction indices). A state: (memory, sender, receiver).
 
 
 def _expand(program: tuple[Instr, ...], model: str) -> tuple[Instr, ...]:
@@ -215,14 +217,22 @@ class _Run:
                         raise ValueError(f"protocol {protocol.name!r} uses address {a!r} "
                                          f"missing from its initial memory")
         mem = tuple((protocol.initial[a], 0) for a in self.addrs)
-        self.initial = (mem, (0, (), ()), (0, (), ()))
+        self.initial = (mem, (0, (), (), ()), (0, (), (), ()))
 
     def successors(self, state):
         """Yield (label, next state, violation kind or None)."""
         mem = state[0]
         for t in (0, 1):
-            pc, regs, sbuf = state[1 + t]
+            pc, regs, sbuf, early = state[1 + t]
             who = "S" if t == 0 else "R"
+
+            def step(new_pc, new_regs=regs, new_sbuf=sbuf, new_mem=mem, new_early=early, _t=t):
+                # instructions already performed early are skipped when the pc reaches them
+                while new_pc in new_early:
+                    new_early = tuple(e for e in new_early if e != new_pc)
+                    new_pc += 1
+                return self._with(state, _t, (new_pc, new_regs, new_sbuf, new_early), new_mem)
+
             # drain one buffered store
             for i in range(len(sbuf)):
                 if _can_drain(self.model, sbuf, i):
@@ -231,11 +241,12 @@ class _Run:
                         m[a] = (v, tag)
                     names = ",".join(self.addrs[a] for a, _, _ in sbuf[i][0])
                     yield (f"{who} drain {names}",
-                           self._with(state, t, (pc, regs, sbuf[:i] + sbuf[i + 1:]), tuple(m)),
-                           None)
+                           step(pc, new_sbuf=sbuf[:i] + sbuf[i + 1:], new_mem=tuple(m)), None)
             prog = self.programs[t]
             if pc >= len(prog):
                 continue
+            if self.model == "weak":
+                yield from self._early_loads(state, t, who, step)
             ins = prog[pc]
             if isinstance(ins, Store):
                 words = tuple((self.index[a], v, ins.tag) for a, v in ins.words)
@@ -245,13 +256,12 @@ class _Run:
                     m = list(mem)
                     for a, v, tag in words:
                         m[a] = (v, tag)
-                    yield label, self._with(state, t, (pc + 1, regs, sbuf), tuple(m)), None
+                    yield label, step(pc + 1, new_mem=tuple(m)), None
                 else:
-                    nxt = (pc + 1, regs, sbuf + ((words, ins.release),))
-                    yield label, self._with(state, t, nxt, mem), None
+                    yield label, step(pc + 1, new_sbuf=sbuf + ((words, ins.release),)), None
             elif isinstance(ins, Fence):
                 if not sbuf:
-                    yield f"{who} fence", self._with(state, t, (pc + 1, regs, sbuf), mem), None
+                    yield f"{who} fence", step(pc + 1), None
             elif isinstance(ins, (Await, Load)):
                 got = _read(mem, sbuf, self.index[ins.addr])
                 if isinstance(ins, Await) and not _holds(ins.op, got[0], ins.arg):
@@ -259,8 +269,7 @@ class _Run:
                 if ins.reg is not None:
                     regs = tuple(sorted(dict(regs, **{ins.reg: got}).items()))
                 kind = "await" if isinstance(ins, Await) else "ld"
-                yield (f"{who} {kind} {ins.addr} -> {got[0]!r}",
-                       self._with(state, t, (pc + 1, regs, sbuf), mem), None)
+                yield f"{who} {kind} {ins.addr} -> {got[0]!r}", step(pc + 1, regs), None
             elif isinstance(ins, Deliver):
                 r = dict(regs)
                 tags = [r[n][1] for n in ins.regs]
@@ -269,13 +278,38 @@ class _Run:
                     bad = "torn" if ins.epoch in tags else "stale"
                 label = (f"{who} deliver block {ins.block} of epoch {ins.epoch}: written by "
                          f"epochs {tags}")
-                yield label, self._with(state, t, (pc + 1, regs, sbuf), mem), bad
+                yield label, step(pc + 1), bad
             elif isinstance(ins, CheckSum):
                 r = dict(regs)
                 same = tuple(r[n][0] for n in ins.regs) == r[ins.sum_reg][0]
                 target = pc + 1 if same else ins.retry_pc
                 yield (f"{who} checksum {'matches' if same else 'mismatch, retry'}",
-                       self._with(state, t, (target, regs, sbuf), mem), None)
+                       step(target, new_early=()), None)
+
+    def _early_loads(self, state, t, who, step):
+        """Under ``weak``: plain loads performed before earlier plain loads and non-acquire
+        awaits (load-load reordering). The window ends at anything else."""
+        mem = state[0]
+        pc, regs, sbuf, early = state[1 + t]
+        prog = self.programs[t]
+        written: set[str] = set()
+        j = pc
+        while j < len(prog):
+            ins = prog[j]
+            if j in early:
+                j += 1
+                continue
+            if j > pc and isinstance(ins, Load) and ins.reg not in written:
+                got = _read(mem, sbuf, self.index[ins.addr])
+                new_regs = tuple(sorted(dict(regs, **{ins.reg: got}).items()))
+                yield (f"{who} ld {ins.addr} -> {got[0]!r} (early, before instruction {pc})",
+                       step(pc, new_regs, new_early=tuple(sorted(early + (j,)))), None)
+            if isinstance(ins, Load) or (isinstance(ins, Await) and not ins.acquire):
+                if ins.reg is not None:
+                    written.add(ins.reg)
+                j += 1
+                continue
+            break
 
     @staticmethod
     def _with(state, t, thread, mem):

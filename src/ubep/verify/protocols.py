@@ -100,7 +100,7 @@ def sw(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool 
 # -- tff: a flag word inside every block, stored last ------------------------------------------
 
 def tff(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool = True,
-        flag_first: bool = False) -> Protocol:
+        acquire: bool = True, flag_first: bool = False) -> Protocol:
     """Token-flag fusion: each block is (payload, flag=epoch); the flag is stored last."""
     def send(e):
         out: list[Instr] = []
@@ -115,7 +115,7 @@ def tff(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool
     def recv(e, _pc):
         out: list[Instr] = []
         for b in range(blocks):
-            out += [Await(f"b{b}.1", "eq", e, "f"), Load(f"b{b}.0", "p"),
+            out += [Await(f"b{b}.1", "eq", e, "f", acquire), Load(f"b{b}.0", "p"),
                     Deliver(b, e, ("p", "f"))]
         return out
 
@@ -126,6 +126,9 @@ def tff(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool
     elif not release:
         name, claimed, what = ("tff_plain", ORDERED + ("block",),
                                "flag last in each block, plain store (no release)")
+    elif not acquire:
+        name, claimed, what = ("tff_plain_load", ORDERED + ("block",),
+                               "release flag, but the reader polls it with plain loads")
     return Protocol(name, what, s, r, {**_words(blocks), "ack": 0}, claimed)
 
 
@@ -163,8 +166,8 @@ def dc(blocks: int = 2, epochs: int = 2, repeat: bool = False, *,
 # -- sp: the receiver arms marker words with a sentinel and re-arms after consuming -------------
 
 def sp(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool = True,
-       rearm: bool = True, marker_first: bool = False, ack_release: bool = True,
-       sentinel_in_data: bool = False) -> Protocol:
+       acquire: bool = True, rearm: bool = True, marker_first: bool = False,
+       ack_release: bool = True, sentinel_in_data: bool = False) -> Protocol:
     """Sentinel polling: a block has arrived when its marker word is not the sentinel."""
     def send(e):
         out: list[Instr] = []
@@ -180,7 +183,7 @@ def sp(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool 
     def recv(e, _pc):
         out: list[Instr] = []
         for b in range(blocks):
-            out += [Await(f"b{b}.1", "ne", SENTINEL, "m"), Load(f"b{b}.0", "p"),
+            out += [Await(f"b{b}.1", "ne", SENTINEL, "m", acquire), Load(f"b{b}.0", "p"),
                     Deliver(b, e, ("p", "m"))]
             if rearm:
                 out.append(Store(((f"b{b}.1", SENTINEL),), 0))
@@ -201,6 +204,9 @@ def sp(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool 
     elif not release:
         name, claimed, what = ("sp_plain", ORDERED + ("block",),
                                "marker last in each block, plain store (no release)")
+    elif not acquire:
+        name, claimed, what = ("sp_plain_load", ORDERED + ("block",),
+                               "release marker, but the reader polls it with plain loads")
     words = {f"b{b}.{w}": (SENTINEL if w == 1 else 0) for b in range(blocks) for w in (0, 1)}
     return Protocol(name, what, s, r, {**words, "ack": 0}, claimed)
 
@@ -212,6 +218,7 @@ def variants(blocks: int = 2, epochs: int = 2, repeat: bool = False) -> list[Pro
         sw(**kw), tff(**kw), dc(**kw), sp(**kw),
         sw(**kw, release=False), tff(**kw, release=False), dc(**kw, release=False),
         sp(**kw, release=False), sp(**kw, ack_release=False),
+        tff(**kw, acquire=False), sp(**kw, acquire=False),
         sw(**kw, flag_first=True), tff(**kw, flag_first=True), sp(**kw, marker_first=True),
         sp(**kw, rearm=False), sp(**kw, sentinel_in_data=True),
     ]
