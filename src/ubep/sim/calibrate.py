@@ -57,6 +57,7 @@ class Problem:
 
     points: list[FitPoint]
     workload: dict
+    fig3b_ranks: int = FIG3B_RANKS
     preps: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)
 
@@ -83,13 +84,13 @@ class Problem:
             return lat[k]
 
         out = []
-        t8 = run(FIG3B_RANKS, "bsp", 8).phases_us["token_send"] if any(
+        t8 = run(self.fig3b_ranks, "bsp", 8).phases_us["token_send"] if any(
             p.kind == "fig3b" for p in self.points) else 0.0
         for p in self.points:
             if p.kind == "table4":
                 out.append(run(p.ranks, p.mode).latency_us)
             elif p.kind == "fig3b":
-                tn = run(FIG3B_RANKS, "bsp", p.cores).phases_us["token_send"]
+                tn = run(self.fig3b_ranks, "bsp", p.cores).phases_us["token_send"]
                 out.append(100.0 * t8 * 8 / (tn * p.cores))
             else:  # syncall share of the BSP dispatch, mean over the Table-4 rank counts
                 shares = [run(r, "bsp").phases_us["syncall"] / run(r, "bsp").latency_us
@@ -128,14 +129,14 @@ def load_points(path: str | Path = DEFAULT_POINTS) -> tuple[list[FitPoint], dict
 
 
 def fit(points_path: str | Path = DEFAULT_POINTS, *, windows=WINDOWS, max_nfev: int = 15,
-        start: CostParams | None = None, progress: Callable[[str], None] | None = None
-        ) -> dict:
+        start: CostParams | None = None, fig3b_ranks: int = FIG3B_RANKS,
+        progress: Callable[[str], None] | None = None) -> dict:
     """Least-squares fit (from `start`'s values, default `FREE`'s initial ones) for each
     window size in `windows`; returns the best one's calibration record (see `write`)."""
     from scipy.optimize import least_squares
 
     pts, workload = load_points(points_path)
-    prob = Problem(pts, workload)
+    prob = Problem(pts, workload, fig3b_ranks)
     names = list(FREE)
     x0 = np.log([getattr(start, n) if start else FREE[n][0] for n in names])
     lo = np.log([FREE[n][1] for n in names])
@@ -157,7 +158,7 @@ def fit(points_path: str | Path = DEFAULT_POINTS, *, windows=WINDOWS, max_nfev: 
     params = _params(names, x, w)
     model = prob.model(params)
     rec = record(pts, workload, params, model, names + ["window_rows"],
-                 seconds=time.perf_counter() - t_start)
+                 seconds=time.perf_counter() - t_start, fig3b_ranks=fig3b_ranks)
     rec["windows_tried"] = list(windows)
     return rec
 
@@ -169,7 +170,7 @@ def _params(names: list[str], x: np.ndarray, window: int) -> CostParams:
 
 
 def record(pts: list[FitPoint], workload: dict, params: CostParams, model: np.ndarray,
-           free: list[str], seconds: float = 0.0) -> dict:
+           free: list[str], seconds: float = 0.0, fig3b_ranks: int = FIG3B_RANKS) -> dict:
     rows = [{**asdict(p), "model": float(m), "residual": float((m - p.target) / p.target)}
             for p, m in zip(pts, model)]
     rel = np.array([r["residual"] for r in rows])
@@ -177,7 +178,7 @@ def record(pts: list[FitPoint], workload: dict, params: CostParams, model: np.nd
         "version": 1,
         "created": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "source": "shared/calibration/paper_public.yaml (Fig. 3b, Table 4, SyncAll 15%)",
-        "topology": "cm384", "fig3b_ranks": FIG3B_RANKS, "workload": workload,
+        "topology": "cm384", "fig3b_ranks": fig3b_ranks, "workload": workload,
         "free": free, "params": asdict(params), "points": rows,
         "rms_relative_residual": float(np.sqrt(np.mean(rel ** 2))),
         "max_abs_relative_residual": float(np.max(np.abs(rel))),
@@ -195,7 +196,8 @@ def write(rec: dict, path: str | Path | None = None) -> Path:
 def check(rec: dict) -> np.ndarray:
     """Re-run the model at the record's constants; returns each point's model value."""
     pts = [FitPoint(**{k: r[k] for k in FitPoint.__dataclass_fields__}) for r in rec["points"]]
-    return Problem(pts, rec["workload"]).model(CostParams(**rec["params"]))
+    return Problem(pts, rec["workload"], rec.get("fig3b_ranks", FIG3B_RANKS)).model(
+        CostParams(**rec["params"]))
 
 
 def refresh(rec: dict) -> dict:
@@ -204,7 +206,8 @@ def refresh(rec: dict) -> dict:
     pts = [FitPoint(**{k: r[k] for k in FitPoint.__dataclass_fields__}) for r in rec["points"]]
     model = check(rec)
     new = record(pts, rec["workload"], CostParams(**rec["params"]), model, rec["free"],
-                 seconds=rec.get("fit_seconds", 0.0))
+                 seconds=rec.get("fit_seconds", 0.0),
+                 fig3b_ranks=rec.get("fig3b_ranks", FIG3B_RANKS))
     for k in ("created", "windows_tried", "note"):
         if k in rec:
             new[k] = rec[k]

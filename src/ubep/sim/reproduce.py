@@ -125,7 +125,8 @@ def exp_table4(short: bool, topo: str) -> Experiment:
 
 def exp_fig3b(short: bool, topo: str) -> Experiment:
     cores = (8, 16, 24, 32, 48)
-    jobs = [Job(("c", c), 16, _cfg("bsp", workers=c)) for c in cores]
+    R = int(load_calibration().get("fig3b_ranks", 16))   # the rank count the fit assumed
+    jobs = [Job(("c", c), R, _cfg("bsp", workers=c)) for c in cores]
     paper = dict(zip(cores, (100.0, 76.7, 57.6, 45.6, 31.1)))
 
     def finish(res: dict, out: Path) -> str:
@@ -148,7 +149,7 @@ def exp_fig3b(short: bool, topo: str) -> Experiment:
         ax2.plot(cores, [r["token_send_us"] for r in rows], "g--", label="latency")
         ax2.set_ylabel("Token-Sending latency (us)")
         ax1.legend(loc="upper right")
-        ax1.set_title(f"Token-Sending vs cores, BSP, 16 ranks ({topo})")
+        ax1.set_title(f"Token-Sending vs cores, BSP, {R} ranks ({topo})")
         fig.tight_layout()
         fig.savefig(out / "fig3b.png", dpi=110)
         plt.close(fig)
