@@ -1,7 +1,8 @@
 """Protocol check of the Data-as-Flag sync variants (sw, tff, dc, sp).
 
-`ubep.verify.machine` is a tiny executable memory model (sc, x86-TSO, a weak model with a
-reordering store buffer, and the paper's atomic-block hardware) that explores every
+`ubep.verify.machine` is a tiny executable memory model (sc, x86-TSO, a weak Arm-like model
+with a reordering store buffer and load reordering, and the paper's atomic-block hardware)
+that explores every
 interleaving of a sender and a receiver; `ubep.verify.protocols` writes each variant, and
 deliberately broken ones, as programs for it. `check_all()` runs the whole matrix:
 
