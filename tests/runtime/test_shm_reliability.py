@@ -64,12 +64,15 @@ def test_a_late_peer_is_a_timeout_naming_rank_phase_and_peer():
 def _dies_mid_dispatch(rank, world, job):
     import ubep
     from ubep.runtime.shm import kernels
+    from ubep.runtime.shm.region import L_EL, L_WORLD
 
-    with _buffer(timeout_s=20.0) as buf:
+    with _buffer(timeout_s=20.0, workers=1) as buf:
         if rank == 1:
-            def die(*args):
-                os.kill(os.getpid(), signal.SIGKILL)
-            kernels.send_rows = die   # counts are out, the rows never come
+            def die(bases, lay, me, epoch, x, idx, w, order, static, elem, corrupt, cs, bsp):
+                _, _, counts = kernels.plan_single(idx, order, static, lay[L_EL])
+                kernels.send_counts(bases, lay, me, epoch, counts, 1, elem, 0, 0, lay[L_WORLD])
+                os.kill(os.getpid(), signal.SIGKILL)    # counts are out, the rows never come
+            kernels.dispatch_send_single = die
         t0 = time.monotonic()
         try:
             buf.dispatch(*_inputs(rank, num_tokens=8, top_k=4))
@@ -84,8 +87,7 @@ def test_a_peer_killed_mid_dispatch_is_reported_and_leaves_no_segment():
                     env={"UBEP_JOB_ID": job})
     assert isinstance(out[1], RankFailure) and out[1].kind == "died"
     rank, phase, peers, took, left = out[0]
-    assert (rank, peers, left) == (0, [1], [])
-    assert phase.startswith("dispatch/")
+    assert (rank, phase, peers, left) == (0, "dispatch/rows", [1], [])
     assert took < 15.0             # well within the 20 s deadline: liveness, not timeout
     assert _shm_entries(job) == []
 

@@ -73,8 +73,11 @@ def default_workers(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
+_DTYPE_CODES = {d: i for i, d in enumerate(MOVABLE_DTYPES)}
+
+
 def _dtype_code(dtype: torch.dtype) -> int:
-    return MOVABLE_DTYPES.index(dtype)
+    return _DTYPE_CODES[dtype]
 
 
 _LUTS: dict[torch.dtype, np.ndarray] = {}
@@ -170,6 +173,15 @@ class ShmBackend:
         self._barrier_count = 0
         self._dc_corrupt = 0                       # tests: add this to dc checksums
         self._setup_plans()
+        w, el = self.world, c.experts_per_rank     # scratch of the one-worker path
+        self._cs = np.zeros(w, np.int64)
+        self._rc = np.zeros((w, el), np.int64)
+        self._meta = np.zeros((w, 3), np.int64)
+        self._got = np.zeros(w, np.int8)
+        self._batch = np.zeros(w, np.int64)
+        self._out_start = np.zeros((w, el), np.int64)
+        self._hello = np.zeros((w, 3), np.int64)
+        self._bsp = c.mode == "bsp"
 
     # -- bootstrap ---------------------------------------------------------------------------
     def _bootstrap(self, group) -> None:
@@ -212,6 +224,9 @@ class ShmBackend:
         self.base = int(bases[self.rank])
         if self.fmt.sync == "sp":
             K.arm_sentinels(self.base, self.lay)
+        K.warm_up(lambda: region_layout(world=1, experts_per_rank=c.experts_per_rank,
+                                        max_workers=1, hidden=2, max_tokens=1, max_top_k=1,
+                                        fmt=self.fmt), self.workers > 1)
         ok: list = [None] * self.world
         dist.all_gather_object(ok, True, group=group)   # everyone mapped (and armed)
         segments.unlink_name(name)                       # memory lives while mapped
@@ -253,15 +268,22 @@ class ShmBackend:
         return (p.token_workers, p.count_workers, ws, wp, np.ascontiguousarray(p.send_counts),
                 p.count_dest_ranges)
 
-    def _wait(self, call: _Call, poll, phase: str, peers_of, detail_of=None) -> None:
-        """Re-enter `poll(spins)` until it returns 0, backing off; deadline and liveness."""
+    def _wait(self, call: _Call | None, poll, phase: str, peers_of, detail_of=None,
+              deadline: float | None = None) -> None:
+        """Re-enter `poll(spins)` until it returns 0, backing off; deadline and liveness.
+
+        Spins in the kernel first, then yields the core, then sleeps 20-100 us per round:
+        with more busy threads than cores, backing off is what lets the peer progress.
+        """
         if poll(SPINS) == 0:
             return
+        if deadline is None:
+            deadline = call.deadline
         n = 0
         next_live = time.monotonic() + LIVENESS_EVERY_S
         while True:
             n += 1
-            if call.error is not None:
+            if call is not None and call.error is not None:
                 raise _Cancelled()
             if n <= 3:
                 time.sleep(0)                                  # yield the core
@@ -276,7 +298,7 @@ class ShmBackend:
                         if r != self.rank and not segments.pid_alive(pid)]
                 if dead:
                     raise PeerDiedError(self.rank, phase, dead)
-            if now > call.deadline:
+            if now > deadline:
                 if poll(SPINS) == 0:
                     return
                 raise PeerTimeoutError(self.rank, phase, peers_of(), self.config.timeout_s,
@@ -359,6 +381,8 @@ class ShmBackend:
             why = sentinel_refusal(str(x.dtype))
             if why:
                 raise ValueError(why)
+        if self.workers == 1:
+            return self._dispatch_single(x, topk_idx, topk_weights, call, t0)
         idx = topk_idx.numpy()
         w = topk_weights.numpy()
         num_tokens, top_k = idx.shape
@@ -552,6 +576,8 @@ class ShmBackend:
             why = sentinel_refusal(str(dtype))
             if why:
                 raise ValueError(why)
+        if self.workers == 1:
+            return self._combine_single(expert_out, handle, weighted, t0)
         idx, w, ints, _ = handle.state
         n_recv = handle.num_recv
         hidden = handle.hidden
@@ -670,6 +696,140 @@ class ShmBackend:
             cl.iv[0].append(("wait_flags", a, _now_us(), "wait"))
         self._barrier(cl, 2, "combine")
         self._c_reduce(cl, j, need_all_hellos=False)    # Reduce
+
+    # -- one worker: the same dependency order in the calling thread, lean --------------------
+    def _sentinel_error(self, what: str, row: int) -> ValueError:
+        return ValueError(
+            f"{what} row {row} holds the sp sentinel pattern 0xFFF7FFF7FFF7FFF7 at a block "
+            f"marker position; sync='sp' cannot send it (the receiver would wait forever): "
+            f"use sync='tff'")
+
+    def _meta_error(self, code: int, meta: np.ndarray, elem: int, what: str) -> None:
+        if code:
+            self._check_peers_meta(meta, elem, what)
+
+    def _dispatch_single(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                         topk_weights: torch.Tensor, call: int, t0: float) -> DispatchResult:
+        c = self.config
+        idx = topk_idx.numpy()
+        w = topk_weights.numpy()
+        xb = x.view(torch.uint8).numpy()
+        elem = _DTYPE_CODES[x.dtype]
+        self._d_epoch += 1
+        epoch = self._d_epoch
+        deadline = time.monotonic() + c.timeout_s
+        n_sends = K.dispatch_send_single(self.bases, self.lay, self.rank, epoch, xb, idx, w,
+                                         self._expert_order, self._static, elem,
+                                         self._dc_corrupt, self._cs, self._bsp)
+        if n_sends < 0:
+            raise self._sentinel_error("x", -n_sends - 1)
+        t1 = _now_us()
+        rc, meta, got, base, lay = self._rc, self._meta, self._got, self.base, self.lay
+        got[:] = 0
+        self._wait(None, lambda s: K.poll_counts(base, lay, epoch, 0, self.world, rc, meta, got,
+                                                 s),
+                   "dispatch/counts", lambda: [s for s in range(self.world) if not got[s]],
+                   deadline=deadline)
+        self._meta_error(K.check_meta(meta, elem), meta, elem, "dispatch")
+        t2 = _now_us()
+        out_start = self._out_start
+        tpe = np.empty(c.experts_per_rank, np.int64)
+        n_recv = K.offsets(rc, out_start, tpe)
+        recv_x = torch.empty((n_recv, x.shape[1]), dtype=x.dtype)
+        xnp = recv_x.view(torch.uint8).numpy()
+        ints = np.empty((3, n_recv), np.int64)
+        wts = np.empty(n_recv, np.float32)
+        done = np.zeros(n_recv, np.uint8)
+        batch = self._batch
+        batch[:] = 0
+        self._wait(None, lambda s: K.recv_rows(base, lay, epoch, rc, meta, out_start, 0, n_recv,
+                                               done, batch, xnp, wts, ints[0], ints[1], ints[2],
+                                               s),
+                   "dispatch/rows", lambda: self._missing_sources(rc, done, 0, n_recv),
+                   lambda: self._dc_detail(batch), deadline=deadline)
+        t3 = _now_us()
+        src_rank, src_tok, src_slot = (torch.from_numpy(ints[0]), torch.from_numpy(ints[1]),
+                                       torch.from_numpy(ints[2]))
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, call=call, num_tokens=idx.shape[0], num_recv=n_recv,
+            hidden=x.shape[1], topk_idx=topk_idx, topk_weights=topk_weights,
+            recv_src_rank=src_rank, recv_src_token=src_tok, recv_src_slot=src_slot,
+            state=(idx, w, ints, epoch))
+        r = self.rank
+        ivs = [Interval(r, 0, "send", t0, t1), Interval(r, 0, "wait_counts", t1, t2, "wait"),
+               Interval(r, 0, "reorder", t2, t3)]
+        wire = self.fmt.wire_bytes(META_BYTES + xb.shape[1])
+        stats = Stats(op="dispatch", backend="shm", mode=c.mode, sync=c.sync,
+                      schedule=c.schedule, rank=r, total_us=t3 - t0,
+                      phases_us={"send": t1 - t0, "wait_counts": t2 - t1, "reorder": t3 - t2},
+                      intervals=ivs, bytes_sent=n_sends * wire, bytes_recv=n_recv * wire,
+                      payload_efficiency=self.fmt.efficiency(META_BYTES + xb.shape[1]),
+                      extra={"epoch": epoch, "workers": 1})
+        return DispatchResult(
+            recv_x=recv_x, recv_weights=torch.from_numpy(wts),
+            tokens_per_expert=torch.from_numpy(tpe), recv_src_rank=src_rank,
+            recv_src_token=src_tok, recv_src_slot=src_slot, handle=handle, stats=stats)
+
+    def _dc_detail(self, batch: np.ndarray) -> str:
+        bad = [s for s in range(self.world) if batch[s] == -1]
+        return f"dc checksum mismatch from rank(s) {bad}" if bad else ""
+
+    def _combine_single(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
+                        t0: float) -> CombineResult:
+        c = self.config
+        dtype = expert_out.dtype
+        idx, w, ints, _ = handle.state
+        rows = expert_out.view(torch.uint8).numpy()
+        elem = _DTYPE_CODES[dtype]
+        self._c_epoch += 1
+        epoch = self._c_epoch
+        deadline = time.monotonic() + c.timeout_s
+        bad = K.combine_send_single(self.bases, self.lay, self.rank, epoch, rows, ints[0],
+                                    ints[1], ints[2], elem, self._dc_corrupt, self._cs,
+                                    self._bsp)
+        if bad < 0:
+            raise self._sentinel_error("expert_out", -bad - 1)
+        t1 = _now_us()
+        ecode, lut = _combine_elem(dtype)
+        num_tokens = idx.shape[0]
+        y = np.zeros((num_tokens, handle.hidden), np.float32)
+        done = np.zeros(num_tokens, np.uint8)
+        hello, got, batch, base, lay = self._hello, self._got, self._batch, self.base, self.lay
+        hello[:] = -1
+        got[:] = 0
+        batch[:] = 0
+        rb, es, bsp = rows.shape[1], expert_out.element_size(), self._bsp
+        weighted = bool(weighted)
+
+        def peers() -> list[int]:
+            el = int(self.lay[L_EL])
+            want = {int(e) // el for t in range(num_tokens) if not done[t]
+                    for e in idx[t] if e >= 0}
+            if self.fmt.sync in ("sw", "dc"):
+                want = {r for r in want if batch[r] != 1}
+            return sorted(want | {s for s in range(self.world) if not got[s]})
+
+        self._wait(None, lambda s: K.combine_poll_single(base, lay, epoch, idx, w, weighted, rb,
+                                                         es, ecode, lut, hello, got, done,
+                                                         batch, y, s, bsp),
+                   "combine/rows", peers, lambda: self._dc_detail(batch), deadline=deadline)
+        self._meta_error(K.check_meta(hello, elem), hello, elem, "combine")
+        out = torch.from_numpy(y)
+        if dtype != torch.float32:
+            out = out.to(dtype)
+        t2 = _now_us()
+        r = self.rank
+        wire = self.fmt.wire_bytes(rb)
+        stats = Stats(op="combine", backend="shm", mode=c.mode, sync=c.sync,
+                      schedule=c.schedule, rank=r, total_us=t2 - t0,
+                      phases_us={"send": t1 - t0, "reduce": t2 - t1},
+                      intervals=[Interval(r, 0, "send", t0, t1),
+                                 Interval(r, 0, "reduce", t1, t2)],
+                      bytes_sent=rows.shape[0] * wire,
+                      bytes_recv=int(np.count_nonzero(idx >= 0)) * wire,
+                      payload_efficiency=self.fmt.efficiency(rb),
+                      extra={"epoch": epoch, "workers": 1})
+        return CombineResult(y=out, stats=stats)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
