@@ -4,6 +4,8 @@ threads that spin while other processes run slow the tiny models' forwards by 10
 import pytest
 import torch
 
+pytest.importorskip("transformers", reason="ubep.moe needs transformers>=5 (the moe extra)")
+
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
