@@ -4,7 +4,10 @@ threads that spin while other processes run slow the tiny models' forwards by 10
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="ubep.moe needs transformers>=5 (the moe extra)")
+try:
+    import transformers  # noqa: F401
+except ImportError:  # ubep.moe needs transformers>=5 (the moe extra): nothing here can run
+    collect_ignore_glob = ["test_*.py"]
 
 
 @pytest.fixture(autouse=True)
