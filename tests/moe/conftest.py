@@ -1,12 +1,13 @@
 """One torch thread in this folder's tests: the host has 2 shared cores, and idle OpenMP
 threads that spin while other processes run slow the tiny models' forwards by 10x."""
 
+import importlib.util
+
 import pytest
 import torch
 
-try:
-    import transformers  # noqa: F401
-except ImportError:  # ubep.moe needs transformers>=5 (the moe extra): nothing here can run
+if importlib.util.find_spec("transformers") is None:
+    # ubep.moe needs transformers>=5 (the moe extra): nothing here can run
     collect_ignore_glob = ["test_*.py"]
 
 
