@@ -68,7 +68,10 @@ def _check_run(result, cfg):
 @pytest.mark.skipif("shm" not in _BACKENDS, reason="shm backend not registered yet")
 def test_sweep_runs_every_variant_on_the_shm_backend():
     cfg = SyncSweepConfig(payloads=(1024,), iters=5, warmup=2, backend="shm")
-    _check_run(run_sync_sweep(cfg, progress=False), cfg)
+    result = run_sync_sweep(cfg, progress=False)
+    _check_run(result, cfg)
+    for p in result.points:     # the runtime's own phase times come along
+        assert p.phases_us and all(us >= 0 for us in p.phases_us.values())
 
 
 def test_table_and_gain_from_recorded_points(tmp_path):

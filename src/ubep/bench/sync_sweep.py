@@ -104,6 +104,7 @@ class SweepPoint:
     min_us: float
     combine_median_us: float | None
     iters: int
+    phases_us: dict[str, float] | None = None   # dispatch: median per phase (Stats), rank 0
 
 
 @dataclass
@@ -205,6 +206,7 @@ def sweep_rank(rank: int, world: int, cfg: SyncSweepConfig, payload: int) -> dic
                     bufs.pop(v).close()
         order = list(bufs)
         times = {v: np.empty((2, cfg.iters)) for v in order}
+        phases: dict = {v: {} for v in order}
         perf = time.perf_counter_ns
         for it in range(cfg.warmup + cfg.iters):
             k = it % max(len(order), 1)
@@ -219,7 +221,12 @@ def sweep_rank(rank: int, world: int, cfg: SyncSweepConfig, payload: int) -> dic
                 t3 = perf()
                 if it >= cfg.warmup:
                     times[v][:, it - cfg.warmup] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
-        return {"times": times, "unavailable": unavailable}
+                    if res.stats is not None:
+                        for name, us in res.stats.phases_us.items():
+                            phases[v].setdefault(name, []).append(us)
+        return {"times": times, "unavailable": unavailable,
+                "phases": {v: {k: float(np.median(u)) for k, u in ph.items()}
+                           for v, ph in phases.items()}}
     finally:
         for b in bufs.values():
             b.close()
@@ -260,7 +267,8 @@ def run_sync_sweep(cfg: SyncSweepConfig, *, progress: bool = True) -> SyncSweepR
                 d = t[0]
                 points.append(SweepPoint(payload, v, float(np.median(d)),
                                          float(np.percentile(d, 99)), float(d.min()),
-                                         float(np.median(t[1])), int(d.size)))
+                                         float(np.median(t[1])), int(d.size),
+                                         per_rank[0].get("phases", {}).get(v) or None))
             bar.advance(task)
     return SyncSweepResult(cfg, points, unavailable, _host(), time.monotonic() - start)
 
