@@ -184,6 +184,13 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
                                    "median_us": float(np.median(per_iter))})
 
 
+def _op_bytes(nbytes: tuple, op: str) -> int | None:
+    """Bytes the copy bound moves per rank for `op` (the max over ranks), None if unknown."""
+    if op == "total":
+        return None if None in nbytes else sum(nbytes)
+    return nbytes[OPS.index(op)]
+
+
 def _summarise(res: BenchResult) -> None:
     cfg = res.config
     med = {k: np.median(v, axis=1) for k, v in res.samples.items()}
@@ -202,7 +209,6 @@ def _summarise(res: BenchResult) -> None:
                 "x_ubep": m / ubep_med[i] if ubep_med is not None else None,
                 "x_bound": m / bound_med[i] if bound_med is not None else None,
                 "dtype": cfg.dtype, "top_k": cfg.top_k, "experts": cfg.experts,
-                "bytes_per_rank": (sum(nbytes) if op == "total" and None not in nbytes
-                                   else (nbytes[i] if op != "total" else None)),
+                "bytes_per_rank": _op_bytes(nbytes, op),
                 "rtt_us": res.rtt_us.get(world),
             })

@@ -2,7 +2,7 @@
 
 For every (hidden, batch) the rank builds its inputs (the same ones for every system),
 checks one dispatch of every system against the oracle (untimed), then runs
-`warmup + iters` iterations; in each, every system (in an order rotated per iteration,
+`warmup + iters` iterations; in each, every system (in an order shuffled per iteration,
 so drift hits all alike) does one dispatch and one combine, each started right after a
 tight cross-process barrier (`HostSync`), with Python's cyclic GC paused. Each rank
 returns its own times; the caller takes the max over ranks per iteration.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import random
 import sys
 import time
 import traceback
@@ -140,10 +141,18 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
 
 
 def _timed_loop(cfg, order, sync, times, phases, perf) -> None:
-    """`warmup + iters` iterations; each runs every system once, order rotated per iteration."""
+    """`warmup + iters` iterations; each runs every system once, in a shuffled order.
+
+    The order is a seeded shuffle per iteration, the same on every rank (they must call the
+    same system together). A fixed rotation would give every system the same predecessor in
+    almost every iteration (and with it the same cache and scheduler state), a bias that
+    does not average out.
+    """
+    rng = random.Random(cfg.seed * 7919 + len(order))
     for it in range(cfg.warmup + cfg.iters):
-        k = it % len(order)
-        for s in order[k:] + order[:k]:
+        shuffled = list(order)
+        rng.shuffle(shuffled)
+        for s in shuffled:
             sync.barrier()
             t0 = perf()
             s.dispatch()
