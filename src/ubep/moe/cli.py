@@ -21,6 +21,7 @@ from ubep.moe.e2e import (
     summarize,
 )
 from ubep.moe.models import ARCHS, SIZES
+from ubep.options import SCHEDULES, SYNCS
 
 
 def register(subparsers) -> None:
@@ -43,6 +44,12 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--backends", nargs="+", choices=list(BACKEND_SPECS), default=None,
                    help="default: every backend built here")
+    p.add_argument("--sync", choices=SYNCS, default=None,
+                   help="Data-as-Flag variant of the shm runtime (default: the Buffer's)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="token-to-worker schedule of the shm runtime (default: the Buffer's)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="shm worker threads per rank (default: cores / ranks)")
     p.add_argument("--no-unsplit", action="store_true",
                    help="skip the unsplit (single-process-per-rank) reference run")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -94,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
                          f"{', '.join(built)})")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup={args.warmup} must be < --steps={args.steps}")
+    buffer_options = tuple((k, getattr(args, k)) for k in ("sync", "schedule", "workers")
+                           if getattr(args, k) is not None)
     args.out.mkdir(parents=True, exist_ok=True)
     summaries: list[TPOTSummary] = []
     matches: dict[tuple[str, int, str], bool | None] = {}
@@ -101,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     for arch in args.arch:
         cfg = E2EConfig(arch=arch, size=args.size, batches=tuple(args.batch), steps=args.steps,
                         prompt_len=args.prompt_len, backends=tuple(backends), seed=args.seed,
-                        dtype=args.dtype, reference=not args.no_unsplit, threads=args.threads)
+                        dtype=args.dtype, reference=not args.no_unsplit, threads=args.threads,
+                        buffer_options=buffer_options)
         t0 = time.monotonic()
         with console.status(f"{arch}: decoding on {args.ranks} ranks through "
                             f"{', '.join(backends)} ..."):
@@ -115,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
         params[arch] = {"params_full": reports[0].params_full,
                         "params_ep_per_rank": [r.params_ep for r in reports]}
 
+    shm_options = "".join(f", {k}={v}" for k, v in buffer_options)
     table = Table(title=f"TPOT, P={args.ranks}, size={args.size}, {args.dtype}, "
-                        f"{args.steps - args.warmup} measured steps")
+                        f"{args.steps - args.warmup} measured steps{shm_options}")
     for col in ("arch", "batch", "backend", "P50 ms", "P99 ms", "mean ms", "comm ms", "comm share",
                 "P50 vs gloo", "tokens = unsplit"):
         table.add_column(col, justify="left" if col in ("arch", "backend") else "right",
