@@ -1,6 +1,8 @@
 """The model checker's memory models reproduce the classic litmus tests."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ubep.verify.machine import MODELS, Await, Deliver, Fence, Load, Protocol, Store, check
 
@@ -80,3 +82,47 @@ def test_bad_inputs_name_the_problem():
     proto = Protocol("bad", "", (Load("nowhere", "r"),), (), {"x": 0}, ())
     with pytest.raises(ValueError, match="'nowhere'"):
         check(proto, "sc")
+
+
+# -- properties over random small programs --------------------------------------------------------
+
+@st.composite
+def _programs(draw):
+    """Two threads of 1-3 stores/loads/fences over two words; values and registers unique."""
+    counter = iter(range(1, 100))
+    threads = []
+    for _ in range(2):
+        prog = []
+        for _ in range(draw(st.integers(1, 3))):
+            kind = draw(st.sampled_from(["store", "load", "fence"]))
+            addr = draw(st.sampled_from(["x", "y"]))
+            n = next(counter)
+            if kind == "store":
+                prog.append(Store(((addr, n),), n, draw(st.booleans())))
+            elif kind == "load":
+                prog.append(Load(addr, f"r{n}"))
+            else:
+                prog.append(Fence())
+        threads.append(tuple(prog))
+    return Protocol("random", "", threads[0], threads[1], {"x": 0, "y": 0}, ())
+
+
+@settings(max_examples=150, deadline=None)
+@given(_programs())
+def test_weaker_models_only_add_behaviours(proto):
+    out = {m: check(proto, m).outcomes for m in MODELS}
+    assert out["sc"] <= out["tso"] <= out["block"] <= out["weak"]
+    assert out["sc"]          # every program finishes somehow
+
+
+@settings(max_examples=100, deadline=None)
+@given(_programs())
+def test_fences_everywhere_restore_sequential_consistency(proto):
+    def fenced(prog):
+        return tuple(x for ins in prog for x in (ins, Fence()))
+
+    fenced_proto = Protocol("fenced", "", fenced(proto.sender), fenced(proto.receiver),
+                            proto.initial, ())
+    sc = check(proto, "sc").outcomes
+    for m in MODELS:
+        assert check(fenced_proto, m).outcomes == sc
