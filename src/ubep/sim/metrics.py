@@ -44,6 +44,11 @@ class SimResult:
     plan_s: float = 0.0
     engine_s: float = 0.0
 
+    @property
+    def phases(self) -> dict[str, float]:
+        """Alias of `phases_us`."""
+        return self.phases_us
+
     def worker_intervals(self, rank: int) -> list[Interval]:
         """Busy/wait intervals of every worker of `rank`, by worker then start time."""
         e = self.engine
