@@ -102,7 +102,7 @@ def test_variant_names_are_unique_and_described():
 
 
 def test_command_prints_the_matrix_and_a_trace(capsys):
-    from ubep.verify.__main__ import main
+    from ubep.verify.cli import main
 
     assert main([]) == 0
     out = capsys.readouterr().out
@@ -110,3 +110,13 @@ def test_command_prints_the_matrix_and_a_trace(capsys):
     assert main(["--trace", "tff_plain", "weak"]) == 0
     out = capsys.readouterr().out
     assert "torn" in out and "R deliver block 0 of epoch 1" in out
+
+
+def test_ubep_verify_subcommand(capsys):
+    from ubep.cli import main
+
+    assert main(["verify", "--sync-info"]) == 0
+    assert "all variants correct" in capsys.readouterr().out
+    assert main(["verify", "--trace", "nope", "weak"]) == 2
+    assert "VARIANT must be one of" in capsys.readouterr().out
+    assert main(["verify", "--blocks", "0"]) == 2

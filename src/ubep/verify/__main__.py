@@ -1,71 +1,8 @@
-"""`python -m ubep.verify [--blocks N] [--epochs N] [--trace VARIANT MODEL]`: the check matrix."""
+"""`python -m ubep.verify`: the same as `ubep verify` (see `ubep.verify.cli`)."""
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-from rich.console import Console
-from rich.table import Table
-
-from ubep.verify import MODELS, check, check_all, variants
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ubep.verify", description=__doc__)
-    ap.add_argument("--blocks", type=int, default=2, help="blocks per epoch (default 2)")
-    ap.add_argument("--epochs", type=int, default=2, help="epochs (default 2)")
-    ap.add_argument("--repeat", action="store_true",
-                    help="with --trace: the same data in every epoch")
-    ap.add_argument("--trace", nargs=2, metavar=("VARIANT", "MODEL"),
-                    help="print the counterexamples of one variant under one model")
-    args = ap.parse_args(argv)
-    console = Console()
-    if not console.is_terminal:      # piped: do not squeeze the table into 80 columns
-        console = Console(width=120)
-    if args.trace:
-        name, model = args.trace
-        protos = {p.name: p for p in variants(args.blocks, args.epochs, args.repeat)}
-        if name not in protos:
-            ap.error(f"VARIANT={name!r} is not one of {', '.join(protos)}")
-        if model not in MODELS:
-            ap.error(f"MODEL={model!r} is not one of {', '.join(MODELS)}")
-        result = check(protos[name], model)
-        console.print(str(result))
-        for kind, steps in result.counterexamples.items():
-            console.print(f"\n[bold]{kind}[/bold]:")
-            for step in steps:
-                console.print(f"  {step}")
-        return 0
-
-    table = Table(title=f"Data-as-Flag protocol check ({args.blocks} blocks, {args.epochs} "
-                        f"epochs, every interleaving)")
-    table.add_column("variant", no_wrap=True)
-    for m in MODELS:
-        table.add_column(m, no_wrap=True)
-    table.add_column("claim holds", no_wrap=True)
-    cells: dict[str, list[str]] = {}
-    verdict: dict[str, bool] = {}
-    protos = {}
-    for proto, model, results in check_all(args.blocks, args.epochs):
-        protos[proto.name] = proto
-        bad = sorted({k for r in results for k in r.counterexamples})
-        claimed = model in proto.claimed_models
-        text = "ok" if not bad else "/".join(bad)
-        style = "green" if not bad else "red"
-        cells.setdefault(proto.name, []).append(
-            f"[{style}]{text}[/{style}]" + (" *" if claimed else ""))
-        verdict[proto.name] = verdict.get(proto.name, True) and (not bad) == claimed
-    for name, row in cells.items():
-        table.add_row(name, *row,
-                      "yes" if verdict[name] else "[bold red]NO[/bold red]")
-    console.print(table)
-    for name, proto in protos.items():
-        console.print(f"  {name}: {proto.description}")
-    console.print("* = a model the variant claims; a claim holds when the variant is ok exactly "
-                  "under the models it claims (data distinct per epoch and repeated).")
-    return 0 if all(verdict.values()) else 1
-
+from ubep.verify.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())
