@@ -113,9 +113,11 @@ class EPMoE(nn.Module):
         if num_recv:
             # one slot per received row: its local expert, weight 1 (combine weights);
             # the block's experts module runs them as a grouped SwiGLU
+            dev = res.recv_x.device
             local_ids = torch.repeat_interleave(
-                torch.arange(self.num_local_experts), res.tokens_per_expert).unsqueeze(1)
-            ones = torch.ones(num_recv, 1, dtype=res.recv_x.dtype)
+                torch.arange(self.num_local_experts, device=dev),
+                res.tokens_per_expert.to(dev)).unsqueeze(1)
+            ones = torch.ones(num_recv, 1, dtype=res.recv_x.dtype, device=dev)
             expert_out = self.experts(res.recv_x, local_ids, ones)
         else:
             expert_out = res.recv_x.new_zeros(0, shape[-1])
