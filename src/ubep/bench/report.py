@@ -64,6 +64,16 @@ def tables(res: BenchResult) -> list[Table]:
     return out
 
 
+def load_warning(res: BenchResult) -> str | None:
+    """A warning when other work competed for the cores during the run, else None."""
+    m = res.machine
+    load, cores = m.get("load_avg_1m"), m.get("cpus_usable") or m.get("cpus")
+    if load is None or not cores or load <= 0.5 * cores:
+        return None
+    return (f"the host was busy (1-minute load {load:.1f} on {cores} cores): latencies include "
+            f"waits for the scheduler; treat them as provisional")
+
+
 def print_report(res: BenchResult, console: Console | None = None) -> None:
     """Tables, then the systems that did not run and why, then the machine."""
     console = console or Console()
@@ -71,9 +81,13 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
         console.print(t)
     for name, why in sorted(res.unavailable.items()):
         console.print(f"[yellow]{name}: unavailable[/] — {why}")
+    warning = load_warning(res)
+    if warning:
+        console.print(f"[yellow]note:[/] {warning}")
     m = res.machine
+    load = m.get("load_avg_1m")
     console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
-                  f"{m.get('load_avg_1m')}; flag round trip "
+                  f"{'?' if load is None else f'{load:.1f}'}; flag round trip "
                   + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
                   + f"; {res.elapsed_s:.0f} s[/]")
 
@@ -104,6 +118,9 @@ def markdown(res: BenchResult) -> str:
     lines += _phase_markdown(res)
     for name, why in sorted(res.unavailable.items()):
         lines.append(f"- {name}: unavailable — {why}")
+    warning = load_warning(res)
+    if warning:
+        lines.append(f"- note: {warning}")
     return "\n".join(lines) + "\n"
 
 
