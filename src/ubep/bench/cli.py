@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -108,8 +109,6 @@ def _config_from_args(args) -> BenchConfig:
 
 
 def _console():
-    import sys
-
     from rich.console import Console
 
     # piped output (make demo | tee, CI logs) gets wide tables instead of 80 columns
