@@ -166,7 +166,7 @@ def sync_info(machine: str | None = None, *, check: bool = False) -> SyncInfo:
     paper = (f"{PAPER_ATOMIC_BLOCK_BYTES} B stores are observed atomically by remote readers "
              f"(UB fabric), so a TFF block ({PAPER_TFF_FLAG_BYTES} B flag + "
              f"{PAPER_ATOMIC_BLOCK_BYTES - PAPER_TFF_FLAG_BYTES} B payload) needs no ordering "
-             f"inside it; blocks are not ordered with each other, so sw needs its fence and dc "
-             f"its checksum")
+             f"inside it; blocks are not ordered with each other, so sw needs its fence and dc its "
+             f"epoch word ordered after the blocks")
     return SyncInfo(machine=machine, variants=_variants(order), paper=paper,
                     verified=verified, **info)
