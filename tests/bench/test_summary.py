@@ -1,0 +1,42 @@
+"""How per-rank times become the reported numbers: max over ranks, bound + flag RTT, ratios."""
+
+import numpy as np
+import pytest
+
+from ubep.bench.config import BenchConfig
+from ubep.bench.report import markdown
+from ubep.bench.run import BenchResult, _collect, _summarise
+
+
+def _rank(times, rtt):
+    return {"times": times, "phases": {}, "unavailable": {"mpi": "not launched"},
+            "bytes": {(64, 4): (1024, 2048)}, "rtt_us": rtt, "rtt_us_end": rtt + 1}
+
+
+def test_max_over_ranks_bound_and_ratios():
+    cfg = BenchConfig(hiddens=(64,), batches=(4,), iters=3, experts=4, top_k=2)
+    ubep_r0 = np.array([[10.0, 30, 20], [5, 5, 5]])     # [dispatch, combine] x iters
+    ubep_r1 = np.array([[12.0, 10, 40], [1, 9, 1]])
+    bound = np.array([[2.0, 2, 2], [1, 1, 1]])
+    per_rank = [_rank({("shm-ubep", 64, 4): ubep_r0, ("bound", 64, 4): bound}, 4.0),
+                _rank({("shm-ubep", 64, 4): ubep_r1, ("bound", 64, 4): bound}, 6.0)]
+    res = BenchResult(config=cfg)
+    _collect(res, 2, per_rank)
+    _summarise(res)
+    row = {(r["system"], r["op"]): r for r in res.rows}
+    # per iteration: dispatch max(10,12)=12, max(30,10)=30, max(20,40)=40 -> median 30
+    assert row[("shm-ubep", "dispatch")]["median_us"] == 30
+    # combine max: 5, 9, 5 -> median 5; total per iteration 17, 39, 45 -> median 39
+    assert row[("shm-ubep", "combine")]["median_us"] == 5
+    assert row[("shm-ubep", "total")]["median_us"] == 39
+    assert row[("shm-ubep", "total")]["min_us"] == 17
+    # the bound adds half the (smallest, rank 0) flag round trip to each op: 4 / 2
+    assert res.rtt_us[2] == 4.0
+    assert row[("bound", "dispatch")]["median_us"] == 4
+    assert row[("bound", "total")]["median_us"] == 7
+    assert row[("shm-ubep", "total")]["x_bound"] == pytest.approx(39 / 7)
+    assert row[("bound", "total")]["x_ubep"] == pytest.approx(7 / 39)
+    assert row[("bound", "total")]["bytes_per_rank"] == 3072
+    assert res.unavailable == {"mpi": "not launched"}
+    md = markdown(res)
+    assert "| 4 | shm-ubep | 30.0 / " in md and "- mpi: unavailable — not launched" in md
