@@ -169,12 +169,14 @@ def send_stage(table: SendTable, fabric: Fabric, params: CostParams, *, lane_sta
     t0 = float(lane_start[0]) if lane_start.size else 0.0
     shift = bool(np.all(lane_start == t0))
     start = np.zeros_like(lane_start, dtype=float) if shift else lane_start
-    key = (id(table), exact, issue_us, W, sp, fabric.latency_us.tobytes(),
+    stall = params.issue_latency_fraction
+    issue = issue_us + stall * L     # a store also stalls its core for part of its latency
+    key = (id(table), exact, issue_us, stall, W, sp, fabric.latency_us.tobytes(),
            fabric.port_bw_GBps.tobytes(), wire_bytes)
     if cache is not None and shift and key in cache:
         out = cache[key][1]
     else:
-        out = stage(table, L, svc, fabric.port_of_hop, issue_us, start, W, sp)
+        out = stage(table, L, svc, fabric.port_of_hop, issue, start, W, sp)
         if cache is not None and shift:
             cache[key] = (table, out)
     st, ie, comp, wd = (a + t0 for a in out) if shift else out

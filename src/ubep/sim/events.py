@@ -1,6 +1,6 @@
 """The plain, event-by-event send stage in pure Python: the reference for `fastevents`.
 
-Semantics (both engines): a worker issues its sends in order, each taking `issue_us`;
+Semantics (both engines): a worker issues its sends in order, row k taking `issue[k]`;
 send i starts only once send i-W has completed (at most W stores in flight). A remote
 store queues FIFO at its source rank's egress port, flies the hop latency, queues FIFO
 at the destination's ingress port and completes; a local store completes after the
@@ -18,7 +18,7 @@ from ubep.sim.core import Simulation
 
 
 def send_stage_events(table, L: np.ndarray, svc: np.ndarray, port_of_hop: np.ndarray,
-                      issue_us: float, lane_start: np.ndarray, W: int, sp
+                      issue: np.ndarray, lane_start: np.ndarray, W: int, sp
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row: issue start, issue end, completion, sync write end (NaN if none)."""
     sim = Simulation()
@@ -46,7 +46,7 @@ def send_stage_events(table, L: np.ndarray, svc: np.ndarray, port_of_hop: np.nda
             waiter[rows[i - W]] = (lane, i)
             return
         ST[k] = sim.now
-        sim.at(sim.now + issue_us, issued, lane, i, priority=k - N)
+        sim.at(sim.now + issue[k], issued, lane, i, priority=k - N)
 
     def batch_done(rows: list[int], i: int) -> bool:
         return all(done[rows[j]] for j in range(i - i % sp.batch, i + 1))

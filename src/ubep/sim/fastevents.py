@@ -60,7 +60,7 @@ def _pop(ht, hk, ha, n):
 
 @njit(cache=True)
 def _run(lane_ptr, rows, lane_of, pos_of, lane_start, src, dst, hop, port_of_hop, L, svc,
-         issue_us, W, sync, batch, fence_flag_us, checksum_us_per_row, flag_us, n_ports):
+         issue, W, sync, batch, fence_flag_us, checksum_us_per_row, flag_us, n_ports):
     N = src.size
     n_l = lane_start.size
     ST = np.zeros(N)
@@ -154,11 +154,11 @@ def _run(lane_ptr, rows, lane_of, pos_of, lane_start, src, dst, hop, port_of_hop
                 n = _push(ht, hk, ha, n, C[kw], -N - 1 - ln, i)
                 continue
         ST[k] = now
-        n = _push(ht, hk, ha, n, now + issue_us, k - N, 0)
+        n = _push(ht, hk, ha, n, now + issue[k], k - N, 0)
     return ST, IE, C, WD
 
 
-def send_stage_fast(table, L, svc, port_of_hop, issue_us, lane_start, W, sp):
+def send_stage_fast(table, L, svc, port_of_hop, issue, lane_start, W, sp):
     """Per row: issue start, issue end, completion, sync write end (NaN if none)."""
     n_l = lane_start.size
     rows = np.lexsort((table.pos, table.lane)).astype(np.int64)
@@ -170,5 +170,6 @@ def send_stage_fast(table, L, svc, port_of_hop, issue_us, lane_start, W, sp):
                 lane_start.astype(np.float64), table.src.astype(np.int64),
                 table.dst.astype(np.int64), table.hop.astype(np.int64),
                 port_of_hop.astype(np.int64), L.astype(np.float64), svc.astype(np.float64),
-                float(issue_us), int(W), sync, int(sp.batch), float(sp.fence_us + sp.flag_us),
-                float(sp.checksum_us_per_row), float(sp.flag_us), top * port_of_hop.size)
+                np.asarray(issue, dtype=np.float64), int(W), sync, int(sp.batch),
+                float(sp.fence_us + sp.flag_us), float(sp.checksum_us_per_row),
+                float(sp.flag_us), top * port_of_hop.size)

@@ -27,6 +27,8 @@ class CostParams:
 
     core_bw_GBps: float = _f(12.0, "store issue bandwidth of one worker (vector core), GB/s")
     window_rows: int = _f(4, "stores (rows) one worker keeps outstanding (Little's law)")
+    issue_latency_fraction: float = _f(0.0, "share of a store's hop latency its core stalls "
+                                       "while issuing it (0 = fully pipelined)")
     port_bw_scale: float = _f(0.5, "share of a tier's bandwidth one rank's port gets (dies/NPU)")
     latency_scale: float = _f(1.0, "multiplies the topology's hop latencies (1 = as published)")
     launch_us: float = _f(5.0, "kernel launch, microseconds")
@@ -67,6 +69,7 @@ class CostParams:
         """A free machine: no latency, infinite bandwidths, no fixed costs (for tests)."""
         inf = math.inf
         return CostParams(core_bw_GBps=inf, window_rows=1, port_bw_scale=inf, latency_scale=0.0,
+                          issue_latency_fraction=0.0,
                           launch_us=0, phase_fixed_us=0, barrier_us=0, flag_issue_us=0,
                           poll_us=0, copy_bw_GBps=inf, count_ns_per_pair=0,
                           cumsum_ns_per_entry=0, signal_us=0, fence_us=0,
