@@ -19,7 +19,7 @@ def test_e2e_command_writes_results(tmp_path, capsys):
     gloo = rows["gloo"]
     assert gloo["tokens_match_unsplit"] is True
     assert gloo["steps"] == 3 and gloo["norm_p50"] == 1.0
-    assert 0 < gloo["comm_share"] < 1 and gloo["comm_p50_ms"] > 0
+    assert 0 < gloo["comm_share"] < 1 and gloo["comm_p50_ms"] > 0 and gloo["experts_p50_ms"] > 0
     assert gloo["p50_ms"] <= gloo["p99_ms"]
     with open(tmp_path / "e2e_steps.csv") as f:
         steps = list(csv.DictReader(f))

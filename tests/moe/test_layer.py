@@ -112,7 +112,8 @@ def test_one_rank_ep_decodes_like_the_model(arch, single_rank_group):
     assert len(ep_layers(model)) == len(moe_blocks(model))
     assert torch.equal(ep.tokens, ref.tokens)
     torch.testing.assert_close(ep.logits, ref.logits, rtol=1e-4, atol=1e-4)
-    assert (ep.comm_s > 0).all() and (ep.comm_s < ep.step_s).all()
+    assert (ep.comm_s > 0).all() and (ep.experts_s > 0).all()
+    assert (ep.comm_s + ep.experts_s < ep.step_s).all()
 
 
 def test_greedy_decoder_call_order():

@@ -8,11 +8,12 @@ from ubep.moe.decode import DecodeResult
 from ubep.moe.e2e import RankReport, RankRun, plot_tpot, summarize
 
 
-def _result(step_s, comm_s) -> DecodeResult:
+def _result(step_s, comm_s, experts_s) -> DecodeResult:
     n = len(step_s)
     return DecodeResult(tokens=torch.zeros(1, n + 1, dtype=torch.int64), logits=None,
                         step_s=torch.tensor(step_s, dtype=torch.float64),
-                        comm_s=torch.tensor(comm_s, dtype=torch.float64), prefill_s=0.0)
+                        comm_s=torch.tensor(comm_s, dtype=torch.float64), prefill_s=0.0,
+                        experts_s=torch.tensor(experts_s, dtype=torch.float64))
 
 
 def _reports(rng):
@@ -20,7 +21,8 @@ def _reports(rng):
              for b in ("gloo", "shm-ubep")}
     reports = [RankReport(rank=r, params_full=10, params_ep=6, local_experts_per_layer=[2],
                           num_experts=4,
-                          runs=[RankRun(b, 1, _result(steps[(r, b)], steps[(r, b)] / 2))
+                          runs=[RankRun(b, 1, _result(steps[(r, b)], steps[(r, b)] / 2,
+                                                      steps[(r, b)] / 4))
                                 for b in ("gloo", "shm-ubep")])
                for r in range(2)]
     return reports, steps
@@ -36,6 +38,9 @@ def test_summarize_takes_slowest_rank_after_warmup(tmp_path):
         assert s.p50_ms == pytest.approx(np.percentile(slowest, 50) * 1e3)
         assert s.p99_ms == pytest.approx(np.percentile(slowest, 99) * 1e3)
         assert s.comm_share == pytest.approx(0.5)
+        mean_over_ranks = (steps[(0, b)] + steps[(1, b)])[3:] / 2
+        assert s.comm_p50_ms == pytest.approx(np.median(mean_over_ranks / 2) * 1e3)
+        assert s.experts_p50_ms == pytest.approx(np.median(mean_over_ranks / 4) * 1e3)
     assert rows["gloo"].norm_p50 == pytest.approx(1.0)
     assert rows["shm-ubep"].norm_p50 == pytest.approx(rows["shm-ubep"].p50_ms /
                                                       rows["gloo"].p50_ms)

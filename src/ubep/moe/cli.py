@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     shm_options = "".join(f", {k}={v}" for k, v in buffer_options)
     table = Table(title=f"TPOT, P={args.ranks}, size={args.size}, {args.dtype}, "
                         f"{args.steps - args.warmup} measured steps{shm_options}")
-    for col in ("arch", "batch", "backend", "P50 ms", "P99 ms", "mean ms", "comm ms", "comm share",
+    for col in ("arch", "batch", "backend", "P50 ms", "P99 ms", "mean ms", "comm ms",
+                "experts ms", "comm share",
                 "P50 vs gloo", "tokens = unsplit"):
         table.add_column(col, justify="left" if col in ("arch", "backend") else "right",
                          no_wrap=True)
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(s.arch, str(s.batch), s.backend, f"{s.p50_ms:.2f}", f"{s.p99_ms:.2f}",
                       f"{s.mean_ms:.2f}",
                       f"{s.comm_p50_ms:.2f}" if s.backend != UNSPLIT else "-",
+                      f"{s.experts_p50_ms:.2f}" if s.backend != UNSPLIT else "-",
                       f"{s.comm_share:.0%}" if s.backend != UNSPLIT else "-",
                       f"{s.norm_p50:.2f}x" if s.norm_p50 else "-",
                       "-" if m is None else ("yes" if m else "NO"))

@@ -25,6 +25,8 @@ class DecodeResult:
         comm_s: `[steps]` float64; of it, time in dispatch+combine (0 for a model without
             EPMoE layers).
         prefill_s: wall time of the prefill forward.
+        experts_s: `[steps]` float64; of the step, time in the local routed experts (between
+            dispatch and combine); None when not recorded.
     """
 
     tokens: torch.Tensor
@@ -32,6 +34,7 @@ class DecodeResult:
     step_s: torch.Tensor
     comm_s: torch.Tensor
     prefill_s: float
+    experts_s: torch.Tensor | None = None
 
 
 def _new_cache(model: nn.Module):
@@ -65,6 +68,7 @@ class GreedyDecoder:
         self._logits: list[torch.Tensor] = []
         self._step_s: list[float] = []
         self._comm_s: list[float] = []
+        self._experts_s: list[float] = []
         self._prefill_s: float | None = None
 
     def _forward(self, ids: torch.Tensor) -> None:
@@ -75,8 +79,9 @@ class GreedyDecoder:
         if self.keep_logits:
             self._logits.append(last)
 
-    def _comm_total(self) -> float:
-        return sum(layer.comm_s for layer in self._layers)
+    def _totals(self) -> tuple[float, float]:
+        return (sum(layer.comm_s for layer in self._layers),
+                sum(layer.experts_s for layer in self._layers))
 
     @torch.no_grad()
     def prefill(self) -> None:
@@ -92,11 +97,13 @@ class GreedyDecoder:
         """Feed the latest token, pick the next one; time the forward and its communication."""
         if self._prefill_s is None:
             raise RuntimeError("call prefill() before step()")
-        c0 = self._comm_total()
+        c0, e0 = self._totals()
         t0 = time.perf_counter()
         self._forward(self._tokens[-1].unsqueeze(1))
         self._step_s.append(time.perf_counter() - t0)
-        self._comm_s.append(self._comm_total() - c0)
+        c1, e1 = self._totals()
+        self._comm_s.append(c1 - c0)
+        self._experts_s.append(e1 - e0)
 
     def result(self) -> DecodeResult:
         if self._prefill_s is None:
@@ -106,7 +113,8 @@ class GreedyDecoder:
             logits=torch.stack(self._logits, dim=1) if self.keep_logits else None,
             step_s=torch.tensor(self._step_s, dtype=torch.float64),
             comm_s=torch.tensor(self._comm_s, dtype=torch.float64),
-            prefill_s=self._prefill_s)
+            prefill_s=self._prefill_s,
+            experts_s=torch.tensor(self._experts_s, dtype=torch.float64))
 
 
 def greedy_decode(model: nn.Module, prompt_ids: torch.Tensor, steps: int, *,

@@ -157,20 +157,25 @@ class TPOTSummary:
     p99_ms: float
     mean_ms: float
     comm_p50_ms: float         # median over steps of the time in dispatch+combine
+    experts_p50_ms: float      # median over steps of the time in the local routed experts
     comm_share: float          # median over steps of (dispatch+combine) / step time
     norm_p50: float | None     # p50 / gloo's p50 (None without a gloo run)
     latencies_ms: list[float]  # per measured step: the slowest rank's step time
 
 
 def step_latencies(reports: list[RankReport], backend: str, batch: int,
-                   warmup: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per measured step: the slowest rank's latency (s), the mean over ranks of the time in
-    dispatch+combine (s), and the mean over ranks of that time's share of the step."""
+                   warmup: int) -> dict[str, np.ndarray]:
+    """Per measured step: "latency", the slowest rank's step time (s); "comm" and "experts",
+    the mean over ranks of the time in dispatch+combine and in the local experts (s);
+    "share", the mean over ranks of comm / step time."""
     runs = [next(r.result for r in rep.runs if r.backend == backend and r.batch == batch)
             for rep in reports]
     step = np.stack([r.step_s.numpy() for r in runs])[:, warmup:]
     comm = np.stack([r.comm_s.numpy() for r in runs])[:, warmup:]
-    return step.max(axis=0), comm.mean(axis=0), (comm / step).mean(axis=0)
+    experts = (np.stack([r.experts_s.numpy() for r in runs])[:, warmup:]
+               if all(r.experts_s is not None for r in runs) else np.zeros_like(comm))
+    return {"latency": step.max(axis=0), "comm": comm.mean(axis=0),
+            "experts": experts.mean(axis=0), "share": (comm / step).mean(axis=0)}
 
 
 def summarize(arch: str, reports: list[RankReport], warmup: int = 2) -> list[TPOTSummary]:
@@ -179,7 +184,8 @@ def summarize(arch: str, reports: list[RankReport], warmup: int = 2) -> list[TPO
     out: list[TPOTSummary] = []
     gloo_p50 = {}
     for backend, batch in keys:
-        lat, comm, share = step_latencies(reports, backend, batch, warmup)
+        per_step = step_latencies(reports, backend, batch, warmup)
+        lat = per_step["latency"]
         if len(lat) == 0:
             raise ValueError(f"warmup={warmup} leaves no measured step")
         p50 = float(np.percentile(lat, 50)) * 1e3
@@ -188,7 +194,9 @@ def summarize(arch: str, reports: list[RankReport], warmup: int = 2) -> list[TPO
         out.append(TPOTSummary(
             arch=arch, batch=batch, backend=backend, steps=len(lat), p50_ms=p50,
             p99_ms=float(np.percentile(lat, 99)) * 1e3, mean_ms=float(lat.mean()) * 1e3,
-            comm_p50_ms=float(np.median(comm)) * 1e3, comm_share=float(np.median(share)),
+            comm_p50_ms=float(np.median(per_step["comm"])) * 1e3,
+            experts_p50_ms=float(np.median(per_step["experts"])) * 1e3,
+            comm_share=float(np.median(per_step["share"])),
             norm_p50=None,
             latencies_ms=[float(v) * 1e3 for v in lat]))
     return [TPOTSummary(**{**s.__dict__, "norm_p50": (s.p50_ms / gloo_p50[s.batch]
