@@ -151,8 +151,9 @@ class HostSync:
                barrier=None) -> HostSync:
         """Make (rank 0) or open (others) the sync file of job `job`.
 
-        `barrier` is a callable that all ranks call once between creation and opening
-        (default: `torch.distributed.barrier`).
+        `barrier` is a callable that all ranks call twice: after rank 0 created the file and
+        after every rank mapped it (default: `torch.distributed.barrier`). Rank 0 then
+        unlinks the name, so nothing is left in /dev/shm however the run ends.
         """
         if barrier is None:
             import torch.distributed as dist
@@ -166,13 +167,14 @@ class HostSync:
                 os.ftruncate(fd, (2 + world) * _SLOT * 8)
             finally:
                 os.close(fd)
-        barrier()
         try:
-            return cls(path, rank, world, timeout_s, owner=rank == 0)
-        finally:
             barrier()
-            if rank == 0:
-                path.unlink(missing_ok=True)  # every rank has it mapped: the name can go
+            sync = cls(path, rank, world, timeout_s, owner=rank == 0)
+            barrier()
+            return sync
+        finally:
+            if rank == 0:  # every rank has it mapped (or failed): the name can go
+                path.unlink(missing_ok=True)
 
     def _wait(self, what: str, first: int, count: int, stride: int, target: int) -> None:
         deadline = time.monotonic() + self.timeout_s
