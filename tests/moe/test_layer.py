@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import ubep
 from ubep.moe import (
     EPMoE,
+    buffer_for,
     build_model,
     convert_to_ep,
     ep_layers,
@@ -103,10 +103,9 @@ def test_one_rank_ep_decodes_like_the_model(arch, single_rank_group):
     model = build_model(arch, seed=1)
     prompts = make_prompts(model.config.vocab_size, 3, 6, seed=1)
     ref = greedy_decode(model, prompts, 12)
-    block = moe_blocks(model)[0][1]
-    with ubep.Buffer(num_experts=block.experts.gate_up_proj.shape[0],
-                     hidden=model.config.hidden_size, max_tokens_per_rank=3 * 6,
-                     max_top_k=block.gate.top_k) as buf:
+    with buffer_for(model, max_tokens_per_rank=3 * 6) as buf:
+        assert (buf.num_experts, buf.config.hidden, buf.config.max_top_k) == (
+            16, model.config.hidden_size, 4)
         convert_to_ep(model, buf)
         ep = greedy_decode(model, prompts, 12)
     assert len(ep_layers(model)) == len(moe_blocks(model))

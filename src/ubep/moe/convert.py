@@ -51,6 +51,26 @@ def convert_to_ep(model: nn.Module, buffer) -> nn.Module:
     return model
 
 
+def buffer_for(model: nn.Module, *, max_tokens_per_rank: int, group=None, **options):
+    """A `ubep.Buffer` sized for `model`'s MoE blocks (experts, hidden size, top-k).
+
+    `max_tokens_per_rank` is the most tokens one forward passes on a rank (batch x prompt
+    length at prefill); `options` go to `Buffer` (backend, mode, sync, timeout_s, ...).
+    """
+    from ubep.buffer import Buffer
+
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"model ({type(model).__name__}) has no MoE block")
+    block = blocks[0][1]
+    num_experts = (block.num_experts if isinstance(block, EPMoE)
+                   else int(block.experts.gate_up_proj.shape[0]))
+    options.setdefault("max_top_k", int(block.gate.top_k))
+    return Buffer(group, num_experts=num_experts,
+                  hidden=int(block.experts.gate_up_proj.shape[-1]),
+                  max_tokens_per_rank=max_tokens_per_rank, **options)
+
+
 def set_buffer(model: nn.Module, buffer) -> None:
     """Make every EPMoE layer of a converted `model` dispatch through `buffer` (e.g. to
     compare backends on the same model)."""

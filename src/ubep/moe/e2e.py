@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ubep.moe.convert import convert_to_ep, ep_layers, moe_blocks, set_buffer
+from ubep.moe.convert import buffer_for, convert_to_ep, ep_layers, set_buffer
 from ubep.moe.decode import DecodeResult, GreedyDecoder
 from ubep.moe.models import build_model, make_prompts
 
@@ -99,26 +99,20 @@ def e2e_rank(rank: int, world_size: int, cfg: E2EConfig) -> RankReport:
     every backend sees the same drift of host load: on a shared host this matters more than
     any per-backend warmup.
     """
-    import ubep
-
     torch.set_num_threads(cfg.threads)
     model = build_model(cfg.arch, cfg.size, seed=cfg.seed, dtype=_DTYPES[cfg.dtype])
     params_full = count_params(model)
     reference = copy.deepcopy(model) if cfg.reference else None
     prompts = {b: make_prompts(model.config.vocab_size, b, cfg.prompt_len, seed=cfg.seed,
                                rank=rank) for b in cfg.batches}
-    block = moe_blocks(model)[0][1]
-    hidden, top_k = model.config.hidden_size, int(block.gate.top_k)
-    num_experts = int(block.experts.gate_up_proj.shape[0])
     buffers: dict[str, object] = {}
     runs: list[RankRun] = []
     try:
         for name in cfg.backends:
             backend, mode = BACKEND_SPECS[name]
-            buffers[name] = ubep.Buffer(
-                num_experts=num_experts, hidden=hidden,
-                max_tokens_per_rank=max(cfg.batches) * cfg.prompt_len, backend=backend,
-                mode=mode, max_top_k=top_k, timeout_s=cfg.timeout_s, **dict(cfg.buffer_options))
+            buffers[name] = buffer_for(
+                model, max_tokens_per_rank=max(cfg.batches) * cfg.prompt_len, backend=backend,
+                mode=mode, timeout_s=cfg.timeout_s, **dict(cfg.buffer_options))
         if buffers:
             convert_to_ep(model, next(iter(buffers.values())))
         for b in cfg.batches:
@@ -142,7 +136,7 @@ def e2e_rank(rank: int, world_size: int, cfg: E2EConfig) -> RankReport:
             buf.close()
     return RankReport(rank=rank, params_full=params_full, params_ep=count_params(model),
                       local_experts_per_layer=[m.num_local_experts for m in ep_layers(model)],
-                      num_experts=num_experts, runs=runs)
+                      num_experts=ep_layers(model)[0].num_experts if buffers else 0, runs=runs)
 
 
 @dataclass(frozen=True)
