@@ -180,26 +180,28 @@ class _Windows:
         self.syncs = tuple(syncs)
         path = Path("/dev/shm") / f"ubep-syncpp-{job}"
         if rank == 0:
-            path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)      # left by a dead run with the same job id
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(fd, nbytes)
             os.close(fd)
-        dist.barrier()
-        fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, nbytes)
+            dist.barrier()
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, nbytes)
+            finally:
+                os.close(fd)
+            self.words = np.frombuffer(self._map, dtype=np.int64)
+            self.base = self.words.ctypes.data
+            if rank == 0 and "sp" in self.fmts:      # arm every marker word of sp's windows
+                for d in (0, 1):
+                    first = self.addr("sp", d) - self.base
+                    for b in range(self.win_bytes // block_bytes):
+                        self.words[(first + (b + 1) * block_bytes) // 8 - 1] = SENTINEL_I64
+            dist.barrier()
         finally:
-            os.close(fd)
-        self.words = np.frombuffer(self._map, dtype=np.int64)
-        self.base = self.words.ctypes.data
-        if rank == 0 and "sp" in self.fmts:          # arm every marker word of sp's windows
-            for d in (0, 1):
-                first = self.addr("sp", d) - self.base
-                for b in range(self.win_bytes // block_bytes):
-                    self.words[(first + (b + 1) * block_bytes) // 8 - 1] = SENTINEL_I64
-        dist.barrier()
-        if rank == 0:
-            path.unlink(missing_ok=True)      # both ranks have it mapped
+            if rank == 0:
+                path.unlink(missing_ok=True)  # both ranks have it mapped, or the setup failed
 
     def addr(self, sync: str, direction: int) -> int:
         """Window address of `sync` for messages of direction 0 (0 -> 1) or 1 (1 -> 0)."""
