@@ -315,3 +315,16 @@ def test_2000_back_to_back_calls_with_changing_routing_never_mismatch():
     for bad, calls in out:
         assert bad == []
         assert calls == 2900
+
+
+def _exit_without_close(rank, world):
+    buf = _buffer(workers=2)
+    res = buf.dispatch(*_inputs(rank))
+    buf.combine(res.recv_x, res.handle)
+    buf._leak = buf          # a cycle: only the exit-time finalizer can release it
+    return [t.name for t in buf._backend._res.pool._threads if t.is_alive()]
+
+
+def test_interpreter_exit_with_live_workers_does_not_hang():
+    out = run_ranks(_exit_without_close, 2, timeout_s=120)
+    assert all(len(names) == 1 for names in out)   # the worker was alive; exit still worked
