@@ -111,13 +111,15 @@ class TorchBackend:
         dist.all_to_all_single(back, send, send_splits.tolist(), recv_splits.tolist(),
                                group=self.group)
         t1 = _now_us()
-        back = back.view(dtype).reshape(-1, hidden).to(torch.float32)
-        if weighted:
-            back = back * handle.topk_weights[send_token, send_slot].unsqueeze(1)
-        y = torch.zeros(handle.num_tokens, hidden, dtype=torch.float32)
-        for k in range(handle.topk_idx.shape[1]):  # slot order, as the reference sums
-            sel = (send_slot == k).nonzero().squeeze(1)
-            y.index_add_(0, send_token[sel], back[sel])
+        back = back.view(dtype).reshape(-1, hidden)
+        num_tokens, top_k = handle.topk_idx.shape
+        # rows to their (token, slot) place, then one batched [1, K] x [K, hidden] product per
+        # token in fp32; unrouted slots hold zeros with weight 0 (their weight may be NaN)
+        slots = back.new_zeros(num_tokens * top_k, hidden)
+        slots[send_token * top_k + send_slot] = back
+        routed = handle.topk_idx >= 0
+        w = torch.where(routed, handle.topk_weights, 0.0) if weighted else routed.float()
+        y = torch.bmm(w.unsqueeze(1), slots.view(num_tokens, top_k, hidden).float()).squeeze(1)
         t2 = _now_us()
         phases = {"token_exchange": t1 - t0, "reduce": t2 - t1}
         return CombineResult(y=y.to(dtype),
