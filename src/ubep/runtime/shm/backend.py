@@ -48,6 +48,10 @@ from ubep.validate import MOVABLE_DTYPES
 
 #: kernel spin rounds before a poll returns "not ready" to the Python backoff
 SPINS = 64
+#: how long a waiter yields the core between polls before it starts sleeping, seconds: on an
+#: idle host the peer is running and answers within microseconds; when threads outnumber
+#: cores, sched_yield hands the core to whoever is runnable
+YIELD_S = 200e-6
 #: how often a waiting worker checks that its peers are alive, seconds
 LIVENESS_EVERY_S = 0.005
 
@@ -272,23 +276,26 @@ class ShmBackend:
               deadline: float | None = None) -> None:
         """Re-enter `poll(spins)` until it returns 0, backing off; deadline and liveness.
 
-        Spins in the kernel first, then yields the core, then sleeps 20-100 us per round:
-        with more busy threads than cores, backing off is what lets the peer progress.
+        Spins in the kernel first, then yields the core (for `YIELD_S`), then sleeps
+        20-100 us per round: with more busy threads than cores, backing off is what lets the
+        peer progress.
         """
         if poll(SPINS) == 0:
             return
         if deadline is None:
             deadline = call.deadline
         n = 0
-        next_live = time.monotonic() + LIVENESS_EVERY_S
+        now = time.monotonic()
+        yield_until = now + YIELD_S
+        next_live = now + LIVENESS_EVERY_S
         while True:
-            n += 1
             if call is not None and call.error is not None:
                 raise _Cancelled()
-            if n <= 3:
-                time.sleep(0)                                  # yield the core
+            if now < yield_until:
+                os.sched_yield()                               # let a runnable peer go first
             else:
-                time.sleep(min(100e-6, 20e-6 * (n - 3)))       # short sleeps
+                n += 1
+                time.sleep(min(100e-6, 20e-6 * n))             # then short sleeps
             if poll(SPINS) == 0:
                 return
             now = time.monotonic()
