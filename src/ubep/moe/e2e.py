@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ubep.moe.convert import buffer_for, convert_to_ep, ep_layers, set_buffer
 from ubep.moe.decode import DecodeResult, GreedyDecoder
@@ -130,6 +131,10 @@ def e2e_rank(rank: int, world_size: int, cfg: E2EConfig) -> RankReport:
                     if buf is not None:
                         set_buffer(model, buf)
                     dec.prefill() if i < 0 else dec.step()
+                    # untimed: every measured step starts with the ranks aligned, as in
+                    # lockstep decoding; else a step after an unsplit one (no collective)
+                    # would absorb the ranks' drift as "comm"
+                    dist.barrier()
             runs += [RankRun(name, b, dec.result()) for name, (dec, _) in decoders.items()]
     finally:
         for buf in buffers.values():
