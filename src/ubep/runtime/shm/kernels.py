@@ -518,22 +518,23 @@ def _accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y):
         blk = src + b * bb
         i0 = p0 // es
         n = (p1 - p0) // es
+        yv = y[i0:i0 + n]            # a view from 0: index provably >= 0, loop vectorizes
         if elem == ELEM_F32:
             v = carray(f32_ptr(blk), n)
             for i in range(n):
-                y[i0 + i] += wgt * v[i]
+                yv[i] += wgt * v[i]
         elif elem == ELEM_BF16:
             v16 = carray(u16_ptr(blk), n)
             for i in range(n):
-                y[i0 + i] += wgt * bits_to_f32(np.uint32(v16[i]) << np.uint32(16))
+                yv[i] += wgt * bits_to_f32(np.uint32(v16[i]) << np.uint32(16))
         elif elem == ELEM_LUT16:
             v16 = carray(u16_ptr(blk), n)
             for i in range(n):
-                y[i0 + i] += wgt * lut[v16[i]]
+                yv[i] += wgt * lut[v16[i]]
         else:
             v8 = carray(u8_ptr(blk), n)
             for i in range(n):
-                y[i0 + i] += wgt * lut[v8[i]]
+                yv[i] += wgt * lut[v8[i]]
 
 
 @_jit
@@ -548,22 +549,23 @@ def _accumulate_plain(src, bb, ppb, rb, es, elem, lut, y):
         blk = src + b * bb
         i0 = p0 // es
         n = (p1 - p0) // es
+        yv = y[i0:i0 + n]            # a view from 0: index provably >= 0, loop vectorizes
         if elem == ELEM_F32:
             v = carray(f32_ptr(blk), n)
             for i in range(n):
-                y[i0 + i] += v[i]
+                yv[i] += v[i]
         elif elem == ELEM_BF16:
             v16 = carray(u16_ptr(blk), n)
             for i in range(n):
-                y[i0 + i] += bits_to_f32(np.uint32(v16[i]) << np.uint32(16))
+                yv[i] += bits_to_f32(np.uint32(v16[i]) << np.uint32(16))
         elif elem == ELEM_LUT16:
             v16 = carray(u16_ptr(blk), n)
             for i in range(n):
-                y[i0 + i] += lut[v16[i]]
+                yv[i] += lut[v16[i]]
         else:
             v8 = carray(u8_ptr(blk), n)
             for i in range(n):
-                y[i0 + i] += lut[v8[i]]
+                yv[i] += lut[v8[i]]
 
 
 @_jit
