@@ -4,8 +4,7 @@ The benchmark aligns the start of every timed call on all ranks with a barrier m
 tighter than gloo's (~300 µs, with tens of µs of exit skew), and measures one flag round
 trip between two processes for the copy bound. Both spin on int64 words in a file under
 /dev/shm mapped by every rank, read with acquire loads and written with release stores
-(`ubep.runtime.shm.atomics`, or the same Numba `@intrinsic`s here if the shm runtime is
-absent; a plain load in a spin loop is hoisted and never exits).
+(`ubep.runtime.shm.atomics`: a plain load in a spin loop is hoisted and never exits).
 
 Every wait spins a bounded number of times in Numba, then returns to Python, which
 yields or sleeps briefly and checks a deadline, so two cores shared by many processes
@@ -16,56 +15,18 @@ from __future__ import annotations
 
 import mmap
 import os
-import platform
 import time
 from pathlib import Path
 
-import llvmlite.ir as ir
 import numpy as np
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
+
+from ubep.runtime.shm.atomics import cpu_pause as _pause
+from ubep.runtime.shm.atomics import load_acquire as _load_acquire_addr
+from ubep.runtime.shm.atomics import store_release as _store_release_addr
 
 _SLOT = 8            # int64 words per slot: one 64-byte cache line per rank's word
 _PING, _PONG = 0, 1  # slots of the ping-pong; barrier slots follow
-
-
-try:  # the shm runtime's atomics, when it is built: one implementation for the project
-    from ubep.runtime.shm.atomics import cpu_pause as _pause
-    from ubep.runtime.shm.atomics import load_acquire as _load_acquire_addr
-    from ubep.runtime.shm.atomics import store_release as _store_release_addr
-except ImportError:
-    def _ptr(builder, addr):
-        return builder.inttoptr(addr, ir.IntType(64).as_pointer())
-
-    @intrinsic
-    def _load_acquire_addr(typingctx, addr):
-        """`load atomic i64 acquire` from the 8-byte aligned address `addr`."""
-        def codegen(context, builder, sig, args):
-            a = context.cast(builder, args[0], sig.args[0], types.int64)
-            return builder.load_atomic(_ptr(builder, a), ordering="acquire", align=8)
-        return types.int64(addr), codegen
-
-    @intrinsic
-    def _store_release_addr(typingctx, addr, value):
-        """`store atomic i64 release` of `value` to the 8-byte aligned address `addr`."""
-        def codegen(context, builder, sig, args):
-            a = context.cast(builder, args[0], sig.args[0], types.int64)
-            v = context.cast(builder, args[1], sig.args[1], types.int64)
-            builder.store_atomic(v, _ptr(builder, a), ordering="release", align=8)
-            return context.get_dummy_value()
-        return types.void(addr, value), codegen
-
-    @intrinsic
-    def _pause(typingctx):
-        """The x86 spin-loop hint (`llvm.x86.sse2.pause`; inline asm would abort llvmlite)."""
-        def codegen(context, builder, sig, args):
-            if platform.machine().lower() in ("x86_64", "amd64"):
-                fn = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
-                builder.call(fn, [])
-            return context.get_dummy_value()
-        return types.void(), codegen
 
 
 @njit(inline="always")
