@@ -222,3 +222,19 @@ def test_plan_single_matches_make_plan(tokens, top_k, world, schedule, seed, kin
 
 def test_record_header_size_is_what_dispatch_sends():
     assert META_BYTES == 16
+
+
+def test_combine_cast_matches_torch_outside_nan_payloads():
+    from ubep.runtime.shm.backend import _cast_rows
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(16, 512, generator=g) * torch.logspace(-40, 38, 512)
+    y[0, :5] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.3895314e38])
+    raw = torch.randint(0, 2**32, (16, 512), generator=g).to(torch.int32).view(torch.float32)
+    for t in (y.float(), raw):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            got, want = _cast_rows(t.numpy().copy(), dtype), t.to(dtype)
+            same = got.view(torch.uint8).reshape(16, -1) == want.view(torch.uint8).reshape(16, -1)
+            nan = torch.isnan(want.float()).repeat_interleave(want.element_size(), dim=1)
+            assert bool((same | nan).all())
+            assert torch.isnan(got.float()).equal(torch.isnan(want.float()))

@@ -103,6 +103,20 @@ def _combine_elem(dtype: torch.dtype) -> tuple[int, np.ndarray]:
     return (K.ELEM_LUT16 if dtype.itemsize == 2 else K.ELEM_LUT8), lut
 
 
+def _cast_rows(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 sums `y` as a tensor of `dtype`, single-threaded (see `K.f32_to_bf16`)."""
+    if dtype == torch.float32:
+        return torch.from_numpy(y)
+    if dtype == torch.bfloat16:
+        bits = np.empty(y.shape, np.uint16)
+        K.f32_to_bf16(y, bits)
+        return torch.from_numpy(bits).view(torch.bfloat16)
+    if dtype == torch.float16:
+        with np.errstate(over="ignore"):                # > 65504 -> inf, as torch does
+            return torch.from_numpy(y.astype(np.float16))   # round to nearest even
+    return torch.from_numpy(y).to(dtype)                # fp8: rare, small
+
+
 class _Resources:
     """What must be released: segments, their views, the worker pool. Owns no backend ref."""
 
@@ -614,9 +628,7 @@ class ShmBackend:
             self._run(cl, lambda j: self._combine_bsp(cl, j))
         else:
             self._run(cl, lambda j: self._combine_ubep(cl, j))
-        y = torch.from_numpy(d["y"])
-        if dtype != torch.float32:
-            y = y.to(dtype)
+        y = _cast_rows(d["y"], dtype)
         t1 = _now_us()
         stats = self._stats("combine", cl, t0, t1, rows.shape[1], n_recv,
                             int((idx >= 0).sum()), {"epoch": epoch, "workers": n})
@@ -821,9 +833,7 @@ class ShmBackend:
                                                          batch, y, s, bsp),
                    "combine/rows", peers, lambda: self._dc_detail(batch), deadline=deadline)
         self._meta_error(K.check_meta(hello, elem), hello, elem, "combine")
-        out = torch.from_numpy(y)
-        if dtype != torch.float32:
-            out = out.to(dtype)
+        out = _cast_rows(y, dtype)
         t2 = _now_us()
         r = self.rank
         wire = self.fmt.wire_bytes(rb)

@@ -830,3 +830,21 @@ def warm_up(lay_of, multi: bool) -> None:
         poll_at_least(counter.ctypes.data, 1, 1)
         publish(counter.ctypes.data, 0)
     del mem
+
+
+@_jit
+def f32_to_bf16(y, out):
+    """Round fp32 to bf16 bits (nearest even; NaN -> 0x7FC0), exactly as torch does.
+
+    Done here because torch's `.to()` on large tensors fans out to OpenMP threads, which stall
+    for milliseconds when the other cores are busy spinning ranks.
+    """
+    yu = y.view(np.uint32)
+    for i in range(yu.shape[0]):
+        for j in range(yu.shape[1]):
+            u = yu[i, j]
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                out[i, j] = np.uint16(0x7FC0)
+            else:
+                bias = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+                out[i, j] = np.uint16((u + bias) >> np.uint32(16))
