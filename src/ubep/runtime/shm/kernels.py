@@ -56,6 +56,8 @@ FMT_SW, FMT_TFF, FMT_DC, FMT_SP = 0, 1, 2, 3
 SENT = SENTINEL_I64
 _C1 = -7046029254386353131   # 0x9E3779B97F4A7C15
 _C2 = -4658895280553007687   # 0xBF58476D1CE4E5B9
+#: recv_rows: consecutive not-yet-arrived rows of a source checked per round
+MAX_MISSES = 8
 #: combine row element codes: how `reduce` turns stored elements into fp32
 ELEM_F32, ELEM_BF16, ELEM_LUT16, ELEM_LUT8 = 0, 1, 2, 3
 
@@ -423,16 +425,23 @@ def recv_rows(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, ou
                             remaining += 1
                     g += r_s
                     continue
+            # rows arrive roughly in window order: after MAX_MISSES absent rows in a row, skip
+            # this source's flag checks until the next round (they cost the peer's bandwidth)
             q = 0
+            misses = 0
             for e in range(el):
                 for r in range(counts[s, e]):
                     gi = g + q
                     if lo <= gi < hi and not done[gi]:
                         src = win + q * stride
-                        if (fmt == FMT_TFF or fmt == FMT_SP) and not _blocks_ready(
+                        if misses >= MAX_MISSES:
+                            remaining += 1
+                        elif (fmt == FMT_TFF or fmt == FMT_SP) and not _blocks_ready(
                                 src, nb, bb, fmt, epoch):
                             remaining += 1
+                            misses += 1
                         else:
+                            misses = 0
                             o = out_start[s, e] + r
                             _read_record(src, bb, ppb, head, 16, out_x[o], rb)
                             out_tok[o] = head_i[0]
