@@ -68,10 +68,15 @@ def _context() -> mp.context.BaseContext:
     return _ctx
 
 
-def _child(fn, rank, world_size, port, args, conn, env, pg_timeout_s) -> None:
+def _child(fn, rank, world_size, port, args, conn, env, pg_timeout_s, threads) -> None:
     os.environ.update(env)
     os.environ["UBEP_TEST_RANK"] = str(rank)
+    import torch
     import torch.distributed as dist
+
+    # as torchrun does (OMP_NUM_THREADS=1 per local rank): intra-op threads of several ranks
+    # on a few cores spin-wait after each parallel region and starve the peer ranks
+    torch.set_num_threads(threads)
 
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
@@ -100,20 +105,25 @@ def _child(fn, rank, world_size, port, args, conn, env, pg_timeout_s) -> None:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
               return_exceptions: bool = False, env: dict[str, str] | None = None,
-              pg_timeout_s: float = 60.0) -> list[Any]:
+              pg_timeout_s: float = 60.0, threads_per_rank: int | None = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return each rank's result.
 
     `fn` must be importable (a module-level function) and its result picklable. A rank that
     raises makes this raise `RankFailedError` with its traceback (the first failing rank);
     with `return_exceptions=True` failures come back as `RankFailure` entries instead, which
     is how tests check that a peer's death makes the others fail cleanly. Ranks still running
-    after `timeout_s` are killed and reported as timed out.
+    after `timeout_s` are killed and reported as timed out. Each rank uses
+    `threads_per_rank` torch intra-op threads (default: this process's cores // world_size,
+    at least 1, as torchrun gives each local rank one OpenMP thread).
     """
     import torch.distributed as dist
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = _context()
+    if threads_per_rank is None:
+        threads_per_rank = max(1, len(os.sched_getaffinity(0)) // world_size)
+    threads = threads_per_rank
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=pg_timeout_s))
     env = dict(env or {})
@@ -122,7 +132,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, name=f"ubep-rank{rank}",
-                        args=(fn, rank, world_size, store.port, args, child, env, pg_timeout_s))
+                        args=(fn, rank, world_size, store.port, args, child, env, pg_timeout_s,
+                              threads))
         p.start()
         child.close()
         procs.append(p)
