@@ -547,37 +547,6 @@ def _accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y):
 
 
 @_jit
-def _accumulate_plain(src, bb, ppb, rb, es, elem, lut, y):
-    """y += row (unweighted: the reference adds the row itself, no multiply by 1)."""
-    nb = num_blocks(rb, ppb)
-    for b in range(nb):
-        p0 = b * ppb
-        p1 = min(p0 + ppb, rb)
-        if p1 <= p0:
-            break
-        blk = src + b * bb
-        i0 = p0 // es
-        n = (p1 - p0) // es
-        yv = y[i0:i0 + n]            # a view from 0: index provably >= 0, loop vectorizes
-        if elem == ELEM_F32:
-            v = carray(f32_ptr(blk), n)
-            for i in range(n):
-                yv[i] += v[i]
-        elif elem == ELEM_BF16:
-            v16 = carray(u16_ptr(blk), n)
-            for i in range(n):
-                yv[i] += bits_to_f32(np.uint32(v16[i]) << np.uint32(16))
-        elif elem == ELEM_LUT16:
-            v16 = carray(u16_ptr(blk), n)
-            for i in range(n):
-                yv[i] += lut[v16[i]]
-        else:
-            v8 = carray(u8_ptr(blk), n)
-            for i in range(n):
-                yv[i] += lut[v8[i]]
-
-
-@_jit
 def reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello, tlo, thi,
                   done, batch, y, spins):
     """Sum each token of [tlo, thi) once all its routed slots arrived; return tokens missing.
@@ -636,10 +605,10 @@ def reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, h
                 if e < 0:
                     continue
                 src = win + (t * kmax + k) * stride
-                if weighted:
-                    _accumulate(src, bb, ppb, rb, es, elem, lut, weights[t, k], y[t])
-                else:
-                    _accumulate_plain(src, bb, ppb, rb, es, elem, lut, y[t])
+                # unweighted: a weight of 1.0 (x * 1.0 is exact, so the sum equals the
+                # reference's plain sum bit for bit)
+                wgt = weights[t, k] if weighted else np.float32(1.0)
+                _accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y[t])
                 if fmt == FMT_SP:
                     _rearm(src, nb, bb)
             done[t] = 1
