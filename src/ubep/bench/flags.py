@@ -2,9 +2,10 @@
 
 The benchmark aligns the start of every timed call on all ranks with a barrier much
 tighter than gloo's (~300 µs, with tens of µs of exit skew), and measures one flag round
-trip between two processes for the copy bound. Both spin on int64 words in a file under
-/dev/shm mapped by every rank, read with acquire loads and written with release stores
-(`ubep.runtime.shm.atomics`: a plain load in a spin loop is hoisted and never exits).
+trip between two processes for the copy bound. Both spin on int64 words in a shared-memory
+segment (`ubep.runtime.shm.segments`) mapped by every rank, read with acquire loads and
+written with release stores (`ubep.runtime.shm.atomics`: a plain load in a spin loop is
+hoisted and never exits).
 
 Every wait spins a bounded number of times in Numba, then returns to Python, which
 yields or sleeps briefly and checks a deadline, so two cores shared by many processes
@@ -13,14 +14,13 @@ are not starved.
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 from numba import njit
 
+from ubep.runtime.shm import segments
 from ubep.runtime.shm.atomics import cpu_pause as _pause
 from ubep.runtime.shm.atomics import load_acquire as _load_acquire_addr
 from ubep.runtime.shm.atomics import store_release as _store_release_addr
@@ -88,54 +88,45 @@ def _ping_pong(words, me_first, rounds, start, max_spins):
 
 
 class HostSync:
-    """A barrier among `world` ranks and a rank-0/rank-1 ping-pong, over a /dev/shm file.
+    """A barrier among `world` ranks and a rank-0/rank-1 ping-pong, in one shm segment.
 
-    Rank 0 creates the file (exclusively) before the others open it; `create` uses the
-    default torch.distributed group to order that. `close()` unmaps, and rank 0 unlinks.
+    Rank 0 creates the segment (exclusively, `ubep.runtime.shm.segments`) before the
+    others attach; `create` uses the default torch.distributed group to order that.
+    `close()` unmaps, and rank 0 unlinks.
     """
 
-    def __init__(self, path: Path, rank: int, world: int, timeout_s: float, *, owner: bool):
-        self.path, self.rank, self.world, self.timeout_s = path, rank, world, timeout_s
-        self._owner = owner
-        nbytes = (2 + world) * _SLOT * 8
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.words = np.frombuffer(self._map, dtype=np.int64)
+    def __init__(self, segment: segments.Segment, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self._segment = segment
+        self.words = np.frombuffer(segment.buf, dtype=np.int64)
         self._epoch = 0       # barrier generation
         self._seq = 0         # ping-pong sequence
 
     @classmethod
     def create(cls, rank: int, world: int, job: str, *, timeout_s: float = 60.0,
                barrier=None) -> HostSync:
-        """Make (rank 0) or open (others) the sync file of job `job`.
+        """Make (rank 0) or attach (others) the sync segment of job `job`.
 
-        `barrier` is a callable that all ranks call twice: after rank 0 created the file and
+        `barrier` is a callable that all ranks call twice: after rank 0 created the segment and
         after every rank mapped it (default: `torch.distributed.barrier`). Rank 0 then
         unlinks the name, so nothing is left in /dev/shm however the run ends.
         """
         if barrier is None:
             import torch.distributed as dist
             barrier = dist.barrier
-        path = Path("/dev/shm") / f"ubep-bench-{job}"
+        name = f"{segments.PREFIX}bench_{job}"
         if rank == 0:
-            if path.exists():  # left by a dead run with the same job id
-                path.unlink()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, (2 + world) * _SLOT * 8)
-            finally:
-                os.close(fd)
+            seg = segments.create(name, (2 + world) * _SLOT * 8)
         try:
             barrier()
-            sync = cls(path, rank, world, timeout_s, owner=rank == 0)
+            if rank != 0:
+                seg = segments.attach(name)
+            sync = cls(seg, rank, world, timeout_s)
             barrier()
             return sync
         finally:
             if rank == 0:  # every rank has it mapped (or failed): the name can go
-                path.unlink(missing_ok=True)
+                segments.unlink_name(name)
 
     def _wait(self, what: str, first: int, count: int, stride: int, target: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -194,11 +185,11 @@ class HostSync:
 
     def close(self) -> None:
         """Unmap. Idempotent. (Rank 0 unlinked the name once everyone had mapped it.)"""
-        if self._map is None:
+        if self._segment is None:
             return
         self.words = None
         try:
-            self._map.close()
+            self._segment.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it
             pass
-        self._map = None
+        self._segment = None

@@ -21,11 +21,9 @@ release store; acquire loads; our own copy loops):
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
 import time
-from pathlib import Path
 
 import llvmlite.ir as ir
 import numpy as np
@@ -34,6 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ubep.plan.blocks import MARKER_BYTES, SENTINEL_I64, BlockFormat
+from ubep.runtime.shm import segments
 from ubep.runtime.shm.atomics import cpu_pause, i64_ptr, load_acquire, store_release
 
 _FMT = {"sw": 0, "tff": 1, "dc": 2, "sp": 3}
@@ -168,7 +167,7 @@ def cycles_per_us(interval_s: float = 0.05) -> float:
 
 
 class _Windows:
-    """Per variant and direction one window (blocks) and one slot, in one /dev/shm file."""
+    """Per variant and direction one window (blocks) and one slot, in one shm segment."""
 
     def __init__(self, job: str, rank: int, syncs, block_bytes: int, max_payload: int):
         import torch.distributed as dist
@@ -178,20 +177,14 @@ class _Windows:
         self.stride = self.win_bytes + _SLOT_BYTES
         nbytes = len(syncs) * 2 * self.stride
         self.syncs = tuple(syncs)
-        path = Path("/dev/shm") / f"ubep-syncpp-{job}"
+        name = f"{segments.PREFIX}syncpp_{job}"
         if rank == 0:
-            path.unlink(missing_ok=True)      # left by a dead run with the same job id
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, nbytes)
-            os.close(fd)
+            self._segment = segments.create(name, nbytes)
         try:
             dist.barrier()
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self._map = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-            self.words = np.frombuffer(self._map, dtype=np.int64)
+            if rank != 0:
+                self._segment = segments.attach(name)
+            self.words = np.frombuffer(self._segment.buf, dtype=np.int64)
             self.base = self.words.ctypes.data
             if rank == 0 and "sp" in self.fmts:      # arm every marker word of sp's windows
                 for d in (0, 1):
@@ -201,7 +194,7 @@ class _Windows:
             dist.barrier()
         finally:
             if rank == 0:
-                path.unlink(missing_ok=True)  # both ranks have it mapped, or the setup failed
+                segments.unlink_name(name)  # both ranks have it mapped, or the setup failed
 
     def addr(self, sync: str, direction: int) -> int:
         """Window address of `sync` for messages of direction 0 (0 -> 1) or 1 (1 -> 0)."""
@@ -209,7 +202,7 @@ class _Windows:
 
     def close(self) -> None:
         self.words = None
-        self._map.close()
+        self._segment.close()
 
 
 def pingpong_rank(rank: int, world: int, payloads, syncs, block_bytes: int, rounds: int,
