@@ -53,6 +53,14 @@ class Buffer:
             rank and phase instead of a hang.
         max_top_k: the largest K (slots per token) any call may pass; sizes shm windows.
         block_bytes: synchronization block size in bytes (shm), default 512 as in the paper.
+        direct: (shm, mode="ubep") exchange counts first, then write every row straight to
+            its final place at its destination: one copy per row instead of the paper's two
+            (window, then place), and combine reads expert outputs where they lie. As in
+            DeepEP's low-latency mode, `recv_x` is then a view of this Buffer's shared memory,
+            valid until its next dispatch, and only the latest dispatch can be combined; write
+            expert outputs into `get_combine_buffer(handle)` (or pass `recv_x` itself) and
+            combine copies nothing. Rows carry a per-row flag word, so `sync` must be "tff"
+            (the default) or "sw".
 
     Attributes:
         rank, world_size, num_experts, num_local_experts, config (`ubep.BufferConfig`),
@@ -63,7 +71,7 @@ class Buffer:
                  backend: str = "torch", mode: str = "ubep", sync: str = "tff",
                  schedule: str = "hierarchical", workers: int | None = None,
                  count_workers: int | None = None, topology=None, timeout_s: float = 30.0,
-                 max_top_k: int = 8, block_bytes: int = 512):
+                 max_top_k: int = 8, block_bytes: int = 512, direct: bool = False):
         check_choice("backend", backend, BACKENDS)
         check_choice("mode", mode, MODES)
         check_choice("sync", sync, SYNCS)
@@ -80,6 +88,18 @@ class Buffer:
             if workers is not None and workers >= 2 and count_workers >= workers:
                 raise ValueError(f"count_workers={count_workers} must be < workers={workers} "
                                  f"(token workers need at least one core)")
+        if not isinstance(direct, bool):
+            raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
+        if direct:
+            if backend != "shm":
+                raise ValueError(f"direct=True needs backend='shm' (rows are written into the "
+                                 f"receivers' shared memory), got backend={backend!r}")
+            if mode != "ubep":
+                raise ValueError("direct=True needs mode='ubep': the counts go first, so there "
+                                 "are no barrier-separated phases to run")
+            if sync not in ("tff", "sw"):
+                raise ValueError(f"direct=True flags each row with one word written after it; "
+                                 f"sync={sync!r} does not apply: use 'tff' or 'sw'")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         if not dist.is_initialized():
@@ -95,7 +115,7 @@ class Buffer:
             max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k, backend=backend,
             mode=mode, sync=sync, schedule=schedule, workers=workers,
             count_workers=count_workers, block_bytes=block_bytes, timeout_s=float(timeout_s),
-            topology=topology)
+            topology=topology, direct=direct)
         self.group = group
         self.rank, self.world_size = rank, world_size
         self.num_experts = num_experts
@@ -194,6 +214,24 @@ class Buffer:
             res = self._run(self._backend.combine, out, handle, bool(weighted))
             self.last_stats = res.stats
             return res.y
+
+    def get_combine_buffer(self, handle: DispatchHandle,
+                           dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Where to write the expert outputs of `handle`'s rows so combine copies nothing.
+
+        Only with `direct=True` (cf. DeepEP's `get_next_low_latency_combine_buffer`). Returns
+        `[N, hidden]` of `dtype` (default: the dispatched rows' dtype) in this Buffer's shared
+        memory; write row i's expert output to row i, then `combine(that_tensor, handle)`.
+        Valid until the next dispatch.
+        """
+        with self._lock:
+            self._check_usable("get_combine_buffer")
+            if not self.config.direct:
+                raise ValueError("get_combine_buffer needs Buffer(backend='shm', direct=True); "
+                                 "other buffers combine any expert_out tensor")
+            if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
+                raise ValueError("handle must be the DispatchHandle of this Buffer's dispatch")
+            return self._backend.combine_buffer(handle, dtype)
 
     def __repr__(self) -> str:
         c = self.config

@@ -50,6 +50,8 @@ class BufferConfig:
     block_bytes: int = field(default=512, metadata={"help": "sync block size in bytes"})
     timeout_s: float = field(default=30.0, metadata={"help": "deadline of every wait, seconds"})
     topology: Any = field(default=None, metadata={"help": "ubep.Topology, preset name or None"})
+    direct: bool = field(default=False, metadata={
+        "help": "shm: rows written straight to their final place (recv_x is a buffer view)"})
 
     @property
     def experts_per_rank(self) -> int:

@@ -289,7 +289,8 @@ def run_case(buf, case: Case, rank: int) -> dict:
     x, idx, w = case.inputs(rank)
     res = buf.dispatch(x, idx, w)
     y = buf.combine(expert_fn(res.recv_x), res.handle, weighted=case.weighted)
-    return {"recv_x": res.recv_x, "recv_weights": res.recv_weights,
+    # a copy: with Buffer(direct=True) recv_x is a view that the next dispatch overwrites
+    return {"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
             "tokens_per_expert": res.tokens_per_expert, "recv_src_rank": res.recv_src_rank,
             "recv_src_token": res.recv_src_token, "recv_src_slot": res.recv_src_slot, "y": y}
 

@@ -31,15 +31,19 @@ from ubep.errors import PeerDiedError, PeerTimeoutError, UbepError
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
 from ubep.plan.blocks import BlockFormat, sentinel_refusal
+from ubep.runtime.shm import direct_kernels as DK
 from ubep.runtime.shm import kernels as K
 from ubep.runtime.shm import segments
+from ubep.runtime.shm.direct import DirectPath
 from ubep.runtime.shm.region import (
+    D_END,
     L_BB,
     L_EL,
     L_SIZE,
     META_BYTES,
     STATUS_ABORT,
     STATUS_OK,
+    direct_layout,
     region_layout,
 )
 from ubep.runtime.shm.workers import WorkerPool
@@ -200,15 +204,20 @@ class ShmBackend:
         self._out_start = np.zeros((w, el), np.int64)
         self._hello = np.zeros((w, 3), np.int64)
         self._bsp = c.mode == "bsp"
+        self._direct = DirectPath(self, self.dlay, self._res.views[self.rank]) \
+            if c.direct else None
 
     # -- bootstrap ---------------------------------------------------------------------------
     def _bootstrap(self, group) -> None:
         c, res = self.config, self._res
         mine = (socket.gethostname(), os.getpid(), self.workers,
-                os.environ.get("UBEP_JOB_ID", ""))
+                os.environ.get("UBEP_JOB_ID", ""), c.direct)
         infos: list = [None] * self.world
         dist.all_gather_object(infos, mine, group=group)
         hosts = sorted({i[0] for i in infos})
+        if len({bool(i[4]) for i in infos}) > 1:
+            raise ValueError("direct= differs between ranks: every rank of the group must "
+                             "create its Buffer with the same direct= option")
         if len(hosts) > 1:
             raise ValueError(
                 f"backend='shm' needs every rank on one host, but the group spans {hosts}; "
@@ -217,13 +226,18 @@ class ShmBackend:
         res.peer_pids = self.pids
         self.max_workers = max(int(i[2]) for i in infos)
         job = infos[0][3] or f"{self.pids[0]}"
-        self.lay = region_layout(
+        self.lay = region_layout(   # direct: the windows are not used, keep them minimal
             world=self.world, experts_per_rank=c.experts_per_rank, max_workers=self.max_workers,
-            hidden=c.hidden, max_tokens=c.max_tokens_per_rank, max_top_k=c.max_top_k,
-            fmt=self.fmt)
+            hidden=1 if c.direct else c.hidden, max_tokens=1 if c.direct else
+            c.max_tokens_per_rank, max_top_k=c.max_top_k, fmt=self.fmt)
+        self.dlay = direct_layout(
+            start=int(self.lay[L_SIZE]), world=self.world, num_experts=c.num_experts,
+            hidden=c.hidden, max_tokens=c.max_tokens_per_rank, max_top_k=c.max_top_k) \
+            if c.direct else None
+        size = int(self.dlay[D_END]) if c.direct else int(self.lay[L_SIZE])
         segments.sweep_stale()
         name = segments.segment_name(job, self.buffer_id, self.rank)
-        res.own = segments.create(name, int(self.lay[L_SIZE]))
+        res.own = segments.create(name, size)
         res.own_name = name
         names: list = [None] * self.world
         dist.all_gather_object(names, name, group=group)
@@ -234,7 +248,7 @@ class ShmBackend:
             if r != self.rank:
                 res.peers.append(shm)
             view = np.frombuffer(shm.buf, np.uint8)
-            if view.size < int(self.lay[L_SIZE]):
+            if view.size < size:
                 raise RuntimeError(f"segment {n} of rank {r} is smaller than the layout")
             res.views.append(view)
             bases[r] = view.ctypes.data
@@ -245,6 +259,8 @@ class ShmBackend:
         K.warm_up(lambda: region_layout(world=1, experts_per_rank=c.experts_per_rank,
                                         max_workers=1, hidden=2, max_tokens=1, max_top_k=1,
                                         fmt=self.fmt), self.workers > 1)
+        if c.direct:
+            DK.warm_up()
         ok: list = [None] * self.world
         dist.all_gather_object(ok, True, group=group)   # everyone mapped (and armed)
         segments.unlink_name(name)                       # memory lives while mapped
@@ -397,6 +413,8 @@ class ShmBackend:
                  call: int) -> DispatchResult:
         self._check_open("dispatch")
         t0 = _now_us()
+        if self._direct is not None:
+            return self._direct.dispatch(x, topk_idx, topk_weights, call, t0)
         c = self.config
         if c.sync == "sp":
             why = sentinel_refusal(str(x.dtype))
@@ -591,6 +609,8 @@ class ShmBackend:
                 weighted: bool) -> CombineResult:
         self._check_open("combine")
         t0 = _now_us()
+        if self._direct is not None:
+            return self._direct.combine(expert_out, handle, weighted, t0)
         c = self.config
         dtype = expert_out.dtype
         if c.sync == "sp":
@@ -847,6 +867,11 @@ class ShmBackend:
                       payload_efficiency=self.fmt.efficiency(rb),
                       extra={"epoch": epoch, "workers": 1})
         return CombineResult(y=out, stats=stats)
+
+    def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
+        """direct=True: the `[N, hidden]` view combine reads in place (see DirectPath)."""
+        self._check_open("get_combine_buffer")
+        return self._direct.combine_buffer(handle, dtype)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -76,3 +76,49 @@ def region_layout(*, world: int, experts_per_rank: int, max_workers: int, hidden
         d_rows, d_stride, cwin_off, c_slots, c_stride, max_top_k, fmt.block_bytes,
         fmt.payload_per_block, FMT_CODES[fmt.sync], size]
     return lay
+
+
+# -- the direct (one-copy) variant's areas, appended to the region when Buffer(direct=True) ---
+#
+#     counts  [2][DCW] int64   my counts of every global expert, dtype, T, status, ..., epoch
+#     ready   [8] int64        combine: dtype, byte offset of my expert outputs, status, epoch
+#     meta    [MAXR] x 16 B    per received row: token int32, slot int32 | weight f32, epoch i32
+#                              (the second word is release-stored after the row: the flag)
+#     recv    [MAXR] rows      received rows, expert-major, packed at hidden x itemsize:
+#                              `recv_x` is a view of it
+#     comb    [MAXR] rows      expert outputs copied here (or written here by the user)
+#
+# Counts exist twice (epoch parity); the rest once: nobody writes rows, metas or a ready word
+# of call e+1 before every rank has published its counts of e+1, which it does only after
+# finishing call e's combine (see `direct.py`).
+
+(D_COUNTS_OFF, D_CW, D_READY_OFF, D_META_OFF, D_RECV_OFF, D_COMB_OFF, D_MAXR, D_AREA,
+ D_END) = range(9)
+D_LEN = 9
+#: words of a direct count slot after the E counts
+DC_ELEM, DC_TOKENS, DC_STATUS = 0, 1, 2
+#: words of the ready slot
+DR_ELEM, DR_OFFSET, DR_STATUS, DR_EPOCH = 0, 1, 2, 3
+
+
+def direct_layout(*, start: int, world: int, num_experts: int, hidden: int, max_tokens: int,
+                  max_top_k: int, max_element_bytes: int = 4) -> np.ndarray:
+    """The `D_*` layout of the direct areas, placed at byte offset `start` of the region."""
+    el = num_experts // world
+    cw = _align(num_experts + 4, 8)
+    max_recv = world * max_tokens * min(max_top_k, el)
+    area = _align(max(max_recv, 1) * hidden * max_element_bytes, _PAGE)
+    off = _align(start, _PAGE)
+    counts_off = off
+    off += 2 * cw * 8
+    ready_off = off
+    off += 64
+    meta_off = off = _align(off, 64)
+    off += max(max_recv, 1) * 16
+    recv_off = off = _align(off, _PAGE)
+    off += area
+    comb_off = off
+    off += area
+    lay = np.zeros(D_LEN, dtype=np.int64)
+    lay[:] = [counts_off, cw, ready_off, meta_off, recv_off, comb_off, max_recv, area, off]
+    return lay

@@ -1,0 +1,276 @@
+"""Numba kernels of the direct (one-copy) variant: counts first, then rows to their final place.
+
+Once every rank's per-expert counts are known, the row of (my token t, slot k) has a fixed
+place in its destination's expert-major output, so the sender copies it there and nowhere
+else; combine then reads the expert outputs where they lie. The rules of `kernels.py` hold:
+flags are read with `load_acquire`, rows are copied by our own loops, and the flag word is
+release-stored after the row it guards (here: the row's meta word, which carries the epoch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray
+
+from ubep.runtime.shm.atomics import (
+    cpu_pause,
+    i64_ptr,
+    load_acquire,
+    store_release,
+)
+from ubep.runtime.shm.kernels import _accumulate, _copy_bytes, _jit
+from ubep.runtime.shm.region import (
+    D_COUNTS_OFF,
+    D_CW,
+    D_META_OFF,
+    D_READY_OFF,
+    D_RECV_OFF,
+    DC_ELEM,
+    DC_STATUS,
+    DC_TOKENS,
+    DR_ELEM,
+    DR_EPOCH,
+    DR_OFFSET,
+    DR_STATUS,
+)
+
+_EPOCH_MASK = 0x7FFFFFFF
+
+
+@_jit
+def publish_counts(base, dlay, epoch, idx, num_experts, elem):
+    """Count my slots per global expert into my own count slot; release its epoch last."""
+    cw = dlay[D_CW]
+    slot = base + dlay[D_COUNTS_OFF] + (epoch & 1) * cw * 8
+    w = carray(i64_ptr(slot), cw)
+    for e in range(num_experts):
+        w[e] = 0
+    t_n, k_n = idx.shape
+    for t in range(t_n):
+        for k in range(k_n):
+            e = idx[t, k]
+            if e >= 0:
+                w[e] += 1
+    w[num_experts + DC_ELEM] = elem
+    w[num_experts + DC_TOKENS] = t_n
+    w[num_experts + DC_STATUS] = 0
+    store_release(slot + (cw - 1) * 8, epoch)
+
+
+@_jit
+def gather_counts(bases, dlay, epoch, counts, elems, got, spins):
+    """Read every rank's count slot of `epoch` into `counts` `[world, E]`; return how many lack."""
+    world, e_n = counts.shape
+    cw = dlay[D_CW]
+    par = epoch & 1
+    missing = 0
+    for _ in range(max(spins, 1)):
+        missing = 0
+        for s in range(world):
+            if got[s]:
+                continue
+            slot = bases[s] + dlay[D_COUNTS_OFF] + par * cw * 8
+            if load_acquire(slot + (cw - 1) * 8) == epoch:
+                w = carray(i64_ptr(slot), cw)
+                for e in range(e_n):
+                    counts[s, e] = w[e]
+                elems[s] = w[e_n + DC_ELEM]
+                got[s] = 1
+            else:
+                missing += 1
+        if missing == 0:
+            return 0
+        cpu_pause()
+    return missing
+
+
+@_jit
+def place_rows(counts, me, el, idx, pos, tokens_per_expert, src_rank):
+    """Where every row goes, from the count matrix; returns N, the rows I receive.
+
+    `pos[t, k]`: the output row of my (t, k) at its destination (-1 if not routed):
+    the destination's expert-major order is (local expert, source rank, source token).
+    `tokens_per_expert` `[E/P]` and `src_rank` (first N entries) describe what I receive.
+    """
+    world, e_n = counts.shape
+    first = np.empty(e_n, np.int64)        # my first row at expert e's rank
+    for r in range(world):
+        row = 0
+        for j in range(el):
+            e = r * el + j
+            for s in range(world):
+                if s == me:
+                    first[e] = row
+                if r == me:
+                    for i in range(counts[s, e]):
+                        src_rank[row + i] = s
+                row += counts[s, e]
+    n = 0
+    for j in range(el):
+        c = 0
+        for s in range(world):
+            c += counts[s, me * el + j]
+        tokens_per_expert[j] = c
+        n += c
+    t_n, k_n = idx.shape
+    for t in range(t_n):
+        for k in range(k_n):
+            e = idx[t, k]
+            if e < 0:
+                pos[t, k] = -1
+            else:
+                pos[t, k] = first[e]
+                first[e] += 1
+    return n
+
+
+@_jit
+def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo, t_hi):
+    """Copy my rows of tokens [t_lo, t_hi) to their final place; then each row's meta word."""
+    meta_off, recv_off = dlay[D_META_OFF], dlay[D_RECV_OFF]
+    k_n = idx.shape[1]
+    ep = np.int64(epoch & _EPOCH_MASK) << np.int64(32)
+    wbits = weights.view(np.uint32)
+    for t in range(t_lo, t_hi):
+        src = x_addr + t * rb
+        for k in range(k_n):
+            e = idx[t, k]
+            if e < 0:
+                continue
+            base = bases[e // el]
+            row = pos[t, k]
+            _copy_bytes(base + recv_off + row * rb, src, rb)
+            m = base + meta_off + row * 16
+            carray(i64_ptr(m), 1)[0] = np.int64(t) | (np.int64(k) << np.int64(32))
+            store_release(m + 8, ep | np.int64(wbits[t, k]))
+
+
+@_jit
+def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, spins):
+    """Wait for received rows [lo, hi) (their meta words hold `epoch`); decode their metas.
+
+    Returns how many rows are still missing (0: all arrived and decoded).
+    """
+    meta = base + dlay[D_META_OFF]
+    ep = np.int64(epoch & _EPOCH_MASK)
+    wv = wts.view(np.uint32)
+    missing = 0
+    first = lo                               # rows below `first` are decoded
+    for _ in range(max(spins, 1)):
+        missing = 0
+        for i in range(first, hi):
+            v = load_acquire(meta + i * 16 + 8)
+            if (v >> np.int64(32)) != ep:
+                missing += 1
+                continue
+            if missing == 0:
+                first = i + 1
+            ts = carray(i64_ptr(meta + i * 16), 1)[0]
+            src_tok[i] = ts & np.int64(0xFFFFFFFF)
+            src_slot[i] = ts >> np.int64(32)
+            wv[i] = np.uint32(v & np.int64(0xFFFFFFFF))
+        if missing == 0:
+            return 0
+        cpu_pause()
+    return missing
+
+
+@_jit
+def publish_ready(base, dlay, epoch, elem, offset):
+    """Combine: my expert outputs of `epoch` lie at byte `offset` of my region."""
+    r = base + dlay[D_READY_OFF]
+    w = carray(i64_ptr(r), 4)
+    w[DR_ELEM] = elem
+    w[DR_OFFSET] = offset
+    w[DR_STATUS] = 0
+    store_release(r + DR_EPOCH * 8, epoch)
+
+
+@_jit
+def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, dtype_code,
+                  ecode, lut, t_lo, t_hi, ready, done, y, spins):
+    """Sum tokens [t_lo, t_hi) from the expert outputs where they lie, each as soon as every
+    rank holding one of its rows has published them; return tokens missing.
+
+    `ready[r]`: -1 unknown, else the byte offset of rank r's outputs. `dtype_code` is my
+    outputs' dtype (every rank must agree), `ecode`/`lut` how to read it as fp32 (see
+    `kernels._accumulate`). A rank that disagrees returns -(r + 1) (the caller names it).
+    """
+    world = bases.shape[0]
+    k_n = idx.shape[1]
+    remaining = 0
+    for _ in range(max(spins, 1)):
+        for r in range(world):
+            if ready[r] < 0:
+                a = bases[r] + dlay[D_READY_OFF]
+                if load_acquire(a + DR_EPOCH * 8) == epoch:
+                    w = carray(i64_ptr(a), 4)
+                    if w[DR_ELEM] != dtype_code or w[DR_STATUS] != 0:
+                        return -(r + 1)
+                    ready[r] = w[DR_OFFSET]
+        remaining = 0
+        for t in range(t_lo, t_hi):
+            if done[t]:
+                continue
+            ok = True
+            for k in range(k_n):
+                e = idx[t, k]
+                if e >= 0 and ready[e // el] < 0:
+                    ok = False
+                    break
+            if not ok:
+                remaining += 1
+                continue
+            for k in range(k_n):
+                e = idx[t, k]
+                if e < 0:
+                    continue
+                r = e // el
+                src = bases[r] + ready[r] + pos[t, k] * rb
+                wgt = weights[t, k] if weighted else np.float32(1.0)
+                _accumulate(src, rb, rb, rb, es, ecode, lut, wgt, y[t])
+            done[t] = 1
+        if remaining == 0:
+            return 0
+        cpu_pause()
+    return remaining
+
+
+@_jit
+def copy_local(dst_addr, src_addr, n):
+    """n bytes by our own loop (never memcpy: its non-temporal stores are not ordered before
+    the release store that publishes them)."""
+    _copy_bytes(dst_addr, src_addr, n)
+
+
+def warm_up() -> None:
+    """Compile (or load from cache) the direct kernels on a private 1-rank region, before the
+    bootstrap barrier, so JIT time never counts against a call's deadline."""
+    from ubep.runtime.shm.kernels import ELEM_F32
+    from ubep.runtime.shm.region import D_END, D_RECV_OFF, direct_layout
+
+    dlay = direct_layout(start=0, world=1, num_experts=2, hidden=2, max_tokens=1, max_top_k=1)
+    mem = np.zeros(int(dlay[D_END]) + 64, np.uint8)
+    base = (mem.ctypes.data + 63) // 64 * 64
+    bases = np.array([base], np.int64)
+    idx = np.zeros((1, 1), np.int64)
+    w = np.ones((1, 1), np.float32)
+    x = np.zeros((1, 8), np.uint8)
+    counts = np.zeros((1, 2), np.int64)
+    got = np.zeros(1, np.int8)
+    elems = np.zeros(1, np.int64)
+    publish_counts(base, dlay, 1, idx, 2, 0)
+    gather_counts(bases, dlay, 1, counts, elems, got, 1)
+    pos = np.empty((1, 1), np.int64)
+    tpe = np.empty(2, np.int64)
+    src_rank = np.zeros(1, np.int64)
+    n = place_rows(counts, 0, 2, idx, pos, tpe, src_rank)
+    send_rows_direct(bases, dlay, 1, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
+    ints = np.zeros((3, n), np.int64)
+    recv_meta(base, dlay, 1, 0, n, ints[1], ints[2], np.zeros(n, np.float32), 1)
+    copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
+    publish_ready(base, dlay, 1, 2, int(dlay[D_RECV_OFF]))
+    reduce_direct(bases, dlay, 1, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
+                  np.zeros(1, np.float32), 0, 1, np.full(1, -1, np.int64),
+                  np.zeros(1, np.uint8), np.zeros((1, 2), np.float32), 1)
+    del mem
