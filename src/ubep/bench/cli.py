@@ -51,7 +51,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS, metavar="SYSTEM",
                    help=f"systems to compare, of {', '.join(SYSTEMS)} "
-                        f"(default shm-ubep shm-bsp torch; the copy bound always runs)")
+                        f"(default shm-ubep shm-direct shm-bsp torch; the copy bound always runs)")
     p.add_argument("--backend", choices=("shm", "torch"), default=None,
                    help="time one Buffer backend only (with --mode for shm)")
     p.add_argument("--mode", choices=("ubep", "bsp"), default=None,
@@ -90,11 +90,12 @@ def _config_from_args(args) -> BenchConfig:
                 raise ValueError("--mode applies to --backend shm only")
             systems = ["torch"]
         else:
-            systems = [f"shm-{args.mode}"] if args.mode else ["shm-ubep", "shm-bsp"]
+            systems = [f"shm-{args.mode}"] if args.mode else ["shm-ubep", "shm-direct",
+                                                               "shm-bsp"]
     elif args.mode is not None:
         raise ValueError("--mode needs --backend shm")
     if systems is None:
-        systems = ["shm-ubep", "shm-bsp", "torch"]
+        systems = ["shm-ubep", "shm-direct", "shm-bsp", "torch"]
     if args.peers and "mpi" not in systems:
         systems = [*systems, "mpi"]
     ranks = args.ranks
@@ -146,7 +147,7 @@ def demo_config(iters: int = 40) -> BenchConfig:
     """The demo's bench: DeepSeek-like rows (hidden 7168, bf16, top-8), 2 ranks, 16 experts."""
     from ubep.bench.run import mpi_unavailable_reason
 
-    systems = ["shm-ubep", "shm-bsp", "torch"]
+    systems = ["shm-ubep", "shm-direct", "shm-bsp", "torch"]
     if mpi_unavailable_reason() is None:
         systems.append("mpi")
     return BenchConfig(ranks=(2,), hiddens=(7168,), batches=DEMO_BATCHES, top_k=8,

@@ -9,8 +9,11 @@ import torch
 from ubep.testing import ROUTINGS
 
 #: the systems a run can compare; "bound" (the copy bound) is measured in every run
-BUFFER_SYSTEMS = {"shm-ubep": ("shm", "ubep"), "shm-bsp": ("shm", "bsp"),
-                  "torch": ("torch", "ubep")}
+#: Buffer systems: name -> (backend, mode, direct). "shm-direct" is ubep mode with rows written
+#: straight to their final place (`Buffer(direct=True)`); its combine reads the expert outputs
+#: in place (the stand-in expert is the identity, as for every system here).
+BUFFER_SYSTEMS = {"shm-ubep": ("shm", "ubep", False), "shm-direct": ("shm", "ubep", True),
+                  "shm-bsp": ("shm", "bsp", False), "torch": ("torch", "ubep", False)}
 SYSTEMS = (*BUFFER_SYSTEMS, "mpi")
 BOUND = "bound"
 DTYPES = ("bfloat16", "float16", "float32")
@@ -37,7 +40,7 @@ class BenchConfig:
     top_k: int = field(default=8, metadata={"help": "experts per token"})
     experts: int = field(default=16, metadata={"help": "global expert count E"})
     dtype: str = field(default="bfloat16", metadata={"help": "row dtype"})
-    systems: tuple[str, ...] = field(default=("shm-ubep", "shm-bsp", "torch"),
+    systems: tuple[str, ...] = field(default=("shm-ubep", "shm-direct", "shm-bsp", "torch"),
                                      metadata={"help": "systems to compare"})
     iters: int = field(default=100, metadata={"help": "timed iterations per point"})
     warmup: int = field(default=10, metadata={"help": "untimed iterations per point"})

@@ -12,7 +12,7 @@ from rich.table import Table
 from ubep.bench.config import BOUND
 from ubep.bench.run import BenchResult
 
-_ORDER = ("shm-ubep", "shm-bsp", "torch", "mpi", BOUND)
+_ORDER = ("shm-ubep", "shm-direct", "shm-bsp", "torch", "mpi", BOUND)
 
 
 def _system_key(name: str) -> int:

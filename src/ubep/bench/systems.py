@@ -36,12 +36,12 @@ class BufferSystem:
     def __init__(self, name: str, cfg: BenchConfig, hidden: int):
         import ubep
 
-        backend, mode = BUFFER_SYSTEMS[name]
+        backend, mode, direct = BUFFER_SYSTEMS[name]
         self.name = name
         self.buf = ubep.Buffer(num_experts=cfg.experts, hidden=hidden,
                                max_tokens_per_rank=max(cfg.batches), backend=backend,
                                mode=mode, workers=cfg.workers if backend == "shm" else None,
-                               timeout_s=cfg.timeout_s, max_top_k=cfg.top_k)
+                               timeout_s=cfg.timeout_s, max_top_k=cfg.top_k, direct=direct)
         self._args = self._res = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
