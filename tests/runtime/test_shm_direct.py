@@ -155,3 +155,82 @@ def test_direct_refusals_name_the_rule():
         assert "direct=True" in errors[4]
         assert "latest dispatch" in errors[5]
         assert y.shape == (2, 8)
+
+
+# -- failures: late and dead peers, dtype disagreements -----------------------------------------
+def _small(**kw):
+    import ubep
+
+    return ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, backend="shm",
+                       direct=True, **kw)
+
+
+def _inputs(rank, dtype=torch.bfloat16):
+    from ubep.testing import make_routing, make_tokens
+
+    idx, w = make_routing(8, 4, 4, seed=rank)     # top-4 of 4: every token reaches every rank
+    return make_tokens(rank, 8, 16, dtype), idx, w
+
+
+def _late_or_dead(rank, world, how, job):
+    import os
+    import signal
+    import time
+
+    import ubep
+    from ubep.runtime.shm import direct_kernels
+
+    with _small(timeout_s=2.0 if how == "late" else 20.0) as buf:
+        if rank == 1 and how == "late":
+            time.sleep(4.0)
+            return "slept"
+        if rank == 1 and how == "dead":
+            def die(*args):
+                os.kill(os.getpid(), signal.SIGKILL)   # counts are out, the rows never come
+            direct_kernels.send_rows_direct = die
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(*_inputs(rank))
+        except (ubep.PeerTimeoutError, ubep.PeerDiedError) as e:
+            left = [n for n in os.listdir("/dev/shm") if job in n]
+            return type(e).__name__, e.rank, e.phase, e.peers, time.monotonic() - t0, left
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["late", "dead"])
+def test_direct_late_or_dead_peer_is_named_within_the_deadline(how):
+    import os
+
+    from ubep.testing import RankFailure
+
+    job = f"direct{how}{os.getpid()}"
+    out = run_ranks(_late_or_dead, 2, how, job, timeout_s=120, return_exceptions=True,
+                    env={"UBEP_JOB_ID": job})
+    kind, rank, phase, peers, took, left = out[0]
+    assert (rank, peers, left) == (0, [1], [])
+    if how == "late":
+        assert (kind, phase) == ("PeerTimeoutError", "dispatch/counts") and took < 10.0
+    else:
+        assert isinstance(out[1], RankFailure) and out[1].kind == "died"
+        assert (kind, phase) == ("PeerDiedError", "dispatch/rows") and took < 15.0
+
+
+def _dtypes_differ(rank, world, op):
+    import ubep
+
+    with _small(timeout_s=10.0) as buf:
+        x, idx, w = _inputs(rank, torch.bfloat16 if rank == 0 or op == "combine"
+                            else torch.float16)
+        try:
+            res = buf.dispatch(x, idx, w)
+            out = res.recv_x.to(torch.float32 if rank == 1 else torch.bfloat16)
+            buf.combine(out, res.handle)
+        except ubep.UbepError as e:
+            return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_direct_peers_with_different_dtypes_fail_clearly(op):
+    out = run_ranks(_dtypes_differ, 2, op, timeout_s=120)
+    assert all("same dtype" in m for m in out), out
