@@ -178,7 +178,8 @@ class Buffer:
             `tokens_per_expert` `[num_local_experts]`, row origins, `handle` and `stats`.
         """
         with self._lock:
-            self._check_usable("dispatch")
+            if self._closed or self._broken is not None:
+                self._check_usable("dispatch")
             c = self.config
             x, idx, w = check_dispatch_inputs(
                 x, topk_idx, topk_weights, hidden=c.hidden, num_experts=c.num_experts,
@@ -203,7 +204,8 @@ class Buffer:
             token with no routed slot.
         """
         with self._lock:
-            self._check_usable("combine")
+            if self._closed or self._broken is not None:
+                self._check_usable("combine")
             if not isinstance(handle, DispatchHandle):
                 raise TypeError(f"handle must be the DispatchHandle of a dispatch, "
                                 f"got {type(handle).__name__}")

@@ -65,3 +65,43 @@ class CombineResult:
 
     y: torch.Tensor                 # [T, hidden], dtype of expert_out
     stats: Stats | None = None
+
+
+# -- fast constructors for hot paths -------------------------------------------------------------
+# A frozen dataclass's __init__ sets each field through object.__setattr__ (~0.3 µs a field
+# on a slow host). These fill the instance dict directly: the same objects, still frozen to
+# their users, at a third of the cost. Every field must be given.
+_new = object.__new__
+
+
+def new_handle(buffer_id: int, call: int, num_tokens: int, num_recv: int, hidden: int,
+               topk_idx: torch.Tensor, topk_weights: torch.Tensor, recv_src_rank: torch.Tensor,
+               recv_src_token: torch.Tensor, recv_src_slot: torch.Tensor,
+               state: Any) -> DispatchHandle:
+    """`DispatchHandle(...)` with every field, positional, without the per-field setattr."""
+    h = _new(DispatchHandle)
+    h.__dict__.update(buffer_id=buffer_id, call=call, num_tokens=num_tokens, num_recv=num_recv,
+                      hidden=hidden, topk_idx=topk_idx, topk_weights=topk_weights,
+                      recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
+                      recv_src_slot=recv_src_slot, state=state)
+    return h
+
+
+def new_dispatch_result(recv_x: torch.Tensor, recv_weights: torch.Tensor,
+                        tokens_per_expert: torch.Tensor, recv_src_rank: torch.Tensor,
+                        recv_src_token: torch.Tensor, recv_src_slot: torch.Tensor,
+                        handle: DispatchHandle, stats: Stats | None) -> DispatchResult:
+    """`DispatchResult(...)` with every field, positional, without the per-field setattr."""
+    r = _new(DispatchResult)
+    r.__dict__.update(recv_x=recv_x, recv_weights=recv_weights,
+                      tokens_per_expert=tokens_per_expert, recv_src_rank=recv_src_rank,
+                      recv_src_token=recv_src_token, recv_src_slot=recv_src_slot,
+                      handle=handle, stats=stats)
+    return r
+
+
+def new_combine_result(y: torch.Tensor, stats: Stats | None) -> CombineResult:
+    """`CombineResult(y=y, stats=stats)` without the per-field setattr."""
+    r = _new(CombineResult)
+    r.__dict__.update(y=y, stats=stats)
+    return r

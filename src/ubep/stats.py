@@ -7,7 +7,8 @@ or a Chrome/Perfetto trace reads any of them.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 
@@ -56,6 +57,67 @@ class Stats:
                 key = (iv.rank, iv.worker)
                 out[key] = out.get(key, 0.0) + iv.duration_us
         return out
+
+
+class DeferredStats(Stats):
+    """A `Stats` whose fields are built on first read, by `build(*args)`.
+
+    A hot path (one dispatch costs tens of microseconds) keeps its raw timestamps and counts
+    and defers making the `Stats`, its `Interval`s and dicts until someone reads them. Reads,
+    writes, equality, `repr`, `asdict` and pickling behave as for the built `Stats` (a pickle
+    or copy is a plain `Stats`).
+    """
+
+    @classmethod
+    def of(cls, build: Callable[..., Stats], *args) -> DeferredStats:
+        """Stats that `build(*args)` will make when first read."""
+        st = object.__new__(cls)
+        st.__dict__["_pending"] = (build, args)
+        return st
+
+    def _materialize(self) -> None:
+        pending = self.__dict__.pop("_pending", None)
+        if pending is not None:
+            build, args = pending
+            self.__dict__.update(build(*args).__dict__)
+
+    def _plain(self) -> Stats:
+        return Stats(*[getattr(self, n) for n in _STATS_FIELDS])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Stats):
+            return NotImplemented
+        return all(getattr(self, n) == getattr(other, n) for n in _STATS_FIELDS)
+
+    __hash__ = None   # as Stats (a mutable dataclass)
+
+    def __repr__(self) -> str:
+        return repr(self._plain())
+
+    def __reduce__(self):
+        return Stats, tuple(getattr(self, n) for n in _STATS_FIELDS)
+
+
+def _deferred_field(name: str) -> property:
+    """A data descriptor for field `name` (it must shadow the class-level defaults)."""
+
+    def get(self: DeferredStats):
+        d = self.__dict__
+        if name not in d:
+            self._materialize()
+        return d[name]
+
+    def set(self: DeferredStats, value) -> None:
+        self._materialize()
+        self.__dict__[name] = value
+
+    return property(get, set, doc=f"`Stats.{name}`, built on first read.")
+
+
+_STATS_FIELDS = tuple(f.name for f in fields(Stats))
+for _name in _STATS_FIELDS:
+    setattr(DeferredStats, _name, _deferred_field(_name))
+del _name
 
 
 def chrome_trace(stats: list[Stats]) -> dict:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import carray, njit
+
+from ubep.runtime.shm.atomics import i64_ptr
 
 #: dtypes whose rows dispatch moves as bytes. Element size at most 4 bytes: the shared-memory
 #: windows are sized for it.
@@ -17,6 +19,7 @@ MOVABLE_DTYPES = (
     torch.int32, torch.float8_e4m3fn, torch.float8_e5m2,
 )
 MAX_ELEMENT_BYTES = 4
+_MOVABLE = frozenset(MOVABLE_DTYPES)
 
 
 def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
@@ -75,6 +78,16 @@ def _scan_topk(idx: np.ndarray, num_experts: int) -> tuple[int, int, int]:
     return 0, 0, 0
 
 
+@njit(cache=True, nogil=True)
+def _topk_ok_at(addr: int, rows: int, cols: int, num_experts: int) -> bool:
+    """`_scan_topk` of the contiguous int64 `[rows, cols]` at `addr`: True if valid.
+
+    Takes the tensor's address, not an array: building a numpy view of a tensor costs more
+    than the scan of a small batch."""
+    code, _, _ = _scan_topk(carray(i64_ptr(addr), (rows, cols)), num_experts)
+    return code == 0
+
+
 def _scan_topk_torch(idx: torch.Tensor, num_experts: int) -> tuple[int, int, int]:
     """`_scan_topk` for tensors off the CPU."""
     bad = (idx < -1) | (idx >= num_experts)
@@ -92,7 +105,48 @@ def _scan_topk_torch(idx: torch.Tensor, num_experts: int) -> tuple[int, int, int
 def check_dispatch_inputs(x: object, topk_idx: object, topk_weights: object, *, hidden: int,
                           num_experts: int, max_tokens_per_rank: int, max_top_k: int,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check a dispatch call; return `(x, topk_idx int64, topk_weights float32)`, contiguous."""
+    """Check a dispatch call; return `(x, topk_idx int64, topk_weights float32)`, contiguous.
+
+    The common call (CPU tensors, already int64/float32 and contiguous) is recognised with
+    attribute reads and one compiled scan and returned as is; any other call takes the full
+    check, which converts or raises the error that names the rule.
+    """
+    if _dispatch_inputs_ready(x, topk_idx, topk_weights, hidden, num_experts,
+                              max_tokens_per_rank, max_top_k):
+        return x, topk_idx, topk_weights
+    return _check_dispatch_inputs_full(x, topk_idx, topk_weights, hidden=hidden,
+                                       num_experts=num_experts,
+                                       max_tokens_per_rank=max_tokens_per_rank,
+                                       max_top_k=max_top_k)
+
+
+def _dispatch_inputs_ready(x: object, idx: object, w: object, hidden: int, num_experts: int,
+                           max_tokens: int, max_top_k: int) -> bool:
+    """True if the full check would accept the call and return the three tensors unchanged.
+
+    Cheap reads only (a torch op costs microseconds here, an attribute a fraction): exact
+    dtypes, shapes, CPU, contiguity, then the id scan on the tensor's memory. False means
+    "not sure", never "invalid": the full check decides.
+    """
+    if not (isinstance(x, torch.Tensor) and isinstance(idx, torch.Tensor)
+            and isinstance(w, torch.Tensor)):
+        return False
+    xs, ks = x.shape, idx.shape
+    if (len(xs) != 2 or xs[1] != hidden or xs[0] > max_tokens or len(ks) != 2
+            or ks[0] != xs[0] or ks[1] > max_top_k or w.shape != ks):
+        return False
+    if idx.dtype is not torch.int64 or w.dtype is not torch.float32 or x.dtype not in _MOVABLE:
+        return False
+    if not (x.is_cpu and idx.is_cpu and w.is_cpu and x.is_contiguous()
+            and idx.is_contiguous() and w.is_contiguous()):
+        return False
+    return _topk_ok_at(idx.data_ptr(), ks[0], ks[1], num_experts)
+
+
+def _check_dispatch_inputs_full(x: object, topk_idx: object, topk_weights: object, *,
+                                hidden: int, num_experts: int, max_tokens_per_rank: int,
+                                max_top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rule in order, with its error message; converts int32 ids / non-fp32 weights."""
     x = _check_tensor("x", x, 2)
     if x.shape[1] != hidden:
         raise ValueError(f"x has hidden size {x.shape[1]} but the Buffer was built for {hidden}")
@@ -127,7 +181,13 @@ def check_dispatch_inputs(x: object, topk_idx: object, topk_weights: object, *, 
 
 
 def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> torch.Tensor:
-    """Check a combine call's `expert_out` `[num_recv, hidden]`, floating; return contiguous."""
+    """Check a combine call's `expert_out` `[num_recv, hidden]`, floating; return contiguous.
+
+    The common call (right shape and dtype, contiguous) costs a few attribute reads.
+    """
+    if (isinstance(expert_out, torch.Tensor) and expert_out.shape == (num_recv, hidden)
+            and _summable(expert_out.dtype) and expert_out.is_contiguous()):
+        return expert_out
     out = _check_tensor("expert_out", expert_out, 2)
     if tuple(out.shape) != (num_recv, hidden):
         raise ValueError(
@@ -138,3 +198,14 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
             f"expert_out has dtype {out.dtype}; combine sums rows, so it needs a floating dtype "
             f"of at most {MAX_ELEMENT_BYTES} bytes (bf16, fp16, fp32, fp8)")
     return out.contiguous()
+
+
+_SUMMABLE: dict[torch.dtype, bool] = {}
+
+
+def _summable(dtype: torch.dtype) -> bool:
+    """Whether combine can sum rows of `dtype`: floating, at most 4 bytes (memoized)."""
+    ok = _SUMMABLE.get(dtype)
+    if ok is None:
+        ok = _SUMMABLE[dtype] = dtype.is_floating_point and dtype.itemsize <= MAX_ELEMENT_BYTES
+    return ok

@@ -18,6 +18,7 @@ Every wait is bounded (`timeout_s`) and checks peer liveness; failures raise
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -28,7 +29,14 @@ import torch
 import torch.distributed as dist
 
 from ubep.errors import PeerDiedError, PeerTimeoutError, UbepError
-from ubep.handle import CombineResult, DispatchHandle, DispatchResult
+from ubep.handle import (
+    CombineResult,
+    DispatchHandle,
+    DispatchResult,
+    new_combine_result,
+    new_dispatch_result,
+    new_handle,
+)
 from ubep.options import BufferConfig
 from ubep.plan.blocks import BlockFormat, sentinel_refusal
 from ubep.runtime.shm import direct_kernels as DK
@@ -47,7 +55,7 @@ from ubep.runtime.shm.region import (
     region_layout,
 )
 from ubep.runtime.shm.workers import WorkerPool
-from ubep.stats import Interval, Stats
+from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES
 
 #: kernel spin rounds before a poll returns "not ready" to the Python backoff
@@ -82,6 +90,12 @@ def default_workers(local_ranks: int) -> int:
 
 
 _DTYPE_CODES = {d: i for i, d in enumerate(MOVABLE_DTYPES)}
+
+
+#: the compiled one-worker sender; `_dispatch_single` folds it with the first count poll into
+#: `K.dispatch_begin_at` unless the module attribute was replaced (see
+#: `_begin_through_replaced_send`)
+_SEND_SINGLE = K.dispatch_send_single
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -747,67 +761,132 @@ class ShmBackend:
         if code:
             self._check_peers_meta(meta, elem, what)
 
+    def _single_scratch(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(kernel results `res`, fp32 sums `[max_tokens * hidden]`, their address), made
+        on first use and kept: the one-worker path allocates nothing it can reuse."""
+        sc = getattr(self, "_single", None)
+        if sc is None:
+            c = self.config
+            y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)
+            sc = self._single = (np.zeros(4, np.int64), y, y.ctypes.data)
+        return sc
+
+    @staticmethod
+    def _single_dispatch_stats(c: BufferConfig, fmt: BlockFormat, r: int,
+                               ts: tuple[float, ...], n_sends: int, n_recv: int, rb: int,
+                               epoch: int) -> Stats:
+        """The Stats of a one-worker dispatch from its timestamps (built on first read)."""
+        t0, t1, t2, t3 = ts
+        wire = fmt.wire_bytes(META_BYTES + rb)
+        return Stats(op="dispatch", backend="shm", mode=c.mode, sync=c.sync,
+                     schedule=c.schedule, rank=r, total_us=t3 - t0,
+                     phases_us={"send": t1 - t0, "wait_counts": t2 - t1, "reorder": t3 - t2},
+                     intervals=[Interval(r, 0, "send", t0, t1),
+                                Interval(r, 0, "wait_counts", t1, t2, "wait"),
+                                Interval(r, 0, "reorder", t2, t3)],
+                     bytes_sent=n_sends * wire, bytes_recv=n_recv * wire,
+                     payload_efficiency=fmt.efficiency(META_BYTES + rb),
+                     extra={"epoch": epoch, "workers": 1})
+
+    @staticmethod
+    def _single_combine_stats(c: BufferConfig, fmt: BlockFormat, r: int,
+                              ts: tuple[float, ...], n_sent: int, n_recv: int, rb: int,
+                              epoch: int) -> Stats:
+        """The Stats of a one-worker combine from its timestamps (built on first read)."""
+        t0, t1, t2 = ts
+        wire = fmt.wire_bytes(rb)
+        return Stats(op="combine", backend="shm", mode=c.mode, sync=c.sync,
+                     schedule=c.schedule, rank=r, total_us=t2 - t0,
+                     phases_us={"send": t1 - t0, "reduce": t2 - t1},
+                     intervals=[Interval(r, 0, "send", t0, t1),
+                                Interval(r, 0, "reduce", t1, t2)],
+                     bytes_sent=n_sent * wire, bytes_recv=n_recv * wire,
+                     payload_efficiency=fmt.efficiency(rb),
+                     extra={"epoch": epoch, "workers": 1})
+
+    @staticmethod
+    @functools.cache
+    def _single_combine_elem(dtype: torch.dtype) -> tuple[int, int, np.ndarray]:
+        """(dtype code, element code, fp32 lookup table) of combine rows, once per dtype."""
+        return (_DTYPE_CODES[dtype], *_combine_elem(dtype))
+
+    def _begin_through_replaced_send(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                                     topk_weights: torch.Tensor, epoch: int, elem: int,
+                                     tpe: np.ndarray) -> int:
+        """`K.dispatch_begin_at`, its send through a replaced `K.dispatch_send_single` (fault
+        injection: tests kill a rank there), which takes numpy views; same results."""
+        res = self._single_scratch()[0]
+        n = K.dispatch_send_single(self.bases, self.lay, self.rank, epoch,
+                                   x.view(torch.uint8).numpy(), topk_idx.numpy(),
+                                   topk_weights.numpy(), self._expert_order, self._static, elem,
+                                   self._dc_corrupt, self._cs, self._bsp)
+        res[K.RES_SENDS] = n
+        if n < 0:
+            return 0
+        self._got[:] = 0
+        return K.dispatch_counts_at(self.base, self.lay, epoch, self._rc, self._meta, self._got,
+                                    self._out_start, tpe, self._batch, elem, res, 1)
+
     def _dispatch_single(self, x: torch.Tensor, topk_idx: torch.Tensor,
                          topk_weights: torch.Tensor, call: int, t0: float) -> DispatchResult:
+        """One worker, in the calling thread: send and a first look at the counts in one
+        kernel entry, then the outputs, then the rows. Tensors reach the kernels by address
+        (`data_ptr()`); the handle keeps them alive. Stats are built when first read."""
         c = self.config
-        idx = topk_idx.numpy()
-        w = topk_weights.numpy()
-        xb = x.view(torch.uint8).numpy()
+        res = self._single_scratch()[0]
+        num_tokens, hidden = x.shape
+        top_k = topk_idx.shape[1]
+        rb = hidden * x.element_size()
         elem = _DTYPE_CODES[x.dtype]
-        self._d_epoch += 1
-        epoch = self._d_epoch
+        idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
+        self._d_epoch = epoch = self._d_epoch + 1
         deadline = time.monotonic() + c.timeout_s
-        n_sends = K.dispatch_send_single(self.bases, self.lay, self.rank, epoch, xb, idx, w,
-                                         self._expert_order, self._static, elem,
-                                         self._dc_corrupt, self._cs, self._bsp)
+        rc, meta, got, out_start, batch = (self._rc, self._meta, self._got, self._out_start,
+                                           self._batch)
+        base, lay = self.base, self.lay
+        tpe = np.empty(c.experts_per_rank, np.int64)
+        if K.dispatch_send_single is not _SEND_SINGLE:
+            missing = self._begin_through_replaced_send(x, topk_idx, topk_weights, epoch, elem,
+                                                        tpe)
+        else:
+            missing = K.dispatch_begin_at(self.bases, lay, self.rank, epoch, x.data_ptr(),
+                                          num_tokens, rb, idx_addr, top_k, w_addr,
+                                          self._expert_order, self._static, elem,
+                                          self._dc_corrupt, self._cs, self._bsp, rc, meta, got,
+                                          out_start, tpe, batch, res)
+        if missing:
+            t1 = _now_us()
+            self._wait(None, lambda s: K.dispatch_counts_at(base, lay, epoch, rc, meta, got,
+                                                            out_start, tpe, batch, elem, res, s),
+                       "dispatch/counts", lambda: [s for s in range(self.world) if not got[s]],
+                       deadline=deadline)
+            t2 = _now_us()
+        else:
+            t1 = t2 = _now_us()
+        n_sends, code, n_recv, _ = res.tolist()
         if n_sends < 0:
             raise self._sentinel_error("x", -n_sends - 1)
-        t1 = _now_us()
-        rc, meta, got, base, lay = self._rc, self._meta, self._got, self.base, self.lay
-        got[:] = 0
-        self._wait(None, lambda s: K.poll_counts(base, lay, epoch, 0, self.world, rc, meta, got,
-                                                 s),
-                   "dispatch/counts", lambda: [s for s in range(self.world) if not got[s]],
-                   deadline=deadline)
-        self._meta_error(K.check_meta(meta, elem), meta, elem, "dispatch")
-        t2 = _now_us()
-        out_start = self._out_start
-        tpe = np.empty(c.experts_per_rank, np.int64)
-        n_recv = K.offsets(rc, out_start, tpe)
-        recv_x = torch.empty((n_recv, x.shape[1]), dtype=x.dtype)
-        xnp = recv_x.view(torch.uint8).numpy()
+        if code:
+            self._check_peers_meta(meta, elem, "dispatch")
+        recv_x = torch.empty(n_recv, hidden, dtype=x.dtype)
         ints = np.empty((3, n_recv), np.int64)
         wts = np.empty(n_recv, np.float32)
         done = np.zeros(n_recv, np.uint8)
-        batch = self._batch
-        batch[:] = 0
-        self._wait(None, lambda s: K.recv_rows(base, lay, epoch, rc, meta, out_start, 0, n_recv,
-                                               done, batch, xnp, wts, ints[0], ints[1], ints[2],
-                                               s),
+        x_addr = recv_x.data_ptr()
+        self._wait(None, lambda s: K.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv,
+                                                  done, batch, x_addr, rb, wts, ints, s),
                    "dispatch/rows", lambda: self._missing_sources(rc, done, 0, n_recv),
                    lambda: self._dc_detail(batch), deadline=deadline)
         t3 = _now_us()
         src_rank, src_tok, src_slot = (torch.from_numpy(ints[0]), torch.from_numpy(ints[1]),
                                        torch.from_numpy(ints[2]))
-        handle = DispatchHandle(
-            buffer_id=self.buffer_id, call=call, num_tokens=idx.shape[0], num_recv=n_recv,
-            hidden=x.shape[1], topk_idx=topk_idx, topk_weights=topk_weights,
-            recv_src_rank=src_rank, recv_src_token=src_tok, recv_src_slot=src_slot,
-            state=(idx, w, ints, epoch))
-        r = self.rank
-        ivs = [Interval(r, 0, "send", t0, t1), Interval(r, 0, "wait_counts", t1, t2, "wait"),
-               Interval(r, 0, "reorder", t2, t3)]
-        wire = self.fmt.wire_bytes(META_BYTES + xb.shape[1])
-        stats = Stats(op="dispatch", backend="shm", mode=c.mode, sync=c.sync,
-                      schedule=c.schedule, rank=r, total_us=t3 - t0,
-                      phases_us={"send": t1 - t0, "wait_counts": t2 - t1, "reorder": t3 - t2},
-                      intervals=ivs, bytes_sent=n_sends * wire, bytes_recv=n_recv * wire,
-                      payload_efficiency=self.fmt.efficiency(META_BYTES + xb.shape[1]),
-                      extra={"epoch": epoch, "workers": 1})
-        return DispatchResult(
-            recv_x=recv_x, recv_weights=torch.from_numpy(wts),
-            tokens_per_expert=torch.from_numpy(tpe), recv_src_rank=src_rank,
-            recv_src_token=src_tok, recv_src_slot=src_slot, handle=handle, stats=stats)
+        handle = new_handle(self.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
+                            topk_weights, src_rank, src_tok, src_slot,
+                            (idx_addr, w_addr, top_k, ints))
+        stats = DeferredStats.of(self._single_dispatch_stats, c, self.fmt, self.rank,
+                                 (t0, t1, t2, t3), n_sends, n_recv, rb, epoch)
+        return new_dispatch_result(recv_x, torch.from_numpy(wts), torch.from_numpy(tpe),
+                                   src_rank, src_tok, src_slot, handle, stats)
 
     def _dc_detail(self, batch: np.ndarray) -> str:
         bad = [s for s in range(self.world) if batch[s] == -1]
@@ -815,58 +894,59 @@ class ShmBackend:
 
     def _combine_single(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
                         t0: float) -> CombineResult:
+        """One worker: rows back in one kernel entry, then sum (and round to bf16) in the
+        poll. fp32 sums land in the output itself, bf16 ones in kept scratch; by address."""
         c = self.config
         dtype = expert_out.dtype
-        idx, w, ints, _ = handle.state
-        rows = expert_out.view(torch.uint8).numpy()
-        elem = _DTYPE_CODES[dtype]
-        self._c_epoch += 1
-        epoch = self._c_epoch
+        idx_addr, w_addr, top_k, ints = handle.state
+        num_tokens, hidden, n_recv = handle.num_tokens, handle.hidden, handle.num_recv
+        res, y_scratch, y_addr = self._single_scratch()
+        elem, ecode, lut = self._single_combine_elem(dtype)
+        es = expert_out.element_size()
+        rb = hidden * es
+        self._c_epoch = epoch = self._c_epoch + 1
         deadline = time.monotonic() + c.timeout_s
-        bad = K.combine_send_single(self.bases, self.lay, self.rank, epoch, rows, ints[0],
-                                    ints[1], ints[2], elem, self._dc_corrupt, self._cs,
-                                    self._bsp)
+        hello, got, batch, base, lay = self._hello, self._got, self._batch, self.base, self.lay
+        out = None
+        if dtype is torch.float32:                     # sum in place, no cast
+            out = torch.empty(num_tokens, hidden, dtype=dtype)
+            y_addr = out.data_ptr()
+        bad = K.combine_begin_at(self.bases, lay, self.rank, epoch, expert_out.data_ptr(), n_recv,
+                                 rb, ints, elem, self._dc_corrupt, self._cs, self._bsp, hello,
+                                 got, batch, y_addr, num_tokens, hidden)
         if bad < 0:
             raise self._sentinel_error("expert_out", -bad - 1)
         t1 = _now_us()
-        ecode, lut = _combine_elem(dtype)
-        num_tokens = idx.shape[0]
-        y = np.zeros((num_tokens, handle.hidden), np.float32)
+        cast, out_addr = K.CAST_NONE, 0
+        if dtype is torch.bfloat16:                   # the poll rounds into it once complete
+            out = torch.empty(num_tokens, hidden, dtype=dtype)
+            cast, out_addr = K.CAST_BF16, out.data_ptr()
         done = np.zeros(num_tokens, np.uint8)
-        hello, got, batch, base, lay = self._hello, self._got, self._batch, self.base, self.lay
-        hello[:] = -1
-        got[:] = 0
-        batch[:] = 0
-        rb, es, bsp = rows.shape[1], expert_out.element_size(), self._bsp
-        weighted = bool(weighted)
+        bsp, weighted = self._bsp, bool(weighted)
 
         def peers() -> list[int]:
             el = int(self.lay[L_EL])
+            idx = handle.topk_idx.numpy()
             want = {int(e) // el for t in range(num_tokens) if not done[t]
                     for e in idx[t] if e >= 0}
             if self.fmt.sync in ("sw", "dc"):
                 want = {r for r in want if batch[r] != 1}
             return sorted(want | {s for s in range(self.world) if not got[s]})
 
-        self._wait(None, lambda s: K.combine_poll_single(base, lay, epoch, idx, w, weighted, rb,
-                                                         es, ecode, lut, hello, got, done,
-                                                         batch, y, s, bsp),
+        self._wait(None, lambda s: K.combine_poll_at(base, lay, epoch, idx_addr, w_addr,
+                                                     num_tokens, top_k, weighted, rb, es, ecode,
+                                                     lut, hello, got, done, batch, y_addr,
+                                                     hidden, s, bsp, elem, cast, out_addr, res),
                    "combine/rows", peers, lambda: self._dc_detail(batch), deadline=deadline)
-        self._meta_error(K.check_meta(hello, elem), hello, elem, "combine")
-        out = _cast_rows(y, dtype)
+        _, code, _, routed = res.tolist()
+        if code:
+            self._check_peers_meta(hello, elem, "combine")
+        if out is None:                                # fp16, fp8: rare, cast by torch/numpy
+            out = _cast_rows(y_scratch[:num_tokens * hidden].reshape(num_tokens, hidden), dtype)
         t2 = _now_us()
-        r = self.rank
-        wire = self.fmt.wire_bytes(rb)
-        stats = Stats(op="combine", backend="shm", mode=c.mode, sync=c.sync,
-                      schedule=c.schedule, rank=r, total_us=t2 - t0,
-                      phases_us={"send": t1 - t0, "reduce": t2 - t1},
-                      intervals=[Interval(r, 0, "send", t0, t1),
-                                 Interval(r, 0, "reduce", t1, t2)],
-                      bytes_sent=rows.shape[0] * wire,
-                      bytes_recv=int(np.count_nonzero(idx >= 0)) * wire,
-                      payload_efficiency=self.fmt.efficiency(rb),
-                      extra={"epoch": epoch, "workers": 1})
-        return CombineResult(y=out, stats=stats)
+        stats = DeferredStats.of(self._single_combine_stats, c, self.fmt, self.rank, (t0, t1, t2),
+                                 n_recv, routed, rb, epoch)
+        return new_combine_result(out, stats)
 
     def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
         """direct=True: the `[N, hidden]` view combine reads in place (see DirectPath)."""
