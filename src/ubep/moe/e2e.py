@@ -20,11 +20,13 @@ from ubep.moe.convert import buffer_for, convert_to_ep, ep_layers, set_buffer
 from ubep.moe.decode import DecodeResult, GreedyDecoder
 from ubep.moe.models import build_model, make_prompts
 
-#: backend label -> (Buffer backend, mode). "gloo" is the torch backend over the gloo group.
-BACKEND_SPECS: dict[str, tuple[str, str]] = {
-    "gloo": ("torch", "ubep"),
-    "shm-bsp": ("shm", "bsp"),
-    "shm-ubep": ("shm", "ubep"),
+#: backend label -> (Buffer backend, mode, direct). "gloo" is the torch backend over the gloo
+#: group; "shm-direct" writes each row once, straight to its place (`Buffer(direct=True)`).
+BACKEND_SPECS: dict[str, tuple[str, str, bool]] = {
+    "gloo": ("torch", "ubep", False),
+    "shm-bsp": ("shm", "bsp", False),
+    "shm-ubep": ("shm", "ubep", False),
+    "shm-direct": ("shm", "ubep", True),
 }
 UNSPLIT = "unsplit"  # label of the reference run: each rank runs all experts, no communication
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -33,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def available_backends() -> list[str]:
     """Backend labels whose Buffer backend is registered in this build."""
     from ubep.runtime import _BACKENDS
-    return [name for name, (backend, _) in BACKEND_SPECS.items() if backend in _BACKENDS]
+    return [name for name, (backend, *_) in BACKEND_SPECS.items() if backend in _BACKENDS]
 
 
 @dataclass(frozen=True)
@@ -110,10 +112,13 @@ def e2e_rank(rank: int, world_size: int, cfg: E2EConfig) -> RankReport:
     runs: list[RankRun] = []
     try:
         for name in cfg.backends:
-            backend, mode = BACKEND_SPECS[name]
+            backend, mode, direct = BACKEND_SPECS[name]
+            options = dict(cfg.buffer_options)
+            if direct:
+                options["direct"] = True
             buffers[name] = buffer_for(
                 model, max_tokens_per_rank=max(cfg.batches) * cfg.prompt_len, backend=backend,
-                mode=mode, timeout_s=cfg.timeout_s, **dict(cfg.buffer_options))
+                mode=mode, timeout_s=cfg.timeout_s, **options)
         if buffers:
             convert_to_ep(model, next(iter(buffers.values())))
         for b in cfg.batches:
