@@ -23,22 +23,45 @@ count ahead of a peer that still reads).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
 import torch
 
-from ubep.handle import CombineResult, DispatchHandle, DispatchResult
+from ubep.handle import (
+    CombineResult,
+    DispatchHandle,
+    DispatchResult,
+    new_combine_result,
+    new_dispatch_result,
+    new_handle,
+)
 from ubep.runtime.shm import direct_kernels as DK
 from ubep.runtime.shm.region import D_AREA, D_COMB_OFF, D_MAXR, D_META_OFF, D_RECV_OFF
-from ubep.stats import Interval, Stats
+from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES
 
 _CODES = {d: i for i, d in enumerate(MOVABLE_DTYPES)}
+_NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_direct: "do not round to bf16 here"
 
 
 def _now_us() -> float:
     return time.perf_counter_ns() / 1e3
+
+
+@functools.cache
+def _elem(dtype: torch.dtype) -> tuple[int, int, np.ndarray]:
+    """(dtype code, element code, fp32 lookup table) of combine rows of `dtype`."""
+    from ubep.runtime.shm.backend import _combine_elem
+
+    return (_CODES[dtype], *_combine_elem(dtype))
+
+
+def _protocol_error(msg: str) -> Exception:
+    from ubep.runtime.shm.backend import ShmProtocolError
+
+    return ShmProtocolError(msg)
 
 
 class DirectPath:
@@ -51,25 +74,34 @@ class DirectPath:
         self.el = c.experts_per_rank
         self.num_experts = c.num_experts
         self.hidden = c.hidden
+        self.max_recv = max(int(dlay[D_MAXR]), 1)
         w = backend.world
         self._counts = np.zeros((w, c.num_experts), np.int64)
         self._elems = np.zeros(w, np.int64)
         self._got = np.zeros(w, np.int8)
-        self._src_rank = np.zeros(max(int(dlay[D_MAXR]), 1), np.int64)
         area = int(dlay[D_AREA])
-        self._region = region
+        self._meta = region[int(dlay[D_META_OFF]):][:16 * self.max_recv].view(np.int64)
         self._recv_addr = backend.base + int(dlay[D_RECV_OFF])
         self._comb_addr = backend.base + int(dlay[D_COMB_OFF])
-        self._recv_u8 = torch.from_numpy(region[int(dlay[D_RECV_OFF]):][:area])
-        self._comb_u8 = torch.from_numpy(region[int(dlay[D_COMB_OFF]):][:area])
+        self._areas = {"recv": torch.from_numpy(region[int(dlay[D_RECV_OFF]):][:area]),
+                       "comb": torch.from_numpy(region[int(dlay[D_COMB_OFF]):][:area])}
+        self._views: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._y = np.zeros((c.max_tokens_per_rank, c.hidden), np.float32)  # bf16 sums
+        self._ready = np.full(w, -1, np.int64)
         self._epoch = 0
         self._c_epoch = 0
         self._last_call = 0
         self._last_dtype = torch.bfloat16
 
     # -- views of my areas -------------------------------------------------------------------
-    def _view(self, area: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return area[:n * self.hidden * dtype.itemsize].view(dtype).view(n, self.hidden)
+    def _view(self, area: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """`[n, hidden]` of `dtype` at the start of my area `area` ("recv" or "comb")."""
+        v = self._views.get((area, dtype))
+        if v is None:
+            rows = self._areas[area].numel() // (self.hidden * dtype.itemsize)
+            v = self._views[area, dtype] = self._areas[area][
+                :rows * self.hidden * dtype.itemsize].view(dtype).view(rows, self.hidden)
+        return v[:n]
 
     def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
         """`[N, hidden]` of `dtype` (None: the dispatched rows' dtype) in my shared memory:
@@ -82,7 +114,7 @@ class DirectPath:
         if dtype not in MOVABLE_DTYPES or not dtype.is_floating_point:
             raise TypeError(f"dtype {dtype} cannot be combined; use a floating dtype of at "
                             f"most 4 bytes")
-        return self._view(self._comb_u8, handle.num_recv, dtype)
+        return self._view("comb", handle.num_recv, dtype)
 
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -91,31 +123,55 @@ class DirectPath:
         idx = topk_idx.numpy()
         w = topk_weights.numpy()
         code = _CODES[x.dtype]
-        self._epoch += 1
-        epoch = self._epoch
+        self._epoch = epoch = self._epoch + 1
         deadline = time.monotonic() + b.config.timeout_s
-        DK.publish_counts(b.base, self.dlay, epoch, idx, self.num_experts, code)
-        counts, elems, got = self._counts, self._elems, self._got
-        got[:] = 0
-        b._wait(None, lambda s: DK.gather_counts(b.bases, self.dlay, epoch, counts, elems, got,
-                                                 s),
-                "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
-                deadline=deadline)
-        wrong = {s: str(MOVABLE_DTYPES[int(elems[s])]) for s in range(b.world)
-                 if elems[s] != code}
-        if wrong:
-            from ubep.runtime.shm.backend import ShmProtocolError
-            raise ShmProtocolError(
-                f"rank {b.rank} dispatches {x.dtype} rows but rank(s) {wrong} use another "
-                f"dtype; every rank must pass the same dtype")
+        counts, elems, got, dlay, bases = self._counts, self._elems, self._got, self.dlay, b.bases
+        if DK.dispatch_begin(bases, dlay, b.rank, epoch, idx, self.num_experts, code, counts,
+                             elems, got, 8):
+            b._wait(None, lambda s: DK.gather_counts(bases, dlay, epoch, counts, elems, got, s),
+                    "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
+                    deadline=deadline)
         t1 = _now_us()
+        t_n = idx.shape[0]
         pos = np.empty(idx.shape, np.int64)
         tpe = np.empty(self.el, np.int64)
-        n_recv = int(DK.place_rows(counts, b.rank, self.el, idx, pos, tpe, self._src_rank))
-        ints = np.empty((3, n_recv), np.int64)
-        ints[0] = self._src_rank[:n_recv]
-        wts = np.empty(n_recv, np.float32)
+        ints = np.empty((3, self.max_recv), np.int64)   # src rank, token, slot
+        wts = np.empty(self.max_recv, np.float32)
         rb = x.shape[1] * x.element_size()
+        n = b.workers
+        if n == 1:
+            n_recv, missing = DK.dispatch_rows(bases, dlay, b.rank, epoch, code, elems, counts,
+                                               self.el, idx, w, pos, tpe, ints, wts,
+                                               x.data_ptr(), rb, 8)
+            if n_recv < 0:
+                raise self._dtype_error(x.dtype, missing)
+            if missing:
+                b._wait(None, lambda s: DK.recv_meta(b.base, dlay, epoch, 0, n_recv, ints[1],
+                                                     ints[2], wts, s),
+                        "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
+                        deadline=deadline)
+            ivs = None
+        else:
+            n_recv, ivs = self._dispatch_pool(x, idx, w, pos, tpe, ints, wts, rb, code, epoch,
+                                              deadline)
+        self._last_call, self._last_dtype = call, x.dtype
+        t2 = _now_us()
+        src_rank, src_tok, src_slot = torch.from_numpy(ints[:, :n_recv]).unbind(0)
+        handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
+                            src_rank, src_tok, src_slot, (idx, w, pos, epoch))
+        stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs,
+                                 int(np.count_nonzero(idx >= 0)), n_recv, rb, epoch)
+        return new_dispatch_result(self._view("recv", n_recv, x.dtype),
+                                   torch.from_numpy(wts[:n_recv]), torch.from_numpy(tpe),
+                                   src_rank, src_tok, src_slot, handle, stats)
+
+    def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, deadline):
+        """`workers` > 1: the workers send a token range each, then wait for a row range."""
+        b = self.b
+        bad = [s for s in range(b.world) if self._elems[s] != code]
+        if bad:
+            raise self._dtype_error(x.dtype, bad[0])
+        n_recv = int(DK.place_rows(self._counts, b.rank, self.el, idx, pos, tpe, ints[0]))
         n = b.workers
         cl = b._start(epoch, n)
         cl.deadline = deadline
@@ -130,46 +186,42 @@ class DirectPath:
             lo, hi = j * n_recv // n, (j + 1) * n_recv // n
             b._wait(cl, lambda s: DK.recv_meta(b.base, self.dlay, epoch, lo, hi, ints[1],
                                                ints[2], wts, s),
-                    "dispatch/rows", lambda: self._missing_sources(epoch, lo, hi))
+                    "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], lo, hi))
             cl.iv[j].append(("send", a, m, "busy"))
             cl.iv[j].append(("wait_rows", m, _now_us(), "wait"))
 
         b._run(cl, work)
-        self._last_call, self._last_dtype = call, x.dtype
-        t2 = _now_us()
-        recv_x = self._view(self._recv_u8, n_recv, x.dtype)
-        src_rank, src_tok, src_slot = torch.from_numpy(ints).unbind(0)
-        handle = DispatchHandle(
-            buffer_id=b.buffer_id, call=call, num_tokens=t_n, num_recv=n_recv,
-            hidden=x.shape[1], topk_idx=topk_idx, topk_weights=topk_weights,
-            recv_src_rank=src_rank, recv_src_token=src_tok, recv_src_slot=src_slot,
-            state=(idx, w, pos, epoch))
-        sent = int(np.count_nonzero(idx >= 0))
-        ivs = [Interval(b.rank, 0, "counts", t0, t1, "wait")]
-        ivs += [Interval(b.rank, j, *iv) for j, ivj in enumerate(cl.iv) for iv in ivj]
-        stats = Stats(op="dispatch", backend="shm", mode="ubep-direct", sync="row-flag",
-                      schedule="static", rank=b.rank, total_us=t2 - t0,
-                      phases_us={"counts": t1 - t0, "send_recv": t2 - t1},
-                      intervals=ivs, bytes_sent=sent * (rb + 16), bytes_recv=n_recv * (rb + 16),
-                      payload_efficiency=rb / (rb + 16),
-                      extra={"epoch": epoch, "workers": n, "direct": True})
-        return DispatchResult(
-            recv_x=recv_x, recv_weights=torch.from_numpy(wts),
-            tokens_per_expert=torch.from_numpy(tpe), recv_src_rank=src_rank,
-            recv_src_token=src_tok, recv_src_slot=src_slot, handle=handle, stats=stats)
+        return n_recv, cl.iv
 
-    def _missing_sources(self, epoch: int, lo: int, hi: int) -> list[int]:
+    def _dtype_error(self, dtype: torch.dtype, rank: int) -> Exception:
+        return _protocol_error(
+            f"rank {self.b.rank} dispatches {dtype} rows but rank {rank} uses "
+            f"{MOVABLE_DTYPES[int(self._elems[rank])]}; every rank must pass the same dtype")
+
+    def _missing_sources(self, epoch: int, src_rank: np.ndarray, lo: int, hi: int) -> list[int]:
         """Ranks some of whose rows in [lo, hi) have not arrived (for the timeout message)."""
-        meta = self._region[int(self.dlay[D_META_OFF]):][:16 * hi].view(np.int64)
         ep = epoch & 0x7FFFFFFF
-        return sorted({int(self._src_rank[i]) for i in range(lo, hi)
-                       if int(meta[2 * i + 1]) >> 32 != ep})
+        return sorted({int(src_rank[i]) for i in range(lo, hi)
+                       if int(self._meta[2 * i + 1]) >> 32 != ep})
+
+    def _dispatch_stats(self, ts, ivs, n_sent: int, n_recv: int, rb: int, epoch: int) -> Stats:
+        t0, t1, t2 = ts
+        r = self.b.rank
+        intervals = [Interval(r, 0, "counts", t0, t1, "wait")]
+        if ivs is None:
+            intervals.append(Interval(r, 0, "send_recv", t1, t2))
+        else:
+            intervals += [Interval(r, j, *iv) for j, ivj in enumerate(ivs) for iv in ivj]
+        return Stats(op="dispatch", backend="shm", mode="ubep", sync="row-flag",
+                     schedule="static", rank=r, total_us=t2 - t0,
+                     phases_us={"counts": t1 - t0, "send_recv": t2 - t1}, intervals=intervals,
+                     bytes_sent=n_sent * (rb + 16), bytes_recv=n_recv * (rb + 16),
+                     payload_efficiency=rb / (rb + 16),
+                     extra={"epoch": epoch, "workers": self.b.workers, "direct": True})
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
                 t0: float) -> CombineResult:
-        from ubep.runtime.shm.backend import ShmProtocolError, _cast_rows, _combine_elem
-
         b = self.b
         if handle.call != self._last_call:
             raise ValueError("handle is not from this Buffer's latest dispatch; with "
@@ -177,61 +229,111 @@ class DirectPath:
                              "live in the Buffer until the next one)")
         idx, w, pos, _ = handle.state
         dtype = expert_out.dtype
-        es = expert_out.element_size()
-        rb = self.hidden * es
+        code, ecode, lut = _elem(dtype)
+        rb = self.hidden * expert_out.element_size()
         n_recv = handle.num_recv
-        self._c_epoch += 1
-        epoch = self._c_epoch
+        self._c_epoch = epoch = self._c_epoch + 1
         deadline = time.monotonic() + b.config.timeout_s
         ptr = expert_out.data_ptr()
         copied = n_recv > 0 and ptr not in (self._recv_addr, self._comb_addr)
-        if copied:                                      # else: peers read it in place
-            DK.copy_local(self._comb_addr, ptr, n_recv * rb)
         offset = (self._comb_addr if copied or not n_recv else ptr) - b.base
-        t1 = _now_us()
-        code = _CODES[dtype]
-        DK.publish_ready(b.base, self.dlay, epoch, code, offset)
-        ecode, lut = _combine_elem(dtype)
         t_n = idx.shape[0]
-        y = np.zeros((t_n, self.hidden), np.float32)
+        if dtype == torch.bfloat16:               # sums in kept scratch, rounded in the kernel
+            y, out16 = self._y[:t_n], np.empty((t_n, self.hidden), np.uint16)
+        else:
+            y, out16 = np.empty((t_n, self.hidden), np.float32), _NO_BF16
         done = np.zeros(t_n, np.uint8)
-        ready = np.full(b.world, -1, np.int64)
+        ready = self._ready
+        weighted = bool(weighted)
+        if b.workers == 1:
+            left = DK.combine_begin(b.bases, self.dlay, b.rank, epoch, code, offset, ptr,
+                                    n_recv * rb if copied else 0, idx, w, weighted, pos, self.el,
+                                    rb, expert_out.element_size(), ecode, lut, ready, done, y,
+                                    out16, 8)
+            if left < 0:
+                raise self._combine_dtype_error(dtype, -left - 1)
+            t1 = _now_us()
+            if left:
+                self._reduce(b, None, epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
+                             y, out16, 0, t_n, deadline)
+            ivs = None
+        else:
+            if copied:
+                DK.copy_local(self._comb_addr, ptr, n_recv * rb)
+            DK.publish_ready(b.base, self.dlay, epoch, code, offset)
+            ready[:] = -1
+            t1 = _now_us()
+            ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
+                                     y, out16, deadline)
+        if dtype == torch.bfloat16:
+            out = torch.from_numpy(out16).view(torch.bfloat16)
+        elif dtype == torch.float32:
+            out = torch.from_numpy(y)
+        else:
+            from ubep.runtime.shm.backend import _cast_rows
+
+            out = _cast_rows(y, dtype)
+        t2 = _now_us()
+        stats = DeferredStats.of(self._combine_stats, (t0, t1, t2), ivs, copied,
+                                 int(np.count_nonzero(idx >= 0)), rb, epoch)
+        return new_combine_result(out, stats)
+
+    def _reduce(self, b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
+                lo, hi, deadline) -> None:
+        """Sum tokens [lo, hi) as their ranks publish; bounded wait naming the ranks."""
+        code, ecode, lut = _elem(expert_out.dtype)
+        es = expert_out.element_size()
+        bad = [-1]                  # a rank that published another dtype
+
+        def poll(s: int) -> int:
+            r = DK.reduce_direct(b.bases, self.dlay, epoch, idx, w, weighted, pos, self.el, rb,
+                                 es, code, ecode, lut, lo, hi, ready, done, y, out16, s)
+            if r < 0:
+                bad[0] = -r - 1
+                return 0
+            return r
+
+        b._wait(cl, poll, "combine/rows",
+                lambda: sorted({int(e) // self.el for t in range(lo, hi) if not done[t]
+                                for e in idx[t] if e >= 0 and ready[int(e) // self.el] < 0}),
+                deadline=deadline)
+        if bad[0] >= 0:
+            raise self._combine_dtype_error(expert_out.dtype, bad[0])
+
+    def _combine_pool(self, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
+                      deadline):
+        b = self.b
         n = b.workers
         cl = b._start(epoch, n)
         cl.deadline = deadline
-        weighted = bool(weighted)
+        t_n = idx.shape[0]
 
         def work(j: int) -> None:
             a = _now_us()
-            lo, hi = j * t_n // n, (j + 1) * t_n // n
-            bad = [-1]                  # a rank that published another dtype
-
-            def poll(s: int) -> int:
-                r = DK.reduce_direct(b.bases, self.dlay, epoch, idx, w, weighted, pos, self.el,
-                                     rb, es, code, ecode, lut, lo, hi, ready, done, y, s)
-                if r < 0:
-                    bad[0] = -r - 1
-                    return 0
-                return r
-
-            b._wait(cl, poll, "combine/rows",
-                    lambda: sorted({int(e) // self.el for t in range(lo, hi) if not done[t]
-                                    for e in idx[t] if e >= 0 and ready[int(e) // self.el] < 0}))
-            if bad[0] >= 0:
-                raise ShmProtocolError(
-                    f"rank {b.rank} combines {dtype} rows but rank {bad[0]} published another "
-                    f"dtype; every rank must pass the same dtype")
+            self._reduce(b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y,
+                         out16, j * t_n // n, (j + 1) * t_n // n, deadline)
             cl.iv[j].append(("reduce", a, _now_us(), "busy"))
 
         b._run(cl, work)
-        out = _cast_rows(y, dtype)
-        t2 = _now_us()
-        ivs = [Interval(b.rank, 0, "copy_in" if copied else "publish", t0, t1)]
-        ivs += [Interval(b.rank, j, *iv) for j, ivj in enumerate(cl.iv) for iv in ivj]
-        stats = Stats(op="combine", backend="shm", mode="ubep-direct", sync="row-flag",
-                      schedule="static", rank=b.rank, total_us=t2 - t0,
-                      phases_us={"copy_in" if copied else "publish": t1 - t0, "reduce": t2 - t1},
-                      intervals=ivs, bytes_sent=0,
-                      bytes_recv=int(np.count_nonzero(idx >= 0)) * rb, payload_efficiency=1.0,
-                      extra={"epoch": epoch, "workers": n, "direct": True, "in_place": not copied})
-        return CombineResult(y=out, stats=stats)
+        return cl.iv
+
+    def _combine_dtype_error(self, dtype: torch.dtype, rank: int) -> Exception:
+        return _protocol_error(
+            f"rank {self.b.rank} combines {dtype} rows but rank {rank} published another "
+            f"dtype; every rank must pass the same dtype")
+
+    def _combine_stats(self, ts, ivs, copied: bool, n_recv: int, rb: int, epoch: int) -> Stats:
+        t0, t1, t2 = ts
+        r = self.b.rank
+        first = "copy_in" if copied else "publish"
+        intervals = [Interval(r, 0, first, t0, t1)]
+        if ivs is None:
+            intervals.append(Interval(r, 0, "reduce", t1, t2))
+        else:
+            intervals += [Interval(r, j, *iv) for j, ivj in enumerate(ivs) for iv in ivj]
+        return Stats(op="combine", backend="shm", mode="ubep", sync="row-flag",
+                     schedule="static", rank=r, total_us=t2 - t0,
+                     phases_us={first: t1 - t0, "reduce": t2 - t1}, intervals=intervals,
+                     bytes_sent=0, bytes_recv=n_recv * rb, payload_efficiency=1.0,
+                     extra={"epoch": epoch, "workers": self.b.workers, "direct": True,
+                            "in_place": not copied})

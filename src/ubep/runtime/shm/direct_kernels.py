@@ -18,8 +18,9 @@ from ubep.runtime.shm.atomics import (
     load_acquire,
     store_release,
 )
-from ubep.runtime.shm.kernels import _accumulate, _copy_bytes, _jit
+from ubep.runtime.shm.kernels import _accumulate, _copy_bytes, _jit, f32_to_bf16
 from ubep.runtime.shm.region import (
+    D_COMB_OFF,
     D_COUNTS_OFF,
     D_CW,
     D_META_OFF,
@@ -188,16 +189,19 @@ def publish_ready(base, dlay, epoch, elem, offset):
 
 @_jit
 def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, dtype_code,
-                  ecode, lut, t_lo, t_hi, ready, done, y, spins):
+                  ecode, lut, t_lo, t_hi, ready, done, y, out16, spins):
     """Sum tokens [t_lo, t_hi) from the expert outputs where they lie, each as soon as every
     rank holding one of its rows has published them; return tokens missing.
 
-    `ready[r]`: -1 unknown, else the byte offset of rank r's outputs. `dtype_code` is my
-    outputs' dtype (every rank must agree), `ecode`/`lut` how to read it as fp32 (see
-    `kernels._accumulate`). A rank that disagrees returns -(r + 1) (the caller names it).
+    `y[t]` is zeroed here, then summed in slot order (as the reference). If `out16` has rows,
+    a finished token is also rounded to bf16 bits into `out16[t]`. `ready[r]`: -1 unknown,
+    else the byte offset of rank r's outputs. `dtype_code` is my outputs' dtype (every rank
+    must agree), `ecode`/`lut` how to read it as fp32 (see `kernels._accumulate`). A rank that
+    disagrees returns -(r + 1) (the caller names it).
     """
     world = bases.shape[0]
     k_n = idx.shape[1]
+    to_bf16 = out16.shape[0] > 0
     remaining = 0
     for _ in range(max(spins, 1)):
         for r in range(world):
@@ -221,6 +225,8 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
             if not ok:
                 remaining += 1
                 continue
+            yt = y[t]
+            yt[:] = 0.0
             for k in range(k_n):
                 e = idx[t, k]
                 if e < 0:
@@ -228,12 +234,53 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
                 r = e // el
                 src = bases[r] + ready[r] + pos[t, k] * rb
                 wgt = weights[t, k] if weighted else np.float32(1.0)
-                _accumulate(src, rb, rb, rb, es, ecode, lut, wgt, y[t])
+                _accumulate(src, rb, rb, rb, es, ecode, lut, wgt, yt)
+            if to_bf16:
+                f32_to_bf16(y[t:t + 1], out16[t:t + 1])
             done[t] = 1
         if remaining == 0:
             return 0
         cpu_pause()
     return remaining
+
+
+# -- one worker: the whole call in as few kernel entries as possible ------------------------------
+@_jit
+def dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems, got, spins):
+    """Publish my counts, then a first look at everyone's; returns how many ranks lack."""
+    publish_counts(bases[me], dlay, epoch, idx, num_experts, elem)
+    for s in range(got.shape[0]):
+        got[s] = 0
+    return gather_counts(bases, dlay, epoch, counts, elems, got, spins)
+
+
+@_jit
+def dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, weights, pos, tpe, ints,
+                  wts, x_addr, rb, spins):
+    """With every rank's counts: place, send all my rows, a first look for the rows I receive.
+
+    Returns (N, rows still missing), or (-1, rank) if that rank dispatches another dtype.
+    `ints[0]` gets each received row's source rank, `ints[1:]` (token, slot) as they arrive.
+    """
+    for s in range(elems.shape[0]):
+        if elems[s] != elem:
+            return -1, s
+    n = place_rows(counts, me, el, idx, pos, tpe, ints[0])
+    send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, 0, idx.shape[0])
+    return n, recv_meta(bases[me], dlay, epoch, 0, n, ints[1], ints[2], wts, spins)
+
+
+@_jit
+def combine_begin(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, idx, weights,
+                  weighted, pos, el, rb, es, ecode, lut, ready, done, y, out16, spins):
+    """Copy my expert outputs in (if `copy_n`), publish them, a first round of sums."""
+    if copy_n > 0:
+        _copy_bytes(bases[me] + dlay[D_COMB_OFF], copy_src, copy_n)
+    publish_ready(bases[me], dlay, epoch, dtype_code, offset)
+    for r in range(ready.shape[0]):
+        ready[r] = -1
+    return reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es,
+                         dtype_code, ecode, lut, 0, idx.shape[0], ready, done, y, out16, spins)
 
 
 @_jit
@@ -259,18 +306,31 @@ def warm_up() -> None:
     counts = np.zeros((1, 2), np.int64)
     got = np.zeros(1, np.int8)
     elems = np.zeros(1, np.int64)
-    publish_counts(base, dlay, 1, idx, 2, 0)
-    gather_counts(bases, dlay, 1, counts, elems, got, 1)
     pos = np.empty((1, 1), np.int64)
     tpe = np.empty(2, np.int64)
-    src_rank = np.zeros(1, np.int64)
-    n = place_rows(counts, 0, 2, idx, pos, tpe, src_rank)
-    send_rows_direct(bases, dlay, 1, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
-    ints = np.zeros((3, n), np.int64)
-    recv_meta(base, dlay, 1, 0, n, ints[1], ints[2], np.zeros(n, np.float32), 1)
+    ints = np.zeros((3, 1), np.int64)
+    wts = np.zeros(1, np.float32)
+    y = np.zeros((1, 2), np.float32)
+    ready = np.full(1, -1, np.int64)
+    done = np.zeros(1, np.uint8)
+    for epoch in (1, 2):     # the one-worker entries, then the pieces the pool path calls
+        dispatch_begin(bases, dlay, 0, epoch, idx, 2, 0, counts, elems, got, 1)
+        dispatch_rows(bases, dlay, 0, epoch, 0, elems, counts, 2, idx, w, pos, tpe, ints, wts,
+                      x.ctypes.data, 8, 1)
+        done[:] = 0
+        combine_begin(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
+                      8 * (epoch - 1), idx, w, True, pos, 2, 8, 4, ELEM_F32,
+                      np.zeros(1, np.float32), ready, done, y, np.zeros((epoch - 1, 2), np.uint16),
+                      1)
+    got[:] = 0
+    publish_counts(base, dlay, 3, idx, 2, 0)
+    gather_counts(bases, dlay, 3, counts, elems, got, 1)
+    n = place_rows(counts, 0, 2, idx, pos, tpe, ints[0])
+    send_rows_direct(bases, dlay, 3, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
+    recv_meta(base, dlay, 3, 0, n, ints[1], ints[2], wts, 1)
     copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
-    publish_ready(base, dlay, 1, 2, int(dlay[D_RECV_OFF]))
-    reduce_direct(bases, dlay, 1, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
+    publish_ready(base, dlay, 3, 2, int(dlay[D_RECV_OFF]))
+    reduce_direct(bases, dlay, 3, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
                   np.zeros(1, np.float32), 0, 1, np.full(1, -1, np.int64),
-                  np.zeros(1, np.uint8), np.zeros((1, 2), np.float32), 1)
+                  np.zeros(1, np.uint8), y, np.zeros((0, 2), np.uint16), 1)
     del mem
