@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ubep.stats import Stats
@@ -30,6 +31,10 @@ class DispatchHandle:
     recv_src_token: torch.Tensor    # [N] int64
     recv_src_slot: torch.Tensor     # [N] int64
     state: Any = field(default=None, repr=False)
+
+    def __getattr__(self, name: str):
+        """Row origins left as numpy by `new_handle` become tensors on first read."""
+        return _made_on_read(self, name, _from_origins)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +63,11 @@ class DispatchResult:
     handle: DispatchHandle
     stats: Stats | None = None
 
+    def __getattr__(self, name: str):
+        """`recv_weights` and the row origins left out by `new_dispatch_result` are made on
+        first read (the origins are the handle's tensors, as with the constructor)."""
+        return _made_on_read(self, name, _from_weights_or_handle)
+
 
 @dataclass(frozen=True, eq=False)
 class CombineResult:
@@ -68,10 +78,37 @@ class CombineResult:
 
 
 # -- fast constructors for hot paths -------------------------------------------------------------
-# A frozen dataclass's __init__ sets each field through object.__setattr__ (~0.3 µs a field
-# on a slow host). These fill the instance dict directly: the same objects, still frozen to
-# their users, at a third of the cost. Every field must be given.
+# A frozen dataclass's __init__ sets each field through object.__setattr__ (~0.3 µs a field on a
+# slow host) and each tensor made from numpy costs ~1.5 µs. These fill the instance dict
+# directly (the objects stay frozen to their users) and leave the fields users rarely read
+# (row origins, per-row weights) as numpy arrays, made into tensors sharing that memory on
+# first read. Nothing else changes: same attributes, same values, same memory.
 _new = object.__new__
+_ORIGIN_ROWS = {"recv_src_rank": 0, "recv_src_token": 1, "recv_src_slot": 2}
+
+
+def _made_on_read(obj: object, name: str, make) -> Any:
+    """`make(instance dict, name)` stored as field `name`; AttributeError if it has none."""
+    d = obj.__dict__
+    value = make(d, name)
+    if value is None:
+        raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
+    d[name] = value
+    return value
+
+
+def _from_origins(d: dict, name: str) -> torch.Tensor | None:
+    row = _ORIGIN_ROWS.get(name)
+    origins = d.get("_origins")
+    return None if row is None or origins is None else torch.from_numpy(origins[row])
+
+
+def _from_weights_or_handle(d: dict, name: str) -> torch.Tensor | None:
+    if name == "recv_weights" and "_weights" in d:
+        return torch.from_numpy(d["_weights"])
+    if name in _ORIGIN_ROWS and "handle" in d:
+        return getattr(d["handle"], name)
+    return None
 
 
 def new_handle(buffer_id: int, call: int, num_tokens: int, num_recv: int, hidden: int,
@@ -96,6 +133,29 @@ def new_dispatch_result(recv_x: torch.Tensor, recv_weights: torch.Tensor,
     r.__dict__.update(recv_x=recv_x, recv_weights=recv_weights,
                       tokens_per_expert=tokens_per_expert, recv_src_rank=recv_src_rank,
                       recv_src_token=recv_src_token, recv_src_slot=recv_src_slot,
+                      handle=handle, stats=stats)
+    return r
+
+
+def new_handle_lazy(buffer_id: int, call: int, num_tokens: int, num_recv: int, hidden: int,
+                    topk_idx: torch.Tensor, topk_weights: torch.Tensor, origins: np.ndarray,
+                    state: Any) -> DispatchHandle:
+    """`new_handle` whose `recv_src_rank/token/slot` are the rows of `origins` (`[3, N]`
+    int64 numpy), made into tensors on first read."""
+    h = _new(DispatchHandle)
+    h.__dict__.update(buffer_id=buffer_id, call=call, num_tokens=num_tokens, num_recv=num_recv,
+                      hidden=hidden, topk_idx=topk_idx, topk_weights=topk_weights,
+                      _origins=origins, state=state)
+    return h
+
+
+def new_dispatch_result_lazy(recv_x: torch.Tensor, recv_weights: np.ndarray,
+                             tokens_per_expert: torch.Tensor, handle: DispatchHandle,
+                             stats: Stats | None) -> DispatchResult:
+    """`new_dispatch_result` whose `recv_weights` (float32 numpy here) and row origins (the
+    handle's) are made on first read."""
+    r = _new(DispatchResult)
+    r.__dict__.update(recv_x=recv_x, _weights=recv_weights, tokens_per_expert=tokens_per_expert,
                       handle=handle, stats=stats)
     return r
 

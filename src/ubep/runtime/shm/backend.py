@@ -34,8 +34,8 @@ from ubep.handle import (
     DispatchHandle,
     DispatchResult,
     new_combine_result,
-    new_dispatch_result,
-    new_handle,
+    new_dispatch_result_lazy,
+    new_handle_lazy,
 )
 from ubep.options import BufferConfig
 from ubep.plan.blocks import BlockFormat, sentinel_refusal
@@ -761,14 +761,17 @@ class ShmBackend:
         if code:
             self._check_peers_meta(meta, elem, what)
 
-    def _single_scratch(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(kernel results `res`, fp32 sums `[max_tokens * hidden]`, their address), made
-        on first use and kept: the one-worker path allocates nothing it can reuse."""
+    def _single_scratch(self) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+        """(kernel results `res`, fp32 sums `[max_tokens * hidden]`, their address, a
+        writable copy of the expert order), made on first use and kept: the one-worker path
+        allocates nothing it can reuse. (The plan's expert order may be read-only; the kernels
+        were warmed up for writable arrays, and Numba compiles per array flag.)"""
         sc = getattr(self, "_single", None)
         if sc is None:
             c = self.config
             y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)
-            sc = self._single = (np.zeros(4, np.int64), y, y.ctypes.data)
+            sc = self._single = (np.zeros(4, np.int64), y, y.ctypes.data,
+                                 np.array(self._expert_order, np.int64))
         return sc
 
     @staticmethod
@@ -831,9 +834,10 @@ class ShmBackend:
                          topk_weights: torch.Tensor, call: int, t0: float) -> DispatchResult:
         """One worker, in the calling thread: send and a first look at the counts in one
         kernel entry, then the outputs, then the rows. Tensors reach the kernels by address
-        (`data_ptr()`); the handle keeps them alive. Stats are built when first read."""
+        (`data_ptr()`); the handle keeps them alive. Stats, row origins and weights become
+        objects when first read."""
         c = self.config
-        res = self._single_scratch()[0]
+        res, _, _, order = self._single_scratch()
         num_tokens, hidden = x.shape
         top_k = topk_idx.shape[1]
         rb = hidden * x.element_size()
@@ -851,7 +855,7 @@ class ShmBackend:
         else:
             missing = K.dispatch_begin_at(self.bases, lay, self.rank, epoch, x.data_ptr(),
                                           num_tokens, rb, idx_addr, top_k, w_addr,
-                                          self._expert_order, self._static, elem,
+                                          order, self._static, elem,
                                           self._dc_corrupt, self._cs, self._bsp, rc, meta, got,
                                           out_start, tpe, batch, res)
         if missing:
@@ -878,15 +882,11 @@ class ShmBackend:
                    "dispatch/rows", lambda: self._missing_sources(rc, done, 0, n_recv),
                    lambda: self._dc_detail(batch), deadline=deadline)
         t3 = _now_us()
-        src_rank, src_tok, src_slot = (torch.from_numpy(ints[0]), torch.from_numpy(ints[1]),
-                                       torch.from_numpy(ints[2]))
-        handle = new_handle(self.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
-                            topk_weights, src_rank, src_tok, src_slot,
-                            (idx_addr, w_addr, top_k, ints))
+        handle = new_handle_lazy(self.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
+                                 topk_weights, ints, (idx_addr, w_addr, top_k, ints))
         stats = DeferredStats.of(self._single_dispatch_stats, c, self.fmt, self.rank,
                                  (t0, t1, t2, t3), n_sends, n_recv, rb, epoch)
-        return new_dispatch_result(recv_x, torch.from_numpy(wts), torch.from_numpy(tpe),
-                                   src_rank, src_tok, src_slot, handle, stats)
+        return new_dispatch_result_lazy(recv_x, wts, torch.from_numpy(tpe), handle, stats)
 
     def _dc_detail(self, batch: np.ndarray) -> str:
         bad = [s for s in range(self.world) if batch[s] == -1]
@@ -900,7 +900,7 @@ class ShmBackend:
         dtype = expert_out.dtype
         idx_addr, w_addr, top_k, ints = handle.state
         num_tokens, hidden, n_recv = handle.num_tokens, handle.hidden, handle.num_recv
-        res, y_scratch, y_addr = self._single_scratch()
+        res, y_scratch, y_addr, _ = self._single_scratch()
         elem, ecode, lut = self._single_combine_elem(dtype)
         es = expert_out.element_size()
         rb = hidden * es
