@@ -892,6 +892,16 @@ class ShmBackend:
         bad = [s for s in range(self.world) if batch[s] == -1]
         return f"dc checksum mismatch from rank(s) {bad}" if bad else ""
 
+    def _combine_missing(self, handle: DispatchHandle, done: np.ndarray) -> list[int]:
+        """The ranks a one-worker combine still waits for (rows of unfinished tokens, hellos)."""
+        el = int(self.lay[L_EL])
+        idx, batch, got = handle.topk_idx.numpy(), self._batch, self._got
+        want = {int(e) // el for t in range(handle.num_tokens) if not done[t]
+                for e in idx[t] if e >= 0}
+        if self.fmt.sync in ("sw", "dc"):
+            want = {r for r in want if batch[r] != 1}
+        return sorted(want | {s for s in range(self.world) if not got[s]})
+
     def _combine_single(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
                         t0: float) -> CombineResult:
         """One worker: rows back in one kernel entry, then sum (and round to bf16) in the
@@ -923,21 +933,12 @@ class ShmBackend:
             cast, out_addr = K.CAST_BF16, out.data_ptr()
         done = np.zeros(num_tokens, np.uint8)
         bsp, weighted = self._bsp, bool(weighted)
-
-        def peers() -> list[int]:
-            el = int(self.lay[L_EL])
-            idx = handle.topk_idx.numpy()
-            want = {int(e) // el for t in range(num_tokens) if not done[t]
-                    for e in idx[t] if e >= 0}
-            if self.fmt.sync in ("sw", "dc"):
-                want = {r for r in want if batch[r] != 1}
-            return sorted(want | {s for s in range(self.world) if not got[s]})
-
         self._wait(None, lambda s: K.combine_poll_at(base, lay, epoch, idx_addr, w_addr,
                                                      num_tokens, top_k, weighted, rb, es, ecode,
                                                      lut, hello, got, done, batch, y_addr,
                                                      hidden, s, bsp, elem, cast, out_addr, res),
-                   "combine/rows", peers, lambda: self._dc_detail(batch), deadline=deadline)
+                   "combine/rows", lambda: self._combine_missing(handle, done),
+                   lambda: self._dc_detail(batch), deadline=deadline)
         _, code, _, routed = res.tolist()
         if code:
             self._check_peers_meta(hello, elem, "combine")
