@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,16 +67,18 @@ def _dies_mid_dispatch(rank, world, job):
     from ubep.runtime.shm import kernels
     from ubep.runtime.shm.region import L_EL, L_WORLD
 
+    x, idx, w = _inputs(rank, num_tokens=8, top_k=4)
     with _buffer(timeout_s=20.0, workers=1) as buf:
         if rank == 1:
-            def die(bases, lay, me, epoch, x, idx, w, order, static, elem, corrupt, cs, bsp):
-                _, _, counts = kernels.plan_single(idx, order, static, lay[L_EL])
-                kernels.send_counts(bases, lay, me, epoch, counts, 1, elem, 0, 0, lay[L_WORLD])
+            def die(bases, lay, me, epoch, *rest):    # the one-worker send entry
+                order = np.arange(4, dtype=np.int64)
+                _, _, counts = kernels.plan_single(idx.numpy(), order, False, lay[L_EL])
+                kernels.send_counts(bases, lay, me, epoch, counts, 1, 0, 0, 0, lay[L_WORLD])
                 os.kill(os.getpid(), signal.SIGKILL)    # counts are out, the rows never come
-            kernels.dispatch_send_single = die
+            kernels.dispatch_begin_at = die
         t0 = time.monotonic()
         try:
-            buf.dispatch(*_inputs(rank, num_tokens=8, top_k=4))
+            buf.dispatch(x, idx, w)
         except ubep.PeerDiedError as e:
             return (e.rank, e.phase, e.peers, time.monotonic() - t0, _shm_entries(job))
     return "no error"

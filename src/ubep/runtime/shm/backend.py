@@ -92,12 +92,6 @@ def default_workers(local_ranks: int) -> int:
 _DTYPE_CODES = {d: i for i, d in enumerate(MOVABLE_DTYPES)}
 
 
-#: the compiled one-worker sender; `_dispatch_single` folds it with the first count poll into
-#: `K.dispatch_begin_at` unless the module attribute was replaced (see
-#: `_begin_through_replaced_send`)
-_SEND_SINGLE = K.dispatch_send_single
-
-
 def _dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES[dtype]
 
@@ -813,23 +807,6 @@ class ShmBackend:
         """(dtype code, element code, fp32 lookup table) of combine rows, once per dtype."""
         return (_DTYPE_CODES[dtype], *_combine_elem(dtype))
 
-    def _begin_through_replaced_send(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                                     topk_weights: torch.Tensor, epoch: int, elem: int,
-                                     tpe: np.ndarray) -> int:
-        """`K.dispatch_begin_at`, its send through a replaced `K.dispatch_send_single` (fault
-        injection: tests kill a rank there), which takes numpy views; same results."""
-        res = self._single_scratch()[0]
-        n = K.dispatch_send_single(self.bases, self.lay, self.rank, epoch,
-                                   x.view(torch.uint8).numpy(), topk_idx.numpy(),
-                                   topk_weights.numpy(), self._expert_order, self._static, elem,
-                                   self._dc_corrupt, self._cs, self._bsp)
-        res[K.RES_SENDS] = n
-        if n < 0:
-            return 0
-        self._got[:] = 0
-        return K.dispatch_counts_at(self.base, self.lay, epoch, self._rc, self._meta, self._got,
-                                    self._out_start, tpe, self._batch, elem, res, 1)
-
     def _dispatch_single(self, x: torch.Tensor, topk_idx: torch.Tensor,
                          topk_weights: torch.Tensor, call: int, t0: float) -> DispatchResult:
         """One worker, in the calling thread: send and a first look at the counts in one
@@ -849,15 +826,10 @@ class ShmBackend:
                                            self._batch)
         base, lay = self.base, self.lay
         tpe = np.empty(c.experts_per_rank, np.int64)
-        if K.dispatch_send_single is not _SEND_SINGLE:
-            missing = self._begin_through_replaced_send(x, topk_idx, topk_weights, epoch, elem,
-                                                        tpe)
-        else:
-            missing = K.dispatch_begin_at(self.bases, lay, self.rank, epoch, x.data_ptr(),
-                                          num_tokens, rb, idx_addr, top_k, w_addr,
-                                          order, self._static, elem,
-                                          self._dc_corrupt, self._cs, self._bsp, rc, meta, got,
-                                          out_start, tpe, batch, res)
+        missing = K.dispatch_begin_at(self.bases, lay, self.rank, epoch, x.data_ptr(),
+                                      num_tokens, rb, idx_addr, top_k, w_addr, order,
+                                      self._static, elem, self._dc_corrupt, self._cs, self._bsp,
+                                      rc, meta, got, out_start, tpe, batch, res)
         if missing:
             t1 = _now_us()
             self._wait(None, lambda s: K.dispatch_counts_at(base, lay, epoch, rc, meta, got,
