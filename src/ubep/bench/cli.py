@@ -60,6 +60,10 @@ def register(subparsers) -> None:
                    help="add the MPI peer (mpiexec) and use the peer sweep defaults")
     p.add_argument("--iters", type=int, default=100, help="timed iterations per point")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations per point")
+    p.add_argument("--block", type=int, default=20,
+                   help="iterations each system runs back to back per round (1: interleave "
+                        "every iteration, each call then starts on caches another system "
+                        "evicted)")
     p.add_argument("--routing", default="uniform", help="routing kind (ubep.testing)")
     p.add_argument("--workers", type=int, default=None, help="shm worker threads per rank")
     p.add_argument("--seed", type=int, default=0)
@@ -105,7 +109,8 @@ def _config_from_args(args) -> BenchConfig:
     return BenchConfig(ranks=tuple(ranks), hiddens=tuple(hiddens),
                        batches=tuple(args.tokens or PEERS_BATCHES), top_k=args.top_k,
                        experts=args.experts, dtype=args.dtype, systems=tuple(systems),
-                       iters=args.iters, warmup=args.warmup, routing=args.routing,
+                       iters=args.iters, warmup=args.warmup, block=args.block,
+                       routing=args.routing,
                        workers=args.workers, seed=args.seed)
 
 

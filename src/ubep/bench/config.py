@@ -44,6 +44,10 @@ class BenchConfig:
                                      metadata={"help": "systems to compare"})
     iters: int = field(default=100, metadata={"help": "timed iterations per point"})
     warmup: int = field(default=10, metadata={"help": "untimed iterations per point"})
+    block: int = field(default=20, metadata={
+        "help": "iterations a system runs back to back before the next one takes over (1 = "
+                "every iteration interleaves all systems: each call starts on caches the "
+                "previous system evicted)"})
     routing: str = field(default="uniform", metadata={"help": "routing kind (ubep.testing)"})
     workers: int | None = field(default=None, metadata={"help": "shm workers per rank"})
     seed: int = field(default=0, metadata={"help": "seed of tokens and routing"})
@@ -54,7 +58,7 @@ class BenchConfig:
         object.__setattr__(self, "hiddens", _ints("hiddens", self.hiddens))
         object.__setattr__(self, "batches", _ints("batches", self.batches))
         object.__setattr__(self, "systems", tuple(self.systems))
-        for name in ("top_k", "experts", "iters"):
+        for name in ("top_k", "experts", "iters", "block"):
             _ints(name, [getattr(self, name)])
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup={self.warmup!r} must be an int >= 0")

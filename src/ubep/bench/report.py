@@ -27,6 +27,13 @@ def _us(v: float | None) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
+def _blocks(cfg) -> str:
+    """How the systems took turns (see `runner._timed_loop`)."""
+    block = getattr(cfg, "block", 1)
+    return ("systems interleaved every iteration" if block == 1 else
+            f"systems in turns of {block} back-to-back iterations")
+
+
 def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}×"
 
@@ -40,7 +47,7 @@ def tables(res: BenchResult) -> list[Table]:
     for world, hidden in points:
         t = Table(title=f"P={world} ranks, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, "
                         f"{cfg.experts} experts, {cfg.routing} routing — µs, median / p99 "
-                        f"over {cfg.iters} iterations (max over ranks)",
+                        f"over {cfg.iters} iterations (max over ranks), {_blocks(cfg)}",
                   title_justify="left")
         for col in ("batch", "system", "dispatch", "combine", "dispatch+combine",
                     "× ubep", "× bound"):
@@ -99,7 +106,8 @@ def markdown(res: BenchResult) -> str:
     lines = []
     for world, hidden in sorted({(r["ranks"], r["hidden"]) for r in res.rows}):
         lines += [f"**P={world}, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, {cfg.experts} "
-                  f"experts** — µs, median / p99 of {cfg.iters} iterations (max over ranks)", "",
+                  f"experts** — µs, median / p99 of {cfg.iters} iterations (max over ranks), "
+                  f"{_blocks(cfg)}", "",
                   "| batch | system | dispatch | combine | dispatch+combine | × ubep | × bound |",
                   "|---:|:---|---:|---:|---:|---:|---:|"]
         batches = sorted({r["batch"] for r in res.rows if (r["ranks"], r["hidden"]) ==

@@ -141,30 +141,38 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
 
 
 def _timed_loop(cfg, order, sync, times, phases, perf) -> None:
-    """`warmup + iters` iterations; each runs every system once, in a shuffled order.
+    """`warmup` untimed iterations of every system, then `iters` timed ones, in blocks.
 
-    The order is a seeded shuffle per iteration, the same on every rank (they must call the
-    same system together). A fixed rotation would give every system the same predecessor in
-    almost every iteration (and with it the same cache and scheduler state), a bias that
-    does not average out.
+    In each round every system runs `cfg.block` iterations back to back (the way a decode
+    loop calls one layer's dispatch again and again), the systems in a seeded shuffled order,
+    the same on every rank (they must call the same system together); drift between rounds
+    hits every system alike. A fixed rotation would give every system the same predecessor
+    every round, a bias that does not average out. `block=1` interleaves every iteration:
+    then each call starts with the caches (and, on a VM, the core) that the previous system
+    left, which costs a short call more than it costs a long one.
     """
     rng = random.Random(cfg.seed * 7919 + len(order))
-    for it in range(cfg.warmup + cfg.iters):
-        shuffled = list(order)
+    done = {s.name: -cfg.warmup for s in order}     # < 0: warm-up iterations still to run
+    while any(v < cfg.iters for v in done.values()):
+        shuffled = [s for s in order if done[s.name] < cfg.iters]
         rng.shuffle(shuffled)
         for s in shuffled:
-            sync.barrier()
-            t0 = perf()
-            s.dispatch()
-            t1 = perf()
-            sync.barrier()
-            t2 = perf()
-            s.combine()
-            t3 = perf()
-            if it >= cfg.warmup:
-                times[s.name][:, it - cfg.warmup] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
-                if s.name in phases:  # after the timed region
-                    phases[s.name].append(s.phases())
+            n = cfg.block if done[s.name] >= 0 else -done[s.name]
+            for _ in range(min(n, cfg.iters - done[s.name])):
+                sync.barrier()
+                t0 = perf()
+                s.dispatch()
+                t1 = perf()
+                sync.barrier()
+                t2 = perf()
+                s.combine()
+                t3 = perf()
+                it = done[s.name]
+                done[s.name] += 1
+                if it >= 0:
+                    times[s.name][:, it] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+                    if s.name in phases:  # after the timed region
+                        phases[s.name].append(s.phases())
 
 
 # -- the mpiexec launcher ---------------------------------------------------------------------
