@@ -275,6 +275,25 @@ class Case:
         return x, idx, w
 
 
+def runtime_cases(world: int) -> list[Case]:
+    """The scenarios every executor is checked on at `world` ranks: each dtype, uniform,
+    skewed, all-to-one and partial routing, a rank with no tokens, all ranks with none, an
+    unweighted combine. Rows of 37 elements (37-148 bytes: not multiples of 8)."""
+    e, h = 4 * world, 37
+    return [
+        Case(num_experts=e, hidden=h, top_k=2, tokens=(3,) * world),
+        Case(num_experts=e, hidden=h, top_k=3, tokens=(5,) + (0,) * (world - 1), dtype="fp32"),
+        Case(num_experts=e, hidden=h, top_k=4, tokens=tuple(range(7, 7 + world)),
+             routing="skewed", dtype="fp16", seed=2),
+        Case(num_experts=e, hidden=h, top_k=2, tokens=(16,) * world, routing="one_expert", seed=3),
+        Case(num_experts=e, hidden=h, top_k=3, tokens=(6,) * world, routing="partial",
+             dtype="int8", seed=4),
+        Case(num_experts=e, hidden=h, top_k=3, tokens=(6,) * world, dtype="fp8", seed=5,
+             weighted=False),
+        Case(num_experts=e, hidden=h, top_k=2, tokens=(0,) * world, seed=6),
+    ]
+
+
 def expert_fn(recv_x):
     """The stand-in expert of the tests: a deterministic function of the row, floating out."""
     import torch

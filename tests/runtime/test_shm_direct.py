@@ -9,23 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ubep.testing import Case, check_case, expert_fn, run_case, run_ranks
-
-
-def _cases(world: int) -> list[Case]:
-    e, h = 4 * world, 37
-    return [
-        Case(num_experts=e, hidden=h, top_k=2, tokens=(3,) * world),
-        Case(num_experts=e, hidden=h, top_k=3, tokens=(5,) + (0,) * (world - 1), dtype="fp32"),
-        Case(num_experts=e, hidden=h, top_k=4, tokens=tuple(range(7, 7 + world)),
-             routing="skewed", dtype="fp16", seed=2),
-        Case(num_experts=e, hidden=h, top_k=2, tokens=(16,) * world, routing="one_expert", seed=3),
-        Case(num_experts=e, hidden=h, top_k=3, tokens=(6,) * world, routing="partial",
-             dtype="int8", seed=4),
-        Case(num_experts=e, hidden=h, top_k=3, tokens=(6,) * world, dtype="fp8", seed=5,
-             weighted=False),
-        Case(num_experts=e, hidden=h, top_k=2, tokens=(0,) * world, seed=6),
-    ]
+from ubep.testing import Case, check_case, expert_fn, run_case, run_ranks, runtime_cases
 
 
 def _run(rank, world, workers, cases):
@@ -42,7 +26,7 @@ def _run(rank, world, workers, cases):
 
 @pytest.mark.parametrize("world,workers", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 3)])
 def test_direct_matches_oracle(world, workers):
-    cases = _cases(world)
+    cases = runtime_cases(world)
     outs = run_ranks(_run, world, workers, cases, timeout_s=240)
     for k, case in enumerate(cases):
         check_case(case, [outs[r][k] for r in range(world)])
@@ -76,7 +60,7 @@ def _zero_copy(rank, world, cases):
 
 def test_direct_zero_copy_combine_inputs():
     world = 2
-    cases = [c for c in _cases(world) if c.dtype in ("bf16", "fp16", "fp32")]
+    cases = [c for c in runtime_cases(world) if c.dtype in ("bf16", "fp16", "fp32")]
     outs = run_ranks(_zero_copy, world, cases, timeout_s=240)
     from ubep import reference
 

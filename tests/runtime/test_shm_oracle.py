@@ -10,25 +10,9 @@ import itertools
 
 import pytest
 
-from ubep.testing import Case, check_case, run_case, run_ranks
+from ubep.testing import Case, check_case, run_case, run_ranks, runtime_cases
 
 SP_DTYPES = ("bf16", "fp16", "fp32")
-
-
-def _cases(world: int) -> list[Case]:
-    e, h = 4 * world, 37   # odd: rows of 37-148 bytes, not multiples of 8
-    return [
-        Case(num_experts=e, hidden=h, top_k=2, tokens=(3,) * world),
-        Case(num_experts=e, hidden=h, top_k=3, tokens=(5,) + (0,) * (world - 1), dtype="fp32"),
-        Case(num_experts=e, hidden=h, top_k=4, tokens=tuple(range(7, 7 + world)),
-             routing="skewed", dtype="fp16", seed=2),
-        Case(num_experts=e, hidden=h, top_k=2, tokens=(16,) * world, routing="one_expert", seed=3),
-        Case(num_experts=e, hidden=h, top_k=3, tokens=(6,) * world, routing="partial",
-             dtype="int8", seed=4),
-        Case(num_experts=e, hidden=h, top_k=3, tokens=(6,) * world, dtype="fp8", seed=5,
-             weighted=False),
-        Case(num_experts=e, hidden=h, top_k=2, tokens=(0,) * world, seed=6),
-    ]
 
 
 def _usable(case: Case, sync: str) -> bool:
@@ -72,18 +56,18 @@ def _configs(modes, syncs, workers, blocks):
 
 def test_two_ranks_every_variant_mode_workers_and_block_size():
     _check_all(2, _configs(("ubep", "bsp"), ("sw", "tff", "dc", "sp"), (1, 2), (512, 64)),
-               _cases(2))
+               runtime_cases(2))
 
 
 def test_three_ranks_three_workers():
     configs = _configs(("ubep", "bsp"), ("tff", "dc"), (1, 3), (128,))
     configs.append(dict(mode="ubep", sync="sp", workers=3, block_bytes=128, count_workers=2))
-    _check_all(3, configs, _cases(3))
+    _check_all(3, configs, runtime_cases(3))
 
 
 @pytest.mark.slow
 def test_four_ranks():
-    _check_all(4, _configs(("ubep", "bsp"), ("sw", "tff", "sp"), (1, 2), (512,)), _cases(4))
+    _check_all(4, _configs(("ubep", "bsp"), ("sw", "tff", "sp"), (1, 2), (512,)), runtime_cases(4))
 
 
 def _schedules(rank, world, cases):

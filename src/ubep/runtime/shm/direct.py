@@ -206,17 +206,22 @@ class DirectPath:
         t0, t1, t2 = ts
         n_sent = int(np.count_nonzero(idx >= 0))
         r = self.b.rank
-        intervals = [Interval(r, 0, "counts", t0, t1, "wait")]
-        if ivs is None:
-            intervals.append(Interval(r, 0, "send_recv", t1, t2))
-        else:
-            intervals += [Interval(r, j, *iv) for j, ivj in enumerate(ivs) for iv in ivj]
+        intervals = self._intervals(Interval(r, 0, "counts", t0, t1, "wait"), "send_recv", t2,
+                                    ivs)
         return Stats(op="dispatch", backend="shm", mode="ubep", sync="row-flag",
                      schedule="static", rank=r, total_us=t2 - t0,
                      phases_us={"counts": t1 - t0, "send_recv": t2 - t1}, intervals=intervals,
                      bytes_sent=n_sent * (rb + 16), bytes_recv=n_recv * (rb + 16),
                      payload_efficiency=rb / (rb + 16),
                      extra={"epoch": epoch, "workers": self.b.workers, "direct": True})
+
+    def _intervals(self, first: Interval, rest: str, end: float, ivs) -> list[Interval]:
+        """`first`, then the workers' intervals of the pool path (`ivs`), or one interval
+        `rest` up to `end` on the one-worker path."""
+        if ivs is None:
+            return [first, Interval(first.rank, 0, rest, first.end_us, end)]
+        return [first, *(Interval(first.rank, j, *iv) for j, ivj in enumerate(ivs)
+                         for iv in ivj)]
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
@@ -326,11 +331,7 @@ class DirectPath:
         n_recv = int(np.count_nonzero(idx >= 0))
         r = self.b.rank
         first = "copy_in" if copied else "publish"
-        intervals = [Interval(r, 0, first, t0, t1)]
-        if ivs is None:
-            intervals.append(Interval(r, 0, "reduce", t1, t2))
-        else:
-            intervals += [Interval(r, j, *iv) for j, ivj in enumerate(ivs) for iv in ivj]
+        intervals = self._intervals(Interval(r, 0, first, t0, t1), "reduce", t2, ivs)
         return Stats(op="combine", backend="shm", mode="ubep", sync="row-flag",
                      schedule="static", rank=r, total_us=t2 - t0,
                      phases_us={first: t1 - t0, "reduce": t2 - t1}, intervals=intervals,
