@@ -112,35 +112,9 @@ def _from_weights_or_handle(d: dict, name: str) -> torch.Tensor | None:
 
 
 def new_handle(buffer_id: int, call: int, num_tokens: int, num_recv: int, hidden: int,
-               topk_idx: torch.Tensor, topk_weights: torch.Tensor, recv_src_rank: torch.Tensor,
-               recv_src_token: torch.Tensor, recv_src_slot: torch.Tensor,
+               topk_idx: torch.Tensor, topk_weights: torch.Tensor, origins: np.ndarray,
                state: Any) -> DispatchHandle:
-    """`DispatchHandle(...)` with every field, positional, without the per-field setattr."""
-    h = _new(DispatchHandle)
-    h.__dict__.update(buffer_id=buffer_id, call=call, num_tokens=num_tokens, num_recv=num_recv,
-                      hidden=hidden, topk_idx=topk_idx, topk_weights=topk_weights,
-                      recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
-                      recv_src_slot=recv_src_slot, state=state)
-    return h
-
-
-def new_dispatch_result(recv_x: torch.Tensor, recv_weights: torch.Tensor,
-                        tokens_per_expert: torch.Tensor, recv_src_rank: torch.Tensor,
-                        recv_src_token: torch.Tensor, recv_src_slot: torch.Tensor,
-                        handle: DispatchHandle, stats: Stats | None) -> DispatchResult:
-    """`DispatchResult(...)` with every field, positional, without the per-field setattr."""
-    r = _new(DispatchResult)
-    r.__dict__.update(recv_x=recv_x, recv_weights=recv_weights,
-                      tokens_per_expert=tokens_per_expert, recv_src_rank=recv_src_rank,
-                      recv_src_token=recv_src_token, recv_src_slot=recv_src_slot,
-                      handle=handle, stats=stats)
-    return r
-
-
-def new_handle_lazy(buffer_id: int, call: int, num_tokens: int, num_recv: int, hidden: int,
-                    topk_idx: torch.Tensor, topk_weights: torch.Tensor, origins: np.ndarray,
-                    state: Any) -> DispatchHandle:
-    """`new_handle` whose `recv_src_rank/token/slot` are the rows of `origins` (`[3, N]`
+    """A `DispatchHandle` whose `recv_src_rank/token/slot` are the rows of `origins` (`[3, N]`
     int64 numpy), made into tensors on first read."""
     h = _new(DispatchHandle)
     h.__dict__.update(buffer_id=buffer_id, call=call, num_tokens=num_tokens, num_recv=num_recv,
@@ -149,11 +123,11 @@ def new_handle_lazy(buffer_id: int, call: int, num_tokens: int, num_recv: int, h
     return h
 
 
-def new_dispatch_result_lazy(recv_x: torch.Tensor, recv_weights: np.ndarray,
-                             tokens_per_expert: torch.Tensor, handle: DispatchHandle,
-                             stats: Stats | None) -> DispatchResult:
-    """`new_dispatch_result` whose `recv_weights` (float32 numpy here) and row origins (the
-    handle's) are made on first read."""
+def new_dispatch_result(recv_x: torch.Tensor, recv_weights: np.ndarray,
+                        tokens_per_expert: torch.Tensor, handle: DispatchHandle,
+                        stats: Stats | None) -> DispatchResult:
+    """A `DispatchResult` whose `recv_weights` (float32 numpy here) and row origins (the
+    handle's) are made into tensors on first read."""
     r = _new(DispatchResult)
     r.__dict__.update(recv_x=recv_x, _weights=recv_weights, tokens_per_expert=tokens_per_expert,
                       handle=handle, stats=stats)

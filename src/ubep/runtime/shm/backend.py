@@ -34,8 +34,8 @@ from ubep.handle import (
     DispatchHandle,
     DispatchResult,
     new_combine_result,
-    new_dispatch_result_lazy,
-    new_handle_lazy,
+    new_dispatch_result,
+    new_handle,
 )
 from ubep.options import BufferConfig
 from ubep.plan.blocks import BlockFormat, sentinel_refusal
@@ -854,11 +854,11 @@ class ShmBackend:
                    "dispatch/rows", lambda: self._missing_sources(rc, done, 0, n_recv),
                    lambda: self._dc_detail(batch), deadline=deadline)
         t3 = _now_us()
-        handle = new_handle_lazy(self.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
-                                 topk_weights, ints, (idx_addr, w_addr, top_k, ints))
+        handle = new_handle(self.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
+                            topk_weights, ints, (idx_addr, w_addr, top_k, ints))
         stats = DeferredStats.of(self._single_dispatch_stats, c, self.fmt, self.rank,
                                  (t0, t1, t2, t3), n_sends, n_recv, rb, epoch)
-        return new_dispatch_result_lazy(recv_x, wts, torch.from_numpy(tpe), handle, stats)
+        return new_dispatch_result(recv_x, wts, torch.from_numpy(tpe), handle, stats)
 
     def _dc_detail(self, batch: np.ndarray) -> str:
         bad = [s for s in range(self.world) if batch[s] == -1]

@@ -34,8 +34,8 @@ from ubep.handle import (
     DispatchHandle,
     DispatchResult,
     new_combine_result,
-    new_dispatch_result_lazy,
-    new_handle_lazy,
+    new_dispatch_result,
+    new_handle,
 )
 from ubep.runtime.shm import direct_kernels as DK
 from ubep.runtime.shm.region import D_AREA, D_COMB_OFF, D_MAXR, D_META_OFF, D_RECV_OFF
@@ -156,11 +156,11 @@ class DirectPath:
                                               deadline)
         self._last_call, self._last_dtype = call, x.dtype
         t2 = _now_us()
-        handle = new_handle_lazy(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx,
-                                 topk_weights, ints[:, :n_recv], (idx, w, pos, epoch))
+        handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
+                            ints[:, :n_recv], (idx, w, pos, epoch))
         stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, idx, n_recv, rb, epoch)
-        return new_dispatch_result_lazy(self._view("recv", n_recv, x.dtype), wts[:n_recv],
-                                        torch.from_numpy(tpe), handle, stats)
+        return new_dispatch_result(self._view("recv", n_recv, x.dtype), wts[:n_recv],
+                                   torch.from_numpy(tpe), handle, stats)
 
     def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, deadline):
         """`workers` > 1: the workers send a token range each, then wait for a row range."""
