@@ -4,14 +4,14 @@ and the checker finds the bug in each weakened or broken variant."""
 import pytest
 
 from ubep.verify import MODELS, check, check_all, variants
-from ubep.verify.protocols import dc, sp, sw, tff
+from ubep.verify.protocols import dc, direct, sp, sw, tff
 
-RUNTIME_VARIANTS = ("sw", "tff", "dc", "sp")
+RUNTIME_VARIANTS = ("sw", "tff", "dc", "sp", "direct")
 
 
 @pytest.mark.parametrize("repeat", [False, True], ids=["distinct", "repeat"])
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("make", [sw, tff, dc, sp], ids=RUNTIME_VARIANTS)
+@pytest.mark.parametrize("make", [sw, tff, dc, sp, direct], ids=RUNTIME_VARIANTS)
 @pytest.mark.parametrize("shape", [(2, 2), (3, 2), (2, 3)], ids=["2b2e", "3b2e", "2b3e"])
 def test_runtime_variants_are_correct_everywhere(make, model, repeat, shape):
     blocks, epochs = shape

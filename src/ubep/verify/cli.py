@@ -30,7 +30,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> None:
     """Add `ubep verify` to the `ubep` command line."""
-    ap = subparsers.add_parser("verify", help="model-check the sync variants (sw/tff/dc/sp)",
+    ap = subparsers.add_parser("verify",
+                               help="model-check the sync variants (sw/tff/dc/sp, direct)",
                                description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)

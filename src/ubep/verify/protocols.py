@@ -211,11 +211,45 @@ def sp(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool 
     return Protocol(name, what, s, r, {**words, "ack": 0}, claimed)
 
 
+# -- direct: the row, then its meta word (weight | epoch) as the flag, release store -----------
+
+def direct(blocks: int = 2, epochs: int = 2, repeat: bool = False, *, release: bool = True,
+           flag_first: bool = False) -> Protocol:
+    """`Buffer(direct=True)`: each row (a "block" here) is copied to its final place, then its
+    meta word (the weight's bits | epoch) is release-stored; the reader acquire-polls that
+    word, then reads the row. Two separate stores per row (the row is not inside a block)."""
+    def send(e):
+        out: list[Instr] = []
+        for b in range(blocks):
+            row, meta = (f"b{b}.0", _value(e, b, 0, repeat)), (f"b{b}.1", e)
+            pair = [Store((row,), e), Store((meta,), e, release)]
+            out += pair[::-1] if flag_first else pair
+        return out
+
+    def recv(e, _pc):
+        out: list[Instr] = []
+        for b in range(blocks):
+            out += [Await(f"b{b}.1", "eq", e, "f"), Load(f"b{b}.0", "p"),
+                    Deliver(b, e, ("p", "f"))]
+        return out
+
+    s, r = _two_sided(send, recv, epochs)
+    name, claimed, what = "direct", ALL, "row at its final place, then its meta word, release"
+    if flag_first:
+        name, claimed, what = ("direct_flag_first", (),
+                               "BROKEN: meta word stored before the row")
+    elif not release:
+        name, claimed, what = ("direct_plain", ORDERED,
+                               "meta word a plain store after the row (no release)")
+    return Protocol(name, what, s, r, {**_words(blocks), "ack": 0}, claimed)
+
+
 def variants(blocks: int = 2, epochs: int = 2, repeat: bool = False) -> list[Protocol]:
     """The four variants as the runtime builds them, then weaker and broken ones."""
     kw = {"blocks": blocks, "epochs": epochs, "repeat": repeat}
     return [
-        sw(**kw), tff(**kw), dc(**kw), sp(**kw),
+        sw(**kw), tff(**kw), dc(**kw), sp(**kw), direct(**kw),
+        direct(**kw, release=False), direct(**kw, flag_first=True),
         sw(**kw, release=False), tff(**kw, release=False), dc(**kw, release=False),
         sp(**kw, release=False), sp(**kw, ack_release=False),
         tff(**kw, acquire=False), sp(**kw, acquire=False),
