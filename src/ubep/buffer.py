@@ -60,7 +60,8 @@ class Buffer:
             valid until its next dispatch, and only the latest dispatch can be combined; write
             expert outputs into `get_combine_buffer(handle)` (or pass `recv_x` itself) and
             combine copies nothing. Rows carry a per-row flag word, so `sync` must be "tff"
-            (the default) or "sw". Shared memory per rank: two areas of world x
+            (the default) or "sw"; workers split the tokens evenly, in order (`schedule`
+            does not apply; stats report "static"). Shared memory per rank: two areas of world x
             max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4 bytes.
 
     Attributes:
