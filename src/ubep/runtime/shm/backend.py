@@ -751,10 +751,6 @@ class ShmBackend:
             f"marker position; sync='sp' cannot send it (the receiver would wait forever): "
             f"use sync='tff'")
 
-    def _meta_error(self, code: int, meta: np.ndarray, elem: int, what: str) -> None:
-        if code:
-            self._check_peers_meta(meta, elem, what)
-
     def _single_scratch(self) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
         """(kernel results `res`, fp32 sums `[max_tokens * hidden]`, their address, a
         writable copy of the expert order), made on first use and kept: the one-worker path
