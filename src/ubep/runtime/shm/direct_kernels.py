@@ -18,7 +18,7 @@ from ubep.runtime.shm.atomics import (
     load_acquire,
     store_release,
 )
-from ubep.runtime.shm.kernels import _accumulate, _copy_bytes, _jit, f32_to_bf16
+from ubep.runtime.shm.kernels import _accumulate, _copy_bytes, _jit, f32_to_bf16, poll_slots
 from ubep.runtime.shm.region import (
     D_COMB_OFF,
     D_COUNTS_OFF,
@@ -60,29 +60,13 @@ def publish_counts(base, dlay, epoch, idx, num_experts, elem):
 
 @_jit
 def gather_counts(bases, dlay, epoch, counts, elems, got, spins):
-    """Read every rank's count slot of `epoch` into `counts` `[world, E]`; return how many lack."""
-    world, e_n = counts.shape
+    """Read every rank's count slot of `epoch` into `counts` `[world, E]` and `elems`
+    `[world]` (dtype codes); return how many ranks lack."""
+    world = counts.shape[0]
     cw = dlay[D_CW]
-    par = epoch & 1
-    missing = 0
-    for _ in range(max(spins, 1)):
-        missing = 0
-        for s in range(world):
-            if got[s]:
-                continue
-            slot = bases[s] + dlay[D_COUNTS_OFF] + par * cw * 8
-            if load_acquire(slot + (cw - 1) * 8) == epoch:
-                w = carray(i64_ptr(slot), cw)
-                for e in range(e_n):
-                    counts[s, e] = w[e]
-                elems[s] = w[e_n + DC_ELEM]
-                got[s] = 1
-            else:
-                missing += 1
-        if missing == 0:
-            return 0
-        cpu_pause()
-    return missing
+    addrs = bases + dlay[D_COUNTS_OFF] + (epoch & 1) * cw * 8
+    return poll_slots(addrs, 0, world, cw - 1, epoch, counts, elems.reshape((world, 1)), got,
+                      spins)
 
 
 @_jit

@@ -318,27 +318,24 @@ def write_batch_flags(bases, lay, combine, me, epoch, j, cs, corrupt):
 
 
 @_jit
-def poll_counts(base, lay, epoch, s_lo, s_hi, counts, meta, got, spins):
-    """Collect the count slots of sources [s_lo, s_hi) that hold `epoch`; return how many lack.
-
-    `counts` `[world, E/P]` and `meta` `[world, 3]` (token workers, dtype, status) receive
-    the slots; `got[s]` marks sources already read.
+def poll_slots(addrs, s_lo, s_hi, last, epoch, head, tail, got, spins):
+    """Collect the slots `addrs[s]` of ranks [s_lo, s_hi) whose word `last` holds `epoch`:
+    their first `head.shape[1]` words into `head[s]`, the next `tail.shape[1]` into
+    `tail[s]`; `got[s]` marks ranks read. Spins at most `spins` rounds; returns how many lack.
     """
-    world, el, cw = lay[L_WORLD], lay[L_EL], lay[L_CW]
-    par = epoch & 1
+    nh, nt = head.shape[1], tail.shape[1]
     missing = 0
     for _ in range(max(spins, 1)):
         missing = 0
         for s in range(s_lo, s_hi):
             if got[s]:
                 continue
-            slot = base + lay[L_COUNT_OFF] + (par * world + s) * cw * 8
-            if load_acquire(slot + (cw - 1) * 8) == epoch:
-                w = carray(i64_ptr(slot), cw)
-                for i in range(el):
-                    counts[s, i] = w[i]
-                for i in range(3):
-                    meta[s, i] = w[el + i]
+            if load_acquire(addrs[s] + last * 8) == epoch:
+                w = carray(i64_ptr(addrs[s]), nh + nt)
+                for i in range(nh):
+                    head[s, i] = w[i]
+                for i in range(nt):
+                    tail[s, i] = w[nh + i]
                 got[s] = 1
             else:
                 missing += 1
@@ -346,6 +343,18 @@ def poll_counts(base, lay, epoch, s_lo, s_hi, counts, meta, got, spins):
             return 0
         cpu_pause()
     return missing
+
+
+@_jit
+def poll_counts(base, lay, epoch, s_lo, s_hi, counts, meta, got, spins):
+    """Collect the count slots of sources [s_lo, s_hi) that hold `epoch`; return how many lack.
+
+    `counts` `[world, E/P]` and `meta` `[world, 3]` (token workers, dtype, status) receive
+    the slots; `got[s]` marks sources already read.
+    """
+    world, cw = lay[L_WORLD], lay[L_CW]
+    addrs = base + lay[L_COUNT_OFF] + ((epoch & 1) * world + np.arange(world)) * cw * 8
+    return poll_slots(addrs, s_lo, s_hi, cw - 1, epoch, counts, meta, got, spins)
 
 
 @_jit
@@ -476,26 +485,10 @@ def send_hello(bases, lay, me, epoch, n_tw, elem, status):
 
 @_jit
 def poll_hello(base, lay, epoch, meta, got, spins):
+    """Collect the combine hellos of `epoch` into `meta` `[world, 3]`; return how many lack."""
     world = lay[L_WORLD]
-    par = epoch & 1
-    missing = 0
-    for _ in range(max(spins, 1)):
-        missing = 0
-        for s in range(world):
-            if got[s]:
-                continue
-            slot = base + lay[L_HELLO_OFF] + (par * world + s) * 64
-            if load_acquire(slot + 56) == epoch:
-                w = carray(i64_ptr(slot), 8)
-                for i in range(3):
-                    meta[s, i] = w[i]
-                got[s] = 1
-            else:
-                missing += 1
-        if missing == 0:
-            return 0
-        cpu_pause()
-    return missing
+    addrs = base + lay[L_HELLO_OFF] + ((epoch & 1) * world + np.arange(world)) * 64
+    return poll_slots(addrs, 0, world, 7, epoch, meta, meta[:, :0], got, spins)
 
 
 @_jit
