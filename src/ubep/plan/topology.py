@@ -28,7 +28,7 @@ PRESETS = ("cm384", "nvl72", "nvl576", "ib-cluster", "host")
 _TOP_KEYS = {
     "name": "str", "description": "str", "num_ranks": "int", "workers_per_rank": "int",
     "atomic_block_bytes": "int", "flag_bytes": "int", "local_latency_ns": "float",
-    "local_bandwidth_GBps": "float", "tiers": "list",
+    "local_bandwidth_GBps": "float", "tiers": "list", "staging_rows": "int",
 }
 _TOP_REQUIRED = ("name", "num_ranks", "workers_per_rank", "atomic_block_bytes", "flag_bytes",
                  "local_latency_ns", "local_bandwidth_GBps", "tiers")
@@ -68,6 +68,11 @@ class Topology:
         flag_bytes: size of the token-flag-fusion flag field inside a block (cm384 32, host 8).
         tiers: `Tier`s, innermost first; the last one joins every rank.
         local_latency_ns, local_bandwidth_GBps: hop class 0, a store into the rank's own memory.
+        staging_rows: rows one worker keeps in flight (its staging buffers): a row is copied
+            into a buffer slot, stored to its destination, and the slot is free again once
+            the store completed (hop latency plus serialization). cm384: 2, the CANN dispatch
+            kernel's double-buffered unified buffer. A property of the kernel on that
+            hardware, not a fitted constant (the simulator reads it).
     """
 
     name: str
@@ -79,6 +84,7 @@ class Topology:
     local_latency_ns: float
     local_bandwidth_GBps: float
     description: str = field(default="", compare=False)
+    staging_rows: int = 2
 
     def __post_init__(self) -> None:
         _check_topology(self, where=f"topology {self.name!r}")
@@ -242,6 +248,8 @@ class Topology:
             tiers=tuple(tiers),
             local_latency_ns=_typed(data, "local_latency_ns", "float", where),
             local_bandwidth_GBps=_typed(data, "local_bandwidth_GBps", "float", where),
+            staging_rows=_typed(data, "staging_rows", "int", where) if "staging_rows" in data
+            else 2,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,6 +260,7 @@ class Topology:
             "atomic_block_bytes": self.atomic_block_bytes, "flag_bytes": self.flag_bytes,
             "local_latency_ns": self.local_latency_ns,
             "local_bandwidth_GBps": self.local_bandwidth_GBps,
+            "staging_rows": self.staging_rows,
             "tiers": [{"name": t.name, "ranks_per_group": t.ranks_per_group,
                        "latency_ns": t.latency_ns, "bandwidth_GBps": t.bandwidth_GBps}
                       for t in self.tiers],
@@ -362,6 +371,7 @@ def _check_topology(t: Topology, where: str) -> None:
     _check_int("workers_per_rank", t.workers_per_rank, minimum=1)
     _check_int("atomic_block_bytes", t.atomic_block_bytes, minimum=8)
     _check_int("flag_bytes", t.flag_bytes, minimum=1)
+    _check_int("staging_rows", t.staging_rows, minimum=1)
     if t.flag_bytes >= t.atomic_block_bytes:
         raise ValueError(f"{where}: flag_bytes={t.flag_bytes} must be < atomic_block_bytes="
                          f"{t.atomic_block_bytes} (a block must carry payload)")
