@@ -20,6 +20,7 @@ from ubep.options import (
     check_positive_int,
 )
 from ubep.runtime import make_backend
+from ubep.runtime.bootstrap import agree
 from ubep.stats import Stats
 from ubep.validate import check_combine_inputs, check_dispatch_inputs
 
@@ -49,8 +50,8 @@ class Buffer:
         workers: worker threads per rank (shm); None = the cores available to the rank.
         count_workers: workers in the count role (shm, mode="ubep"); None = cost model.
         topology: a `ubep.Topology`, a preset name or a TOML path; None = this host.
-        timeout_s: deadline of every wait; a stuck or dead peer becomes an error naming the
-            rank and phase instead of a hang.
+        timeout_s: deadline of every wait, the constructor's included; a stuck or dead peer
+            becomes an error naming the rank and phase instead of a hang.
         max_top_k: the largest K (slots per token) any call may pass; sizes shm windows.
         block_bytes: synchronization block size in bytes (shm), default 512 as in the paper.
         direct: (shm, mode="ubep") exchange counts first, then write every row straight to
@@ -63,6 +64,11 @@ class Buffer:
             (the default) or "sw"; workers split the tokens evenly, in order (`schedule`
             does not apply; stats report "static"). Shared memory per rank: two areas of world x
             max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4 bytes.
+
+    Every rank must pass the same backend, mode, sync, direct, num_experts, hidden,
+    max_tokens_per_rank, max_top_k, block_bytes and workers: the constructor compares them
+    and raises the same ValueError on every rank, naming each field and the ranks' values.
+    schedule, count_workers, topology and timeout_s may differ per rank.
 
     Attributes:
         rank, world_size, num_experts, num_local_experts, config (`ubep.BufferConfig`),
@@ -109,6 +115,11 @@ class Buffer:
                                "torch.distributed.init_process_group first (or use torchrun)")
         rank = dist.get_rank(group)
         world_size = dist.get_world_size(group)
+        # every field that shapes memory or the protocol, compared before anything is built
+        agree(dict(backend=backend, mode=mode, sync=sync, direct=direct, num_experts=num_experts,
+                   hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k,
+                   block_bytes=block_bytes, workers=workers),
+              group, rank=rank, world=world_size, timeout_s=float(timeout_s))
         if num_experts % world_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
                              f"{world_size} (experts are split evenly across ranks)")

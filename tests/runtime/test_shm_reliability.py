@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -111,35 +109,6 @@ def test_sigkill_leaves_nothing_in_dev_shm():
                     env={"UBEP_JOB_ID": job})
     assert out[0] == []            # names are unlinked as soon as every rank mapped them
     assert _shm_entries(job) == []
-
-
-def test_stale_segment_of_a_dead_owner_is_swept():
-    from ubep.runtime.shm import segments
-
-    code = ("from ubep.runtime.shm import segments; import os; "
-            "s = segments.create(segments.segment_name('stale', 1, 0), 4096); os._exit(0)")
-    proc = subprocess.run([sys.executable, "-c", code], check=True)
-    assert proc.returncode == 0
-    stale = [n for n in os.listdir("/dev/shm") if n.startswith("ubep_stale_b1_r0_p")]
-    assert stale, "the crashed process should have left its segment"
-    removed = segments.sweep_stale()
-    assert set(stale) <= set(removed)
-    assert not [n for n in os.listdir("/dev/shm") if n in stale]
-
-
-def test_live_owner_segment_is_not_swept_and_creation_is_exclusive():
-    from ubep.runtime.shm import segments
-
-    name = segments.segment_name(f"excl{os.getpid()}", 1, 0)
-    seg = segments.create(name, 4096)
-    try:
-        assert name not in segments.sweep_stale()
-        with pytest.raises(FileExistsError):
-            segments._open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 4096)
-    finally:
-        seg.close()
-        assert segments.unlink_name(name)
-    assert not segments.unlink_name(name)
 
 
 # -- bad input and protocol errors ---------------------------------------------------------------
