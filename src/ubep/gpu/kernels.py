@@ -29,11 +29,21 @@ producers have finished before a consumer polls.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)   # triton >= 3.4; before, the variable itself
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 #: kernels built for Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+INTERPRETED = _interpreting()
 #: `err[:, 0]` codes: the phase a program was polling when it gave up
 ERR_COUNTS, ERR_ROWS, ERR_COMBINE = 1, 2, 3
 

@@ -1,0 +1,194 @@
+"""ubep.gpu against the oracle: every rank's dispatch bit-exact, combine to fp32 tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="ubep.gpu needs triton (pip install 'ubep[gpu]')")
+
+from ubep import reference  # noqa: E402
+from ubep.errors import BrokenBufferError  # noqa: E402
+from ubep.gpu import EmulatedSuperpod, SpinLimitError  # noqa: E402
+from ubep.gpu import kernels as K  # noqa: E402
+
+FIELDS = ("recv_x", "recv_weights", "tokens_per_expert", "recv_src_rank", "recv_src_token",
+          "recv_src_slot")
+
+
+def routing(kind: str, P: int, T: int, K_: int, E: int, seed: int = 0):
+    """`[P, T, K]` expert ids and weights: uniform, skewed onto few ranks, or with -1 slots."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.stack([torch.randperm(E, generator=g)[:K_] for _ in range(T)])
+                       for _ in range(P)])
+    if kind == "skewed":       # every token to rank 0's experts, where it can
+        per_rank = E // P
+        for s in range(P):
+            for t in range(T):
+                hot = torch.randperm(per_rank, generator=g)[:K_]
+                idx[s, t, :hot.numel()] = hot
+    elif kind == "holes":      # -1 slots, a token routed nowhere, a rank sending nothing
+        idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+        idx[0, 0] = -1
+        idx[P - 1] = -1
+    elif kind == "one-expert":  # all traffic to one expert of the last rank
+        idx[:] = -1
+        idx[:, :, 0] = E - 1
+    weights = torch.rand(P, T, K_, generator=g)
+    return idx, weights
+
+
+def payload(P: int, T: int, H: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    """Rows that name their source: element 0 = rank, 1 = token; the rest random."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(P, T, H, generator=g)
+    x[:, :, 0] = torch.arange(P, dtype=torch.float32)[:, None]
+    x[:, :, 1] = torch.arange(T, dtype=torch.float32)[None, :]
+    return x.to(dtype)
+
+
+def check_dispatch(got, xs, idx, w, E):
+    P = xs.shape[0]
+    ref = reference.dispatch(list(xs), list(idx), list(w), E)
+    for r in range(P):
+        mine = got.rank(r)
+        for f in FIELDS:
+            a, b = getattr(mine, f), getattr(ref[r], f)
+            assert a.shape == b.shape, (r, f, a.shape, b.shape)
+            assert a.dtype == b.dtype, (r, f, a.dtype, b.dtype)
+            # bit-exact for moved rows: compare the bytes, not the values
+            assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                               b.view(torch.uint8) if b.is_floating_point() else b), (r, f)
+    return ref
+
+
+def expert_outputs(got, dtype, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    P, NC, H = got.recv_x.shape
+    out = torch.zeros(P, NC, H, dtype=dtype)
+    for r in range(P):
+        n = got.num_recv[r]
+        out[r, :n] = (got.recv_x[r, :n].float() * torch.rand(n, H, generator=g) * 2).to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ubep", "bsp"])
+@pytest.mark.parametrize("kind,P,T,K_,E,H,dtype", [
+    ("uniform", 4, 8, 4, 16, 64, torch.bfloat16),
+    ("skewed", 4, 6, 2, 8, 32, torch.float32),
+    ("holes", 3, 5, 3, 9, 48, torch.float16),
+    ("one-expert", 2, 7, 4, 8, 16, torch.bfloat16),
+])
+def test_dispatch_and_combine_match_the_oracle(mode, kind, P, T, K_, E, H, dtype):
+    idx, w = routing(kind, P, T, K_, E)
+    x = payload(P, T, H, dtype)
+    pod = EmulatedSuperpod(P, E, H, mode=mode, device="cpu", rows_per_step=8)
+    got = pod.dispatch(x, pod.route(idx, w))
+    ref = check_dispatch(got, x, idx, w, E)
+    out = expert_outputs(got, dtype)
+    outs = [out[r, :got.num_recv[r]] for r in range(P)]
+    for weighted in (True, False):
+        y = pod.combine(out, got, weighted=weighted)
+        want = reference.combine(outs, ref, list(idx), list(w), weighted=weighted)
+        assert y.dtype == dtype and y.shape == (P, T, H)
+        for s in range(P):
+            torch.testing.assert_close(y[s], want[s])
+
+
+@pytest.mark.parametrize("mode", ["ubep", "bsp"])
+def test_repeated_calls_reuse_and_grow_the_buffers(mode):
+    """Epoch flags: a second routing (more rows, other dtype) on the same superpod."""
+    P, E, H = 2, 4, 16
+    pod = EmulatedSuperpod(P, E, H, mode=mode, device="cpu", count_programs=2,
+                           send_programs=3, recv_programs=2, schedule="balanced")
+    for i, (T, K_, dtype) in enumerate([(2, 1, torch.bfloat16), (6, 3, torch.float32),
+                                         (3, 2, torch.bfloat16)]):
+        idx, w = routing("uniform", P, T, K_, E, seed=10 + i)
+        x = payload(P, T, H, dtype, seed=20 + i)
+        got = pod.dispatch(x, pod.route(idx, w))
+        ref = check_dispatch(got, x, idx, w, E)
+        out = expert_outputs(got, dtype)
+        y = pod.combine(out, got)
+        want = reference.combine([out[r, :got.num_recv[r]] for r in range(P)], ref, list(idx),
+                                 list(w))
+        for s in range(P):
+            torch.testing.assert_close(y[s], want[s])
+
+
+def test_only_the_latest_dispatch_can_be_combined():
+    P, E, H = 2, 4, 8
+    pod = EmulatedSuperpod(P, E, H, device="cpu")
+    idx, w = routing("uniform", P, 2, 2, E)
+    x = payload(P, 2, H, torch.float32)
+    first = pod.dispatch(x, pod.route(idx, w))
+    pod.dispatch(x, pod.route(idx, w))
+    with pytest.raises(ValueError, match="latest dispatch"):
+        pod.combine(first.recv_x, first)
+
+
+def test_a_receiver_whose_producers_never_run_gives_up_with_a_clear_error():
+    """The ubep kernel launched with its receivers only: they poll counts nobody sends."""
+    P, E, H = 2, 4, 8
+    pod = EmulatedSuperpod(P, E, H, device="cpu", max_spins=3)
+    idx, w = routing("uniform", P, 2, 2, E)
+    rt = pod.route(idx, w)
+    x = payload(P, 2, H, torch.float32).view(torch.int32)
+    pod._reserve(torch.int32, rt)
+    K.ubep_dispatch[(P,)](
+        rt.cnt, rt.count_dest, rt.send_lo, rt.send_tok, rt.send_slot, rt.send_dst, rt.send_pos,
+        x, rt.topk_weights, pod._counts, pod._count_flag, pod._win, pod._win_w, pod._win_ts,
+        pod._row_flag, pod._recv_x, pod._recv_w, pod._recv_rank, pod._recv_ts,
+        pod._tokens_per_expert, pod._err, P, E, E // P, 2, 2, pod._win_rows, pod._recv_rows, H,
+        0, 0, 1, 7, pod.max_spins, BP=2, BE=2, ROWS=4, BH=8)
+    with pytest.raises(SpinLimitError, match=r"rank 0 gave up in phase 'dispatch counts' after "
+                                             r"3 polls: 2 flag\(s\) not set, the first from "
+                                             r"rank 0"):
+        pod.check()
+    with pytest.raises(BrokenBufferError, match="broken"):
+        pod.dispatch(payload(P, 2, H, torch.float32), rt)
+
+
+def test_the_single_kernel_must_fit_the_resident_programs():
+    with pytest.raises(ValueError, match=r"all 16 programs \(4 ranks x 4\).*holds 8"):
+        EmulatedSuperpod(4, 8, 16, mode="ubep", device="cpu", resident_programs=8)
+    # the baseline's kernels never wait, so any grid runs
+    EmulatedSuperpod(4, 8, 16, mode="bsp", device="cpu", resident_programs=8)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(num_experts=6), "divisible by num_ranks=4"),
+    (dict(mode="fast"), "mode='fast' is not one of"),
+    (dict(send_programs=0), "send_programs=0 must be >= 1"),
+    (dict(rows_per_step=3), "rows_per_step=3 must be a power of two"),
+    (dict(device="meta"), "must be a CUDA device or 'cpu'"),
+])
+def test_bad_configuration_names_the_argument(bad, match):
+    args = dict(num_ranks=4, num_experts=8, hidden=16, device="cpu") | bad
+    with pytest.raises(ValueError, match=match):
+        EmulatedSuperpod(**args)
+
+
+def test_bad_inputs_name_the_argument_and_leave_the_superpod_usable():
+    P, E, H = 2, 4, 8
+    pod = EmulatedSuperpod(P, E, H, device="cpu")
+    idx, w = routing("uniform", P, 3, 2, E)
+    bad = idx.clone()
+    bad[1, 2, 0] = E
+    with pytest.raises(ValueError, match=r"rank 1: topk_idx holds expert id 4"):
+        pod.route(bad, w)
+    bad = idx.clone()
+    bad[0, 1, 1] = bad[0, 1, 0]
+    with pytest.raises(ValueError, match=r"rank 0: topk_idx row 1 names expert"):
+        pod.route(bad, w)
+    with pytest.raises(ValueError, match="topk_weights must be a tensor of topk_idx's shape"):
+        pod.route(idx, w[:, :2])
+    rt = pod.route(idx, w)
+    with pytest.raises(ValueError, match=r"x must be \[num_ranks=2, num_tokens=3, hidden=8\]"):
+        pod.dispatch(torch.zeros(P, 4, H), rt)
+    with pytest.raises(TypeError, match="8-byte elements"):
+        pod.dispatch(torch.zeros(P, 3, H, dtype=torch.float64), rt)
+    x = payload(P, 3, H, torch.float32)
+    got = pod.dispatch(x, rt)
+    check_dispatch(got, x, idx, w, E)
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        pod.combine(got.recv_x.to(torch.float64), got)
