@@ -21,11 +21,16 @@ def _read(out):
 
 
 def _check_complete(rows, run, systems):
-    """Every system either has a row per (batch, op) with a positive median, or a reason."""
+    """Every system ran (it passed the runner's oracle check) with a row per (batch, op).
+
+    Every system asked for is built here, so none may be missing: the runner drops a system
+    that fails its untimed oracle check and lists it as unavailable, which is a failure.
+    """
     ran = {r["system"] for r in rows}
-    assert "bound" in ran
+    assert {"bound", "raw"} <= ran
+    assert not run["unavailable"], run["unavailable"]
     for s in systems:
-        assert (s in ran) != (s in run["unavailable"]), (s, run["unavailable"])
+        assert s in ran, (s, run["unavailable"])
     for s in ran:
         got = {(int(r["batch"]), r["op"]) for r in rows if r["system"] == s}
         assert got == {(b, op) for b in (1, 5) for op in ("dispatch", "combine", "total")}, s
@@ -45,7 +50,7 @@ def test_bench_side_by_side(tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", *TINY, "--out", str(out)]) == 0
     rows, run = _read(out)
-    _check_complete(rows, run, ["shm-ubep", "shm-bsp", "torch"])
+    _check_complete(rows, run, ["shm-ubep", "shm-direct", "shm-bsp", "torch"])
     assert "torch" in {r["system"] for r in rows}   # gloo is always there
     assert (out / "bench.png").stat().st_size > 0
     md = (out / "bench.md").read_text()
@@ -53,6 +58,7 @@ def test_bench_side_by_side(tmp_path):
     with (out / "phases.csv").open() as f:  # the torch backend reports its own phases
         phases = {(r["system"], r["phase"]) for r in csv.DictReader(f)}
     assert {("torch", "dispatch:backend_total"), ("torch", "combine:token_exchange")} <= phases
+    assert "| 5 | raw collectives |" in md and "× raw+copy" in md
     assert run["flag_round_trip_us"]["2"] > 0
 
 
@@ -89,3 +95,27 @@ def test_demo_config_is_the_deepseek_like_default():
     cfg = demo_config()
     assert (cfg.hiddens, cfg.dtype, cfg.top_k, cfg.ranks) == ((7168,), "bfloat16", 8, (2,))
     assert cfg.batches[0] == 1 and cfg.batches[-1] == 128
+
+
+def test_oracle_check_catches_one_flipped_byte():
+    """The runner's check drops a system whose dispatch differs from the oracle by one byte."""
+    import dataclasses
+
+    import torch
+
+    from ubep import reference
+    from ubep.bench.systems import check_dispatch
+    from ubep.testing import make_routing, make_tokens
+
+    xs = [make_tokens(r, 5, 16, torch.bfloat16, seed=1) for r in range(2)]
+    routes = [make_routing(5, 2, 4, kind="uniform", seed=r) for r in range(2)]
+    ref = reference.dispatch(xs, [i for i, _ in routes], [w for _, w in routes], 4)[0]
+    assert ref.recv_x.numel() and check_dispatch("s", ref, ref) is None
+    flipped = ref.recv_x.clone()
+    flipped.view(torch.uint8).view(-1)[7] ^= 1
+    bad = dataclasses.replace(ref, recv_x=flipped)
+    assert check_dispatch("s", bad, ref) == "s: recv_x differs from the oracle"
+    token = ref.recv_src_token.clone()
+    token[0] += 1
+    assert "recv_src_token" in check_dispatch("s", dataclasses.replace(ref, recv_src_token=token),
+                                              ref)

@@ -16,6 +16,8 @@ BUFFER_SYSTEMS = {"shm-ubep": ("shm", "ubep", False), "shm-direct": ("shm", "ube
                   "shm-bsp": ("shm", "bsp", False), "torch": ("torch", "ubep", False)}
 SYSTEMS = (*BUFFER_SYSTEMS, "mpi")
 BOUND = "bound"
+#: the torch backend's own collectives, replayed bare on the same bytes (runs with "torch")
+RAW = "raw"
 DTYPES = ("bfloat16", "float16", "float32")
 
 

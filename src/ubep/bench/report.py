@@ -9,10 +9,19 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ubep.bench.config import BOUND
+from ubep.bench.config import BOUND, RAW
 from ubep.bench.run import BenchResult
 
-_ORDER = ("shm-ubep", "shm-direct", "shm-bsp", "torch", "mpi", BOUND)
+_ORDER = ("shm-ubep", "shm-direct", "shm-bsp", "torch", RAW, "mpi", "agrs", BOUND)
+_LABELS = {BOUND: "copy bound", RAW: "raw collectives"}
+
+
+def _label(name: str) -> str:
+    return _LABELS.get(name, name)
+
+
+def _has_raw(res: BenchResult) -> bool:
+    return any(r["system"] == RAW for r in res.rows)
 
 
 def _system_key(name: str) -> int:
@@ -49,8 +58,9 @@ def tables(res: BenchResult) -> list[Table]:
                         f"{cfg.experts} experts, {cfg.routing} routing — µs, median / p99 "
                         f"over {cfg.iters} iterations (max over ranks), {_blocks(cfg)}",
                   title_justify="left")
+        raw = _has_raw(res)
         for col in ("batch", "system", "dispatch", "combine", "dispatch+combine",
-                    "× ubep", "× bound"):
+                    "× ubep", "× bound", *(["× raw+copy"] if raw else [])):
             t.add_column(col, justify="left" if col == "system" else "right")
         batches = sorted({r["batch"] for r in res.rows if (r["ranks"], r["hidden"]) ==
                           (world, hidden)})
@@ -61,12 +71,13 @@ def tables(res: BenchResult) -> list[Table]:
                 cells = [index[(name, world, hidden, b, op)] for op in
                          ("dispatch", "combine", "total")]
                 label = f"copy bound (+RTT {res.rtt_us.get(world, 0):.2f})" if name == BOUND \
-                    else name
+                    else _label(name)
                 t.add_row(str(b) if i == 0 else "", label,
                           *[f"{_us(c['median_us'])} / {_us(c['p99_us'])}" for c in cells],
                           _x(cells[2]["x_ubep"]), _x(cells[2]["x_bound"]),
+                          *([_x(cells[2].get("x_raw_copy"))] if raw else []),
                           end_section=i == len(names) - 1,
-                          style="dim" if name == BOUND else None)
+                          style="dim" if name in (BOUND, RAW) else None)
         out.append(t)
     return out
 
@@ -105,11 +116,13 @@ def markdown(res: BenchResult) -> str:
     index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
     lines = []
     for world, hidden in sorted({(r["ranks"], r["hidden"]) for r in res.rows}):
+        raw = _has_raw(res)
         lines += [f"**P={world}, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, {cfg.experts} "
                   f"experts** — µs, median / p99 of {cfg.iters} iterations (max over ranks), "
                   f"{_blocks(cfg)}", "",
-                  "| batch | system | dispatch | combine | dispatch+combine | × ubep | × bound |",
-                  "|---:|:---|---:|---:|---:|---:|---:|"]
+                  "| batch | system | dispatch | combine | dispatch+combine | × ubep | × bound |"
+                  + (" × raw+copy |" if raw else ""),
+                  "|---:|:---|---:|---:|---:|---:|---:|" + ("---:|" if raw else "")]
         batches = sorted({r["batch"] for r in res.rows if (r["ranks"], r["hidden"]) ==
                           (world, hidden)})
         for b in batches:
@@ -118,10 +131,10 @@ def markdown(res: BenchResult) -> str:
             for name in names:
                 c = [index[(name, world, hidden, b, op)] for op in ("dispatch", "combine",
                                                                      "total")]
-                label = "copy bound" if name == BOUND else name
                 cells = [f"{_us(x['median_us'])} / {_us(x['p99_us'])}" for x in c]
-                lines.append(f"| {b} | {label} | {' | '.join(cells)} | {_x(c[2]['x_ubep'])} | "
-                             f"{_x(c[2]['x_bound'])} |")
+                lines.append(f"| {b} | {_label(name)} | {' | '.join(cells)} | "
+                             f"{_x(c[2]['x_ubep'])} | {_x(c[2]['x_bound'])} |"
+                             + (f" {_x(c[2].get('x_raw_copy'))} |" if raw else ""))
         lines.append("")
     lines += _phase_markdown(res)
     for name, why in sorted(res.unavailable.items()):
@@ -212,7 +225,8 @@ def write_png(res: BenchResult, out_dir: Path, filename: str = "bench.png") -> P
             pts = sorted((r["batch"], r["median_us"]) for r in rows if r["system"] == system)
             xs, ys = zip(*pts)
             style = dict(linestyle="--", color="black", label="copy bound + flag RTT") \
-                if system == BOUND else dict(marker="o", label=system)
+                if system == BOUND else dict(linestyle=":", color="gray", label=_label(system)) \
+                if system == RAW else dict(marker="o", label=system)
             ax.plot(xs, ys, **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ubep import reference
-from ubep.bench.config import BOUND, BenchConfig
+from ubep.bench.config import BOUND, RAW, BenchConfig
 from ubep.bench.flags import HostSync
 from ubep.bench.systems import make_system
 from ubep.testing import make_routing, make_tokens
@@ -72,7 +72,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     out: dict = {"times": {}, "phases": {}, "bytes": {}, "unavailable": {}, "rtt_us": None}
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
-        names = [*cfg.systems, BOUND]
+        names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else [])]
         for hidden in cfg.hiddens:
             systems = {}
             for name in names:

@@ -1,4 +1,4 @@
-"""The systems a benchmark rank times: Buffer backends, the MPI peer and the copy bound.
+"""The systems a benchmark rank times: Buffer backends, the peers and the two bounds.
 
 Each system is set up once per row width (`hidden`), given one batch's inputs with
 `prepare`, then timed through argument-free `dispatch()` and `combine()` calls, so the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ubep.bench.config import BUFFER_SYSTEMS, BenchConfig
+from ubep.bench.config import BOUND, BUFFER_SYSTEMS, RAW, BenchConfig
 from ubep.reference import ReferenceDispatch
 
 
@@ -138,12 +138,61 @@ class CopyBound:
         pass
 
 
+class RawCollectives:
+    """The torch backend's collectives alone: the same calls on the same bytes, nothing else.
+
+    `prepare` runs one dispatch and combine of a torch-backend Buffer (untimed) and reads
+    from its stats which collectives it issued with how many bytes to and from each peer
+    (`Stats.extra["collectives"]`); `dispatch()` and `combine()` then replay exactly those
+    `all_to_all_single` calls on preallocated buffers. The torch backend's time over this
+    line is what its own packing, reordering and reduction cost.
+    """
+
+    def __init__(self, name: str, cfg: BenchConfig, hidden: int):
+        import ubep
+
+        self.name = name
+        self.buf = ubep.Buffer(num_experts=cfg.experts, hidden=hidden,
+                               max_tokens_per_rank=max(cfg.batches), backend="torch",
+                               timeout_s=cfg.timeout_s, max_top_k=cfg.top_k)
+        self._calls: dict[str, list] = {"dispatch": [], "combine": []}
+
+    def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
+        res = self.buf.dispatch(x, topk_idx, topk_weights)
+        self.buf.combine(res.recv_x, res.handle)
+        for op, st in (("dispatch", res.stats), ("combine", self.buf.last_stats)):
+            self._calls[op] = [
+                (torch.empty(sum(recv), dtype=torch.uint8),
+                 torch.zeros(sum(send), dtype=torch.uint8), list(recv), list(send))
+                for _, send, recv in st.extra["collectives"]]
+
+    def _replay(self, op: str) -> None:
+        import torch.distributed as dist
+
+        for out, inp, recv, send in self._calls[op]:
+            dist.all_to_all_single(out, inp, recv, send)
+
+    def dispatch(self) -> None:
+        self._replay("dispatch")
+
+    def combine(self) -> None:
+        self._replay("combine")
+
+    def check(self, ref: ReferenceDispatch) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self.buf.close()
+
+
 def make_system(name: str, cfg: BenchConfig, hidden: int, comm=None):
     """Build the system `name` on this rank (collective for the Buffer systems)."""
     if name in BUFFER_SYSTEMS:
         return BufferSystem(name, cfg, hidden)
     if name == "mpi":
         return MpiSystem(name, cfg, hidden, comm)
-    if name == "bound":
+    if name == BOUND:
         return CopyBound(name, cfg, hidden)
+    if name == RAW:
+        return RawCollectives(name, cfg, hidden)
     raise ValueError(f"system {name!r} is unknown")
