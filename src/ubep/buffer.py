@@ -165,14 +165,21 @@ class Buffer:
             raise RuntimeError(f"cannot {what} after close")
         if self._broken is not None:
             raise BrokenBufferError(
-                f"cannot {what}: an earlier call failed ({self._broken}); close this Buffer "
-                f"and make a new one") from self._broken
+                f"cannot {what}: an earlier call failed ({type(self._broken).__name__}: "
+                f"{self._broken}) and left this rank out of step with its peers; close this "
+                f"Buffer and make a new one on every rank") from self._broken
 
     def _run(self, fn, *args):
         try:
             return fn(*args)
-        except UbepError as e:  # a runtime failure leaves peers out of step: refuse further use
-            self._broken = e
+        except BaseException as e:
+            # Bad input the backend refuses before anything moved leaves every rank in step.
+            # Anything else (a runtime failure, an interrupt, an error raised after the peers
+            # were told to abort) leaves this rank out of step with its peers: refuse reuse.
+            before_sending = isinstance(e, (ValueError, TypeError)) and getattr(
+                self._backend, "in_step", True)
+            if isinstance(e, UbepError) or not before_sending:
+                self._broken = e
             raise
 
     # -- the two operations ----------------------------------------------------------

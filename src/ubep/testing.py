@@ -70,7 +70,6 @@ def _context() -> mp.context.BaseContext:
 
 def _child(fn, rank, world_size, port, args, conn, env, pg_timeout_s, threads) -> None:
     os.environ.update(env)
-    os.environ["UBEP_TEST_RANK"] = str(rank)
     import torch
     import torch.distributed as dist
 

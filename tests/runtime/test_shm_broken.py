@@ -1,0 +1,63 @@
+"""A call that fails midway leaves the Buffer broken on every path: the next use is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from ubep.testing import RankFailure, make_routing, make_tokens, run_ranks
+
+PATHS = {"one-worker": dict(workers=1), "pool": dict(workers=2),
+         "direct": dict(workers=1, direct=True)}
+
+
+def _inputs(rank, seed=0):
+    idx, w = make_routing(6, 2, 4, seed=seed * 10 + rank)
+    return make_tokens(rank, 6, 16, torch.float32, seed=seed), idx, w
+
+
+def _interrupted(rank, world, kw):
+    import ubep
+
+    with ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, backend="shm",
+                     timeout_s=3.0, **kw) as buf:
+        res = buf.dispatch(*_inputs(rank))
+        buf.combine(res.recv_x, res.handle)
+        if rank == 1:
+            time.sleep(1.0)           # late: rank 0 is waiting for it when it is interrupted
+            try:
+                res = buf.dispatch(*_inputs(rank, 1))
+                buf.combine(res.recv_x, res.handle)
+            except ubep.UbepError as e:
+                return type(e).__name__, e.peers
+            return "peer completed"
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            buf.dispatch(*_inputs(rank, 1))
+            return "not interrupted"
+        except KeyboardInterrupt:
+            pass
+        state = repr(buf)
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(*_inputs(rank, 2))
+        except ubep.BrokenBufferError as e:
+            return "broken", state, time.monotonic() - t0, str(e)
+        return "reused"
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_an_interrupt_mid_dispatch_breaks_the_buffer(path):
+    out = run_ranks(_interrupted, 2, PATHS[path], timeout_s=120, return_exceptions=True)
+    what, state, took, msg = out[0]
+    assert what == "broken" and "broken" in state and "KeyboardInterrupt" in msg
+    assert took < 0.5                      # refused at once, no wait on the peers
+    peer = out[1]
+    assert not isinstance(peer, RankFailure) or peer.kind != "timeout", peer
+    if peer != "peer completed":
+        assert peer[1] == [0], peer        # the peer blames the interrupted rank
