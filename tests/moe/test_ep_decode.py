@@ -63,7 +63,7 @@ def two_rank_reports(request):
 def test_ep_decode_matches_unsplit_p2(two_rank_reports, backend):
     arch, reports = two_rank_reports
     if backend not in available_backends():
-        pytest.skip(f"{backend}: the shm runtime is not registered in ubep.runtime._BACKENDS "
+        pytest.skip(f"{backend}: the shm runtime is not registered in ubep.runtime.backend_names() "
                     f"in this build")
     _check(reports, arch, 2, backend)
 

@@ -162,7 +162,7 @@ def _late_or_dead(rank, world, how, job):
     import time
 
     import ubep
-    from ubep.runtime.shm import direct_kernels
+    from ubep.runtime.shm.kernels import direct as direct_kernels
 
     with _small(timeout_s=2.0 if how == "late" else 20.0) as buf:
         if rank == 1 and how == "late":

@@ -12,8 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ubep.plan.blocks import SENTINEL, BlockFormat, sentinel_refusal
-from ubep.runtime.shm import kernels as K
 from ubep.runtime.shm.atomics import fetch_add, load_acquire, store_release
+from ubep.runtime.shm.kernels.dispatch import offsets, recv_rows, send_rows
+from ubep.runtime.shm.kernels.local import barrier_arrive, poll_at_least, publish
+from ubep.runtime.shm.kernels.records import FMT_TFF, write_record
+from ubep.runtime.shm.kernels.sentinel import arm_sentinels
+from ubep.runtime.shm.kernels.single import plan_single
+from ubep.runtime.shm.kernels.slots import poll_counts, send_counts, write_batch_flags
 from ubep.runtime.shm.region import (
     L_DROWS,
     L_DSTRIDE,
@@ -72,13 +77,13 @@ def test_spin_on_acquire_load_sees_a_store_from_another_thread():
     deadline = time.monotonic() + 10
     seen = False
     while time.monotonic() < deadline and not seen:
-        seen = K.poll_at_least(addr, 7, 1000)   # a hoisted load would never see it
+        seen = poll_at_least(addr, 7, 1000)   # a hoisted load would never see it
     t.join()
     assert seen and word[0] == 7
 
 
 def store_release_py(addr, v):
-    K.publish(addr, v)
+    publish(addr, v)
 
 
 def test_fetch_add_counts_every_arrival_from_threads():
@@ -87,7 +92,7 @@ def test_fetch_add_counts_every_arrival_from_threads():
 
     def arrive():
         for _ in range(1000):
-            K.barrier_arrive(addr)
+            barrier_arrive(addr)
 
     ts = [threading.Thread(target=arrive) for _ in range(4)]
     for t in ts:
@@ -110,7 +115,7 @@ def _region(sync, block, hidden=13, tokens=4, top_k=2):
     base = (mem.ctypes.data + 63) // 64 * 64
     bases = np.array([base], np.int64)
     if sync == "sp":
-        K.arm_sentinels(base, lay)
+        arm_sentinels(base, lay)
     return mem, lay, base, bases
 
 
@@ -122,25 +127,25 @@ def test_dispatch_round_trip_through_one_rank_region(sync, block):
     w = np.random.default_rng(0).random((4, 2)).astype(np.float32)
     x = np.random.default_rng(1).integers(0, 255, (4, 26), dtype=np.uint8)   # 13 bf16
     for epoch in (1, 2, 3):
-        sends, pos, counts = K.plan_single(idx, np.arange(2), False, 2)
-        K.send_counts(bases, lay, 0, epoch, counts, 1, 0, 0, 0, 1)
+        sends, pos, counts = plan_single(idx, np.arange(2), False, 2)
+        send_counts(bases, lay, 0, epoch, counts, 1, 0, 0, 0, 1)
         cs = np.zeros(1, np.int64)
-        K.send_rows(bases, lay, 0, epoch, x, idx, w, sends, pos, counts, cs)
-        K.write_batch_flags(bases, lay, 0, 0, epoch, 0, cs, 0)
+        send_rows(bases, lay, 0, epoch, x, idx, w, sends, pos, counts, cs)
+        write_batch_flags(bases, lay, 0, 0, epoch, 0, cs, 0)
         rc = np.zeros((1, 2), np.int64)
         meta = np.zeros((1, 3), np.int64)
         got = np.zeros(1, np.int8)
-        assert K.poll_counts(base, lay, epoch, 0, 1, rc, meta, got, 1) == 0
+        assert poll_counts(base, lay, epoch, 0, 1, rc, meta, got, 1) == 0
         assert rc.tolist() == [[2, 3]] and meta[0, 0] == 1
         out_start = np.zeros((1, 2), np.int64)
         tpe = np.zeros(2, np.int64)
-        n = K.offsets(rc, out_start, tpe)
+        n = offsets(rc, out_start, tpe)
         out_x = np.zeros((n, 26), np.uint8)
         out_w = np.zeros(n, np.float32)
         ints = np.zeros((3, n), np.int64)
         done = np.zeros(n, np.uint8)
         batch = np.zeros(1, np.int64)
-        assert K.recv_rows(base, lay, epoch, rc, meta, out_start, 0, n, done, batch, out_x,
+        assert recv_rows(base, lay, epoch, rc, meta, out_start, 0, n, done, batch, out_x,
                            out_w, ints[0], ints[1], ints[2], 1) == 0
         # expert 0: tokens 0, 3; expert 1: tokens 0, 1, 3
         assert ints[1].tolist() == [0, 3, 0, 1, 3] and ints[2].tolist() == [0, 0, 1, 0, 1]
@@ -149,7 +154,7 @@ def test_dispatch_round_trip_through_one_rank_region(sync, block):
         # the next epoch must not see these rows as new: nothing was sent for epoch + 1
         if sync in ("tff", "sp"):
             done[:] = 0
-            assert K.recv_rows(base, lay, epoch + 2, rc, meta, out_start, 0, n, done, batch,
+            assert recv_rows(base, lay, epoch + 2, rc, meta, out_start, 0, n, done, batch,
                                out_x, out_w, ints[0], ints[1], ints[2], 1) == n
     del mem
 
@@ -159,11 +164,11 @@ def test_dc_detects_a_changed_marker_word():
     idx = np.array([[0, 1]], np.int64)
     w = np.ones((1, 2), np.float32)
     x = np.arange(26, dtype=np.uint8)[None, :]
-    sends, pos, counts = K.plan_single(idx, np.arange(2), False, 2)
-    K.send_counts(bases, lay, 0, 1, counts, 1, 0, 0, 0, 1)
+    sends, pos, counts = plan_single(idx, np.arange(2), False, 2)
+    send_counts(bases, lay, 0, 1, counts, 1, 0, 0, 0, 1)
     cs = np.zeros(1, np.int64)
-    K.send_rows(bases, lay, 0, 1, x, idx, w, sends, pos, counts, cs)
-    K.write_batch_flags(bases, lay, 0, 0, 1, 0, cs, 0)
+    send_rows(bases, lay, 0, 1, x, idx, w, sends, pos, counts, cs)
+    write_batch_flags(bases, lay, 0, 0, 1, 0, cs, 0)
     # corrupt the first row's marker word (last 8 bytes of its first block), epoch 1 = parity 1
     marker = int(lay[L_DWIN_OFF] + lay[L_DROWS] * lay[L_DSTRIDE]) + 64 - 8
     mem_view = np.frombuffer(mem, np.uint8)
@@ -175,11 +180,11 @@ def test_dc_detects_a_changed_marker_word():
     batch = np.zeros(1, np.int64)
     args = (np.zeros((2, 26), np.uint8), np.zeros(2, np.float32), np.zeros(2, np.int64),
             np.zeros(2, np.int64), np.zeros(2, np.int64))
-    assert K.recv_rows(base, lay, 1, rc, meta, out_start, 0, 2, np.zeros(2, np.uint8), batch,
+    assert recv_rows(base, lay, 1, rc, meta, out_start, 0, 2, np.zeros(2, np.uint8), batch,
                        *args, 4) == 2
     assert batch[0] == -1
     mem_view[off] ^= 1
-    assert K.recv_rows(base, lay, 1, rc, meta, out_start, 0, 2, np.zeros(2, np.uint8), batch,
+    assert recv_rows(base, lay, 1, rc, meta, out_start, 0, 2, np.zeros(2, np.uint8), batch,
                        *args, 1) == 0
 
 
@@ -187,11 +192,11 @@ def test_copy_kernels_do_not_call_memcpy():
     from numba import njit
 
     # a fresh, uncached compile (cached code cannot be inspected)
-    fresh = njit(nogil=True)(K.write_record.py_func)
+    fresh = njit(nogil=True)(write_record.py_func)
     mem, lay, base, bases = _region("tff", 64)
     head = np.zeros(16, np.uint8)
     body = np.arange(300, dtype=np.int64).astype(np.uint8)
-    fresh(base, 64, 56, K.FMT_TFF, head, 16, body, 300, 1, 0)
+    fresh(base, 64, 56, FMT_TFF, head, 16, body, 300, 1, 0)
     asm = fresh.inspect_asm(fresh.signatures[0])
     assert "memcpy" not in asm and "memmove" not in asm
     assert "pause" not in asm  # sanity: we are looking at the writer, not a poll loop
@@ -213,7 +218,7 @@ def test_plan_single_matches_make_plan(tokens, top_k, world, schedule, seed, kin
     for rank in range(world):
         p = make_plan(idx, topology=topo, rank=rank, num_experts=num_experts, workers=1,
                       schedule=schedule)
-        sends, pos, counts = K.plan_single(idx.numpy(), np.ascontiguousarray(p.expert_order),
+        sends, pos, counts = plan_single(idx.numpy(), np.ascontiguousarray(p.expert_order),
                                            schedule == "static", 4)
         np.testing.assert_array_equal(sends, p.sends)
         np.testing.assert_array_equal(pos, p.window_pos)
@@ -225,7 +230,7 @@ def test_record_header_size_is_what_dispatch_sends():
 
 
 def test_combine_cast_matches_torch_outside_nan_payloads():
-    from ubep.runtime.shm.backend import _cast_rows
+    from ubep.runtime.shm.elements import cast_rows as _cast_rows
 
     g = torch.Generator().manual_seed(0)
     y = torch.randn(16, 512, generator=g) * torch.logspace(-40, 38, 512)

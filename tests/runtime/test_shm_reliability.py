@@ -62,7 +62,7 @@ def test_a_late_peer_is_a_timeout_naming_rank_phase_and_peer():
 
 def _dies_mid_dispatch(rank, world, job):
     import ubep
-    from ubep.runtime.shm import kernels
+    from ubep.runtime.shm.kernels import single, slots
     from ubep.runtime.shm.region import L_EL, L_WORLD
 
     x, idx, w = _inputs(rank, num_tokens=8, top_k=4)
@@ -70,10 +70,10 @@ def _dies_mid_dispatch(rank, world, job):
         if rank == 1:
             def die(bases, lay, me, epoch, *rest):    # the one-worker send entry
                 order = np.arange(4, dtype=np.int64)
-                _, _, counts = kernels.plan_single(idx.numpy(), order, False, lay[L_EL])
-                kernels.send_counts(bases, lay, me, epoch, counts, 1, 0, 0, 0, lay[L_WORLD])
+                _, _, counts = single.plan_single(idx.numpy(), order, False, lay[L_EL])
+                slots.send_counts(bases, lay, me, epoch, counts, 1, 0, 0, 0, lay[L_WORLD])
                 os.kill(os.getpid(), signal.SIGKILL)    # counts are out, the rows never come
-            kernels.dispatch_begin_at = die
+            single.dispatch_begin_at = die
         t0 = time.monotonic()
         try:
             buf.dispatch(x, idx, w)
@@ -155,12 +155,12 @@ def _corrupt_dc(rank, world, phase):
     with _buffer(sync="dc", timeout_s=1.0) as buf:
         x, idx, w = _inputs(rank, num_tokens=6)
         if rank == 0 and phase == "dispatch":
-            buf._backend._dc_corrupt = 1
+            buf._backend.ctx.dc_corrupt = 1
         t0 = time.monotonic()
         try:
             res = buf.dispatch(x, idx, w)
             if rank == 0 and phase == "combine":
-                buf._backend._dc_corrupt = 1
+                buf._backend.ctx.dc_corrupt = 1
             buf.combine(res.recv_x, res.handle)
         except ubep.PeerTimeoutError as e:
             return (e.phase, e.peers, str(e), time.monotonic() - t0)

@@ -16,7 +16,7 @@ from ubep.bench.sync_sweep import (
     sweep_table,
     write_sync_sweep,
 )
-from ubep.runtime import _BACKENDS
+from ubep.runtime import backend_names
 
 
 def test_defaults_cover_16_bytes_to_16_kilobytes():
@@ -65,7 +65,7 @@ def _check_run(result, cfg):
         assert 0 < p.min_us <= p.median_us <= p.p99_us
 
 
-@pytest.mark.skipif("shm" not in _BACKENDS, reason="shm backend not registered yet")
+@pytest.mark.skipif("shm" not in backend_names(), reason="shm backend not registered yet")
 def test_sweep_runs_every_variant_on_the_shm_backend():
     cfg = SyncSweepConfig(payloads=(1024,), iters=5, warmup=2, backend="shm")
     result = run_sync_sweep(cfg, progress=False)

@@ -34,8 +34,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def available_backends() -> list[str]:
     """Backend labels whose Buffer backend is registered in this build."""
-    from ubep.runtime import _BACKENDS
-    return [name for name, (backend, *_) in BACKEND_SPECS.items() if backend in _BACKENDS]
+    from ubep.runtime import backend_names
+
+    names = backend_names()
+    return [name for name, (backend, *_) in BACKEND_SPECS.items() if backend in names]
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,11 @@ _BACKENDS: dict[str, str] = {
 }
 
 
+def backend_names() -> tuple[str, ...]:
+    """The `Buffer(backend=...)` names this build can make."""
+    return tuple(_BACKENDS)
+
+
 def make_backend(config: BufferConfig, group, buffer_id: int) -> Backend:
     """Build the backend `config.backend` names; NotImplementedError if it is not built yet."""
     target = _BACKENDS.get(config.backend)

@@ -24,7 +24,6 @@ count ahead of a peer that still reads).
 from __future__ import annotations
 
 import functools
-import time
 
 import numpy as np
 import torch
@@ -37,38 +36,38 @@ from ubep.handle import (
     new_dispatch_result,
     new_handle,
 )
-from ubep.runtime.shm import direct_kernels as DK
+from ubep.runtime.shm.call import Call, CallRunner
+from ubep.runtime.shm.context import ShmContext
+from ubep.runtime.shm.elements import cast_rows, combine_elem
+from ubep.runtime.shm.kernels import direct as DK
+from ubep.runtime.shm.protocol import DTYPE_CODES, ShmProtocolError
 from ubep.runtime.shm.region import D_AREA, D_COMB_OFF, D_MAXR, D_META_OFF, D_RECV_OFF
+from ubep.runtime.shm.waits import now_us as _now_us
 from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES
 
-_CODES = {d: i for i, d in enumerate(MOVABLE_DTYPES)}
+_CODES = DTYPE_CODES
 _NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_direct: "do not round to bf16 here"
-
-
-def _now_us() -> float:
-    return time.perf_counter_ns() / 1e3
 
 
 @functools.cache
 def _elem(dtype: torch.dtype) -> tuple[int, int, np.ndarray]:
     """(dtype code, element code, fp32 lookup table) of combine rows of `dtype`."""
-    from ubep.runtime.shm.backend import _combine_elem
-
-    return (_CODES[dtype], *_combine_elem(dtype))
+    return (_CODES[dtype], *combine_elem(dtype))
 
 
 def _protocol_error(msg: str) -> Exception:
-    from ubep.runtime.shm.backend import ShmProtocolError
-
     return ShmProtocolError(msg)
 
 
 class DirectPath:
-    """Dispatch and combine of one `ShmBackend` with rows written straight to their place."""
+    """Dispatch and combine of a rank with rows written straight to their place."""
 
-    def __init__(self, backend, dlay: np.ndarray, region: np.ndarray):
-        self.b = backend
+    def __init__(self, ctx: ShmContext):
+        self.ctx = backend = ctx
+        self.runner = CallRunner(ctx) if ctx.workers > 1 else None
+        dlay = ctx.dlay
+        region = ctx.region
         self.dlay = dlay
         c = backend.config
         self.el = c.experts_per_rank
@@ -92,6 +91,14 @@ class DirectPath:
         self._c_epoch = 0
         self._last_call = 0
         self._last_dtype = torch.bfloat16
+
+    def _wait(self, cl: Call | None, poll, phase: str, peers_of,
+              deadline: float | None = None) -> None:
+        """A bounded wait of the calling thread (`cl` None) or of a pool worker of `cl`."""
+        if cl is None:
+            self.ctx.wait(poll, phase, peers_of, deadline=deadline)
+        else:
+            self.runner.wait(cl, poll, phase, peers_of)
 
     # -- views of my areas -------------------------------------------------------------------
     def _view(self, area: str, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -119,16 +126,16 @@ class DirectPath:
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int, t0: float) -> DispatchResult:
-        b = self.b
+        b = self.ctx
         idx = topk_idx.numpy()
         w = topk_weights.numpy()
         code = _CODES[x.dtype]
         self._epoch = epoch = self._epoch + 1
-        deadline = time.monotonic() + b.config.timeout_s
+        deadline = b.deadline()
         counts, elems, got, dlay, bases = self._counts, self._elems, self._got, self.dlay, b.bases
         if DK.dispatch_begin(bases, dlay, b.rank, epoch, idx, self.num_experts, code, counts,
                              elems, got, 8):
-            b._wait(None, lambda s: DK.gather_counts(bases, dlay, epoch, counts, elems, got, s),
+            b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, elems, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
                     deadline=deadline)
         t1 = _now_us()
@@ -146,7 +153,7 @@ class DirectPath:
             if n_recv < 0:
                 raise self._dtype_error(x.dtype, missing)
             if missing:
-                b._wait(None, lambda s: DK.recv_meta(b.base, dlay, epoch, 0, n_recv, ints[1],
+                b.wait(lambda s: DK.recv_meta(b.base, dlay, epoch, 0, n_recv, ints[1],
                                                      ints[2], wts, s),
                         "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
                         deadline=deadline)
@@ -164,14 +171,13 @@ class DirectPath:
 
     def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, deadline):
         """`workers` > 1: the workers send a token range each, then wait for a row range."""
-        b = self.b
+        b = self.ctx
         bad = [s for s in range(b.world) if self._elems[s] != code]
         if bad:
             raise self._dtype_error(x.dtype, bad[0])
         n_recv = int(DK.place_rows(self._counts, b.rank, self.el, idx, pos, tpe, ints[0]))
         n = b.workers
-        cl = b._start(epoch, n)
-        cl.deadline = deadline
+        cl = self.runner.start(Call(epoch=epoch, deadline=deadline, n=n))
         xa = x.data_ptr()
         t_n = idx.shape[0]
 
@@ -181,18 +187,18 @@ class DirectPath:
                                 j * t_n // n, (j + 1) * t_n // n)
             m = _now_us()
             lo, hi = j * n_recv // n, (j + 1) * n_recv // n
-            b._wait(cl, lambda s: DK.recv_meta(b.base, self.dlay, epoch, lo, hi, ints[1],
+            self._wait(cl, lambda s: DK.recv_meta(b.base, self.dlay, epoch, lo, hi, ints[1],
                                                ints[2], wts, s),
                     "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], lo, hi))
             cl.iv[j].append(("send", a, m, "busy"))
             cl.iv[j].append(("wait_rows", m, _now_us(), "wait"))
 
-        b._run(cl, work)
+        self.runner.run(cl, work)
         return n_recv, cl.iv
 
     def _dtype_error(self, dtype: torch.dtype, rank: int) -> Exception:
         return _protocol_error(
-            f"rank {self.b.rank} dispatches {dtype} rows but rank {rank} uses "
+            f"rank {self.ctx.rank} dispatches {dtype} rows but rank {rank} uses "
             f"{MOVABLE_DTYPES[int(self._elems[rank])]}; every rank must pass the same dtype")
 
     def _missing_sources(self, epoch: int, src_rank: np.ndarray, lo: int, hi: int) -> list[int]:
@@ -205,7 +211,7 @@ class DirectPath:
                         epoch: int) -> Stats:
         t0, t1, t2 = ts
         n_sent = int(np.count_nonzero(idx >= 0))
-        r = self.b.rank
+        r = self.ctx.rank
         intervals = self._intervals(Interval(r, 0, "counts", t0, t1, "wait"), "send_recv", t2,
                                     ivs)
         return Stats(op="dispatch", backend="shm", mode="ubep", sync="row-flag",
@@ -213,7 +219,7 @@ class DirectPath:
                      phases_us={"counts": t1 - t0, "send_recv": t2 - t1}, intervals=intervals,
                      bytes_sent=n_sent * (rb + 16), bytes_recv=n_recv * (rb + 16),
                      payload_efficiency=rb / (rb + 16),
-                     extra={"epoch": epoch, "workers": self.b.workers, "direct": True})
+                     extra={"epoch": epoch, "workers": self.ctx.workers, "direct": True})
 
     def _intervals(self, first: Interval, rest: str, end: float, ivs) -> list[Interval]:
         """`first`, then the workers' intervals of the pool path (`ivs`), or one interval
@@ -226,7 +232,7 @@ class DirectPath:
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
                 t0: float) -> CombineResult:
-        b = self.b
+        b = self.ctx
         if handle.call != self._last_call:
             raise ValueError("handle is not from this Buffer's latest dispatch; with "
                              "direct=True only the latest dispatch can be combined (its rows "
@@ -237,7 +243,7 @@ class DirectPath:
         rb = self.hidden * expert_out.element_size()
         n_recv = handle.num_recv
         self._c_epoch = epoch = self._c_epoch + 1
-        deadline = time.monotonic() + b.config.timeout_s
+        deadline = b.deadline()
         ptr = expert_out.data_ptr()
         copied = n_recv > 0 and ptr not in (self._recv_addr, self._comb_addr)
         offset = (self._comb_addr if copied or not n_recv else ptr) - b.base
@@ -274,9 +280,7 @@ class DirectPath:
         elif dtype == torch.float32:
             out = torch.from_numpy(y)
         else:
-            from ubep.runtime.shm.backend import _cast_rows
-
-            out = _cast_rows(y, dtype)
+            out = cast_rows(y, dtype)
         t2 = _now_us()
         stats = DeferredStats.of(self._combine_stats, (t0, t1, t2), ivs, copied, idx, rb, epoch)
         return new_combine_result(out, stats)
@@ -296,7 +300,7 @@ class DirectPath:
                 return 0
             return r
 
-        b._wait(cl, poll, "combine/rows",
+        self._wait(cl, poll, "combine/rows",
                 lambda: sorted({int(e) // self.el for t in range(lo, hi) if not done[t]
                                 for e in idx[t] if e >= 0 and ready[int(e) // self.el] < 0}),
                 deadline=deadline)
@@ -305,10 +309,9 @@ class DirectPath:
 
     def _combine_pool(self, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
                       deadline):
-        b = self.b
+        b = self.ctx
         n = b.workers
-        cl = b._start(epoch, n)
-        cl.deadline = deadline
+        cl = self.runner.start(Call(epoch=epoch, deadline=deadline, n=n))
         t_n = idx.shape[0]
 
         def work(j: int) -> None:
@@ -317,24 +320,24 @@ class DirectPath:
                          out16, j * t_n // n, (j + 1) * t_n // n, deadline)
             cl.iv[j].append(("reduce", a, _now_us(), "busy"))
 
-        b._run(cl, work)
+        self.runner.run(cl, work)
         return cl.iv
 
     def _combine_dtype_error(self, dtype: torch.dtype, rank: int) -> Exception:
         return _protocol_error(
-            f"rank {self.b.rank} combines {dtype} rows but rank {rank} published another "
+            f"rank {self.ctx.rank} combines {dtype} rows but rank {rank} published another "
             f"dtype; every rank must pass the same dtype")
 
     def _combine_stats(self, ts, ivs, copied: bool, idx: np.ndarray, rb: int,
                        epoch: int) -> Stats:
         t0, t1, t2 = ts
         n_recv = int(np.count_nonzero(idx >= 0))
-        r = self.b.rank
+        r = self.ctx.rank
         first = "copy_in" if copied else "publish"
         intervals = self._intervals(Interval(r, 0, first, t0, t1), "reduce", t2, ivs)
         return Stats(op="combine", backend="shm", mode="ubep", sync="row-flag",
                      schedule="static", rank=r, total_us=t2 - t0,
                      phases_us={first: t1 - t0, "reduce": t2 - t1}, intervals=intervals,
                      bytes_sent=0, bytes_recv=n_recv * rb, payload_efficiency=1.0,
-                     extra={"epoch": epoch, "workers": self.b.workers, "direct": True,
+                     extra={"epoch": epoch, "workers": self.ctx.workers, "direct": True,
                             "in_place": not copied})

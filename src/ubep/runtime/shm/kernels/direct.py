@@ -2,7 +2,7 @@
 
 Once every rank's per-expert counts are known, the row of (my token t, slot k) has a fixed
 place in its destination's expert-major output, so the sender copies it there and nowhere
-else; combine then reads the expert outputs where they lie. The rules of `kernels.py` hold:
+else; combine then reads the expert outputs where they lie. The rules of `kernels/__init__.py` hold:
 flags are read with `load_acquire`, rows are copied by our own loops, and the flag word is
 release-stored after the row it guards (here: the row's meta word, which carries the epoch).
 """
@@ -18,7 +18,10 @@ from ubep.runtime.shm.atomics import (
     load_acquire,
     store_release,
 )
-from ubep.runtime.shm.kernels import _accumulate, _copy_bytes, _jit, f32_to_bf16, poll_slots
+from ubep.runtime.shm.kernels import jit
+from ubep.runtime.shm.kernels.combine import accumulate, f32_to_bf16
+from ubep.runtime.shm.kernels.records import copy_bytes
+from ubep.runtime.shm.kernels.slots import poll_slots
 from ubep.runtime.shm.region import (
     D_COMB_OFF,
     D_COUNTS_OFF,
@@ -38,7 +41,7 @@ from ubep.runtime.shm.region import (
 _EPOCH_MASK = 0x7FFFFFFF
 
 
-@_jit
+@jit
 def publish_counts(base, dlay, epoch, idx, num_experts, elem):
     """Count my slots per global expert into my own count slot; release its epoch last."""
     cw = dlay[D_CW]
@@ -58,7 +61,7 @@ def publish_counts(base, dlay, epoch, idx, num_experts, elem):
     store_release(slot + (cw - 1) * 8, epoch)
 
 
-@_jit
+@jit
 def gather_counts(bases, dlay, epoch, counts, elems, got, spins):
     """Read every rank's count slot of `epoch` into `counts` `[world, E]` and `elems`
     `[world]` (dtype codes); return how many ranks lack."""
@@ -69,7 +72,7 @@ def gather_counts(bases, dlay, epoch, counts, elems, got, spins):
                       spins)
 
 
-@_jit
+@jit
 def place_rows(counts, me, el, idx, pos, tokens_per_expert, src_rank):
     """Where every row goes, from the count matrix; returns N, the rows I receive.
 
@@ -109,7 +112,7 @@ def place_rows(counts, me, el, idx, pos, tokens_per_expert, src_rank):
     return n
 
 
-@_jit
+@jit
 def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo, t_hi):
     """Copy my rows of tokens [t_lo, t_hi) to their final place; then each row's meta word."""
     meta_off, recv_off = dlay[D_META_OFF], dlay[D_RECV_OFF]
@@ -124,13 +127,13 @@ def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo
                 continue
             base = bases[e // el]
             row = pos[t, k]
-            _copy_bytes(base + recv_off + row * rb, src, rb)
+            copy_bytes(base + recv_off + row * rb, src, rb)
             m = base + meta_off + row * 16
             carray(i64_ptr(m), 1)[0] = np.int64(t) | (np.int64(k) << np.int64(32))
             store_release(m + 8, ep | np.int64(wbits[t, k]))
 
 
-@_jit
+@jit
 def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, spins):
     """Wait for received rows [lo, hi) (their meta words hold `epoch`); decode their metas.
 
@@ -160,7 +163,7 @@ def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, spins):
     return missing
 
 
-@_jit
+@jit
 def publish_ready(base, dlay, epoch, elem, offset):
     """Combine: my expert outputs of `epoch` lie at byte `offset` of my region."""
     r = base + dlay[D_READY_OFF]
@@ -171,7 +174,7 @@ def publish_ready(base, dlay, epoch, elem, offset):
     store_release(r + DR_EPOCH * 8, epoch)
 
 
-@_jit
+@jit
 def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, dtype_code,
                   ecode, lut, t_lo, t_hi, ready, done, y, out16, spins):
     """Sum tokens [t_lo, t_hi) from the expert outputs where they lie, each as soon as every
@@ -180,7 +183,7 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
     `y[t]` is zeroed here, then summed in slot order (as the reference). If `out16` has rows,
     a finished token is also rounded to bf16 bits into `out16[t]`. `ready[r]`: -1 unknown,
     else the byte offset of rank r's outputs. `dtype_code` is my outputs' dtype (every rank
-    must agree), `ecode`/`lut` how to read it as fp32 (see `kernels._accumulate`). A rank that
+    must agree), `ecode`/`lut` how to read it as fp32 (see `kernels.accumulate`). A rank that
     disagrees returns -(r + 1) (the caller names it).
     """
     world = bases.shape[0]
@@ -218,7 +221,7 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
                 r = e // el
                 src = bases[r] + ready[r] + pos[t, k] * rb
                 wgt = weights[t, k] if weighted else np.float32(1.0)
-                _accumulate(src, rb, rb, rb, es, ecode, lut, wgt, yt)
+                accumulate(src, rb, rb, rb, es, ecode, lut, wgt, yt)
             if to_bf16:
                 f32_to_bf16(y[t:t + 1], out16[t:t + 1])
             done[t] = 1
@@ -229,7 +232,7 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
 
 
 # -- one worker: the whole call in as few kernel entries as possible ------------------------------
-@_jit
+@jit
 def dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems, got, spins):
     """Publish my counts, then a first look at everyone's; returns how many ranks lack."""
     publish_counts(bases[me], dlay, epoch, idx, num_experts, elem)
@@ -238,7 +241,7 @@ def dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems
     return gather_counts(bases, dlay, epoch, counts, elems, got, spins)
 
 
-@_jit
+@jit
 def dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, weights, pos, tpe, ints,
                   wts, x_addr, rb, spins):
     """With every rank's counts: place, send all my rows, a first look for the rows I receive.
@@ -254,12 +257,12 @@ def dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, weights,
     return n, recv_meta(bases[me], dlay, epoch, 0, n, ints[1], ints[2], wts, spins)
 
 
-@_jit
+@jit
 def combine_begin(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, idx, weights,
                   weighted, pos, el, rb, es, ecode, lut, ready, done, y, out16, spins):
     """Copy my expert outputs in (if `copy_n`), publish them, a first round of sums."""
     if copy_n > 0:
-        _copy_bytes(bases[me] + dlay[D_COMB_OFF], copy_src, copy_n)
+        copy_bytes(bases[me] + dlay[D_COMB_OFF], copy_src, copy_n)
     publish_ready(bases[me], dlay, epoch, dtype_code, offset)
     for r in range(ready.shape[0]):
         ready[r] = -1
@@ -267,54 +270,8 @@ def combine_begin(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, 
                          dtype_code, ecode, lut, 0, idx.shape[0], ready, done, y, out16, spins)
 
 
-@_jit
+@jit
 def copy_local(dst_addr, src_addr, n):
     """n bytes by our own loop (never memcpy: its non-temporal stores are not ordered before
     the release store that publishes them)."""
-    _copy_bytes(dst_addr, src_addr, n)
-
-
-def warm_up() -> None:
-    """Compile (or load from cache) the direct kernels on a private 1-rank region, before the
-    bootstrap barrier, so JIT time never counts against a call's deadline."""
-    from ubep.runtime.shm.kernels import ELEM_F32
-    from ubep.runtime.shm.region import D_END, D_RECV_OFF, direct_layout
-
-    dlay = direct_layout(start=0, world=1, num_experts=2, hidden=2, max_tokens=1, max_top_k=1)
-    mem = np.zeros(int(dlay[D_END]) + 64, np.uint8)
-    base = (mem.ctypes.data + 63) // 64 * 64
-    bases = np.array([base], np.int64)
-    idx = np.zeros((1, 1), np.int64)
-    w = np.ones((1, 1), np.float32)
-    x = np.zeros((1, 8), np.uint8)
-    counts = np.zeros((1, 2), np.int64)
-    got = np.zeros(1, np.int8)
-    elems = np.zeros(1, np.int64)
-    pos = np.empty((1, 1), np.int64)
-    tpe = np.empty(2, np.int64)
-    ints = np.zeros((3, 1), np.int64)
-    wts = np.zeros(1, np.float32)
-    y = np.zeros((1, 2), np.float32)
-    ready = np.full(1, -1, np.int64)
-    done = np.zeros(1, np.uint8)
-    for epoch in (1, 2):     # the one-worker entries, then the pieces the pool path calls
-        dispatch_begin(bases, dlay, 0, epoch, idx, 2, 0, counts, elems, got, 1)
-        dispatch_rows(bases, dlay, 0, epoch, 0, elems, counts, 2, idx, w, pos, tpe, ints, wts,
-                      x.ctypes.data, 8, 1)
-        done[:] = 0
-        combine_begin(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
-                      8 * (epoch - 1), idx, w, True, pos, 2, 8, 4, ELEM_F32,
-                      np.zeros(1, np.float32), ready, done, y, np.zeros((epoch - 1, 2), np.uint16),
-                      1)
-    got[:] = 0
-    publish_counts(base, dlay, 3, idx, 2, 0)
-    gather_counts(bases, dlay, 3, counts, elems, got, 1)
-    n = place_rows(counts, 0, 2, idx, pos, tpe, ints[0])
-    send_rows_direct(bases, dlay, 3, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
-    recv_meta(base, dlay, 3, 0, n, ints[1], ints[2], wts, 1)
-    copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
-    publish_ready(base, dlay, 3, 2, int(dlay[D_RECV_OFF]))
-    reduce_direct(bases, dlay, 3, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
-                  np.zeros(1, np.float32), 0, 1, np.full(1, -1, np.int64),
-                  np.zeros(1, np.uint8), y, np.zeros((0, 2), np.uint16), 1)
-    del mem
+    copy_bytes(dst_addr, src_addr, n)

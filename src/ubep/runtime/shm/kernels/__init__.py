@@ -1,0 +1,27 @@
+"""The Numba kernels of the shm runtime, one module per purpose.
+
+* `records`: the block format of a row on the wire (write a record, read it, is it there);
+* `slots`: the small control messages: per-expert counts, combine hellos, sw/dc batch flags;
+* `dispatch`, `combine`: rows to their destination window and back, reordering and summing;
+* `local`: synchronization among the workers of one rank (barrier, publish);
+* `sentinel`: sp's reserved marker pattern (arm the windows, refuse inputs that hold it);
+* `single`: the one-worker path's fused entries (a call in as few kernel entries as possible);
+* `direct`: the direct (one-copy) variant;
+* `warmup`: compile them all before a Buffer's first call.
+
+Every kernel is `@jit` = `@njit(nogil=True, cache=True)`, so worker threads run them in
+parallel. Shared words are addressed by raw address (`bases[d]` + offset, see `region.py`).
+Rules:
+
+* every flag/marker read is `load_acquire` (a plain load in a spin loop gets hoisted);
+* rows are copied by our own byte loops (not `memcpy`, whose store order is not defined),
+  and each block's marker word is written last with `store_release`;
+* waits are bounded: a poll kernel spins at most `spins` rounds with `cpu_pause` and returns
+  what is still missing; the Python side (`waits.py`) backs off, checks deadline and
+  liveness, and re-enters.
+"""
+
+from numba import njit
+
+#: how every kernel is compiled: releases the GIL (workers run in parallel), cached on disk
+jit = njit(nogil=True, cache=True)

@@ -1,0 +1,72 @@
+"""sp (sentinel polling): arm the windows with the sentinel; refuse rows that hold it.
+
+A row whose marker word equals the sentinel would never be seen as arrived, so the
+sender checks its rows first and aborts the call (a clear error on every rank) instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray
+
+from ubep.runtime.shm.atomics import i64_ptr
+from ubep.runtime.shm.kernels import jit
+from ubep.runtime.shm.kernels.records import SENT, num_blocks, rec_word
+from ubep.runtime.shm.region import (
+    L_BB,
+    L_CSLOTS,
+    L_CSTRIDE,
+    L_CWIN_OFF,
+    L_DROWS,
+    L_DSTRIDE,
+    L_DWIN_OFF,
+    L_WORLD,
+)
+
+
+@jit
+def arm_sentinels(base, lay):
+    """sp: fill every marker word of this region's windows with the sentinel."""
+    bb = lay[L_BB]
+    world = lay[L_WORLD]
+    for start, rows, stride in ((lay[L_DWIN_OFF], 2 * world * lay[L_DROWS], lay[L_DSTRIDE]),
+                                (lay[L_CWIN_OFF], 2 * lay[L_CSLOTS], lay[L_CSTRIDE])):
+        nb = stride // bb
+        for r in range(rows):
+            row = base + start + r * stride
+            for b in range(nb):
+                carray(i64_ptr(row + b * bb + bb - 8), 1)[0] = SENT
+
+
+@jit
+def sp_check_dispatch(x, weights, sends, bb):
+    """First send index whose record holds the sentinel at a marker position, else -1."""
+    head = np.zeros(16, np.uint8)
+    head_i = head.view(np.int32)
+    head_f = head.view(np.float32)
+    rb = x.shape[1]
+    nb = num_blocks(16 + rb, bb)
+    for i in range(sends.shape[0]):
+        t, k = sends[i, 0], sends[i, 1]
+        head_i[0] = t
+        head_i[1] = k
+        head_f[2] = weights[t, k]
+        for b in range(nb):
+            if rec_word(head, 16, x[t], rb, b * bb + bb - 8) == SENT:
+                return i
+    return -1
+
+
+@jit
+def sp_check_rows(rows, bb):
+    """First row (no header) holding the sentinel at a marker position, else -1."""
+    head = np.zeros(1, np.uint8)
+    rb = rows.shape[1]
+    nb = num_blocks(rb, bb)
+    for i in range(rows.shape[0]):
+        for b in range(nb):
+            if rec_word(head, 0, rows[i], rb, b * bb + bb - 8) == SENT:
+                return i
+    return -1
+
+

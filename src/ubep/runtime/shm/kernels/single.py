@@ -1,0 +1,253 @@
+"""The one-worker path's kernels: a call's sending side in one entry, its waits in few.
+
+With one worker per rank the same dependency order as the pool path's roles runs in one
+thread: counts first, then rows, then the wait for peers' counts, offsets, and reordering.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray
+
+from ubep.runtime.shm.atomics import f32_ptr, i64_ptr, u8_ptr, u16_ptr
+from ubep.runtime.shm.kernels import jit
+from ubep.runtime.shm.kernels.combine import f32_to_bf16, reduce_tokens, send_back
+from ubep.runtime.shm.kernels.dispatch import offsets, recv_rows, send_rows
+from ubep.runtime.shm.kernels.records import FMT_DC, FMT_SP, FMT_SW
+from ubep.runtime.shm.kernels.sentinel import sp_check_dispatch, sp_check_rows
+from ubep.runtime.shm.kernels.slots import (
+    check_meta,
+    poll_counts,
+    poll_hello,
+    send_counts,
+    send_hello,
+    write_batch_flags,
+)
+from ubep.runtime.shm.region import L_BB, L_EL, L_FMT, L_WORLD
+
+
+# -- planning (one token worker) ---------------------------------------------------------------
+@jit
+def plan_single(idx, expert_order, static, experts_per_rank):
+    """The Plan of one token worker: `(sends [N,3], window_pos [N], send_counts [E])`.
+
+    Same arrays as `ubep.plan.make_plan(..., workers=1)`: static sends row-major; balanced
+    and hierarchical sort by the position of the expert in `expert_order`, then token.
+    """
+    t_n, k_n = idx.shape
+    e_n = expert_order.shape[0]
+    counts = np.zeros(e_n, np.int64)
+    for t in range(t_n):
+        for k in range(k_n):
+            e = idx[t, k]
+            if e >= 0:
+                counts[e] += 1
+    n = 0
+    start = np.empty(e_n, np.int64)
+    for i in range(e_n):
+        e = expert_order[i]
+        start[e] = n
+        n += counts[e]
+    sends = np.empty((n, 3), np.int64)
+    pos = np.empty(n, np.int64)
+    fill = np.zeros(e_n, np.int64)
+    i = 0
+    for t in range(t_n):
+        for k in range(k_n):
+            e = idx[t, k]
+            if e < 0:
+                continue
+            j = i if static else start[e] + fill[e]
+            sends[j, 0] = t
+            sends[j, 1] = k
+            sends[j, 2] = e // experts_per_rank
+            pos[j] = fill[e]
+            fill[e] += 1
+            i += 1
+    return sends, pos, counts
+
+
+
+# -- one worker: a call's sending side in one kernel ----------------------------------------------
+@jit
+def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, expert_order, static, elem,
+                         corrupt, cs, bsp):
+    """Plan, counts, rows and batch flags of a one-worker dispatch in one call.
+
+    ubep order: counts first, then rows (+ sw/dc batch flags); bsp order: rows, flags, then
+    counts (the Send-Flag-and-Count phase). sp: rows are checked for the sentinel first; a
+    hit sends an abort in place of the counts and returns -(token + 1). Else the send count.
+    """
+    world = lay[L_WORLD]
+    fmt = lay[L_FMT]
+    sends, pos, counts = plan_single(idx, expert_order, static, lay[L_EL])
+    if fmt == FMT_SP:
+        bad = sp_check_dispatch(x, weights, sends, lay[L_BB])
+        if bad >= 0:
+            send_counts(bases, lay, me, epoch, counts, 1, elem, 1, 0, world)
+            return -(sends[bad, 0] + 1)
+    if not bsp:
+        send_counts(bases, lay, me, epoch, counts, 1, elem, 0, 0, world)
+    for d in range(world):
+        cs[d] = 0
+    send_rows(bases, lay, me, epoch, x, idx, weights, sends, pos, counts, cs)
+    if fmt == FMT_SW or fmt == FMT_DC:
+        write_batch_flags(bases, lay, 0, me, epoch, 0, cs, corrupt)
+    if bsp:
+        send_counts(bases, lay, me, epoch, counts, 1, elem, 0, 0, world)
+    return sends.shape[0]
+
+
+@jit
+def combine_send_single(bases, lay, me, epoch, rows, src_rank, src_tok, src_slot, elem, corrupt,
+                        cs, bsp):
+    """Hello, rows back and batch flags of a one-worker combine (bsp: hello last).
+
+    sp: a row holding the sentinel sends an abort hello and returns -(row + 1); else 0.
+    """
+    world = lay[L_WORLD]
+    fmt = lay[L_FMT]
+    if fmt == FMT_SP:
+        bad = sp_check_rows(rows, lay[L_BB])
+        if bad >= 0:
+            send_hello(bases, lay, me, epoch, 1, elem, 1)
+            return -(bad + 1)
+    if not bsp:
+        send_hello(bases, lay, me, epoch, 1, elem, 0)
+    for d in range(world):
+        cs[d] = 0
+    send_back(bases, lay, epoch, rows, src_rank, src_tok, src_slot, 0, rows.shape[0], cs)
+    if fmt == FMT_SW or fmt == FMT_DC:
+        write_batch_flags(bases, lay, 1, me, epoch, 0, cs, corrupt)
+    if bsp:
+        send_hello(bases, lay, me, epoch, 1, elem, 0)
+    return 0
+
+
+@jit
+def combine_poll_single(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello, got,
+                        done, batch, y, spins, hellos_first):
+    """Collect hellos and sum the tokens whose rows arrived; returns what is still missing.
+
+    `hellos_first` (bsp): no token is summed before every peer's hello (flag) arrived.
+    """
+    missing = poll_hello(base, lay, epoch, hello, got, spins if hellos_first else 1)
+    if hellos_first and missing:
+        return missing
+    return missing + reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut,
+                                   hello, 0, idx.shape[0], done, batch, y, spins)
+
+
+# -- one worker, tensors by address: a call in as few kernel entries as the waits allow ------------
+# The one-worker path passes its per-call tensors as raw addresses (`t.data_ptr()`, a fraction
+# of a microsecond) and builds the views here: a numpy view of a tensor costs microseconds on
+# the Python side. The caller keeps the tensors alive for the call. `res` receives results
+# that are not a poll's "still missing" count.
+RES_SENDS, RES_META, RES_RECV, RES_ROUTED = 0, 1, 2, 3
+#: combine_poll_at: how the fp32 sums reach the output (in place; bf16 rounding; by the caller)
+CAST_NONE, CAST_BF16 = 0, 1
+
+
+@jit
+def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_addr,
+                      expert_order, static, elem, corrupt, cs, bsp, counts, meta, got,
+                      out_start, tpe, batch, res):
+    """`dispatch_send_single`, then one look at the counts (`dispatch_counts_at`).
+
+    Sets `res[RES_SENDS]` to the send count, or to -(token + 1) after an sp sentinel abort (then
+    returns 0 and does nothing more). Returns the sources whose counts are still missing.
+    """
+    x = carray(u8_ptr(x_addr), (num_tokens, rb))
+    idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
+    w = carray(f32_ptr(w_addr), (num_tokens, top_k))
+    n = dispatch_send_single(bases, lay, me, epoch, x, idx, w, expert_order, static, elem,
+                             corrupt, cs, bsp)
+    res[RES_SENDS] = n
+    if n < 0:
+        return 0
+    for s in range(got.shape[0]):
+        got[s] = 0
+    return dispatch_counts_at(bases[me], lay, epoch, counts, meta, got, out_start, tpe, batch,
+                              elem, res, 1)
+
+
+@jit
+def dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch, elem, res,
+                       spins):
+    """`poll_counts` of every source; once all arrived, `check_meta` into `res[RES_META]`,
+    the offsets and tokens per expert, N into `res[RES_RECV]`, and `batch` reset for the rows.
+
+    Returns the sources still missing (0: done).
+    """
+    missing = poll_counts(base, lay, epoch, 0, lay[L_WORLD], counts, meta, got, spins)
+    if missing:
+        return missing
+    res[RES_META] = check_meta(meta, elem)
+    res[RES_RECV] = offsets(counts, out_start, tpe)
+    for s in range(batch.shape[0]):
+        batch[s] = 0
+    return 0
+
+
+@jit
+def recv_rows_at(base, lay, epoch, counts, meta, out_start, n, done, batch, x_addr, rb, out_w,
+                 ints, spins):
+    """`recv_rows` of all `n` rows into the `[n, rb]` bytes at `x_addr`; `ints` `[3, n]` gets
+    (source rank, token, slot). Returns the rows still missing."""
+    out_x = carray(u8_ptr(x_addr), (n, rb))
+    return recv_rows(base, lay, epoch, counts, meta, out_start, 0, n, done, batch, out_x, out_w,
+                     ints[0], ints[1], ints[2], spins)
+
+
+@jit
+def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, corrupt, cs, bsp,
+                     hello, got, batch, y_addr, num_tokens, hidden):
+    """`combine_send_single` of the `[n, rb]` bytes at `rows_addr`, then the receive state
+    reset: `hello` -1, `got` and `batch` 0, the fp32 sums `[num_tokens, hidden]` at `y_addr`
+    zeroed (after the send: the peers need our rows first). Returns what the send returns."""
+    rows = carray(u8_ptr(rows_addr), (n, rb))
+    bad = combine_send_single(bases, lay, me, epoch, rows, ints[0], ints[1], ints[2], elem,
+                              corrupt, cs, bsp)
+    if bad < 0:
+        return bad
+    for s in range(hello.shape[0]):
+        got[s] = 0
+        batch[s] = 0
+        for i in range(hello.shape[1]):
+            hello[s, i] = -1
+    y = carray(f32_ptr(y_addr), num_tokens * hidden)
+    for i in range(num_tokens * hidden):
+        y[i] = 0.0
+    return 0
+
+
+@jit
+def combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted, rb, es,
+                    ecode, lut, hello, got, done, batch, y_addr, hidden, spins, bsp, elem,
+                    cast, out_addr, res):
+    """`combine_poll_single` over the routing at `idx_addr`/`w_addr` into the sums at
+    `y_addr`; once complete, `check_meta` of the hellos into `res[RES_META]`, the routed slots
+    into `res[RES_ROUTED]` and (`cast` == CAST_BF16) the sums rounded into the bf16
+    `[num_tokens, hidden]` at `out_addr`.
+
+    Returns what is still missing (0: done).
+    """
+    idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
+    w = carray(f32_ptr(w_addr), (num_tokens, top_k))
+    y = carray(f32_ptr(y_addr), (num_tokens, hidden))
+    missing = combine_poll_single(base, lay, epoch, idx, w, weighted, rb, es, ecode, lut, hello,
+                                  got, done, batch, y, spins, bsp)
+    if missing:
+        return missing
+    res[RES_META] = check_meta(hello, elem)
+    routed = 0
+    for t in range(num_tokens):
+        for k in range(top_k):
+            if idx[t, k] >= 0:
+                routed += 1
+    res[RES_ROUTED] = routed
+    if cast == CAST_BF16:
+        f32_to_bf16(y, carray(u16_ptr(out_addr), (num_tokens, hidden)))
+    return 0
+
+

@@ -1,0 +1,178 @@
+"""Compile (or load from Numba's cache) every kernel a call uses, before the first call.
+
+Called at Buffer creation, before the bootstrap barrier, so that JIT time never counts
+against a call's deadline while a peer waits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ubep.runtime.shm.kernels.combine import ELEM_F32, reduce_tokens, send_back
+from ubep.runtime.shm.kernels.direct import (
+    combine_begin,
+    copy_local,
+    dispatch_begin,
+    dispatch_rows,
+    gather_counts,
+    place_rows,
+    publish_counts,
+    publish_ready,
+    recv_meta,
+    reduce_direct,
+    send_rows_direct,
+)
+from ubep.runtime.shm.kernels.dispatch import offsets, recv_rows, send_rows
+from ubep.runtime.shm.kernels.local import barrier_arrive, poll_at_least, publish
+from ubep.runtime.shm.kernels.single import (
+    CAST_BF16,
+    RES_RECV,
+    combine_begin_at,
+    combine_poll_at,
+    combine_poll_single,
+    combine_send_single,
+    dispatch_begin_at,
+    dispatch_counts_at,
+    dispatch_send_single,
+    plan_single,
+    recv_rows_at,
+)
+from ubep.runtime.shm.kernels.slots import (
+    check_meta,
+    poll_counts,
+    poll_hello,
+    send_counts,
+    send_hello,
+    write_batch_flags,
+)
+from ubep.runtime.shm.region import D_END, D_RECV_OFF, L_EL, L_SIZE, direct_layout
+
+
+def _warm_up_at(bases, lay, bsp: bool) -> None:
+    """Compile (or load) the by-address kernels with the argument types of a real call."""
+    base = int(bases[0])
+    el = int(lay[L_EL])
+    x = np.zeros((1, 8), np.uint8)
+    idx = np.zeros((1, 1), np.int64)
+    w = np.ones((1, 1), np.float32)
+    order = np.arange(el, dtype=np.int64)
+    cs, batch, res = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(4, np.int64)
+    counts, out_start = np.zeros((1, el), np.int64), np.zeros((1, el), np.int64)
+    meta, got, tpe = np.zeros((1, 3), np.int64), np.zeros(1, np.int8), np.zeros(el, np.int64)
+    epoch = 5 if bsp else 4
+    x_addr, idx_addr, w_addr = x.ctypes.data, idx.ctypes.data, w.ctypes.data
+    dispatch_begin_at(bases, lay, 0, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, order, False, 0,
+                      0, cs, bsp, counts, meta, got, out_start, tpe, batch, res)
+    dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch, 0, res, 1)
+    n = int(res[RES_RECV])
+    ints, wts = np.zeros((3, n), np.int64), np.zeros(n, np.float32)
+    out = np.zeros((max(n, 1), 8), np.uint8)
+    recv_rows_at(base, lay, epoch, counts, meta, out_start, n, np.zeros(n, np.uint8), batch,
+                 out.ctypes.data, 8, wts, ints, 1)
+    hello = np.zeros((1, 3), np.int64)
+    y = np.zeros((1, 2), np.float32)
+    y16 = np.zeros((1, 2), np.uint16)
+    combine_begin_at(bases, lay, 0, epoch, out.ctypes.data, n, 8, ints, 0, 0, cs, bsp, hello,
+                     got, batch, y.ctypes.data, 1, 2)
+    combine_poll_at(base, lay, epoch, idx_addr, w_addr, 1, 1, True, 8, 4, ELEM_F32,
+                    np.zeros(1, np.float32), hello, got, np.zeros(1, np.uint8), batch,
+                    y.ctypes.data, 2, 1, bsp, 0, CAST_BF16, y16.ctypes.data, res)
+
+
+def warm_up(lay_of, multi: bool) -> None:
+    """Compile (or load from cache) the kernels a call uses, on a private 1-rank region.
+
+    Called at Buffer creation, before the bootstrap barrier, so that JIT time never counts
+    against a call's deadline while a peer waits. `lay_of(world=1, ...)` builds a layout.
+    """
+    lay = lay_of()
+    mem = np.zeros(int(lay[L_SIZE]) + 64, np.uint8)
+    base = (mem.ctypes.data + 63) // 64 * 64
+    bases = np.array([base], np.int64)
+    x = np.zeros((1, 8), np.uint8)
+    idx = np.zeros((1, 1), np.int64)
+    w = np.ones((1, 1), np.float32)
+    order = np.arange(lay[L_EL], dtype=np.int64)
+    cs = np.zeros(1, np.int64)
+    meta = np.zeros((1, 3), np.int64)
+    got = np.zeros(1, np.int8)
+    rc = np.zeros((1, lay[L_EL]), np.int64)
+    out_start = np.zeros((1, lay[L_EL]), np.int64)
+    tpe = np.zeros(lay[L_EL], np.int64)
+    for epoch, bsp in ((1, False), (2, True)):
+        dispatch_send_single(bases, lay, 0, epoch, x, idx, w, order, False, 0, 0, cs, bsp)
+        got[:] = 0
+        poll_counts(base, lay, epoch, 0, 1, rc, meta, got, 1)
+        check_meta(meta, 0)
+        n = offsets(rc, out_start, tpe)
+        ints = np.zeros((3, n), np.int64)
+        recv_rows(base, lay, epoch, rc, meta, out_start, 0, n, np.zeros(n, np.uint8),
+                  np.zeros(1, np.int64), np.zeros((n, 8), np.uint8), np.zeros(n, np.float32),
+                  ints[0], ints[1], ints[2], 1)
+        combine_send_single(bases, lay, 0, epoch, np.zeros((n, 8), np.uint8), ints[0], ints[1],
+                            ints[2], 0, 0, cs, bsp)
+        hello = np.full((1, 3), -1, np.int64)
+        got[:] = 0
+        combine_poll_single(base, lay, epoch, idx, w, True, 8, 4, ELEM_F32,
+                            np.zeros(1, np.float32), hello, got, np.zeros(1, np.uint8),
+                            np.zeros(1, np.int64), np.zeros((1, 2), np.float32), 1, bsp)
+        _warm_up_at(bases, lay, bsp)
+    if multi:
+        send_counts(bases, lay, 0, 3, tpe, 1, 0, 0, 0, 1)
+        sends, pos, counts = plan_single(idx, order, False, lay[L_EL])
+        send_rows(bases, lay, 0, 3, x, idx, w, sends, pos, counts, cs)
+        write_batch_flags(bases, lay, 0, 0, 3, 0, cs, 0)
+        poll_hello(base, lay, 3, meta, got, 1)
+        send_hello(bases, lay, 0, 3, 1, 0, 0)
+        send_back(bases, lay, 3, x, ints[0], ints[1], ints[2], 0, 0, cs)
+        reduce_tokens(base, lay, 3, idx, w, True, 8, 4, ELEM_F32, np.zeros(1, np.float32),
+                      meta, 0, 0, np.zeros(1, np.uint8), np.zeros(1, np.int64),
+                      np.zeros((1, 2), np.float32), 1)
+        counter = np.zeros(1, np.int64)
+        barrier_arrive(counter.ctypes.data)
+        poll_at_least(counter.ctypes.data, 1, 1)
+        publish(counter.ctypes.data, 0)
+    del mem
+
+
+def warm_up_direct() -> None:
+    """Compile (or load from cache) the direct kernels on a private 1-rank region, before the
+    bootstrap barrier, so JIT time never counts against a call's deadline."""
+    dlay = direct_layout(start=0, world=1, num_experts=2, hidden=2, max_tokens=1, max_top_k=1)
+    mem = np.zeros(int(dlay[D_END]) + 64, np.uint8)
+    base = (mem.ctypes.data + 63) // 64 * 64
+    bases = np.array([base], np.int64)
+    idx = np.zeros((1, 1), np.int64)
+    w = np.ones((1, 1), np.float32)
+    x = np.zeros((1, 8), np.uint8)
+    counts = np.zeros((1, 2), np.int64)
+    got = np.zeros(1, np.int8)
+    elems = np.zeros(1, np.int64)
+    pos = np.empty((1, 1), np.int64)
+    tpe = np.empty(2, np.int64)
+    ints = np.zeros((3, 1), np.int64)
+    wts = np.zeros(1, np.float32)
+    y = np.zeros((1, 2), np.float32)
+    ready = np.full(1, -1, np.int64)
+    done = np.zeros(1, np.uint8)
+    for epoch in (1, 2):     # the one-worker entries, then the pieces the pool path calls
+        dispatch_begin(bases, dlay, 0, epoch, idx, 2, 0, counts, elems, got, 1)
+        dispatch_rows(bases, dlay, 0, epoch, 0, elems, counts, 2, idx, w, pos, tpe, ints, wts,
+                      x.ctypes.data, 8, 1)
+        done[:] = 0
+        combine_begin(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
+                      8 * (epoch - 1), idx, w, True, pos, 2, 8, 4, ELEM_F32,
+                      np.zeros(1, np.float32), ready, done, y, np.zeros((epoch - 1, 2), np.uint16),
+                      1)
+    got[:] = 0
+    publish_counts(base, dlay, 3, idx, 2, 0)
+    gather_counts(bases, dlay, 3, counts, elems, got, 1)
+    n = place_rows(counts, 0, 2, idx, pos, tpe, ints[0])
+    send_rows_direct(bases, dlay, 3, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
+    recv_meta(base, dlay, 3, 0, n, ints[1], ints[2], wts, 1)
+    copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
+    publish_ready(base, dlay, 3, 2, int(dlay[D_RECV_OFF]))
+    reduce_direct(bases, dlay, 3, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
+                  np.zeros(1, np.float32), 0, 1, np.full(1, -1, np.int64),
+                  np.zeros(1, np.uint8), y, np.zeros((0, 2), np.uint16), 1)
+    del mem

@@ -1,0 +1,221 @@
+"""The one-worker path: a rank's whole call in the calling thread, in few kernel entries.
+
+With one worker the roles of the pool path run in their dependency order in one thread:
+counts first, then rows (+ sw/dc batch flags), then the wait for every source's counts,
+CalCumSum, and reordering as rows are seen complete. Combine: rows back, then each token
+summed once its slots arrived. Mode "bsp" keeps the baseline's order (rows, then flags and
+counts) without barriers (there is no other worker to wait for).
+
+Tensors reach the kernels by address (`data_ptr()`, a fraction of a microsecond where a
+numpy view costs microseconds); the handle keeps them alive. Scratch arrays are made once
+and reused; stats become objects only when read (`DeferredStats`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ubep.handle import (
+    CombineResult,
+    DispatchHandle,
+    DispatchResult,
+    new_combine_result,
+    new_dispatch_result,
+    new_handle,
+)
+from ubep.options import BufferConfig
+from ubep.plan.blocks import BlockFormat
+from ubep.runtime.shm.context import ShmContext
+from ubep.runtime.shm.elements import cast_rows, combine_elem
+from ubep.runtime.shm.kernels import single as KS
+from ubep.runtime.shm.protocol import DTYPE_CODES, check_peers_meta, dc_detail, sentinel_error
+from ubep.runtime.shm.region import L_EL, META_BYTES
+from ubep.runtime.shm.waits import now_us
+from ubep.stats import DeferredStats, Interval, Stats
+
+
+class SinglePath:
+    """Dispatch and combine of a rank with one worker."""
+
+    def __init__(self, ctx: ShmContext, expert_order: np.ndarray):
+        self.ctx = ctx
+        c = ctx.config
+        w, el = ctx.world, c.experts_per_rank
+        self._static = c.schedule == "static"
+        self._bsp = c.mode == "bsp"
+        self._d_epoch = 0
+        self._c_epoch = 0
+        # scratch, kept: the path allocates nothing it can reuse. The expert order is a
+        # writable copy: the kernels were warmed up for writable arrays (Numba compiles per
+        # array flag) and the plan's may be read-only.
+        self._order = np.array(expert_order, np.int64)
+        self._cs = np.zeros(w, np.int64)
+        self._rc = np.zeros((w, el), np.int64)
+        self._meta = np.zeros((w, 3), np.int64)
+        self._got = np.zeros(w, np.int8)
+        self._batch = np.zeros(w, np.int64)
+        self._out_start = np.zeros((w, el), np.int64)
+        self._hello = np.zeros((w, 3), np.int64)
+        self._res = np.zeros(4, np.int64)             # kernel results (`KS.RES_*`)
+        self._y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)   # fp32 sums
+        self._y_addr = self._y.ctypes.data
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 call: int, t0: float) -> DispatchResult:
+        """Send and a first look at the counts in one kernel entry, then the outputs, then
+        the rows."""
+        ctx = self.ctx
+        c = ctx.config
+        res, order = self._res, self._order
+        num_tokens, hidden = x.shape
+        top_k = topk_idx.shape[1]
+        rb = hidden * x.element_size()
+        elem = DTYPE_CODES[x.dtype]
+        idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
+        self._d_epoch = epoch = self._d_epoch + 1
+        deadline = ctx.deadline()
+        rc, meta, got, out_start, batch = (self._rc, self._meta, self._got, self._out_start,
+                                           self._batch)
+        base, lay, world = ctx.base, ctx.lay, ctx.world
+        tpe = np.empty(c.experts_per_rank, np.int64)
+        missing = KS.dispatch_begin_at(ctx.bases, lay, ctx.rank, epoch, x.data_ptr(),
+                                       num_tokens, rb, idx_addr, top_k, w_addr, order,
+                                       self._static, elem, ctx.dc_corrupt, self._cs, self._bsp,
+                                       rc, meta, got, out_start, tpe, batch, res)
+        if missing:
+            t1 = now_us()
+            ctx.wait(lambda s: KS.dispatch_counts_at(base, lay, epoch, rc, meta, got, out_start,
+                                                     tpe, batch, elem, res, s),
+                     "dispatch/counts", lambda: [s for s in range(world) if not got[s]],
+                     deadline=deadline)
+            t2 = now_us()
+        else:
+            t1 = t2 = now_us()
+        n_sends, code, n_recv, _ = res.tolist()
+        if n_sends < 0:
+            raise sentinel_error("x", -n_sends - 1)
+        if code:
+            check_peers_meta(meta, elem, ctx.rank, "dispatch")
+        recv_x = torch.empty(n_recv, hidden, dtype=x.dtype)
+        ints = np.empty((3, n_recv), np.int64)
+        wts = np.empty(n_recv, np.float32)
+        done = np.zeros(n_recv, np.uint8)
+        x_addr = recv_x.data_ptr()
+        ctx.wait(lambda s: KS.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv, done,
+                                           batch, x_addr, rb, wts, ints, s),
+                 "dispatch/rows", lambda: missing_sources(rc, done, 0, n_recv),
+                 lambda: dc_detail(batch), deadline=deadline)
+        t3 = now_us()
+        handle = new_handle(ctx.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
+                            topk_weights, ints, (idx_addr, w_addr, top_k, ints))
+        stats = DeferredStats.of(_dispatch_stats, c, ctx.fmt, ctx.rank, (t0, t1, t2, t3),
+                                 n_sends, n_recv, rb, epoch)
+        return new_dispatch_result(recv_x, wts, torch.from_numpy(tpe), handle, stats)
+
+    # -- combine -----------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
+                t0: float) -> CombineResult:
+        """Rows back in one kernel entry, then sum (and round to bf16) in the poll. fp32 sums
+        land in the output itself, bf16 ones in kept scratch; by address."""
+        ctx = self.ctx
+        dtype = expert_out.dtype
+        idx_addr, w_addr, top_k, ints = handle.state
+        num_tokens, hidden, n_recv = handle.num_tokens, handle.hidden, handle.num_recv
+        res, y_addr = self._res, self._y_addr
+        elem, ecode, lut = _combine_elem(dtype)
+        es = expert_out.element_size()
+        rb = hidden * es
+        self._c_epoch = epoch = self._c_epoch + 1
+        deadline = ctx.deadline()
+        hello, got, batch, base, lay = self._hello, self._got, self._batch, ctx.base, ctx.lay
+        out = None
+        if dtype is torch.float32:                     # sum in place, no cast
+            out = torch.empty(num_tokens, hidden, dtype=dtype)
+            y_addr = out.data_ptr()
+        bad = KS.combine_begin_at(ctx.bases, lay, ctx.rank, epoch, expert_out.data_ptr(),
+                                  n_recv, rb, ints, elem, ctx.dc_corrupt, self._cs, self._bsp,
+                                  hello, got, batch, y_addr, num_tokens, hidden)
+        if bad < 0:
+            raise sentinel_error("expert_out", -bad - 1)
+        t1 = now_us()
+        cast, out_addr = KS.CAST_NONE, 0
+        if dtype is torch.bfloat16:                   # the poll rounds into it once complete
+            out = torch.empty(num_tokens, hidden, dtype=dtype)
+            cast, out_addr = KS.CAST_BF16, out.data_ptr()
+        done = np.zeros(num_tokens, np.uint8)
+        bsp, weighted = self._bsp, bool(weighted)
+        ctx.wait(lambda s: KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens,
+                                              top_k, weighted, rb, es, ecode, lut, hello, got,
+                                              done, batch, y_addr, hidden, s, bsp, elem, cast,
+                                              out_addr, res),
+                 "combine/rows", lambda: self._combine_missing(handle, done),
+                 lambda: dc_detail(batch), deadline=deadline)
+        _, code, _, routed = res.tolist()
+        if code:
+            check_peers_meta(hello, elem, ctx.rank, "combine")
+        if out is None:                                # fp16, fp8: rare, cast by torch/numpy
+            out = cast_rows(self._y[:num_tokens * hidden].reshape(num_tokens, hidden), dtype)
+        t2 = now_us()
+        stats = DeferredStats.of(_combine_stats, ctx.config, ctx.fmt, ctx.rank, (t0, t1, t2),
+                                 n_recv, routed, rb, epoch)
+        return new_combine_result(out, stats)
+
+    def _combine_missing(self, handle: DispatchHandle, done: np.ndarray) -> list[int]:
+        """The ranks a combine still waits for (rows of unfinished tokens, hellos)."""
+        el = int(self.ctx.lay[L_EL])
+        idx, batch, got = handle.topk_idx.numpy(), self._batch, self._got
+        want = {int(e) // el for t in range(handle.num_tokens) if not done[t]
+                for e in idx[t] if e >= 0}
+        if self.ctx.fmt.sync in ("sw", "dc"):
+            want = {r for r in want if batch[r] != 1}
+        return sorted(want | {s for s in range(self.ctx.world) if not got[s]})
+
+
+def missing_sources(rc: np.ndarray, done: np.ndarray, lo: int, hi: int) -> list[int]:
+    """Sources some of whose rows in [lo, hi) (source-major order) have not arrived."""
+    ends = np.cumsum(rc.sum(1))
+    starts = ends - rc.sum(1)
+    return [s for s in range(rc.shape[0])
+            if max(starts[s], lo) < min(ends[s], hi)
+            and not done[max(starts[s], lo):min(ends[s], hi)].all()]
+
+
+@functools.cache
+def _combine_elem(dtype: torch.dtype) -> tuple[int, int, np.ndarray]:
+    """(dtype code, element code, fp32 lookup table) of combine rows, once per dtype."""
+    return (DTYPE_CODES[dtype], *combine_elem(dtype))
+
+
+def _dispatch_stats(c: BufferConfig, fmt: BlockFormat, r: int, ts: tuple[float, ...],
+                    n_sends: int, n_recv: int, rb: int, epoch: int) -> Stats:
+    """The Stats of a one-worker dispatch from its timestamps (built on first read)."""
+    t0, t1, t2, t3 = ts
+    wire = fmt.wire_bytes(META_BYTES + rb)
+    return Stats(op="dispatch", backend="shm", mode=c.mode, sync=c.sync,
+                 schedule=c.schedule, rank=r, total_us=t3 - t0,
+                 phases_us={"send": t1 - t0, "wait_counts": t2 - t1, "reorder": t3 - t2},
+                 intervals=[Interval(r, 0, "send", t0, t1),
+                            Interval(r, 0, "wait_counts", t1, t2, "wait"),
+                            Interval(r, 0, "reorder", t2, t3)],
+                 bytes_sent=n_sends * wire, bytes_recv=n_recv * wire,
+                 payload_efficiency=fmt.efficiency(META_BYTES + rb),
+                 extra={"epoch": epoch, "workers": 1})
+
+
+def _combine_stats(c: BufferConfig, fmt: BlockFormat, r: int, ts: tuple[float, ...],
+                   n_sent: int, n_recv: int, rb: int, epoch: int) -> Stats:
+    """The Stats of a one-worker combine from its timestamps (built on first read)."""
+    t0, t1, t2 = ts
+    wire = fmt.wire_bytes(rb)
+    return Stats(op="combine", backend="shm", mode=c.mode, sync=c.sync,
+                 schedule=c.schedule, rank=r, total_us=t2 - t0,
+                 phases_us={"send": t1 - t0, "reduce": t2 - t1},
+                 intervals=[Interval(r, 0, "send", t0, t1),
+                            Interval(r, 0, "reduce", t1, t2)],
+                 bytes_sent=n_sent * wire, bytes_recv=n_recv * wire,
+                 payload_efficiency=fmt.efficiency(rb),
+                 extra={"epoch": epoch, "workers": 1})

@@ -1,0 +1,73 @@
+"""Bounded waits: re-enter a poll kernel until it reports nothing missing, backing off.
+
+Every wait of the shm runtime goes through `wait`: it has a deadline (`PeerTimeoutError`
+names the waiting rank, the phase and the peers still missing), checks that the peers are
+alive (`PeerDiedError`), and stops early when another worker of the same call failed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from ubep.errors import PeerDiedError, PeerTimeoutError
+from ubep.runtime.shm import segments
+
+#: kernel spin rounds before a poll returns "not ready" to the Python backoff
+SPINS = 64
+#: how long a waiter yields the core between polls before it starts sleeping, seconds: on an
+#: idle host the peer is running and answers within microseconds; when threads outnumber
+#: cores, sched_yield hands the core to whoever is runnable
+YIELD_S = 200e-6
+#: how often a waiting worker checks that its peers are alive, seconds
+LIVENESS_EVERY_S = 0.005
+
+
+class Cancelled(Exception):
+    """Another worker of this rank failed; stop waiting."""
+
+
+def now_us() -> float:
+    """A monotonic timestamp in microseconds (the unit of `ubep.stats`)."""
+    return time.perf_counter_ns() / 1e3
+
+
+def wait(poll: Callable[[int], int], *, rank: int, pids: Sequence[int], phase: str,
+         deadline: float, timeout_s: float, peers_of: Callable[[], list[int]],
+         detail_of: Callable[[], str] | None = None,
+         failed: Callable[[], bool] | None = None) -> None:
+    """Re-enter `poll(spins)` until it returns 0; raise if the deadline passes or a peer dies.
+
+    Spins in the kernel first, then yields the core (for `YIELD_S`), then sleeps 20-100 us per
+    round: with more busy threads than cores, backing off is what lets the peer progress.
+    `peers_of()` names the ranks still missing and `detail_of()` adds to the timeout message;
+    `failed()` true (another worker of the call failed) raises `Cancelled`.
+    """
+    if poll(SPINS) == 0:
+        return
+    n = 0
+    now = time.monotonic()
+    yield_until = now + YIELD_S
+    next_live = now + LIVENESS_EVERY_S
+    while True:
+        if failed is not None and failed():
+            raise Cancelled()
+        if now < yield_until:
+            os.sched_yield()                               # let a runnable peer go first
+        else:
+            n += 1
+            time.sleep(min(100e-6, 20e-6 * n))             # then short sleeps
+        if poll(SPINS) == 0:
+            return
+        now = time.monotonic()
+        if now >= next_live:
+            next_live = now + LIVENESS_EVERY_S
+            dead = [r for r, pid in enumerate(pids) if r != rank and not segments.pid_alive(pid)]
+            if dead:
+                raise PeerDiedError(rank, phase, dead)
+        if now > deadline:
+            if poll(SPINS) == 0:
+                return
+            raise PeerTimeoutError(rank, phase, peers_of(), timeout_s,
+                                   detail_of() if detail_of else "")
