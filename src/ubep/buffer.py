@@ -8,6 +8,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ubep import ops
 from ubep.errors import BrokenBufferError, UbepError
 from ubep.handle import DispatchHandle, DispatchResult
 from ubep.options import (
@@ -25,6 +26,11 @@ from ubep.stats import Stats
 from ubep.validate import check_combine_inputs, check_dispatch_inputs
 
 _buffer_ids = itertools.count(1)
+_is_compiling = torch.compiler.is_compiling
+
+
+def _requires_grad(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
 
 
 class Buffer:
@@ -140,6 +146,7 @@ class Buffer:
         self._closed = False
         self._broken: BaseException | None = None
         self._backend = make_backend(self.config, group, self._id)
+        ops.register_buffer(self)
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
@@ -196,7 +203,18 @@ class Buffer:
         Returns:
             A `DispatchResult`: `recv_x` `[N, hidden]` expert-major, `recv_weights` `[N]`,
             `tokens_per_expert` `[num_local_experts]`, row origins, `handle` and `stats`.
+
+        Gradients flow back to `x` and `topk_weights` when they require grad (see
+        `ubep.ops`); under `torch.compile` the call is the `ubep::dispatch` operator.
         """
+        if ((_requires_grad(x) or _requires_grad(topk_weights)) and torch.is_grad_enabled()
+                or _is_compiling()):
+            return ops.dispatch(self, x, topk_idx, topk_weights)
+        return self._dispatch_now(x, topk_idx, topk_weights)
+
+    def _dispatch_now(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                      topk_weights: torch.Tensor) -> DispatchResult:
+        """`dispatch` in eager mode, without autograd."""
         with self._lock:
             if self._closed or self._broken is not None:
                 self._check_usable("dispatch")
@@ -222,7 +240,20 @@ class Buffer:
             `y` `[T, hidden]` in `expert_out.dtype`: for each token, the fp32 sum over its
             routed slots k of `w[t, k] * row(t, k)` (plain sum if not weighted); zeros for a
             token with no routed slot.
+
+        Gradients flow back to `expert_out` and (weighted) to the dispatch's `topk_weights`
+        when they require grad (see `ubep.ops`); under `torch.compile` the call is the
+        `ubep::combine` operator.
         """
+        if (type(handle) is not DispatchHandle or _is_compiling()
+                or _requires_grad(expert_out) and torch.is_grad_enabled()):
+            if isinstance(handle, (ops.OpHandle, DispatchHandle)) and handle.buffer_id == self._id:
+                return ops.combine(self, expert_out, handle, weighted)
+        return self._combine_now(expert_out, handle, weighted)
+
+    def _combine_now(self, expert_out: torch.Tensor, handle: DispatchHandle,
+                     weighted: bool = True) -> torch.Tensor:
+        """`combine` in eager mode, without autograd."""
         with self._lock:
             if self._closed or self._broken is not None:
                 self._check_usable("combine")
