@@ -114,10 +114,13 @@ def check_dispatch_inputs(x: object, topk_idx: object, topk_weights: object, *, 
     if _dispatch_inputs_ready(x, topk_idx, topk_weights, hidden, num_experts,
                               max_tokens_per_rank, max_top_k):
         return x, topk_idx, topk_weights
-    return _check_dispatch_inputs_full(x, topk_idx, topk_weights, hidden=hidden,
+    x, idx, w = _check_dispatch_inputs_full(x, topk_idx, topk_weights, hidden=hidden,
                                        num_experts=num_experts,
                                        max_tokens_per_rank=max_tokens_per_rank,
                                        max_top_k=max_top_k)
+    # rows and weights are moved as data (every path reads their memory): a tensor that
+    # requires grad is read through a detached view, on every path alike
+    return x.detach(), idx, w.detach()
 
 
 def _dispatch_inputs_ready(x: object, idx: object, w: object, hidden: int, num_experts: int,
@@ -139,6 +142,8 @@ def _dispatch_inputs_ready(x: object, idx: object, w: object, hidden: int, num_e
         return False
     if not (x.is_cpu and idx.is_cpu and w.is_cpu and x.is_contiguous()
             and idx.is_contiguous() and w.is_contiguous()):
+        return False
+    if x.requires_grad or w.requires_grad:
         return False
     return _topk_ok_at(idx.data_ptr(), ks[0], ks[1], num_experts)
 
@@ -186,7 +191,8 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
     The common call (right shape and dtype, contiguous) costs a few attribute reads.
     """
     if (isinstance(expert_out, torch.Tensor) and expert_out.shape == (num_recv, hidden)
-            and _summable(expert_out.dtype) and expert_out.is_contiguous()):
+            and _summable(expert_out.dtype) and expert_out.is_contiguous()
+            and not expert_out.requires_grad):
         return expert_out
     out = _check_tensor("expert_out", expert_out, 2)
     if tuple(out.shape) != (num_recv, hidden):
@@ -197,7 +203,7 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
         raise TypeError(
             f"expert_out has dtype {out.dtype}; combine sums rows, so it needs a floating dtype "
             f"of at most {MAX_ELEMENT_BYTES} bytes (bf16, fp16, fp32, fp8)")
-    return out.contiguous()
+    return out.detach().contiguous()
 
 
 _SUMMABLE: dict[torch.dtype, bool] = {}
