@@ -1,5 +1,5 @@
 """The schedulers' guarantees, on random routings (incl. heavy skew), 2-4 hop classes,
-1-64 workers: DESIGN.md §2.2 and issue 5."""
+1-64 workers: docs/design.md §2.2 and issue 5."""
 
 from __future__ import annotations
 

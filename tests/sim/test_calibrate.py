@@ -9,7 +9,7 @@ from ubep.sim.params import CostParams, calibrated, load_calibration
 
 def test_fit_points_are_exactly_the_published_ones():
     if not cal.DEFAULT_POINTS.exists():
-        pytest.skip("shared/calibration/paper_public.yaml not present")
+        pytest.skip("ubep/sim/paper_public.yaml not present")
     pts, workload = cal.load_points()
     kinds = [p.kind for p in pts]
     assert kinds.count("fig3b") == 4 and kinds.count("table4") == 6

@@ -1,4 +1,4 @@
-"""Block formats of the four Data-as-Flag variants (DESIGN.md §2.3). Pure: no I/O.
+"""Block formats of the four Data-as-Flag variants (docs/design.md §2.3). Pure: no I/O.
 
 A row travels as a *record* (a small header, then the row's bytes) cut into fixed-size
 blocks of `block_bytes`. Every block's last 8-byte word is its *marker*: the word the sender

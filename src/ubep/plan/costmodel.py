@@ -1,4 +1,4 @@
-"""How many of a rank's workers take the count role (DESIGN.md §2.1).
+"""How many of a rank's workers take the count role (docs/design.md §2.1).
 
 Count workers handle the per-expert counts (send, wait, prefix sums); token workers move
 the K*B rows. With linear costs, T_count = beta * E / n_count and

@@ -1,7 +1,7 @@
 """How good the schedules are: the paper's min-max objective, its exact optimum on small
 instances, and planning speed.
 
-Objective (DESIGN.md §2.2): a token worker's cost is the sum of its send times plus the
+Objective (docs/design.md §2.2): a token worker's cost is the sum of its send times plus the
 largest round trip among its sends; a schedule's cost is its most loaded worker's. Here a
 send of hop class h takes `latency_h + row_bytes / bandwidth_h` (a worker issues its stores
 one after another and each costs about its access latency: the paper's "two-hop stores cost

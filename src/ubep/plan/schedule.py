@@ -8,7 +8,7 @@ offsets into it. All three are vectorized numpy; none loops over sends in Python
   baseline's ownership); loads follow the routing.
 * balanced: all sends in expert order, cut into equal contiguous slices ("balanced w/o
   mapping" in the paper's ablation).
-* hierarchical (DESIGN.md §2.2): experts are remapped to hop-class-major order (farthest
+* hierarchical (docs/design.md §2.2): experts are remapped to hop-class-major order (farthest
   class first; inside a class rotated to start after the planning rank), i.e. the sends
   form a virtual matrix with one row per hop class; each row is cut into `n` token-level
   equal slices and worker j takes slice j of every row, so

@@ -1,6 +1,6 @@
 """Which memory-ordering guarantee each sync variant relies on, on this machine: `sync_info()`.
 
-The Data-as-Flag variants (DESIGN.md §2.3) are correct only if a reader that sees the
+The Data-as-Flag variants (docs/design.md §2.3) are correct only if a reader that sees the
 flag, marker or checksum word also sees the payload stored before it. Where that comes from
 depends on the hardware:
 

@@ -1,7 +1,7 @@
 """Fit the cost model's free constants to the paper's published points — and only those.
 
-The points are those of `shared/calibration/paper_public.yaml`: Fig. 3(b) (Token-Sending
-efficiency of the BSP baseline vs cores), Table 4 (dispatch latency at 16/64/256 ranks for
+The points are those of `paper_public.yaml` (in this package, copied from the paper):
+Fig. 3(b) (Token-Sending efficiency of the BSP baseline vs cores), Table 4 (dispatch latency at 16/64/256 ranks for
 CANN-EP/BSP and UBEP) and the statement that SyncAll costs ~15% of the BSP dispatch.
 Least squares (scipy, trust region, log-space, bounded) over the continuous constants, for
 each window size on a small grid; the best fit with its residuals is written to
@@ -23,8 +23,7 @@ import numpy as np
 from ubep.sim.api import Prepared, SimConfig, execute, prepare
 from ubep.sim.params import CALIBRATION_FILE, CostParams
 
-DEFAULT_POINTS = Path(__file__).resolve().parents[3].parent / "shared" / "calibration" / \
-    "paper_public.yaml"
+DEFAULT_POINTS = Path(__file__).with_name("paper_public.yaml")
 FREE = {  # name: (initial, lower, upper)
     "core_bw_GBps": (10.0, 1.0, 400.0),
     "port_bw_scale": (0.5, 0.05, 2.0),
@@ -179,7 +178,7 @@ def record(pts: list[FitPoint], workload: dict, params: CostParams, model: np.nd
     return {
         "version": 1,
         "created": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "source": "shared/calibration/paper_public.yaml (Fig. 3b, Table 4, SyncAll 15%)",
+        "source": "ubep/sim/paper_public.yaml (Fig. 3b, Table 4, SyncAll 15%)",
         "topology": "cm384", "fig3b_ranks": fig3b_ranks, "workload": workload,
         "free": free, "params": asdict(params), "points": rows,
         "rms_relative_residual": float(np.sqrt(np.mean(rel ** 2))),

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     c = subparsers.add_parser("calibrate", help="fit the simulator's constants to the "
                               "paper's published points", description=_calibrate.__doc__)
     c.add_argument("--points", type=Path, default=None,
-                   help="paper_public.yaml (default: ../shared/calibration/)")
+                   help="points file (default: the package's paper_public.yaml)")
     c.add_argument("--out", type=Path, default=None,
                    help="where to write (default: the package's calibration_v1.json)")
     c.add_argument("--max-nfev", type=int, default=15, help="evaluations per window size")

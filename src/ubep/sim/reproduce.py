@@ -511,7 +511,7 @@ def _report(out: Path, sections, topology: str, short: bool, params: CostParams,
              "Model: `ubep.sim` with the constants of `calibration_v1.json` "
              f"(fitted {cal.get('created', '?')}, rms relative residual "
              f"{cal.get('rms_relative_residual', float('nan')):.3f}). Labels: **fitted** = a "
-             "calibration target of shared/calibration/paper_public.yaml; **predicted** = "
+             "calibration target of ubep/sim/paper_public.yaml; **predicted** = "
              "not fitted. Workload unless stated: 128 tokens x top-8 per rank, hidden 7168, "
              "1 byte per element, one expert per rank, uniform routing, seed 0.",
              "",
