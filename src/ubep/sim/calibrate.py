@@ -1,8 +1,8 @@
 """Fit the cost model's free constants to the paper's published points — and only those.
 
 The points are those of `paper_public.yaml` (in this package, copied from the paper):
-Fig. 3(b) (Token-Sending efficiency of the BSP baseline vs cores), Table 4 (dispatch latency at 16/64/256 ranks for
-CANN-EP/BSP and UBEP) and the statement that SyncAll costs ~15% of the BSP dispatch.
+Fig. 3(b) (Token-Sending efficiency of the BSP baseline vs cores), Table 4 (dispatch
+latency at 16/64/256 ranks for CANN-EP/BSP and UBEP) and the statement that SyncAll costs ~15% of the BSP dispatch.
 Least squares (scipy, trust region, log-space, bounded) over the continuous constants, for
 each window size on a small grid; the best fit with its residuals is written to
 `calibration_v1.json` in the package, which `CostParams` presets read.
