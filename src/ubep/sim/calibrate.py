@@ -2,10 +2,11 @@
 
 The points are those of `paper_public.yaml` (in this package, copied from the paper):
 Fig. 3(b) (Token-Sending efficiency of the BSP baseline vs cores), Table 4 (dispatch
-latency at 16/64/256 ranks for CANN-EP/BSP and UBEP) and the statement that SyncAll costs ~15% of the BSP dispatch.
-Least squares (scipy, trust region, log-space, bounded) over the continuous constants, for
-each window size on a small grid; the best fit with its residuals is written to
-`calibration_v1.json` in the package, which `CostParams` presets read.
+latency at 16/64/256 ranks for CANN-EP/BSP and UBEP) and the statement that SyncAll costs
+~15% of the BSP dispatch. Least squares (scipy, trust region, log-space, bounded) over the
+continuous constants, for each window size on a small grid; the best fit with its
+residuals is written to `calibration_v1.json` in the package, which `CostParams` presets
+read.
 """
 
 from __future__ import annotations
