@@ -113,6 +113,8 @@ def test_repeated_calls_reuse_and_grow_the_buffers(mode):
                                  list(w))
         for s in range(P):
             torch.testing.assert_close(y[s], want[s])
+        if mode == "ubep":   # the last program of each call moved the device epoch on
+            assert pod._state.tolist() == [1 + 2 * (i + 1), 0]
 
 
 def test_only_the_latest_dispatch_can_be_combined():
@@ -138,8 +140,8 @@ def test_a_receiver_whose_producers_never_run_gives_up_with_a_clear_error():
         rt.cnt, rt.count_dest, rt.send_lo, rt.send_tok, rt.send_slot, rt.send_dst, rt.send_pos,
         x, rt.topk_weights, pod._counts, pod._count_flag, pod._win, pod._win_w, pod._win_ts,
         pod._row_flag, pod._recv_x, pod._recv_w, pod._recv_rank, pod._recv_ts,
-        pod._tokens_per_expert, pod._err, P, E, E // P, 2, 2, pod._win_rows, pod._recv_rows, H,
-        0, 0, 1, 7, pod.max_spins, BP=2, BE=2, ROWS=4, BH=8)
+        pod._tokens_per_expert, pod._err, pod._state, P, E, E // P, 2, 2, pod._win_rows,
+        pod._recv_rows, H, 0, 0, 1, pod.max_spins, BP=2, BE=2, ROWS=4, BH=8)
     with pytest.raises(SpinLimitError, match=r"rank 0 gave up in phase 'dispatch counts' after "
                                              r"3 polls: 2 flag\(s\) not set, the first from "
                                              r"rank 0"):

@@ -107,7 +107,7 @@ class GpuDispatch:
         tokens_per_expert: `[P, E / P]` int32, counted on the device from the received counts.
         num_recv: rows each rank received.
         routing: the `Routing` dispatched (combine sends rows back along it).
-        epoch: the call's epoch (combine checks it is the superpod's latest dispatch).
+        call: the superpod's call number (combine checks this is its latest dispatch).
     """
 
     recv_x: torch.Tensor
@@ -117,7 +117,7 @@ class GpuDispatch:
     tokens_per_expert: torch.Tensor
     num_recv: tuple[int, ...]
     routing: Routing
-    epoch: int
+    call: int
 
     def rank(self, r: int) -> RankDispatch:
         """Rank r's result, trimmed to its rows, origins as int64 like `DispatchResult`."""
@@ -232,7 +232,9 @@ class EmulatedSuperpod:
         self._win_rows = self._recv_rows = self._comb_rows = 0
         self._word: torch.dtype | None = None
         self._cwin: torch.Tensor | None = None
-        self._epoch = 0
+        # [epoch, programs done] of the single-kernel calls; flags start at 0, epochs at 1
+        self._state = torch.tensor([1, 0], dtype=torch.int32, device=dev)
+        self._calls = 0
         self._last_dispatch = -1
         self._broken: str | None = None
 
@@ -328,7 +330,7 @@ class EmulatedSuperpod:
         self._reserve(_WORDS[x.element_size()], routing)
         word = self._word
         xw = x.contiguous().view(word)
-        epoch = self._last_dispatch = self._next_epoch()
+        call = self._last_dispatch = self._next_call()
         EL, R, NC, S, RV = self.experts_per_rank, self._win_rows, self._recv_rows, \
             self.send_programs, self.recv_programs
         E, K_ = self.num_experts, routing.top_k
@@ -340,8 +342,8 @@ class EmulatedSuperpod:
                 rt.cnt, rt.count_dest, rt.send_lo, rt.send_tok, rt.send_slot, rt.send_dst,
                 rt.send_pos, xw, rt.topk_weights, self._counts, self._count_flag, self._win,
                 self._win_w, self._win_ts, self._row_flag, self._recv_x, self._recv_w,
-                self._recv_rank, self._recv_ts, self._tokens_per_expert, self._err, P, E, EL,
-                T, K_, R, NC, H, C, S, RV, epoch, self.max_spins, BP=self._bp, BE=self._be,
+                self._recv_rank, self._recv_ts, self._tokens_per_expert, self._err, self._state,
+                P, E, EL, T, K_, R, NC, H, C, S, RV, self.max_spins, BP=self._bp, BE=self._be,
                 **tiles, **kw)
         else:
             K.bsp_counts[(P,)](rt.cnt, self._counts, P, E, EL, BP=self._bp, BE=self._be, **kw)
@@ -360,7 +362,7 @@ class EmulatedSuperpod:
             recv_x=self._recv_x.view(x.dtype), recv_weights=self._recv_w,
             recv_src_rank=self._recv_rank, recv_src_token_slot=self._recv_ts,
             tokens_per_expert=self._tokens_per_expert, num_recv=routing.num_recv,
-            routing=routing, epoch=epoch)
+            routing=routing, call=call)
 
     def combine(self, expert_out: torch.Tensor, dispatched: GpuDispatch, *,
                 weighted: bool = True, check: bool = True) -> torch.Tensor:
@@ -380,7 +382,7 @@ class EmulatedSuperpod:
         self._check_usable()
         P, H = self.num_ranks, self.hidden
         rt = dispatched.routing
-        if dispatched.epoch != self._last_dispatch:
+        if dispatched.call != self._last_dispatch:
             raise ValueError("dispatched is not this superpod's latest dispatch; only that one "
                              "can be combined (its buffers are reused)")
         need = max(dispatched.num_recv, default=0)
@@ -399,7 +401,7 @@ class EmulatedSuperpod:
         self._reserve_combine(out.dtype, T * K_)
         cwin = self._cwin.view(out.dtype)
         y = torch.empty(P, T, H, dtype=out.dtype, device=self.device)
-        epoch = self._next_epoch()
+        self._next_call()
         EL, NC, S, RV = self.experts_per_rank, self._recv_rows, self.send_programs, \
             self.recv_programs
         kw = dict(num_warps=self.num_warps, ROWS=self.rows_per_step, BH=self.block_hidden)
@@ -407,8 +409,8 @@ class EmulatedSuperpod:
         if self.mode == "ubep":
             K.ubep_combine[(P * (S + RV),)](
                 rt.topk_idx, rt.topk_weights, out, out.shape[1], self._tokens_per_expert,
-                self._recv_rank, self._recv_ts, cwin, self._cflag, y, self._err, P, EL, T, K_,
-                NC, H, S, RV, epoch, self.max_spins, BE=self._be, BK=bk, WEIGHTED=weighted,
+                self._recv_rank, self._recv_ts, cwin, self._cflag, y, self._err, self._state, P,
+                EL, T, K_, NC, H, S, RV, self.max_spins, BE=self._be, BK=bk, WEIGHTED=weighted,
                 **kw)
         else:
             K.bsp_send_back[(P * S,)](out, out.shape[1], self._tokens_per_expert,
@@ -440,9 +442,9 @@ class EmulatedSuperpod:
             raise BrokenBufferError(f"this EmulatedSuperpod is broken ({self._broken}); make "
                                     f"a new one")
 
-    def _next_epoch(self) -> int:
-        self._epoch = self._epoch % (2**31 - 2) + 1   # flags start at 0: never a live epoch
-        return self._epoch
+    def _next_call(self) -> int:
+        self._calls += 1
+        return self._calls
 
     def _reserve(self, word: torch.dtype, routing: Routing) -> None:
         """Grow the windows and receive buffers to the routing's needs (powers of two)."""

@@ -13,13 +13,14 @@ Layout (all row-major, one tensor per kind, the leading index is the rank that o
   (token, slot) of the source.
 
 Rows are moved as integer words of the row's width, so a moved row is bit-exact whatever
-its dtype. Flags carry the call's epoch (token-flag fusion's "epoch in the flag"): a writer
-stores its rows, synchronizes its program (`debug_barrier`) and sets the row's flag with a
-release exchange; a reader polls the flags with acquire loads (`atomic_add(ptr, 0)`). Every
-poll gives up after `max_spins` rounds and records what it was waiting for in `err`
-`[programs, 4]` (phase, rank, peer, rows missing), so a missing producer is an error, not a
-hang. A poll round is one L2 atomic per flag (about a microsecond on a GPU), which is the
-back-off: Triton has no portable sleep.
+its dtype. Flags carry the call's epoch (token-flag fusion's "epoch in the flag"; the epoch
+is kept on the device, see `_advance_epoch`): a writer stores its rows, synchronizes its
+program (`debug_barrier`) and sets the row's flag with a release exchange; a reader polls
+the flags with acquire loads (`atomic_add(ptr, 0)`). Every poll gives up after `max_spins`
+rounds and records what it was waiting for in `err` `[programs, 4]` (phase, rank, peer,
+flags missing), so a missing producer is an error, not a hang. A poll round is one L2
+atomic per flag (about a microsecond on a GPU), which is the back-off: Triton has no
+portable sleep.
 
 Every wait is on a program with a lower id: the single-kernel modes put the producers of a
 phase at the lowest ids. On a GPU all programs are resident at once (the executor checks the
@@ -229,11 +230,26 @@ def _reduce(pid, s, lo, hi, topk_idx, w, cwin, cflag, y, T, K, EL, H, epoch, max
                      mask=m[:, None] & hm[None, :])
 
 
+@triton.jit
+def _advance_epoch(state, epoch):
+    """`state` = [epoch, programs done]: the last program of a call moves the epoch on.
+
+    Every program read the epoch before it counted itself done, so the last one to count
+    knows no program of this call still needs it. The epoch lives on the device so a call
+    can be replayed from a CUDA graph; it never returns to 0, the flags' initial value.
+    """
+    tl.debug_barrier()
+    done = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(state + 1, 0)
+        tl.store(state, tl.where(epoch >= 2147483646, 1, epoch + 1))
+
+
 # -- mode "ubep": one kernel per call, roles by program id -----------------------------------
 @triton.jit
 def ubep_dispatch(cnt, count_dest, send_lo, send_tok, send_slot, send_dst, send_pos, x, w,
                   counts, count_flag, win, win_w, win_ts, row_flag, recv_x, recv_w, recv_rank,
-                  recv_ts, tokens_per_expert, err, P, E, EL, T, K, R, NC, H, C, S, RV, epoch,
+                  recv_ts, tokens_per_expert, err, state, P, E, EL, T, K, R, NC, H, C, S, RV,
                   max_spins, BP: tl.constexpr, BE: tl.constexpr, ROWS: tl.constexpr,
                   BH: tl.constexpr):
     """Dispatch in one kernel: P*C count programs, then P*S senders, then P*RV receivers.
@@ -243,6 +259,7 @@ def ubep_dispatch(cnt, count_dest, send_lo, send_tok, send_slot, send_dst, send_
     counts, computes where its share of the rows goes and moves each row once its flag is up.
     """
     pid = tl.program_id(0)
+    epoch = tl.load(state)
     if pid < P * C:
         s = pid // C
         c = pid % C
@@ -267,15 +284,17 @@ def ubep_dispatch(cnt, count_dest, send_lo, send_tok, send_slot, send_dst, send_
         _place_rows(pid, d, r * total // RV, (r + 1) * total // RV, off, wbase, win, win_w,
                     win_ts, row_flag, recv_x, recv_w, recv_rank, recv_ts, P, R, NC, H, epoch,
                     max_spins, err, BP, BE, ROWS, BH, True)
+    _advance_epoch(state, epoch)
 
 
 @triton.jit
 def ubep_combine(topk_idx, w, expert_out, out_stride, tokens_per_expert, recv_rank, recv_ts, cwin,
-                 cflag, y, err, P, EL, T, K, NC, H, S, RV, epoch, max_spins, BE: tl.constexpr,
+                 cflag, y, err, state, P, EL, T, K, NC, H, S, RV, max_spins, BE: tl.constexpr,
                  ROWS: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
                  WEIGHTED: tl.constexpr):
     """Combine in one kernel: P*S programs send rows back, then P*RV programs reduce."""
     pid = tl.program_id(0)
+    epoch = tl.load(state)
     if pid < P * S:
         d = pid // S
         j = pid % S
@@ -288,6 +307,7 @@ def ubep_combine(topk_idx, w, expert_out, out_stride, tokens_per_expert, recv_ra
         r = g % RV
         _reduce(pid, s, r * T // RV, (r + 1) * T // RV, topk_idx, w, cwin, cflag, y, T, K, EL, H,
                 epoch, max_spins, err, ROWS, BK, BH, True, WEIGHTED)
+    _advance_epoch(state, epoch)
 
 
 # -- mode "bsp": one kernel per phase, the kernel boundary as the barrier --------------------
