@@ -15,6 +15,7 @@ _COMMAND_MODULES = [
     "ubep.moe.cli",
     "ubep.plan.cli",
     "ubep.sim.cli",
+    "ubep.soak",
     "ubep.verify.cli",
 ]
 

@@ -1,0 +1,304 @@
+"""`ubep soak`: randomized dispatch/combine against the reference oracle, for as long as asked.
+
+Each session builds one Buffer with a random configuration (backend, mode, sync, direct,
+workers, block size, sizes) on real rank processes and makes a run of calls whose inputs
+change every call: dtype, batch size 0..max per rank, top-k, routing (uniform, skewed, one
+hot expert, all on one rank's experts, -1 slots, nothing routed), weighted or not, combine or
+not. Every rank rebuilds every rank's inputs from the call's seed and checks its own
+results against `ubep.reference`: dispatch bit for bit, combine to fp32-accumulation
+tolerance. Between chunks of sessions /dev/shm is checked for segments of the job.
+
+    ubep soak --calls 2000            # or --minutes 10; exit 1 on any mismatch, hang,
+                                      # error or leaked segment
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+#: routings of `_routing`
+KINDS = ("uniform", "skewed", "one_expert", "one_rank", "partial", "unrouted")
+DTYPES = ("bfloat16", "float16", "float32", "int8", "uint8", "float8_e4m3fn")
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class Tally:
+    """What a soak counted; `ok` if nothing went wrong."""
+
+    calls: int = 0
+    sessions: int = 0
+    mismatches: int = 0
+    hangs: int = 0
+    errors: int = 0
+    leaked: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatches or self.hangs or self.errors or self.leaked)
+
+    def add(self, other: Tally) -> None:
+        for k in ("calls", "sessions", "mismatches", "hangs", "errors", "leaked"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.failures.extend(other.failures)
+
+
+def random_session(rng: random.Random, world: int, calls: int) -> dict:
+    """One Buffer configuration and its call count (plain values: shipped to the ranks)."""
+    backend = "shm" if rng.random() < 0.85 else "torch"
+    mode = rng.choice(("ubep", "ubep", "bsp"))
+    direct = backend == "shm" and mode == "ubep" and rng.random() < 0.3
+    sync = rng.choice(("tff", "sw")) if direct else rng.choice(("sw", "tff", "dc", "sp"))
+    experts = world * rng.choice((1, 2, 3, 4))
+    return dict(
+        kw=dict(backend=backend, mode=mode, sync=sync, direct=direct,
+                workers=rng.choice((1, 1, 2, 3)), block_bytes=rng.choice((32, 64, 128, 512)),
+                num_experts=experts, hidden=rng.randint(1, 80),
+                max_tokens_per_rank=rng.choice((1, 3, 8, 17, 32)),
+                max_top_k=rng.randint(1, min(4, experts)), timeout_s=20.0),
+        calls=calls, seed=rng.getrandbits(31))
+
+
+def _routing(t: int, k: int, experts: int, world: int, kind: str, g):
+    import torch
+
+    idx = torch.full((t, k), -1, dtype=torch.int64)
+    if t == 0 or kind == "unrouted":
+        return idx
+    if kind == "one_expert":
+        idx[:, 0] = int(torch.randint(experts, (1,), generator=g))
+        return idx
+    pool = experts
+    base = 0
+    if kind == "one_rank":                       # heavy skew: every slot on one rank
+        per = experts // world
+        base = per * int(torch.randint(world, (1,), generator=g))
+        pool = per
+    kk = min(k, pool)
+    idx[:, :kk] = torch.rand(t, pool, generator=g).argsort(dim=1)[:, :kk] + base
+    if kind == "skewed" and pool >= 2 and kk >= 2:
+        hot = torch.rand(t, generator=g) < 0.9
+        idx[hot, 0], idx[hot, 1] = 0, 1
+        if kk > 2:
+            rest = torch.rand(t, pool - 2, generator=g).argsort(dim=1)[:, :kk - 2] + 2
+            idx[hot, 2:kk] = rest[hot]
+    if kind == "partial":
+        idx[torch.rand(t, k, generator=g) < 0.35] = -1
+    return idx
+
+
+def call_inputs(session: dict, world: int, i: int):
+    """Every rank's `(x, topk_idx, topk_weights)` of call `i`, and (dtype, k, kind, weighted,
+    combine): the same on every rank and in the checker."""
+    import torch
+
+    kw = session["kw"]
+    rng = random.Random(session["seed"] * 100003 + i)
+    names = FLOAT_DTYPES if kw["sync"] == "sp" else DTYPES
+    dtype = getattr(torch, rng.choice(names))
+    k = rng.randint(1, kw["max_top_k"])
+    kind = rng.choice(KINDS)
+    mx = kw["max_tokens_per_rank"]
+    ins = []
+    for _ in range(world):
+        roll = rng.random()
+        t = 0 if roll < 0.1 else mx if roll < 0.25 else rng.randint(0, mx)
+        g = torch.Generator().manual_seed(rng.getrandbits(31))
+        idx = _routing(t, k, kw["num_experts"], world, kind, g)
+        w = torch.rand(t, k, generator=g)
+        x = (torch.randn(t, kw["hidden"], generator=g).clamp_(-8, 8) * 4)
+        x = x.to(dtype) if dtype.is_floating_point else x.round().to(dtype)
+        ins.append((x, idx, w))
+    return ins, (dtype, k, kind, rng.random() < 0.7, rng.random() < 0.85)
+
+
+def _expert(recv_x):
+    import torch
+
+    out = torch.bfloat16 if not recv_x.dtype.is_floating_point or recv_x.element_size() == 1 \
+        else recv_x.dtype
+    return (recv_x.to(torch.float32) * 0.5 + 1.0).to(out)
+
+
+def _soak_rank(rank: int, world: int, sessions: list[dict], stop_at: float) -> dict:
+    """Run `sessions` on this rank; return its tally (as a dict) and per-failure lines."""
+    import torch
+
+    import ubep
+    from ubep import reference
+
+    tally = Tally()
+    for s in sessions:
+        if time.time() > stop_at:
+            break
+        tally.sessions += 1
+        kw = s["kw"]
+        where = f"session seed {s['seed']} {kw}"
+        try:
+            buf = ubep.Buffer(**kw)
+        except Exception as e:  # noqa: BLE001 - counted and reported, the soak goes on
+            tally.errors += 1
+            tally.failures.append(f"rank {rank} {where}: Buffer(): {type(e).__name__}: {e}")
+            continue
+        try:
+            for i in range(s["calls"]):
+                ins, (dtype, k, kind, weighted, do_combine) = call_inputs(s, world, i)
+                res = buf.dispatch(*ins[rank])
+                tally.calls += 1
+                refs = reference.dispatch([a[0] for a in ins], [a[1] for a in ins],
+                                          [a[2] for a in ins], kw["num_experts"])
+                ref = refs[rank]
+                same = (res.recv_x.dtype == ref.recv_x.dtype
+                        and res.recv_x.shape == ref.recv_x.shape
+                        and torch.equal(res.recv_x.contiguous().view(torch.uint8),
+                                        ref.recv_x.contiguous().view(torch.uint8))
+                        and torch.equal(res.recv_weights, ref.recv_weights)
+                        and torch.equal(res.tokens_per_expert.to(torch.int64),
+                                        ref.tokens_per_expert)
+                        and torch.equal(res.recv_src_rank.to(torch.int64), ref.recv_src_rank)
+                        and torch.equal(res.recv_src_token.to(torch.int64), ref.recv_src_token)
+                        and torch.equal(res.recv_src_slot.to(torch.int64), ref.recv_src_slot))
+                if not same:
+                    tally.mismatches += 1
+                    tally.failures.append(f"rank {rank} {where} call {i} ({dtype}, k={k}, "
+                                          f"{kind}): dispatch differs from the reference")
+                if not do_combine:
+                    continue
+                y = buf.combine(_expert(res.recv_x), res.handle, weighted=weighted)
+                ref_y = reference.combine([_expert(d.recv_x) for d in refs], refs,
+                                          [a[1] for a in ins], [a[2] for a in ins],
+                                          weighted=weighted)[rank]
+                tol = 1e-5 if y.dtype == torch.float32 else 2e-2
+                if y.dtype != ref_y.dtype or y.shape != ref_y.shape or not torch.allclose(
+                        y.float(), ref_y.float(), rtol=tol, atol=tol):
+                    tally.mismatches += 1
+                    tally.failures.append(f"rank {rank} {where} call {i} ({dtype}, k={k}, "
+                                          f"{kind}, weighted={weighted}): combine differs")
+        except ubep.PeerTimeoutError as e:
+            tally.hangs += 1
+            tally.failures.append(f"rank {rank} {where}: {e}")
+        except Exception as e:  # noqa: BLE001
+            tally.errors += 1
+            tally.failures.append(f"rank {rank} {where}: {type(e).__name__}: {e}")
+        finally:
+            buf.close()
+    return tally.__dict__
+
+
+def _job_segments(job: str) -> list[str]:
+    from ubep.runtime.shm.segments import SHM_DIR
+
+    try:
+        return [n for n in os.listdir(SHM_DIR) if job in n]
+    except OSError:
+        return []
+
+
+def soak(*, calls: int | None = None, minutes: float | None = None, world: int = 2,
+         seed: int = 0, calls_per_session: int = 50, sessions_per_chunk: int = 8,
+         progress=None) -> Tally:
+    """Run randomized sessions until `calls` calls were made or `minutes` passed."""
+    from ubep.runtime.shm.segments import unlink_name
+    from ubep.testing import RankFailure, run_ranks
+
+    if calls is None and minutes is None:
+        raise ValueError("give calls or minutes (or both)")
+    if calls is not None and calls < 1:
+        raise ValueError(f"calls={calls} must be >= 1")
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"minutes={minutes} must be > 0")
+    if world < 1:
+        raise ValueError(f"world={world} must be >= 1")
+    rng = random.Random(seed)
+    stop_at = time.time() + minutes * 60 if minutes is not None else float("inf")
+    total = Tally()
+    chunk = 0
+    while time.time() < stop_at and (calls is None or total.calls < calls):
+        chunk += 1
+        left = None if calls is None else calls - total.calls
+        sessions = []
+        for _ in range(sessions_per_chunk):
+            n = calls_per_session if left is None else min(calls_per_session, left)
+            if n <= 0:
+                break
+            sessions.append(random_session(rng, world, rng.randint(1, n) if rng.random() < 0.3
+                                           else n))
+            if left is not None:
+                left -= sessions[-1]["calls"]
+        job = f"soak{os.getpid()}c{chunk}"
+        budget = sum(s["calls"] for s in sessions) * 2.0 + 120.0
+        outs = run_ranks(_soak_rank, world, sessions, stop_at, timeout_s=budget,
+                         return_exceptions=True, env={"UBEP_JOB_ID": job})
+        got = Tally()
+        for r, o in enumerate(outs):
+            if isinstance(o, RankFailure):
+                if o.kind == "timeout":
+                    got.hangs += 1
+                else:
+                    got.errors += 1
+                got.failures.append(str(o)[:2000])
+                continue
+            t = Tally(**o)
+            if r == 0:
+                got.calls, got.sessions = t.calls, t.sessions
+            got.mismatches += t.mismatches
+            got.hangs += t.hangs
+            got.errors += t.errors
+            got.failures.extend(t.failures)
+        left_behind = _job_segments(job)
+        got.leaked += len(left_behind)
+        got.failures.extend(f"leaked segment /dev/shm/{n}" for n in left_behind)
+        for n in left_behind:
+            unlink_name(n)
+        total.add(got)
+        if progress is not None:
+            progress(total)
+    return total
+
+
+def _print_progress(t: Tally) -> None:
+    print(f"  {t.calls} calls, {t.sessions} buffers, {t.mismatches} mismatches, {t.hangs} hangs, "
+          f"{t.errors} errors, {t.leaked} leaked segments", flush=True)
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--calls", type=int, default=None, help="stop after this many dispatches")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this long")
+    ap.add_argument("--world", type=int, default=2, help="ranks (processes), default 2")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random configurations")
+    ap.add_argument("--calls-per-buffer", type=int, default=50,
+                    help="calls made on one Buffer before the next configuration (default 50)")
+    ap.add_argument("--quiet", action="store_true", help="print only the summary")
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 if nothing went wrong, 1 on any mismatch, hang, error or leak, 2 on bad arguments."""
+    if args.calls is None and args.minutes is None:
+        args.calls = 1000
+    try:
+        t = soak(calls=args.calls, minutes=args.minutes, world=args.world, seed=args.seed,
+                 calls_per_session=args.calls_per_buffer,
+                 progress=None if args.quiet else _print_progress)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in t.failures[:50]:
+        print(f"FAIL {line}")
+    print(f"calls: {t.calls}  buffers: {t.sessions}  mismatches: {t.mismatches}  "
+          f"hangs: {t.hangs}  errors: {t.errors}  leaked segments: {t.leaked}")
+    return 0 if t.ok else 1
+
+
+def register(subparsers) -> None:
+    """Add `ubep soak` to the `ubep` command line."""
+    ap = subparsers.add_parser("soak", help="randomized dispatch/combine against the oracle",
+                               description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    ap.set_defaults(func=run)
