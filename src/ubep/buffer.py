@@ -23,7 +23,7 @@ from ubep.options import (
 from ubep.runtime import make_backend
 from ubep.runtime.bootstrap import agree
 from ubep.stats import Stats
-from ubep.validate import check_combine_inputs, check_dispatch_inputs
+from ubep.validate import check_combine_inputs, check_combine_out, check_dispatch_inputs
 
 _buffer_ids = itertools.count(1)
 _is_compiling = torch.compiler.is_compiling
@@ -228,18 +228,21 @@ class Buffer:
             return res
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
-                weighted: bool = True) -> torch.Tensor:
+                weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Send expert outputs back to their tokens and sum them.
 
         Arguments:
             expert_out: `[N, hidden]`, floating; row i is the output for the dispatch's row i.
             handle: the `handle` of the `DispatchResult` these rows answer.
             weighted: multiply each row by its gating weight before summing (default).
+            out: optional `[T, hidden]` tensor of `expert_out.dtype` on its device (any
+                strides) that receives `y`, as a framework's preallocated output (vLLM's
+                `finalize(output, ...)`); checked before any communication.
 
         Returns:
             `y` `[T, hidden]` in `expert_out.dtype`: for each token, the fp32 sum over its
             routed slots k of `w[t, k] * row(t, k)` (plain sum if not weighted); zeros for a
-            token with no routed slot.
+            token with no routed slot. With `out`, `out` itself, overwritten with `y`.
 
         Gradients flow back to `expert_out` and (weighted) to the dispatch's `topk_weights`
         when they require grad (see `ubep.ops`); under `torch.compile` the call is the
@@ -248,11 +251,15 @@ class Buffer:
         if (type(handle) is not DispatchHandle or _is_compiling()
                 or _requires_grad(expert_out) and torch.is_grad_enabled()):
             if isinstance(handle, (ops.OpHandle, DispatchHandle)) and handle.buffer_id == self._id:
-                return ops.combine(self, expert_out, handle, weighted)
-        return self._combine_now(expert_out, handle, weighted)
+                if out is not None and isinstance(expert_out, torch.Tensor):
+                    check_combine_out(out, num_tokens=handle.num_tokens, hidden=handle.hidden,
+                                      dtype=expert_out.dtype, device=expert_out.device)
+                y = ops.combine(self, expert_out, handle, weighted)
+                return y if out is None else out.copy_(y)
+        return self._combine_now(expert_out, handle, weighted, out)
 
     def _combine_now(self, expert_out: torch.Tensor, handle: DispatchHandle,
-                     weighted: bool = True) -> torch.Tensor:
+                     weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """`combine` in eager mode, without autograd."""
         with self._lock:
             if self._closed or self._broken is not None:
@@ -263,10 +270,16 @@ class Buffer:
             if handle.buffer_id != self._id:
                 raise ValueError("handle comes from another Buffer; combine with the Buffer "
                                  "that dispatched")
-            out = check_combine_inputs(expert_out, num_recv=handle.num_recv, hidden=handle.hidden)
-            res = self._run(self._backend.combine, out, handle, bool(weighted))
+            rows = check_combine_inputs(expert_out, num_recv=handle.num_recv,
+                                        hidden=handle.hidden)
+            if out is not None:
+                check_combine_out(out, num_tokens=handle.num_tokens, hidden=handle.hidden,
+                                  dtype=rows.dtype, device=rows.device)
+            res = self._run(self._backend.combine, rows, handle, bool(weighted))
             self.last_stats = res.stats
-            return res.y
+            if out is None:
+                return res.y
+            return out.copy_(res.y)
 
     def get_combine_buffer(self, handle: DispatchHandle,
                            dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -206,6 +206,22 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
     return out.detach().contiguous()
 
 
+def check_combine_out(out: object, *, num_tokens: int, hidden: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """Check combine's `out` `[T, hidden]`: a tensor of `expert_out`'s dtype and device."""
+    out = _check_tensor("out", out, 2)
+    if tuple(out.shape) != (num_tokens, hidden):
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}; the handle's dispatch sent {num_tokens} tokens "
+            f"of hidden {hidden}, so it must be ({num_tokens}, {hidden})")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype}; combine writes y in expert_out's dtype "
+                        f"{dtype}, so out must be {dtype}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}; it must be on expert_out's device {device}")
+    return out
+
+
 _SUMMABLE: dict[torch.dtype, bool] = {}
 
 
