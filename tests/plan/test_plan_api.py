@@ -111,8 +111,8 @@ def test_count_worker_model_trends():
     assert choose_count_workers(48, 1, 8, 10_000) == 1           # at least one
     with pytest.raises(ValueError, match="workers=0"):
         choose_count_workers(0, 256, 8, 128)
-    with pytest.raises(ValueError, match="alpha"):
-        choose_count_workers(4, 256, 8, 128, alpha=0)
+    with pytest.raises(ValueError, match="ranks=0"):
+        choose_count_workers(4, 256, 8, 128, ranks=0)
 
 
 def test_hierarchical_expert_order_is_class_major_and_rotated_past_the_rank():

@@ -8,12 +8,13 @@ from ubep.sim import CostParams, simulate
 from ubep.sim.core import Event, Simulation
 
 SMALL = dict(ranks=8, tokens_per_rank=16, hidden=512, top_k=4, num_experts=16, workers=4)
+TWO_TIER = dict(SMALL, ranks=32, num_experts=32)   # crosses cm384's second switch tier
 CASES = [(m, s) for m in ("ubep", "bsp") for s in ("sw", "tff", "dc", "sp")]
 
 
 @pytest.mark.parametrize("mode,sync", CASES)
 def test_fast_engine_equals_event_engine(params, mode, sync):
-    kw = dict(SMALL, mode=mode, sync=sync, params=params, seed=3)
+    kw = dict(TWO_TIER, mode=mode, sync=sync, params=params, seed=3)
     fast, plain = simulate("cm384", **kw).engine, simulate("cm384", exact=True, **kw).engine
     for name in ("row_issue_start", "row_issue_end", "row_complete", "row_visible",
                  "row_proc_end"):
@@ -86,7 +87,7 @@ def test_ubep_respects_every_dependency(params, sync):
     assert np.all(src != -1)
 
 
-def test_window_bounds_stores_in_flight(params):
+def test_staging_depth_bounds_stores_in_flight(params):
     r = simulate("cm384", mode="ubep", params=params, exact=True, **SMALL)
     e = r.engine
     # in flight at t: issue started <= t < completion; count per sending lane at every start
@@ -96,7 +97,7 @@ def test_window_bounds_stores_in_flight(params):
         sel = lanes == ln
         s, c = starts[sel], comps[sel]
         for t in s:
-            assert np.count_nonzero((s <= t) & (c > t)) <= params.window_rows
+            assert np.count_nonzero((s <= t) & (c > t)) <= 2   # cm384's staging_rows
 
 
 def _send_lanes(r):
@@ -124,7 +125,7 @@ def test_more_latency_or_cost_is_never_faster(params, mode, sync):
                         ).latency_us
     base = lat()
     for ch in ({"latency_scale": 2.0}, {"latency_scale": 8.0}, {"barrier_us": 20.0},
-               {"launch_us": 9.0}, {"core_bw_GBps": 3.0}, {"flag_issue_us": 0.5},
+               {"launch_us": 9.0}, {"stage_bw_GBps": 3.0}, {"flag_issue_us": 0.5},
                {"copy_bw_GBps": 5.0}):
         assert lat(**ch) >= base - 1e-9, ch
     scales = [0.0, 0.5, 1.0, 2.0, 4.0]
@@ -160,8 +161,8 @@ def test_bad_arguments_name_themselves():
         simulate("cm384", ranks=8, sync="xx")
     with pytest.raises(ValueError, match="count_workers=4"):
         simulate("cm384", ranks=8, workers=4, count_workers=4)
-    with pytest.raises(ValueError, match="window_rows"):
-        CostParams(window_rows=0)
+    with pytest.raises(ValueError, match="sync_batch_rows"):
+        CostParams(sync_batch_rows=0)
     with pytest.raises(ValueError, match="barrier_us"):
         CostParams(barrier_us=-1.0)
 

@@ -35,7 +35,10 @@ def test_other_fabrics_simulate(topo):
     assert b.latency_us > 0 and u.latency_us > 0 and b.topology == topo
 
 
-def test_cli_simulate_tune_and_check(tmp_path, capsys):
+def test_cli_simulate_tune_and_check(tmp_path, capsys, monkeypatch):
+    from ubep import tuning
+
+    monkeypatch.setenv("UBEP_TUNING_CACHE", str(tmp_path / "tuning.json"))
     trace = tmp_path / "t.json"
     assert main(["simulate", "--ranks", "8", "--tokens-per-rank", "8", "--hidden", "256",
                  "--json", "--trace", str(trace)]) == 0
@@ -44,5 +47,10 @@ def test_cli_simulate_tune_and_check(tmp_path, capsys):
     assert main(["tune", "--ranks", "8", "--tokens-per-rank", "8", "--hidden", "256",
                  "--max-count-workers", "3"]) == 0
     assert "cost model" in capsys.readouterr().out
+    hit = tuning.lookup("cm384", 48, 8, 8)
+    assert hit is not None and 1 <= hit <= 3
+    assert main(["simulate", "--ranks", "8", "--tokens-per-rank", "8", "--hidden", "256",
+                 "--json", "--use-tuned"]) == 0
+    assert f'"count_workers": {hit}' in capsys.readouterr().out
     assert main(["simulate", "--ranks", "8", "--num-experts", "12"]) == 2
     assert "num_experts=12" in capsys.readouterr().out

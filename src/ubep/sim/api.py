@@ -36,11 +36,13 @@ class SimConfig:
     schedule: str = field(default="hierarchical",
                           metadata={"help": "static | balanced | hierarchical"})
     workers: int = field(default=0, metadata={"help": "workers per rank (0: the topology's)"})
-    count_workers: int = field(default=0,
-                               metadata={"help": "count workers (0: the cost model's choice)"})
+    count_workers: int = field(default=0, metadata={
+        "help": "count workers (0: the cost model's choice, Eq. 4 on these constants)"})
     op: str = field(default="dispatch", metadata={"help": "dispatch | combine"})
     routing: str = field(default="uniform", metadata={"help": "uniform | hot"})
     hot_experts: int = field(default=0, metadata={"help": "experts made hot (routing skew)"})
+    hot_weight: float = field(default=16.0, metadata={
+        "help": "a hot expert is this many times likelier to be picked than another"})
     seed: int = field(default=0, metadata={"help": "routing seed"})
 
     def __post_init__(self) -> None:
@@ -53,6 +55,8 @@ class SimConfig:
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("op", self.op, OPS)
         check_choice("routing", self.routing, ROUTINGS)
+        if not (isinstance(self.hot_weight, (int, float)) and self.hot_weight >= 1):
+            raise ValueError(f"hot_weight={self.hot_weight!r} must be a number >= 1")
 
     @staticmethod
     def help() -> dict[str, str]:
@@ -103,8 +107,25 @@ def resolve_topology(topology, ranks: int | None = None):
     return Topology.resolve(topology, ranks)
 
 
-def prepare(topology, config: SimConfig, *, ranks: int | None = None) -> Prepared:
-    """Route and plan every rank (independent of the cost constants)."""
+def model_count_workers(topology, config: SimConfig, num_experts: int, workers: int,
+                        params: CostParams | None = None) -> int:
+    """The count-worker choice of `ubep.plan.costmodel` (Eq. 4) with the unit costs these
+    constants imply on this fabric: the same formulas the engine runs for the count path."""
+    from ubep.plan.costmodel import choose_count_workers
+
+    params = params or calibrated(topology.name)
+    fab = Fabric.of(topology, params)
+    _, wire = engine.wire_bytes_of(config.hidden * config.bytes_per_element, "ubep",
+                                   config.sync, fab)
+    return choose_count_workers(workers, num_experts, config.top_k, config.tokens_per_rank,
+                                ranks=topology.num_ranks,
+                                costs=engine.count_costs(params, fab, wire))
+
+
+def prepare(topology, config: SimConfig, *, ranks: int | None = None,
+            params: CostParams | None = None) -> Prepared:
+    """Route and plan every rank. Only the count-worker choice (when `config.count_workers`
+    is 0) depends on the cost constants `params` (default: the calibrated ones)."""
     topo = resolve_topology(topology, ranks)
     P = topo.num_ranks
     workers = config.workers or topo.workers_per_rank
@@ -119,11 +140,15 @@ def prepare(topology, config: SimConfig, *, ranks: int | None = None) -> Prepare
     if config.count_workers >= workers:
         raise ValueError(f"count_workers={config.count_workers} must be < workers={workers}")
     topk = make_topk(P, config.tokens_per_rank, config.top_k, E, routing=config.routing,
-                     hot_experts=config.hot_experts, seed=config.seed)
+                     hot_experts=config.hot_experts, hot_weight=config.hot_weight,
+                     seed=config.seed)
+    nc = config.count_workers
+    if config.mode == "ubep" and nc == 0:
+        nc = model_count_workers(topo, config, E, workers, params)
     t = time.perf_counter()
     plans = [make_plan(topk[r], topology=topo, rank=r, num_experts=E, workers=workers,
-                       count_workers=(config.count_workers or None) if config.mode == "ubep"
-                       else None, schedule=config.schedule, mode=config.mode)
+                       count_workers=nc if config.mode == "ubep" else None,
+                       schedule=config.schedule, mode=config.mode)
              for r in range(P)]
     plan_s = time.perf_counter() - t
     nc = int(plans[0].count_workers) if config.mode == "ubep" else 0
@@ -144,7 +169,7 @@ def execute(prep: Prepared, params: CostParams | None = None, *, exact: bool = F
     out = engine.run(c.op, c.mode, c.sync, table, fab, params, row_bytes=row_bytes,
                      tokens_per_rank=c.tokens_per_rank, top_k=c.top_k,
                      num_experts=prep.num_experts, count_workers=prep.count_workers,
-                     exact=exact, cache=cache)
+                     exact=exact, cache=cache, seed=c.seed)
     out.extra.update(src=table.src, dst=table.dst)
     P = fab.num_ranks
     payload = int(table.src.size) * row_bytes
@@ -186,7 +211,7 @@ def simulate(topology, *, tokens_per_rank: int = 128, hidden: int = 7168, top_k:
                     sync=sync, schedule=schedule, workers=workers or 0,
                     count_workers=count_workers or 0, op=op, routing="hot" if hot else routing,
                     hot_experts=hot_experts, seed=seed)
-    return execute(prepare(topology, cfg, ranks=ranks), params, exact=exact)
+    return execute(prepare(topology, cfg, ranks=ranks, params=params), params, exact=exact)
 
 
 def with_config(prep: Prepared, **changes) -> SimConfig:

@@ -1,12 +1,14 @@
 """Fit the cost model's free constants to the paper's published points — and only those.
 
-The points are those of `paper_public.yaml` (in this package, copied from the paper):
-Fig. 3(b) (Token-Sending efficiency of the BSP baseline vs cores), Table 4 (dispatch
-latency at 16/64/256 ranks for CANN-EP/BSP and UBEP) and the statement that SyncAll costs
-~15% of the BSP dispatch. Least squares (scipy, trust region, log-space, bounded) over the
-continuous constants, for each window size on a small grid; the best fit with its
-residuals is written to `calibration_v1.json` in the package, which `CostParams` presets
-read.
+The points are those of `ubep/sim/data/paper_public.toml` (copied from the paper, each with
+its table or figure): Fig. 3(b) (Token-Sending efficiency of the BSP baseline vs cores),
+Table 4 (dispatch latency at 16/64/256 ranks for CANN-EP/BSP and UBEP) and the statement
+that SyncAll costs ~15% of the BSP dispatch. Least squares (scipy, trust region,
+log-space, bounded) over the few constants in `FREE`; the hardware facts (hop latencies,
+link bandwidth and its share per die, staging depth) are not fitted. The result, with
+its residuals, is written to `ubep/sim/data/calibration.json`, which `calibrated()` reads.
+UBEP points run with the model's own count-worker choice (Eq. 4 on the constants being
+tried), so the fit cannot pick a count-worker number per point.
 """
 
 from __future__ import annotations
@@ -15,29 +17,36 @@ import datetime as _dt
 import json
 import math
 import time
+import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-from ubep.sim.api import Prepared, SimConfig, execute, prepare
+from ubep.sim.api import Prepared, SimConfig, execute, model_count_workers, prepare
 from ubep.sim.params import CALIBRATION_FILE, CostParams
 
-DEFAULT_POINTS = Path(__file__).with_name("paper_public.yaml")
-FREE = {  # name: (initial, lower, upper)
-    "core_bw_GBps": (10.0, 1.0, 400.0),
-    "port_bw_scale": (0.5, 0.05, 2.0),
-    "launch_us": (5.0, 0.2, 60.0),
-    "barrier_us": (6.0, 0.2, 60.0),
+POINTS_FILE = "paper_public.toml"
+FREE = {  # name: (initial, lower, upper); the initial point is where the shipped fit started
+    "stage_bw_GBps": (60.0, 1.0, 400.0),
+    "launch_us": (8.0, 0.2, 60.0),
+    "barrier_us": (8.0, 0.2, 60.0),
     "flag_issue_us": (0.05, 0.002, 3.0),
-    "copy_bw_GBps": (20.0, 1.0, 1000.0),
-    "phase_fixed_us": (1.0, 0.05, 30.0),
+    "copy_bw_GBps": (6.0, 1.0, 1000.0),
+    "uplink_bw_scale": (0.45, 0.05, 4.0),
 }
-# Tried and not adopted (docs/results/simulator.md): "issue_latency_fraction": (0.3, 1e-3, 3.0)
-# gave rms 0.087 at window 8 (0.086 without it).
-WINDOWS = (1, 2, 4, 8)
+#: hardware facts and defaults the fit starts from (not fitted): two dies share one NPU's
+#: link (paper, Section 2: 392 GB/s per NPU, 2 dies per NPU)
+FIXED = {"port_bw_scale": 0.5, "phase_fixed_us": 1.0, "poll_us": 0.05}
 FIG3B_RANKS = 16          # the paper does not say; one baseboard (8 NPUs, 16 dies)
+
+
+def published() -> dict:
+    """The paper's published numbers shipped with the package (`data/paper_public.toml`)."""
+    text = resources.files("ubep.sim").joinpath("data").joinpath(POINTS_FILE).read_text()
+    return tomllib.loads(text)
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,8 @@ class FitPoint:
 
 @dataclass
 class Problem:
-    """The fit points with their prepared simulations (routing and plans made once)."""
+    """The fit points with their prepared simulations (routing and plans made once per
+    count-worker number)."""
 
     points: list[FitPoint]
     workload: dict
@@ -63,16 +73,27 @@ class Problem:
     preps: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)
 
-    def _prep(self, ranks: int, mode: str, workers: int = 0) -> Prepared:
-        key = (ranks, mode, workers)
+    def config(self, ranks: int, mode: str, workers: int = 0) -> SimConfig:
+        w = self.workload
+        return SimConfig(tokens_per_rank=w["tokens_per_rank"], hidden=w["hidden"],
+                         top_k=w["top_k"], num_experts=ranks * w["experts_per_rank"],
+                         bytes_per_element=w["bytes_per_element"], mode=mode, sync="tff",
+                         schedule="static" if mode == "bsp" else "hierarchical",
+                         workers=workers, seed=0)
+
+    def _prep(self, ranks: int, mode: str, workers: int, params: CostParams) -> Prepared:
+        cfg = self.config(ranks, mode, workers)
+        nc = 0
+        if mode == "ubep":   # the model's own choice for these constants
+            base = self.preps.get((ranks, mode, workers, 0))
+            if base is None:
+                base = self.preps[(ranks, mode, workers, 0)] = prepare(
+                    "cm384", replace(cfg, count_workers=1), ranks=ranks)
+            nc = model_count_workers(base.topology, cfg, base.num_experts, base.workers,
+                                     params)
+        key = (ranks, mode, workers, nc)
         if key not in self.preps:
-            w = self.workload
-            cfg = SimConfig(tokens_per_rank=w["tokens_per_rank"], hidden=w["hidden"],
-                            top_k=w["top_k"], num_experts=ranks * w["experts_per_rank"],
-                            bytes_per_element=w["bytes_per_element"], mode=mode, sync="tff",
-                            schedule="static" if mode == "bsp" else "hierarchical",
-                            workers=workers, seed=0)
-            self.preps[key] = prepare("cm384", cfg, ranks=ranks)
+            self.preps[key] = prepare("cm384", replace(cfg, count_workers=nc), ranks=ranks)
         return self.preps[key]
 
     def model(self, params: CostParams) -> np.ndarray:
@@ -82,7 +103,8 @@ class Problem:
         def run(ranks, mode, workers=0):
             k = (ranks, mode, workers)
             if k not in lat:
-                lat[k] = execute(self._prep(ranks, mode, workers), params, cache=self.cache)
+                lat[k] = execute(self._prep(ranks, mode, workers, params), params,
+                                 cache=self.cache)
             return lat[k]
 
         out = []
@@ -106,69 +128,62 @@ class Problem:
         return (self.model(params) - t) / t
 
 
-def load_points(path: str | Path = DEFAULT_POINTS) -> tuple[list[FitPoint], dict]:
-    """The fit points of paper_public.yaml (Fig. 3b, Table 4, SyncAll) and the workload."""
-    import yaml
-
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"calibration points file {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text())
+def load_points(data: dict | None = None) -> tuple[list[FitPoint], dict]:
+    """The fit points (Fig. 3b, Table 4, SyncAll) and Table 4's workload, from the
+    published numbers (default: the package's `paper_public.toml`)."""
+    data = published() if data is None else data
     pts: list[FitPoint] = []
-    fig = data["token_sending_core_scaling"]
+    fig = data["fig3b"]
     for c, e in zip(fig["cores"], fig["efficiency_pct"]):
         if c != 8:   # 100% at 8 cores by definition
             pts.append(FitPoint(f"fig3b efficiency {c} cores", "fig3b", float(e), "%", cores=c))
-    tab = data["dispatch_latency_table"]
-    for row in tab["rows"]:
-        pts.append(FitPoint(f"table4 cann_ep {row['ranks']} ranks", "table4",
-                            float(row["cann_ep_us"]), "us", ranks=row["ranks"], mode="bsp"))
-        pts.append(FitPoint(f"table4 ubep {row['ranks']} ranks", "table4",
-                            float(row["ubep_us"]), "us", ranks=row["ranks"], mode="ubep"))
-    if any("SyncAll" in s and "15%" in s for s in data.get("statements", [])):
-        pts.append(FitPoint("syncall share of bsp dispatch", "syncall", 15.0, "%"))
+    tab = data["table4"]
+    for r, b, u in zip(tab["ranks"], tab["cann_ep_us"], tab["ubep_us"]):
+        pts.append(FitPoint(f"table4 cann_ep {r} ranks", "table4", float(b), "us", ranks=r,
+                            mode="bsp"))
+        pts.append(FitPoint(f"table4 ubep {r} ranks", "table4", float(u), "us", ranks=r,
+                            mode="ubep"))
+    pts.append(FitPoint("syncall share of bsp dispatch", "syncall",
+                        float(data["syncall"]["share_pct"]), "%"))
     return pts, dict(tab["workload"])
 
 
-def fit(points_path: str | Path = DEFAULT_POINTS, *, windows=WINDOWS, max_nfev: int = 15,
-        start: CostParams | None = None, fig3b_ranks: int = FIG3B_RANKS,
-        progress: Callable[[str], None] | None = None) -> dict:
-    """Least-squares fit (from `start`'s values, default `FREE`'s initial ones) for each
-    window size in `windows`; returns the best one's calibration record (see `write`)."""
+def fit(*, max_nfev: int = 40, start: CostParams | None = None,
+        fig3b_ranks: int = FIG3B_RANKS, progress: Callable[[str], None] | None = None) -> dict:
+    """Least-squares fit of the `FREE` constants (from `start`'s values, default `FREE`'s
+    initial ones; the rest from `FIXED` and the defaults); returns the calibration record."""
     from scipy.optimize import least_squares
 
-    pts, workload = load_points(points_path)
+    pts, workload = load_points()
     prob = Problem(pts, workload, fig3b_ranks)
     names = list(FREE)
     x0 = np.log([getattr(start, n) if start else FREE[n][0] for n in names])
     lo = np.log([FREE[n][1] for n in names])
     hi = np.log([FREE[n][2] for n in names])
     t_start = time.perf_counter()
-    best = None
-    for w in windows:
-        def f(x, w=w):
-            return prob.residuals(_params(names, x, w))
-        res = least_squares(f, x0, bounds=(lo, hi), x_scale=1.0, diff_step=1e-3,
-                            max_nfev=max_nfev)
-        cost = float(np.sum(res.fun ** 2))
+    n_eval = [0]
+
+    best: list = [math.inf, x0]
+
+    def f(x):
+        n_eval[0] += 1
+        r = prob.residuals(_params(names, x))
+        cost = float(np.sum(r ** 2))
+        if cost < best[0]:
+            best[:] = [cost, np.array(x)]
         if progress:
-            progress(f"window {w}: rms residual {math.sqrt(cost / len(pts)):.3f}")
-        if best is None or cost < best[0]:
-            best = (cost, w, res.x)
-        x0 = res.x
-    cost, w, x = best
-    params = _params(names, x, w)
+            progress(f"eval {n_eval[0]}: rms {math.sqrt(cost / r.size):.3f}")
+        return r
+
+    least_squares(f, x0, bounds=(lo, hi), x_scale=1.0, diff_step=1e-3, max_nfev=max_nfev)
+    params = _params(names, best[1])    # the best point evaluated (Jacobian probes included)
     model = prob.model(params)
-    rec = record(pts, workload, params, model, names + ["window_rows"],
-                 seconds=time.perf_counter() - t_start, fig3b_ranks=fig3b_ranks)
-    rec["windows_tried"] = list(windows)
-    return rec
+    return record(pts, workload, params, model, names, seconds=time.perf_counter() - t_start,
+                  fig3b_ranks=fig3b_ranks)
 
 
-def _params(names: list[str], x: np.ndarray, window: int) -> CostParams:
-    vals = dict(zip(names, np.exp(x).tolist()))
-    vals["poll_us"] = vals["flag_issue_us"]   # one constant for small remote accesses
-    return CostParams(window_rows=int(window), **vals)
+def _params(names: list[str], x: np.ndarray) -> CostParams:
+    return CostParams(**FIXED, **dict(zip(names, np.exp(x).tolist())))
 
 
 def record(pts: list[FitPoint], workload: dict, params: CostParams, model: np.ndarray,
@@ -177,11 +192,11 @@ def record(pts: list[FitPoint], workload: dict, params: CostParams, model: np.nd
             for p, m in zip(pts, model)]
     rel = np.array([r["residual"] for r in rows])
     return {
-        "version": 1,
+        "version": 2,
         "created": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "source": "ubep/sim/paper_public.yaml (Fig. 3b, Table 4, SyncAll 15%)",
+        "source": "ubep/sim/data/paper_public.toml (paper: Fig. 3b, Table 4, SyncAll 15%)",
         "topology": "cm384", "fig3b_ranks": fig3b_ranks, "workload": workload,
-        "free": free, "params": asdict(params), "points": rows,
+        "free": free, "fixed": dict(FIXED), "params": asdict(params), "points": rows,
         "rms_relative_residual": float(np.sqrt(np.mean(rel ** 2))),
         "max_abs_relative_residual": float(np.max(np.abs(rel))),
         "fit_seconds": round(seconds, 1),
@@ -189,8 +204,8 @@ def record(pts: list[FitPoint], workload: dict, params: CostParams, model: np.nd
 
 
 def write(rec: dict, path: str | Path | None = None) -> Path:
-    """Write the record (default: the package's `calibration_v1.json`)."""
-    p = Path(path) if path else Path(__file__).with_name(CALIBRATION_FILE)
+    """Write the record (default: the package's `data/calibration.json`)."""
+    p = Path(path) if path else Path(__file__).with_name("data") / CALIBRATION_FILE
     p.write_text(json.dumps(rec, indent=2) + "\n")
     return p
 
@@ -210,7 +225,7 @@ def refresh(rec: dict) -> dict:
     new = record(pts, rec["workload"], CostParams(**rec["params"]), model, rec["free"],
                  seconds=rec.get("fit_seconds", 0.0),
                  fig3b_ranks=rec.get("fig3b_ranks", FIG3B_RANKS))
-    for k in ("created", "windows_tried", "note"):
+    for k in ("created", "note"):
         if k in rec:
             new[k] = rec[k]
     new["evaluated"] = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -36,15 +36,15 @@ def register(subparsers) -> None:
     _add_config_flags(s)
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of all ranks")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.add_argument("--use-tuned", action="store_true",
+                   help="take the count-worker number from `ubep tune`'s cache if it has one")
     s.set_defaults(func=_simulate)
 
     c = subparsers.add_parser("calibrate", help="fit the simulator's constants to the "
                               "paper's published points", description=_calibrate.__doc__)
-    c.add_argument("--points", type=Path, default=None,
-                   help="points file (default: the package's paper_public.yaml)")
     c.add_argument("--out", type=Path, default=None,
-                   help="where to write (default: the package's calibration_v1.json)")
-    c.add_argument("--max-nfev", type=int, default=15, help="evaluations per window size")
+                   help="where to write (default: the package's data/calibration.json)")
+    c.add_argument("--max-nfev", type=int, default=40, help="model evaluations at most")
     c.add_argument("--check", action="store_true",
                    help="only re-run the shipped fit points and print model vs target")
     c.add_argument("--refresh", action="store_true",
@@ -64,6 +64,8 @@ def register(subparsers) -> None:
     _topology_flags(t)
     _add_config_flags(t, skip=("count_workers", "mode", "op"))
     t.add_argument("--max-count-workers", type=int, default=16)
+    t.add_argument("--no-record", action="store_true",
+                   help="do not write the best choice to the tuning cache")
     t.set_defaults(func=_tune)
 
 
@@ -88,7 +90,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
     console = _console()
     try:
-        res = execute(prepare(args.topology, _config(args), ranks=args.ranks))
+        cfg = _config(args)
+        if args.use_tuned and cfg.count_workers == 0 and cfg.mode == "ubep":
+            cfg = _with_tuned(args, cfg)
+        res = execute(prepare(args.topology, cfg, ranks=args.ranks))
     except (ValueError, TypeError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
@@ -115,8 +120,27 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_tuned(args: argparse.Namespace, cfg: SimConfig) -> SimConfig:
+    """`cfg` with the tuning cache's count-worker choice, through the cost model."""
+    from dataclasses import replace
+
+    from ubep import tuning
+    from ubep.plan.costmodel import choose_count_workers
+    from ubep.sim.api import prepare
+
+    prep = prepare(args.topology, cfg, ranks=args.ranks)
+    hit = tuning.lookup(prep.topology.name, prep.workers, prep.num_experts,
+                        cfg.tokens_per_rank)
+    if hit is None:
+        return cfg
+    nc = choose_count_workers(prep.workers, prep.num_experts, cfg.top_k, cfg.tokens_per_rank,
+                              tuned=hit)
+    return replace(cfg, count_workers=nc)
+
+
 def _calibrate(args: argparse.Namespace) -> int:
-    """Fit the free cost constants by least squares to paper_public.yaml (and nothing else)."""
+    """Fit the free cost constants by least squares to the paper's published points shipped
+    in ubep/sim/data/paper_public.toml (and nothing else)."""
     from rich.table import Table
 
     from ubep.sim import calibrate as cal
@@ -133,8 +157,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             console.print(f"wrote {cal.write(rec, args.out)}")
         model = cal.check(rec) if args.check else [p["model"] for p in rec["points"]]
     else:
-        rec = cal.fit(args.points or cal.DEFAULT_POINTS, max_nfev=args.max_nfev,
-                      progress=console.print)
+        rec = cal.fit(max_nfev=args.max_nfev, progress=console.print)
         path = cal.write(rec, args.out)
         console.print(f"wrote {path}")
         model = [p["model"] for p in rec["points"]]
@@ -158,26 +181,27 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    """Simulate n_count = 1..max for one workload; print the best and the cost model's pick."""
+    """Simulate n_count = 1..max for one workload; print the best and the cost model's pick,
+    and record the best in the tuning cache (`ubep.tuning`) unless --no-record."""
     from rich.table import Table
 
-    from ubep.plan import choose_count_workers
+    from ubep import tuning
     from ubep.sim.api import execute, prepare
 
     console = _console()
     rows = []
     try:
         base = _config(args, mode="ubep")
-        for c in range(1, args.max_count_workers + 1):
+        prep = prepare(args.topology, base, ranks=args.ranks)
+        top = min(args.max_count_workers, prep.workers - 1)
+        for c in range(1, top + 1):
             cfg = _config(args, mode="ubep", count_workers=c)
             rows.append((c, execute(prepare(args.topology, cfg, ranks=args.ranks)).latency_us))
-        prep = prepare(args.topology, base, ranks=args.ranks)
     except (ValueError, TypeError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
     best = min(rows, key=lambda r: r[1])
-    model = choose_count_workers(prep.workers, prep.num_experts, base.top_k,
-                                 base.tokens_per_rank)
+    model = prep.count_workers
     tab = Table(title=f"count workers on {args.topology}, {args.ranks} ranks, "
                 f"batch {base.tokens_per_rank}")
     tab.add_column("count workers", justify="right")
@@ -186,5 +210,10 @@ def _tune(args: argparse.Namespace) -> int:
         mark = (" best" if c == best[0] else "") + (" cost model" if c == model else "")
         tab.add_row(str(c), f"{v:.2f}{mark}")
     console.print(tab)
-    console.print(f"best: {best[0]} ({best[1]:.2f} us); cost model: {model}")
+    console.print(f"best: {best[0]} ({best[1]:.2f} us); cost model (Eq. 4): {model}")
+    if not args.no_record:
+        path = tuning.record(prep.topology.name, prep.workers, prep.num_experts,
+                             base.tokens_per_rank, best[0], latency_us=best[1],
+                             source=f"ubep tune (simulated, {args.ranks} ranks)")
+        console.print(f"recorded in {path}")
     return 0

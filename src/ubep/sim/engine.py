@@ -1,16 +1,23 @@
 """Executes every rank's plan on the fabric model: BSP phases or UBEP roles.
 
 The row stores of every worker of every rank run through one event simulation (numba,
-`fastevents`; `events` is its plain-Python twin): each worker keeps at most `window_rows`
-stores in flight, a store completes after its issue time, its ports' FIFO queues and the
-hop latency. Everything else is vectorised over ranks and workers with numpy: phases,
-barriers, flags, counts and the reordering (a FIFO queue per worker, `queues`), per mode:
+`fastevents`; `events` is its plain-Python twin): each worker stages rows through the
+topology's `staging_rows` buffer slots; a slot is taken when the worker starts copying a
+row into it and freed when that row's store completed (hop latency plus serialization,
+after the FIFO queues of the shared egress and ingress ports). So a worker with far
+destinations is slower than one with near ones whatever the ports do, and all workers
+together are no faster than the ports. Everything else is vectorised over ranks and
+workers with numpy: phases, barriers, flags, counts and the reordering (a FIFO queue per
+worker, `queues`), per mode:
 
 * bsp: init | token_send | SyncAll | flag+count | flag verify | SyncAll | cumsum | reorder,
   every worker of a rank in the same phase, ranks coupled through the flags;
-* ubep: count workers count, send counts, wait for every source's counts, prefix-sum and
-  publish; token workers send, then reorder each received row once it is visible (per the
-  sync variant) and the offsets are published.
+* ubep: count workers count, store one count word per destination (pipelined), wait for
+  the last source's counts (polling overlaps the arrivals: one vector pass after the last),
+  split the prefix sum (CalCumSum) among themselves and publish; token workers send, then
+  reorder each received row once it is visible (per the sync variant) and the offsets are
+  published. The count path is computed with `ubep.plan.costmodel`'s functions, the same
+  ones the planner minimises (Eq. 4), from `count_costs` of these constants.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ubep.plan import costmodel
+from ubep.plan.costmodel import CountCosts
 from ubep.sim.fabric import Fabric, time_us, wire_layout
 from ubep.sim.params import CostParams
 from ubep.sim.queues import fifo_depart
@@ -159,7 +168,7 @@ def send_stage(table: SendTable, fabric: Fabric, params: CostParams, *, lane_sta
     L = fabric.latency_us[table.hop]
     svc = fabric.service_us(wire_bytes, table.hop)
     sp = SyncCosts.of(params, sync, blocks)
-    W = int(params.window_rows)
+    W = int(fabric.staging_rows)
     if exact:
         from ubep.sim.events import send_stage_events as stage
     else:
@@ -169,14 +178,16 @@ def send_stage(table: SendTable, fabric: Fabric, params: CostParams, *, lane_sta
     t0 = float(lane_start[0]) if lane_start.size else 0.0
     shift = bool(np.all(lane_start == t0))
     start = np.zeros_like(lane_start, dtype=float) if shift else lane_start
-    stall = params.issue_latency_fraction
-    issue = issue_us + stall * L     # a store also stalls its core for part of its latency
-    key = (id(table), exact, issue_us, stall, W, sp, fabric.latency_us.tobytes(),
-           fabric.port_bw_GBps.tobytes(), wire_bytes)
+    issue = np.full(L.size, issue_us)
+    key = (id(table), exact, issue_us, W, sp, fabric.latency_us.tobytes(),
+           fabric.port_bw_GBps.tobytes(), fabric.uplink_bw_GBps, wire_bytes)
     if cache is not None and shift and key in cache:
         out = cache[key][1]
     else:
-        out = stage(table, L, svc, fabric.port_of_hop, issue, start, W, sp)
+        g = fabric.group_of_rank
+        g = np.zeros(fabric.num_ranks, dtype=np.int64) if g is None else g
+        out = stage(table, L, svc, fabric.port_of_hop, issue, start, W, sp,
+                    fabric.uplink_us(wire_bytes, table.hop), g[table.src], g[table.dst])
         if cache is not None and shift:
             cache[key] = (table, out)
     st, ie, comp, wd = (a + t0 for a in out) if shift else out
@@ -262,9 +273,53 @@ def _fan_out(P: int, senders: int, per_store_us: float, start: np.ndarray, fabri
     return start + math.ceil(P / senders) * per_store_us, arrival
 
 
+def wire_bytes_of(row_bytes: int, mode: str, sync: str, fabric: Fabric) -> tuple[int, int]:
+    """`(blocks, wire_bytes)` of one row as `run` sends it (bsp sends plain rows)."""
+    eff = "sw" if mode == "bsp" else sync
+    return wire_layout(row_bytes, "tff" if eff == "tff" else "raw", fabric.block_bytes,
+                       fabric.flag_bytes)
+
+
+def count_costs(params: CostParams, fabric: Fabric, wire_bytes: int) -> CountCosts:
+    """The unit costs of Eq. 4 (`ubep.plan.costmodel`) implied by these constants on this
+    fabric, for rows of `wire_bytes` under uniform routing: what the planner minimises and
+    what `run` executes for the count path.
+
+    A token worker's row costs its staging slot time (staging copy + hop latency +
+    serialization, averaged over destinations) divided by the staging depth, and never less
+    than the staging copy itself; the rank's port passes its remote share of the rows.
+    """
+    P = fabric.num_ranks
+    hop = fabric.hop
+    lat = fabric.latency_us[hop]
+    ser = fabric.service_us(wire_bytes, hop)
+    stage = time_us(wire_bytes, params.stage_bw_GBps)
+    slot = float(np.mean(stage + lat + ser)) if P else 0.0
+    row = max(stage, slot / fabric.staging_rows)
+    port_row = 0.0
+    for port in np.unique(fabric.port_of_hop[1:]) if fabric.port_of_hop.size > 1 else []:
+        on = (hop > 0) & (fabric.port_of_hop[hop] == port)
+        if on.any():
+            port_row = max(port_row, float(np.sum(np.where(on, ser, 0.0))) / (P * P))
+    return CountCosts(pair_us=params.count_ns_per_pair * 1e-3, store_us=params.flag_issue_us,
+                      flight_us=float(lat.max(initial=0.0)), scan_us=params.poll_us,
+                      scan_entry_us=params.scan_ns_per_entry * 1e-3,
+                      cumsum_entry_us=params.cumsum_ns_per_entry * 1e-3,
+                      merge_us=params.signal_us, publish_us=params.signal_us,
+                      row_us=row, port_row_us=port_row)
+
+
+def start_offsets(num_ranks: int, jitter_us: float, seed: int) -> np.ndarray:
+    """Per-rank start delay, uniform in [0, jitter_us) from `seed` (zeros when 0)."""
+    if jitter_us <= 0:
+        return np.zeros(num_ranks)
+    return np.random.default_rng([seed, 0x5EED]).random(num_ranks) * jitter_us
+
+
 def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params: CostParams, *,
         row_bytes: int, tokens_per_rank: int, top_k: int, num_experts: int,
-        count_workers: int, exact: bool = False, cache: dict | None = None) -> EngineOutput:
+        count_workers: int, exact: bool = False, cache: dict | None = None,
+        seed: int = 0) -> EngineOutput:
     """Simulate one dispatch or combine of every rank; see the module docstring."""
     P, n = fabric.num_ranks, table.workers
     ivs = _Intervals()
@@ -272,16 +327,19 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
     lane_rank = np.repeat(ranks, n)
     lane_worker = np.tile(np.arange(n), P)
     eff_sync = "sw" if mode == "bsp" else sync
-    blocks, wire = wire_layout(row_bytes, "tff" if eff_sync == "tff" else "raw",
-                               fabric.block_bytes, fabric.flag_bytes)
-    issue_us = time_us(wire, params.core_bw_GBps)
+    blocks, wire = wire_bytes_of(row_bytes, mode, sync, fabric)
+    issue_us = time_us(wire, params.stage_bw_GBps)
+    cc = count_costs(params, fabric, wire)
     row_copy_us = time_us(row_bytes, params.copy_bw_GBps) + (
         blocks * params.rearm_ns_per_block * 1e-3 if eff_sync == "sp" and mode == "ubep" else 0)
     e_local = max(1, num_experts // P)
     recv_rows = np.bincount(table.dst, minlength=P)
-    t0 = np.full(P, params.launch_us)
+    t0 = params.launch_us + start_offsets(P, params.start_jitter_us, seed)
     phase: dict[str, np.ndarray] = {"launch": t0.copy()}
     ivs.add(lane_rank, lane_worker, "launch", 0.0, t0[lane_rank], False)
+    # the bsp flag phase and the ubep count path both end in one vector pass over the
+    # received flag/count words after the last one landed (polling overlaps the arrivals)
+    scan = costmodel.scan_us(num_experts, cc)
 
     if mode == "bsp":
         t1 = t0 + params.phase_fixed_us
@@ -301,7 +359,7 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
         ivs.add(lane_rank, lane_worker, "flag_count", t2[lane_rank],
                 fs[lane_rank] + my_flags * params.flag_issue_us, True)
         got = arrival.max(axis=0)
-        t3 = np.maximum(local_done, got) + math.ceil(P / n) * params.poll_us
+        t3 = np.maximum(local_done, got) + scan
         ivs.add(lane_rank, lane_worker, "flag_verify",
                 fs[lane_rank] + my_flags * params.flag_issue_us, t3[lane_rank], False)
         t4 = t3 + params.barrier_us
@@ -339,18 +397,18 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
         t_start = t0 + params.phase_fixed_us
         if op == "dispatch":
             cw_lane = lane_worker < nc
-            count_end = t_start + tokens_per_rank * top_k * params.count_ns_per_pair * 1e-3 / nc
-            local_done, arrival = _fan_out(P, nc, params.flag_issue_us, count_end, fabric)
+            count_end = t_start + costmodel.count_us(nc, top_k, tokens_per_rank, cc)
+            local_done, arrival = _fan_out(P, nc, cc.store_us, count_end, fabric)
             got = arrival.max(axis=0)
-            wait_end = np.maximum(local_done, got) + math.ceil(P / nc) * params.poll_us
-            cs_end = wait_end + P * e_local * params.cumsum_ns_per_entry * 1e-3 / nc
-            ready = cs_end + params.signal_us
+            wait_end = np.maximum(local_done, got) + scan
+            cs_end = wait_end + costmodel.cumsum_us(nc, num_experts, cc)
+            ready = cs_end + cc.publish_us
             cr, cw = lane_rank[cw_lane], lane_worker[cw_lane]
             ivs.add(cr, cw, "count", t0[cr], count_end[cr], True)
             mine = (P - cw + nc - 1) // nc
             ivs.add(cr, cw, "send_counts", count_end[cr],
-                    count_end[cr] + mine * params.flag_issue_us, True)
-            ivs.add(cr, cw, "count_wait", count_end[cr] + mine * params.flag_issue_us,
+                    count_end[cr] + mine * cc.store_us, True)
+            ivs.add(cr, cw, "count_wait", count_end[cr] + mine * cc.store_us,
                     wait_end[cr], False)
             ivs.add(cr, cw, "cumsum", wait_end[cr], cs_end[cr], True)
             ivs.add(cr, cw, "publish", cs_end[cr], ready[cr], True)

@@ -2,12 +2,18 @@
 
 Semantics (both engines): a worker issues its sends in order, row k taking `issue[k]`;
 send i starts only once send i-W has completed (at most W stores in flight). A remote
-store queues FIFO at its source rank's egress port, flies the hop latency, queues FIFO
-at the destination's ingress port and completes; a local store completes after the
-local latency. In sw/dc, the last send of each batch is followed by the sync write: dc
-checksums the batch and writes the checksum; sw first waits until every store of the
-batch completed (drain), then fences and writes the flag. Ties run in (time, priority,
-sequence) order; priorities: worker steps first, then stores by row id.
+store queues FIFO at its source rank's egress port (which then serializes it), flies the
+hop latency from the moment its serialization starts (cut-through), queues FIFO at the
+destination's ingress port, is serialized there and completes: uncontended, a store
+completes its hop latency plus one serialization after it was issued, and holds its
+staging slot that long. A store to the outermost tier also passes the uplink of its
+source's group and the downlink of its destination's group (FIFO, each shared by every
+rank of that group: the second switch tier), when the fabric has one. A local store
+completes after the local latency. In sw/dc, the
+last send of each batch is followed by the sync write: dc checksums the batch and writes
+the checksum; sw first waits until every store of the batch completed (drain), then
+fences and writes the flag. Ties run in (time, priority, sequence) order; priorities:
+worker steps first, then stores by row id.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from ubep.sim.core import Simulation
 
 
 def send_stage_events(table, L: np.ndarray, svc: np.ndarray, port_of_hop: np.ndarray,
-                      issue: np.ndarray, lane_start: np.ndarray, W: int, sp
+                      issue: np.ndarray, lane_start: np.ndarray, W: int, sp,
+                      up_svc: np.ndarray, up_src: np.ndarray, up_dst: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row: issue start, issue end, completion, sync write end (NaN if none)."""
     sim = Simulation()
@@ -34,6 +41,8 @@ def send_stage_events(table, L: np.ndarray, svc: np.ndarray, port_of_hop: np.nda
     draining: dict[int, int] = {}               # lane -> i of the batch's last send
     busy_out: dict[int, float] = {}
     busy_in: dict[int, float] = {}
+    busy_up: dict[int, float] = {}
+    busy_dn: dict[int, float] = {}
     n_pc = port_of_hop.size
     W_PRIO = -N - 1
 
@@ -59,9 +68,13 @@ def send_stage_events(table, L: np.ndarray, svc: np.ndarray, port_of_hop: np.nda
             sim.at(sim.now + L[k], complete, k, priority=k)
         else:
             q = int(table.src[k]) * n_pc + int(port_of_hop[table.hop[k]])
-            t = max(sim.now, busy_out.get(q, 0.0)) + svc[k]
-            busy_out[q] = t
-            sim.at(t, egress_done, k, priority=k)
+            t = max(sim.now, busy_out.get(q, 0.0))
+            busy_out[q] = t + svc[k]
+            if up_svc[k] > 0:
+                g = int(up_src[k])
+                t = max(t, busy_up.get(g, 0.0))
+                busy_up[g] = t + up_svc[k]
+            sim.at(t + L[k], ingress, k, priority=k)
         nxt = sim.now
         if sp.batched and ((i + 1) % sp.batch == 0 or i + 1 == len(rows)):
             if sp.sync == "dc":
@@ -74,12 +87,14 @@ def send_stage_events(table, L: np.ndarray, svc: np.ndarray, port_of_hop: np.nda
             WD[k] = nxt
         sim.at(nxt, worker, lane, i + 1, priority=W_PRIO)
 
-    def egress_done(k: int) -> None:
-        sim.at(sim.now + L[k], ingress, k, priority=k)
-
     def ingress(k: int) -> None:
         q = int(table.dst[k]) * n_pc + int(port_of_hop[table.hop[k]])
-        t = max(sim.now, busy_in.get(q, 0.0)) + svc[k]
+        t = sim.now
+        if up_svc[k] > 0:
+            g = int(up_dst[k])
+            t = max(t, busy_dn.get(g, 0.0))
+            busy_dn[g] = t + up_svc[k]
+        t = max(t, busy_in.get(q, 0.0)) + svc[k]
         busy_in[q] = t
         sim.at(t, complete, k, priority=k)
 

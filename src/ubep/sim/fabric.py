@@ -27,12 +27,23 @@ class Fabric:
     block_bytes: int           # atomic block size
     flag_bytes: int            # TFF flag field inside a block
     port_of_hop: np.ndarray    # [C] port index of each hop class (equal bandwidth: one link)
+    staging_rows: int = 2      # rows one worker keeps in flight (the topology's hardware fact)
+    uplink_hop: int = -1       # hop class that crosses a group's uplink (-1: none)
+    group_of_rank: np.ndarray | None = None   # [P] uplink group of each rank
+    uplink_bw_GBps: float = float("inf")      # one group's uplink (and downlink), GB/s
 
     @staticmethod
     def of(topology, params: CostParams) -> Fabric:
         c = topology.num_hop_classes
         lat = np.array([topology.hop_latency_ns(h) for h in range(c)], dtype=np.float64)
         bw = np.array([topology.hop_bandwidth_GBps(h) for h in range(c)], dtype=np.float64)
+        up_hop, groups, up_bw = -1, np.zeros(topology.num_ranks, dtype=np.int64), math.inf
+        if len(topology.tiers) >= 3 and params.uplink_bw_scale > 0:
+            inner = topology.tiers[-2]           # the group whose uplink the outermost tier uses
+            up_hop = len(topology.tiers)
+            groups = np.arange(topology.num_ranks, dtype=np.int64) // inner.ranks_per_group
+            up_bw = (params.uplink_bw_scale * inner.ranks_per_group
+                     * topology.tiers[-1].bandwidth_GBps * params.port_bw_scale)
         return Fabric(
             name=topology.name, num_ranks=topology.num_ranks,
             workers_per_rank=topology.workers_per_rank,
@@ -40,7 +51,14 @@ class Fabric:
             latency_us=lat * 1e-3 * params.latency_scale,
             port_bw_GBps=bw * params.port_bw_scale,
             block_bytes=int(topology.atomic_block_bytes), flag_bytes=int(topology.flag_bytes),
-            port_of_hop=_ports(bw))
+            port_of_hop=_ports(bw), staging_rows=int(topology.staging_rows),
+            uplink_hop=up_hop, group_of_rank=groups, uplink_bw_GBps=up_bw)
+
+    def uplink_us(self, wire_bytes: float, hop: np.ndarray) -> np.ndarray:
+        """Time a group's uplink needs to pass `wire_bytes` (0 for hops that do not cross)."""
+        if self.uplink_hop < 0 or math.isinf(self.uplink_bw_GBps):
+            return np.zeros(np.shape(hop))
+        return np.where(hop == self.uplink_hop, wire_bytes / (self.uplink_bw_GBps * 1e3), 0.0)
 
     def service_us(self, wire_bytes: float, hop: np.ndarray) -> np.ndarray:
         """Time one port needs to pass `wire_bytes` toward hop class `hop` (0 if infinite)."""

@@ -7,8 +7,8 @@ at once (worker steps touch no shared state, so their order at equal times is mo
 Events: ISSUED (a store joins its egress queue; key: row id - N) and INGRESS (it joins the
 ingress queue; key: row id), and WORKER resumes (key: -N-1-lane), in a binary heap of
 parallel arrays ordered by (time, key); keys are unique, so ties are deterministic.
-Measured (2026-11, 2 shared vCPUs, load ~5): a 256-rank CM384 dispatch (262k row stores)
-took ~4 s with a list-of-tuples heap and five events per store; see the report for now.
+A 256-rank CM384 dispatch (262k row stores) takes well under a second (see
+docs/results/simulator.md); a list-of-tuples heap with five events per store took ~4 s.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _pop(ht, hk, ha, n):
 
 @njit(cache=True)
 def _run(lane_ptr, rows, lane_of, pos_of, lane_start, src, dst, hop, port_of_hop, L, svc,
-         issue, W, sync, batch, fence_flag_us, checksum_us_per_row, flag_us, n_ports):
+         issue, W, sync, batch, fence_flag_us, checksum_us_per_row, flag_us, n_ports,
+         up_svc, up_src, up_dst, n_groups):
     N = src.size
     n_l = lane_start.size
     ST = np.zeros(N)
@@ -71,6 +72,8 @@ def _run(lane_ptr, rows, lane_of, pos_of, lane_start, src, dst, hop, port_of_hop
     drain_i = np.full(n_l, -1, dtype=np.int64)
     busy_out = np.zeros(n_ports)
     busy_in = np.zeros(n_ports)
+    busy_up = np.zeros(n_groups)
+    busy_dn = np.zeros(n_groups)
     cap = N + n_l + 1
     ht = np.zeros(cap)
     hk = np.zeros(cap, dtype=np.int64)
@@ -100,8 +103,12 @@ def _run(lane_ptr, rows, lane_of, pos_of, lane_start, src, dst, hop, port_of_hop
                     waiter[k] = -1
             else:
                 q = src[k] * npc + port_of_hop[hop[k]]
-                t = max(now, busy_out[q]) + svc[k]
-                busy_out[q] = t
+                t = max(now, busy_out[q])   # serialization starts; the head flies (cut-through)
+                busy_out[q] = t + svc[k]
+                if up_svc[k] > 0:           # the source group's uplink (second switch tier)
+                    g = up_src[k]
+                    t = max(t, busy_up[g])
+                    busy_up[g] = t + up_svc[k]
                 n = _push(ht, hk, ha, n, t + L[k], k, 0)
             if sync != 0 and ((i + 1) % batch == 0 or i + 1 == cnt):
                 first = i - i % batch
@@ -122,7 +129,12 @@ def _run(lane_ptr, rows, lane_of, pos_of, lane_start, src, dst, hop, port_of_hop
         else:                               # INGRESS: row `key` joins its ingress queue
             k = key
             q = dst[k] * npc + port_of_hop[hop[k]]
-            t = max(now, busy_in[q]) + svc[k]
+            t = now
+            if up_svc[k] > 0:               # the destination group's downlink
+                g = up_dst[k]
+                t = max(t, busy_dn[g])
+                busy_dn[g] = t + up_svc[k]
+            t = max(t, busy_in[q]) + svc[k]
             busy_in[q] = t
             C[k] = t
             ln = lane_of[k]
@@ -158,7 +170,8 @@ def _run(lane_ptr, rows, lane_of, pos_of, lane_start, src, dst, hop, port_of_hop
     return ST, IE, C, WD
 
 
-def send_stage_fast(table, L, svc, port_of_hop, issue, lane_start, W, sp):
+def send_stage_fast(table, L, svc, port_of_hop, issue, lane_start, W, sp, up_svc, up_src,
+                    up_dst):
     """Per row: issue start, issue end, completion, sync write end (NaN if none)."""
     n_l = lane_start.size
     rows = np.lexsort((table.pos, table.lane)).astype(np.int64)
@@ -172,4 +185,6 @@ def send_stage_fast(table, L, svc, port_of_hop, issue, lane_start, W, sp):
                 port_of_hop.astype(np.int64), L.astype(np.float64), svc.astype(np.float64),
                 np.asarray(issue, dtype=np.float64), int(W), sync, int(sp.batch),
                 float(sp.fence_us + sp.flag_us), float(sp.checksum_us_per_row),
-                float(sp.flag_us), top * port_of_hop.size)
+                float(sp.flag_us), top * port_of_hop.size, np.asarray(up_svc, dtype=np.float64),
+                np.asarray(up_src, dtype=np.int64), np.asarray(up_dst, dtype=np.int64),
+                int(max(up_src.max(initial=0), up_dst.max(initial=0))) + 1)

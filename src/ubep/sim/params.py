@@ -4,7 +4,7 @@ The fabric (hop classes, their latency and bandwidth, block size) comes from the
 `ubep.Topology`; everything the topology does not say — how fast one core issues stores,
 how many it keeps in flight, what a barrier or a flag costs — lives here. The free ones are
 fitted by `ubep.sim.calibrate` to the paper's published points; `calibrated(name)` loads the
-fitted values shipped in `calibration_v1.json`.
+fitted values shipped in `data/calibration.json`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 
-CALIBRATION_FILE = "calibration_v1.json"
+CALIBRATION_FILE = "calibration.json"
 
 
 def _f(default: float, help: str) -> float:
@@ -23,23 +23,34 @@ def _f(default: float, help: str) -> float:
 
 @dataclass(frozen=True)
 class CostParams:
-    """Per-core, per-port and per-synchronisation costs of the modelled superpod."""
+    """Per-core, per-port and per-synchronisation costs of the modelled superpod.
 
-    core_bw_GBps: float = _f(12.0, "store issue bandwidth of one worker (vector core), GB/s")
-    window_rows: int = _f(4, "stores (rows) one worker keeps outstanding (Little's law)")
-    issue_latency_fraction: float = _f(0.0, "share of a store's hop latency its core stalls "
-                                       "while issuing it (0 = fully pipelined)")
-    port_bw_scale: float = _f(0.5, "share of a tier's bandwidth one rank's port gets (dies/NPU)")
+    How many rows one worker keeps in flight is not here: it is the topology's
+    `staging_rows` (a property of the kernel on that hardware, never fitted).
+    """
+
+    stage_bw_GBps: float = _f(12.0, "one worker copying a row into its staging buffer, GB/s "
+                              "(the issue cost of a row store)")
+    port_bw_scale: float = _f(1.0, "share of a tier's bandwidth one rank's port gets (cm384: "
+                              "0.5, two dies share their NPU's link)")
+    uplink_bw_scale: float = _f(0.0, "a group's uplink to the outermost switch tier (cm384: a "
+                                "board's uplink to the second tier) as a share of its ranks' "
+                                "total port bandwidth; 0: not modelled (non-blocking)")
     latency_scale: float = _f(1.0, "multiplies the topology's hop latencies (1 = as published)")
     launch_us: float = _f(5.0, "kernel launch, microseconds")
     phase_fixed_us: float = _f(1.0, "fixed cost of entering one phase or role, microseconds")
     barrier_us: float = _f(5.0, "one SyncAll (all-core barrier inside a rank), microseconds")
-    flag_issue_us: float = _f(0.05, "issue cost of one flag or count store, microseconds")
-    poll_us: float = _f(0.05, "one poll of a remotely written flag word, microseconds")
+    flag_issue_us: float = _f(0.05, "issue cost of one flag or count store (pipelined: the "
+                              "worker moves on), microseconds")
+    poll_us: float = _f(0.05, "one vector pass over the arrived flag/count words after the "
+                        "last one landed (polling overlaps the arrivals), microseconds")
+    scan_ns_per_entry: float = _f(0.5, "that vector pass, per received count entry, ns")
     copy_bw_GBps: float = _f(20.0, "local copy bandwidth of one worker (reordering), GB/s")
     count_ns_per_pair: float = _f(2.0, "counting one (token, expert) pair, nanoseconds")
     cumsum_ns_per_entry: float = _f(2.0, "one entry of the count prefix sum, nanoseconds")
     signal_us: float = _f(0.3, "release-store + acquire-load of a point-to-point signal, us")
+    start_jitter_us: float = _f(0.0, "each rank starts uniformly 0..this late (seeded by the "
+                                "workload seed; 0: every rank at once), us")
     sync_batch_rows: int = _f(8, "rows per flag (sw) or per checksum (dc)")
     fence_us: float = _f(0.5, "store fence before a sw flag (beyond draining the window), us")
     detect_ns_per_block: float = _f(5.0, "receiver: check one block's flag/marker bytes, ns")
@@ -51,7 +62,7 @@ class CostParams:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
                 raise ValueError(f"CostParams.{f.name}={v!r} must be a number >= 0")
-        for name in ("window_rows", "sync_batch_rows"):
+        for name in ("sync_batch_rows",):
             if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
                 raise ValueError(f"CostParams.{name}={getattr(self, name)!r} must be an int >= 1")
 
@@ -68,10 +79,10 @@ class CostParams:
     def zero() -> CostParams:
         """A free machine: no latency, infinite bandwidths, no fixed costs (for tests)."""
         inf = math.inf
-        return CostParams(core_bw_GBps=inf, window_rows=1, port_bw_scale=inf, latency_scale=0.0,
-                          issue_latency_fraction=0.0,
+        return CostParams(stage_bw_GBps=inf, port_bw_scale=inf, latency_scale=0.0,
                           launch_us=0, phase_fixed_us=0, barrier_us=0, flag_issue_us=0,
-                          poll_us=0, copy_bw_GBps=inf, count_ns_per_pair=0,
+                          poll_us=0, scan_ns_per_entry=0, copy_bw_GBps=inf,
+                          count_ns_per_pair=0,
                           cumsum_ns_per_entry=0, signal_us=0, fence_us=0,
                           detect_ns_per_block=0, checksum_ns_per_block=0, rearm_ns_per_block=0)
 
@@ -79,7 +90,8 @@ class CostParams:
 def load_calibration() -> dict:
     """The shipped calibration file as a dict ({} when it has not been written yet)."""
     try:
-        text = resources.files("ubep.sim").joinpath(CALIBRATION_FILE).read_text()
+        text = resources.files("ubep.sim").joinpath("data").joinpath(
+            CALIBRATION_FILE).read_text()
     except FileNotFoundError:
         return {}
     return json.loads(text)
@@ -87,8 +99,11 @@ def load_calibration() -> dict:
 
 def calibrated(topology_name: str = "cm384") -> CostParams:
     """The fitted CostParams for a preset (fitted on cm384; other fabrics reuse the core
-    constants, since the paper publishes no points for them)."""
+    constants, since the paper publishes no points for them, but not cm384's per-die share
+    of an NPU's link: their tiers state per-rank bandwidth)."""
     cal = load_calibration()
-    fitted = cal.get("params", {})
+    fitted = dict(cal.get("params", {}))
+    if topology_name != cal.get("topology", "cm384"):
+        fitted.pop("port_bw_scale", None)
     known = {f.name for f in fields(CostParams)}
     return CostParams(**{k: v for k, v in fitted.items() if k in known})

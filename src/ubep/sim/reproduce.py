@@ -85,7 +85,7 @@ def _plt():
 # -- experiments -------------------------------------------------------------------------
 
 def exp_table4(short: bool, topo: str) -> Experiment:
-    ranks = (16, 32) if short else (16, 32, 64, 128, 256)
+    ranks = (16, 32, 64) if short else (16, 32, 64, 128, 256)
     jobs = [Job((r, m), r, _cfg(m)) for r in ranks for m in ("bsp", "ubep")]
 
     def finish(res: dict, out: Path) -> str:
@@ -96,6 +96,7 @@ def exp_table4(short: bool, topo: str) -> Experiment:
             rows.append({"ranks": r, "label": "fitted" if paper else "predicted",
                          "bsp_us": b.latency_us, "bsp_GBps": b.bandwidth_GBps,
                          "ubep_us": u.latency_us, "ubep_GBps": u.bandwidth_GBps,
+                         "count_workers": u.count_workers,
                          "speedup": b.latency_us / u.latency_us,
                          "paper_bsp_us": paper[0] if paper else "",
                          "paper_ubep_us": paper[1] if paper else ""})
@@ -116,8 +117,11 @@ def exp_table4(short: bool, topo: str) -> Experiment:
         fig.tight_layout()
         fig.savefig(out / "table4.png", dpi=110)
         plt.close(fig)
-        return _md_table(rows, ["ranks", "label", "bsp_us", "bsp_GBps", "ubep_us",
-                                "ubep_GBps", "speedup", "paper_bsp_us", "paper_ubep_us"])
+        return ("UBEP runs with the model's own count-worker choice (Eq. 4 on the calibrated "
+                "constants); fitted = a calibration target.\n\n"
+                + _md_table(rows, ["ranks", "label", "bsp_us", "bsp_GBps", "ubep_us",
+                                   "ubep_GBps", "count_workers", "speedup", "paper_bsp_us",
+                                   "paper_ubep_us"]))
 
     return Experiment("table4", "Dispatch latency and bandwidth vs ranks, BSP vs UBEP "
                       "(Table 4)", jobs, finish)
@@ -260,45 +264,83 @@ def exp_fig8(short: bool, topo: str) -> Experiment:
     return Experiment("fig8", "Per-phase breakdown per worker (Fig. 8)", jobs, finish)
 
 
+FIG9 = dict(ranks=64, experts=256, hot_experts=8, hot_weight=3.0)
+
+
+def ingress(r: SimResult, fabric_port_GBps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: remote bytes received on the wire, and the time its ingress port needs
+    for them (the floor no schedule can beat), us."""
+    e = r.engine
+    src, dst = e.extra["src"], e.extra["dst"]
+    rows = np.bincount(dst[src != dst], minlength=r.num_ranks)
+    nbytes = rows * e.wire_bytes_per_row
+    return nbytes, nbytes / (fabric_port_GBps * 1e3)
+
+
 def exp_fig9(short: bool, topo: str) -> Experiment:
+    from ubep.sim.workload import hot_expert_ids
+
     scheds = ("static", "balanced", "hierarchical")
-    R = 64
-    jobs = [Job(("s", s), R, _cfg("ubep", num_experts=256, schedule=s, hot_experts=8,
-                                  routing="hot")) for s in scheds]
+    R, E, H, W = FIG9["ranks"], FIG9["experts"], FIG9["hot_experts"], FIG9["hot_weight"]
+    jobs = [Job(("s", s), R, _cfg("ubep", num_experts=E, schedule=s, hot_experts=H,
+                                  hot_weight=W, routing="hot")) for s in scheds]
 
     def finish(res: dict, out: Path) -> str:
+        from ubep.plan.topology import Topology
+        from ubep.sim.fabric import Fabric
+
         rows, summary = [], []
+        r0 = res[("s", scheds[0])]
+        fab = Fabric.of(Topology.preset(topo, ranks=R), calibrated(topo))
+        port = float(fab.port_bw_GBps[1:].min())
+        nbytes, floor = ingress(r0, port)
+        hot = hot_expert_ids(E, H, seed=r0.config.seed)
+        hot_ranks = sorted({int(x) // (E // R) for x in hot})
         for s in scheds:
             r = res[("s", s)]
             e = r.engine
-            # per worker (all ranks): Token-Sending latency = its last issue - role start
+            # per worker (all ranks): Token-Sending time = role start -> its last store issued
             sel = e.iv_name == "token_send"
             lat = e.iv_end[sel] - e.iv_start[sel]
-            ranks, workers = e.iv_rank[sel], e.iv_worker[sel]
-            for rk, w, v in zip(ranks, workers, lat):
+            for rk, w, v in zip(e.iv_rank[sel], e.iv_worker[sel], lat):
                 rows.append({"schedule": s, "rank": int(rk), "worker": int(w), "us": float(v),
                              "label": "predicted"})
             summary.append({"schedule": s, "label": "predicted", "max_us": float(lat.max()),
                             "mean_us": float(lat.mean()), "min_us": float(lat.min()),
-                            "dispatch_us": r.latency_us})
+                            "dispatch_us": r.latency_us,
+                            "max_ingress_floor_us": float(floor.max())})
         _write_csv(out / "fig9.csv", rows)
+        _write_csv(out / "fig9_ingress.csv", [
+            {"rank": i, "ingress_bytes": int(nbytes[i]), "ingress_floor_us": float(floor[i]),
+             "hosts_hot_expert": i in hot_ranks, "label": "predicted"} for i in range(R)])
         plt = _plt()
         fig, ax = plt.subplots(figsize=(8, 4))
         for s in scheds:
-            v = [x["us"] for x in rows if x["schedule"] == s and x["rank"] == 0]
-            ax.plot(range(len(v)), v, ".-", label=f"{s} (max all ranks "
+            v = sorted(x["us"] for x in rows if x["schedule"] == s)
+            ax.plot(np.linspace(0, 1, len(v)), v, "-", label=f"{s} (max "
                     f"{[m['max_us'] for m in summary if m['schedule'] == s][0]:.1f} us)")
-        ax.set_xlabel("token worker (rank 0)")
-        ax.set_ylabel("Token-Sending latency (us)")
-        ax.set_title(f"64 ranks, 256 experts, top-8, 8 hot experts ({topo})")
+        ax.axhline(float(floor.max()), color="k", ls=":", label="max ingress floor")
+        ax.set_xlabel("token workers of all ranks (sorted)")
+        ax.set_ylabel("Token-Sending time (us)")
+        ax.set_title(f"{R} ranks, {E} experts, top-8, {H} hot experts x{W:g} ({topo})")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "fig9.png", dpi=110)
         plt.close(fig)
-        return _md_table(summary, ["schedule", "label", "max_us", "mean_us", "min_us",
-                                   "dispatch_us"])
+        slowest = min(m["max_us"] for m in summary)
+        note = (f"Skew: {H} of {E} experts (ids {', '.join(map(str, hot))}, on ranks "
+                f"{', '.join(map(str, hot_ranks))}) are {W:g}x likelier; expert e lives on rank "
+                f"e // {E // R}. Static = CANN's ownership: each core a contiguous run of the "
+                f"rank's tokens (all their (token, k) pairs, in order). Per-rank ingress: "
+                f"max {nbytes.max() / 1e6:.2f} MB, mean {nbytes.mean() / 1e6:.2f} MB; ingress "
+                f"floor (max bytes / {port:.0f} GB/s) {floor.max():.1f} us, "
+                f"{'below' if floor.max() < slowest else 'NOT below'} the best schedule's max "
+                f"per-worker Token-Sending time ({slowest:.1f} us). Ingress per rank: "
+                f"fig9_ingress.csv.\n\n")
+        return note + _md_table(summary, ["schedule", "label", "max_us", "mean_us", "min_us",
+                                          "dispatch_us", "max_ingress_floor_us"])
 
-    return Experiment("fig9", "Per-worker Token-Sending latency with hot experts, by "
+    return Experiment("fig9", "Per-worker Token-Sending time with hot experts, by "
                       "scheduler (Fig. 9)", jobs, finish)
 
 
@@ -404,13 +446,11 @@ def exp_fig12(short: bool, topo: str) -> Experiment:
 
 
 def exp_fig14(short: bool, topo: str) -> Experiment:
-    from ubep.plan import choose_count_workers
-
     ranks = (32,) if short else (64, 128, 256)
     batches = (8, 128) if short else (8, 16, 32, 64, 128)
     ncs = (1, 2, 4, 8) if short else tuple(range(1, 17))
     jobs = [Job((r, b, c), r, _cfg("ubep", tokens_per_rank=b, count_workers=c))
-            for r in ranks for b in batches for c in ncs]
+            for r in ranks for b in batches for c in (0,) + ncs]   # 0: the model's choice
 
     def finish(res: dict, out: Path) -> str:
         rows, best = [], []
@@ -421,11 +461,10 @@ def exp_fig14(short: bool, topo: str) -> Experiment:
                     rows.append({"ranks": r, "batch": b, "count_workers": c, "latency_us": v,
                                  "label": "predicted"})
                 k = int(np.argmin(lat))
-                model = choose_count_workers(48, r, 8, b)
+                model = res[(r, b, 0)].count_workers
                 best.append({"ranks": r, "batch": b, "best_count_workers": ncs[k],
                              "best_us": lat[k], "cost_model_choice": model,
-                             "cost_model_us": res[(r, b, model)].latency_us
-                             if (r, b, model) in res else "",
+                             "cost_model_us": res[(r, b, 0)].latency_us,
                              "label": "predicted"})
         _write_csv(out / "fig14.csv", rows)
         _write_csv(out / "fig14_best.csv", best)
@@ -499,7 +538,7 @@ def _simulate(topology: str, job: Job, params: CostParams) -> SimResult:
     cfg = job.config
     if cfg.num_experts == 0:
         cfg = replace(cfg, num_experts=job.ranks)
-    return execute(prepare(topology, cfg, ranks=job.ranks), params)
+    return execute(prepare(topology, cfg, ranks=job.ranks, params=params), params)
 
 
 def _report(out: Path, sections, topology: str, short: bool, params: CostParams,
@@ -508,10 +547,11 @@ def _report(out: Path, sections, topology: str, short: bool, params: CostParams,
     lines = [f"# ubep simulator: the paper's experiments on `{topology}`",
              "",
              f"{'Short' if short else 'Full'} run: {total} simulations in {wall:.1f} s. "
-             "Model: `ubep.sim` with the constants of `calibration_v1.json` "
+             "Model: `ubep.sim` with the constants of `ubep/sim/data/calibration.json` "
              f"(fitted {cal.get('created', '?')}, rms relative residual "
              f"{cal.get('rms_relative_residual', float('nan')):.3f}). Labels: **fitted** = a "
-             "calibration target of ubep/sim/paper_public.yaml; **predicted** = "
+             "calibration target (the paper's points in ubep/sim/data/paper_public.toml); "
+             "**predicted** = "
              "not fitted. Workload unless stated: 128 tokens x top-8 per rank, hidden 7168, "
              "1 byte per element, one expert per rank, uniform routing, seed 0.",
              "",

@@ -10,16 +10,18 @@ from __future__ import annotations
 import numpy as np
 
 ROUTINGS = ("uniform", "hot")
-HOT_WEIGHT = 16.0   # a hot expert is this many times likelier to be picked than another
+HOT_WEIGHT = 16.0   # default: a hot expert is this many times likelier to be picked
 
 
 def make_topk(num_ranks: int, tokens_per_rank: int, top_k: int, num_experts: int, *,
-              routing: str = "uniform", hot_experts: int = 0, seed: int = 0) -> np.ndarray:
+              routing: str = "uniform", hot_experts: int = 0, hot_weight: float = HOT_WEIGHT,
+              seed: int = 0) -> np.ndarray:
     """`topk_idx` of every rank, `[num_ranks, tokens_per_rank, top_k]` int64.
 
     Each token picks `top_k` distinct experts. "uniform": every expert alike. "hot" (or
-    `hot_experts > 0`): `hot_experts` experts drawn at random are `HOT_WEIGHT` times likelier
-    (weighted sampling without replacement, Efraimidis-Spirakis keys).
+    `hot_experts > 0`): `hot_experts` experts drawn at random (`hot_expert_ids`) are
+    `hot_weight` times likelier (weighted sampling without replacement, Efraimidis-Spirakis
+    keys). Expert e lives on rank e // (num_experts // num_ranks).
     """
     if routing not in ROUTINGS:
         raise ValueError(f"routing={routing!r} is not one of {ROUTINGS}")
@@ -32,7 +34,7 @@ def make_topk(num_ranks: int, tokens_per_rank: int, top_k: int, num_experts: int
     if routing == "hot" or hot_experts > 0:
         hot = rng.choice(num_experts, size=hot_experts, replace=False)
         w = np.ones(num_experts)
-        w[hot] = HOT_WEIGHT
+        w[hot] = hot_weight
         keys = np.log(rng.random((n, num_experts))) / w   # larger is likelier
         idx = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
     else:
@@ -51,3 +53,15 @@ def _distinct_uniform(rng: np.random.Generator, n: int, k: int, e: int) -> np.nd
         if bad.size == 0:
             return idx
         idx[bad] = rng.integers(0, e, size=(bad.size, k))
+
+
+def hot_expert_ids(num_experts: int, hot_experts: int, seed: int = 0) -> np.ndarray:
+    """The experts `make_topk` makes hot for this seed (its first draw), sorted."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(num_experts, size=hot_experts, replace=False))
+
+
+def ingress_rows(topk: np.ndarray, num_experts: int) -> np.ndarray:
+    """`[num_ranks]` rows each rank receives (expert e lives on rank e // experts per rank)."""
+    P = topk.shape[0]
+    return np.bincount((topk // (num_experts // P)).ravel(), minlength=P)
