@@ -102,31 +102,36 @@ class EPMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.buffer is None:
             raise RuntimeError("EPMoE has no Buffer: call set_buffer(buffer) first")
+        # under torch.compile: no timers (host clocks are not traceable) and no branch on the
+        # data-dependent row count; the experts module must be traceable too (transformers'
+        # experts_implementation="grouped_mm" or "batched_mm")
+        compiling = torch.compiler.is_compiling()
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         # the block's own router: (logits, top-k weights, top-k expert ids)
         _, topk_weights, topk_idx = self.gate(x)
-        t0 = time.perf_counter()
+        t0 = 0.0 if compiling else time.perf_counter()
         res = self.buffer.dispatch(x, topk_idx, topk_weights)
-        t1 = time.perf_counter()
+        t1 = 0.0 if compiling else time.perf_counter()
         num_recv = res.recv_x.shape[0]
-        if num_recv:
+        if compiling or num_recv:
             # one slot per received row: its local expert, weight 1 (combine weights);
             # the block's experts module runs them as a grouped SwiGLU
             dev = res.recv_x.device
             local_ids = torch.repeat_interleave(
                 torch.arange(self.num_local_experts, device=dev),
-                res.tokens_per_expert.to(dev)).unsqueeze(1)
+                res.tokens_per_expert.to(dev), output_size=num_recv).unsqueeze(1)
             ones = torch.ones(num_recv, 1, dtype=res.recv_x.dtype, device=dev)
             expert_out = self.experts(res.recv_x, local_ids, ones)
         else:
             expert_out = res.recv_x.new_zeros(0, shape[-1])
-        t2 = time.perf_counter()
+        t2 = 0.0 if compiling else time.perf_counter()
         y = self.buffer.combine(expert_out.to(x.dtype), res.handle, weighted=True)
-        t3 = time.perf_counter()
-        self.comm_s += (t1 - t0) + (t3 - t2)
-        self.experts_s += t2 - t1
-        self.calls += 1
+        if not compiling:
+            t3 = time.perf_counter()
+            self.comm_s += (t1 - t0) + (t3 - t2)
+            self.experts_s += t2 - t1
+            self.calls += 1
         y = y.view(shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(hidden_states)
