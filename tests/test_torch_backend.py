@@ -28,7 +28,7 @@ def _run_cases(rank, world, cases):
     outs = []
     for case in cases:
         with ubep.Buffer(num_experts=case.num_experts, hidden=case.hidden,
-                         max_tokens_per_rank=max(case.tokens)) as buf:
+                         max_tokens_per_rank=max(case.tokens), backend="torch") as buf:
             outs.append(run_case(buf, case, rank))
     return outs
 
@@ -46,7 +46,7 @@ def _reuse(rank, world, cases):
     import ubep
 
     with ubep.Buffer(num_experts=cases[0].num_experts, hidden=cases[0].hidden,
-                     max_tokens_per_rank=16) as buf:
+                     max_tokens_per_rank=16, backend="torch") as buf:
         return [run_case(buf, c, rank) for c in cases]
 
 

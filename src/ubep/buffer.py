@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 
@@ -21,6 +22,7 @@ from ubep.options import (
     check_positive_int,
 )
 from ubep.runtime import make_backend
+from ubep.runtime.auto import choose_backend
 from ubep.runtime.bootstrap import agree
 from ubep.stats import Stats
 from ubep.validate import check_combine_inputs, check_combine_out, check_dispatch_inputs
@@ -47,8 +49,15 @@ class Buffer:
         num_experts: global expert count E, divisible by the group size.
         hidden: elements per token row.
         max_tokens_per_rank: the largest token count T any call may pass on any rank.
-        backend: "torch" (all_to_all_single, any process group, across hosts) or "shm"
-            (ranks on one host through shared memory, workers as threads).
+        backend: "auto" (default), "torch" (all_to_all_single, any process group, across
+            hosts) or "shm" (ranks on one host through shared memory, workers as threads).
+            "auto" picks shm when every rank of the group maps this host's /dev/shm and it
+            has room for all the ranks' segments, torch otherwise; `config.backend` says
+            which runs, `config.backend_reason` why, and every `Stats.backend` names it. auto
+            never turns on `direct`: a direct Buffer's `recv_x` is a view that the next
+            dispatch overwrites, which code written for any other EP library (that keeps a
+            result until it drops it) would not expect; pass `direct=True` to opt in (with
+            auto it then requires the shm path).
         mode: "ubep" (decomposed, dependency-driven) or "bsp" (the barrier-separated baseline).
             Used by the shm runtime; recorded but not used by the torch backend.
         sync: Data-as-Flag variant, "sw" | "tff" | "dc" | "sp" (shm runtime).
@@ -82,7 +91,7 @@ class Buffer:
     """
 
     def __init__(self, group=None, *, num_experts: int, hidden: int, max_tokens_per_rank: int,
-                 backend: str = "torch", mode: str = "ubep", sync: str = "tff",
+                 backend: str = "auto", mode: str = "ubep", sync: str = "tff",
                  schedule: str = "hierarchical", workers: int | None = None,
                  count_workers: int | None = None, topology=None, timeout_s: float = 30.0,
                  max_top_k: int = 8, block_bytes: int = 512, direct: bool = False):
@@ -105,7 +114,7 @@ class Buffer:
         if not isinstance(direct, bool):
             raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
         if direct:
-            if backend != "shm":
+            if backend not in ("shm", "auto"):
                 raise ValueError(f"direct=True needs backend='shm' (rows are written into the "
                                  f"receivers' shared memory), got backend={backend!r}")
             if mode != "ubep":
@@ -134,7 +143,14 @@ class Buffer:
             max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k, backend=backend,
             mode=mode, sync=sync, schedule=schedule, workers=workers,
             count_workers=count_workers, block_bytes=block_bytes, timeout_s=float(timeout_s),
-            topology=topology, direct=direct)
+            topology=topology, direct=direct, requested_backend=backend,
+            backend_reason="" if backend == "auto" else "asked for")
+        if backend == "auto":
+            chosen, why = choose_backend(self.config, group)
+            if direct and chosen != "shm":
+                raise ValueError(f"direct=True needs the shm backend, which this group cannot "
+                                 f"use: {why}")
+            self.config = dataclasses.replace(self.config, backend=chosen, backend_reason=why)
         self.group = group
         self.rank, self.world_size = rank, world_size
         self.num_experts = num_experts

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("torch", "shm")
+BACKENDS = ("auto", "torch", "shm")
 MODES = ("ubep", "bsp")
 SYNCS = ("sw", "tff", "dc", "sp")
 SCHEDULES = ("static", "balanced", "hierarchical")
@@ -41,7 +41,8 @@ class BufferConfig:
     hidden: int = field(metadata={"help": "elements per token row"})
     max_tokens_per_rank: int = field(metadata={"help": "largest T any call may pass"})
     max_top_k: int = field(metadata={"help": "largest K any call may pass"})
-    backend: str = field(default="torch", metadata={"help": "executor: torch | shm"})
+    backend: str = field(default="torch", metadata={
+        "help": "executor that runs the calls: torch | shm (what backend='auto' chose)"})
     mode: str = field(default="ubep", metadata={"help": "ubep (decomposed) | bsp (baseline)"})
     sync: str = field(default="tff", metadata={"help": "sw | tff | dc | sp"})
     schedule: str = field(default="hierarchical", metadata={"help": "static|balanced|hierarchical"})
@@ -52,6 +53,10 @@ class BufferConfig:
     topology: Any = field(default=None, metadata={"help": "ubep.Topology, preset name or None"})
     direct: bool = field(default=False, metadata={
         "help": "shm: rows written straight to their final place (recv_x is a buffer view)"})
+    requested_backend: str = field(default="", metadata={
+        "help": "the backend= the Buffer was given: auto | torch | shm"})
+    backend_reason: str = field(default="", metadata={
+        "help": "why `backend` runs the calls (backend='auto': what was found)"})
 
     @property
     def experts_per_rank(self) -> int:

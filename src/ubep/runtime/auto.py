@@ -1,0 +1,82 @@
+"""`Buffer(backend="auto")`: shared memory when the group allows it, torch.distributed otherwise.
+
+The shm backend needs every rank of the group to map the same shared memory: the same
+kernel (boot id) and the same /dev/shm mount (device and inode of the directory; containers
+on one host may or may not share it, and a hostname says neither). It also needs room there
+for every rank's segment. When both hold, shm is the fastest path on a host (see
+docs/results.md); otherwise the torch backend works over any process group. All ranks agree
+on the answer because they decide from the same gathered facts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ubep.options import BufferConfig
+from ubep.runtime.bootstrap import exchange
+
+SHM_DIR = "/dev/shm"
+
+
+def host_memory_key(shm_dir: str = SHM_DIR) -> tuple | None:
+    """What identifies the shared memory this process maps: (boot id, device, inode) of
+    `shm_dir`, or None where there is none (not Linux, no /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat(shm_dir)
+    except OSError:
+        return None
+    return (boot, st.st_dev, st.st_ino)
+
+
+def shm_bytes_needed(config: BufferConfig, workers: int) -> int:
+    """Bytes one rank's shm segment takes for `config` with `workers` worker threads."""
+    from ubep.plan.blocks import BlockFormat
+    from ubep.runtime.shm.region import D_END, L_SIZE, direct_layout, region_layout
+
+    c = config
+    lay = region_layout(
+        world=c.world_size, experts_per_rank=c.experts_per_rank, max_workers=workers,
+        hidden=1 if c.direct else c.hidden, max_tokens=1 if c.direct else c.max_tokens_per_rank,
+        max_top_k=c.max_top_k, fmt=BlockFormat(c.sync, c.block_bytes))
+    if not c.direct:
+        return int(lay[L_SIZE])
+    return int(direct_layout(start=int(lay[L_SIZE]), world=c.world_size,
+                             num_experts=c.num_experts, hidden=c.hidden,
+                             max_tokens=c.max_tokens_per_rank, max_top_k=c.max_top_k)[D_END])
+
+
+def _shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def choose_backend(config: BufferConfig, group) -> tuple[str, str]:
+    """("shm" | "torch", why) for `config` on `group`. Collective: every rank must call it.
+
+    shm when every rank maps the same /dev/shm and it has room for all the ranks' segments
+    (with a 10% margin); torch otherwise. The same answer on every rank.
+    """
+    from ubep.runtime.shm.backend import default_workers
+
+    c = config
+    workers = c.workers or default_workers(c.world_size)
+    mine = (host_memory_key(), workers, _shm_free_bytes())
+    facts = exchange(mine, group, rank=c.rank, world=c.world_size, timeout_s=c.timeout_s,
+                     phase="Buffer()/auto")
+    keys = {f[0] for f in facts}
+    if None in keys:
+        return "torch", "a rank has no /dev/shm"
+    if len(keys) > 1:
+        return "torch", f"the group's {c.world_size} ranks do not share one host's shared memory"
+    need = c.world_size * shm_bytes_needed(c, max(f[1] for f in facts))
+    free = min(f[2] for f in facts)
+    if need * 1.1 > free:
+        return "torch", (f"/dev/shm has {free / 2**20:.0f} MiB free, the shm backend needs "
+                         f"{need / 2**20:.0f} MiB for {c.world_size} ranks")
+    return "shm", (f"every rank on this host; /dev/shm has room ({need / 2**20:.1f} of "
+                   f"{free / 2**20:.0f} MiB free)")

@@ -1,0 +1,73 @@
+"""`Buffer(backend="auto")`, the default: shm on one host with room, torch otherwise.
+
+The choice is recorded in `Buffer.config` and in every call's stats, and whichever backend
+runs is checked against the oracle. "Another host" and "no room" are made by giving each rank
+a different shared-memory identity or a tiny free size; the backends then run for real.
+"""
+
+import pytest
+
+from ubep.testing import Case, check_case, run_case, run_ranks
+
+CASES = [Case(8, 16, 4, (5, 7), "uniform", "bf16", seed=1),
+         Case(8, 16, 2, (3, 0), "skewed", "fp32", seed=2)]
+
+
+def _run(rank, world, pretend, kw):
+    import ubep
+    from ubep.runtime import auto
+
+    if pretend == "other_host":
+        key = auto.host_memory_key()
+        auto.host_memory_key = lambda: (*key[:2], key[2] + rank)
+    elif pretend == "no_room":
+        auto._shm_free_bytes = lambda: 4096
+    try:
+        buf = ubep.Buffer(num_experts=8, hidden=16, max_tokens_per_rank=16, timeout_s=30, **kw)
+    except ValueError as e:
+        return {"error": str(e)}
+    with buf:
+        outs = [run_case(buf, c, rank) for c in CASES]
+        c = buf.config
+        return {"backend": c.backend, "requested": c.requested_backend,
+                "reason": c.backend_reason, "stats": buf.last_stats.backend, "outs": outs}
+
+
+def _check(per_rank):
+    for i, case in enumerate(CASES):
+        check_case(case, [r["outs"][i] for r in per_rank])
+
+
+def test_auto_picks_shm_on_one_host():
+    per_rank = run_ranks(_run, 2, None, {})
+    for r in per_rank:
+        assert (r["backend"], r["requested"], r["stats"]) == ("shm", "auto", "shm")
+        assert "this host" in r["reason"]
+    _check(per_rank)
+
+
+@pytest.mark.parametrize("pretend, why", [("other_host", "do not share one host"),
+                                          ("no_room", "MiB free")])
+def test_auto_falls_back_to_torch(pretend, why):
+    per_rank = run_ranks(_run, 2, pretend, {})
+    for r in per_rank:
+        assert (r["backend"], r["requested"], r["stats"]) == ("torch", "auto", "torch")
+        assert why in r["reason"]
+    _check(per_rank)
+
+
+def test_auto_direct_needs_shm():
+    per_rank = run_ranks(_run, 2, None, {"direct": True})
+    assert all(r["backend"] == "shm" for r in per_rank)
+    _check(per_rank)
+    errors = run_ranks(_run, 2, "other_host", {"direct": True})
+    for r in errors:
+        assert "direct=True needs the shm backend" in r["error"]
+        assert "do not share one host" in r["error"]
+
+
+def test_explicit_backend_is_recorded():
+    per_rank = run_ranks(_run, 2, "other_host", {"backend": "torch"})
+    for r in per_rank:
+        assert (r["backend"], r["requested"], r["reason"]) == ("torch", "torch", "asked for")
+    _check(per_rank)
