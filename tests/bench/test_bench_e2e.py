@@ -67,8 +67,7 @@ def test_bench_peers_under_mpiexec(tmp_path):
     out = tmp_path / "peers"
     assert main(["bench", *TINY, "--peers", "--out", str(out)]) == 0
     rows, run = _read(out)
-    _check_complete(rows, run, ["shm-ubep", "shm-bsp", "torch", "mpi"])
-    assert {"torch", "mpi"} <= {r["system"] for r in rows}
+    _check_complete(rows, run, ["shm-ubep", "shm-direct", "shm-bsp", "torch", "mpi", "agrs"])
 
 
 def _args(*argv):
@@ -79,7 +78,7 @@ def test_bench_options():
     cfg = _config_from_args(_args("--backend", "shm", "--mode", "bsp"))
     assert cfg.systems == ("shm-bsp",)
     cfg = _config_from_args(_args("--peers"))
-    assert cfg.systems[-1] == "mpi" and cfg.hiddens == (2048, 7168)
+    assert cfg.systems[-2:] == ("mpi", "agrs") and cfg.hiddens == (2048, 7168)
     assert cfg.batches == (1, 8, 16, 64, 128)
     with pytest.raises(ValueError, match="--mode needs --backend shm"):
         _config_from_args(_args("--mode", "ubep"))

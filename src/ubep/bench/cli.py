@@ -1,8 +1,9 @@
 """`ubep bench` and `ubep demo`: measure dispatch+combine for real, side by side.
 
-`ubep bench` times the systems a user could pick on this host (shm-ubep, shm-bsp,
-torch/gloo, and with `--peers` the MPI peer) against the copy bound, on the same routing,
-interleaved, and prints median/p99 with ratios; CSV, JSON and a PNG go to `--out`.
+`ubep bench` times the systems a user could pick on this host (shm-ubep, shm-direct,
+shm-bsp, torch/gloo, and with `--peers` the MPI peer and the AgRs peer, vLLM's all-gather +
+reduce-scatter) against the copy bound and the torch backend's raw collectives, on the same
+routing, and prints median/p99 with ratios; CSV, JSON and a PNG go to `--out`.
 `ubep demo` (what `make demo` runs) is a short DeepSeek-like bench.
 
 Hook for the sync-variant sweep (`ubep bench --sync-sweep`, module
@@ -57,7 +58,8 @@ def register(subparsers) -> None:
     p.add_argument("--mode", choices=("ubep", "bsp"), default=None,
                    help="with --backend shm: the execution mode")
     p.add_argument("--peers", action="store_true",
-                   help="add the MPI peer (mpiexec) and use the peer sweep defaults")
+                   help="add the peers (MPI under mpiexec; AgRs, vLLM's all-gather + "
+                        "reduce-scatter) and use the peer sweep defaults")
     p.add_argument("--iters", type=int, default=100, help="timed iterations per point")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations per point")
     p.add_argument("--block", type=int, default=20,
@@ -100,8 +102,8 @@ def _config_from_args(args) -> BenchConfig:
         raise ValueError("--mode needs --backend shm")
     if systems is None:
         systems = ["shm-ubep", "shm-direct", "shm-bsp", "torch"]
-    if args.peers and "mpi" not in systems:
-        systems = [*systems, "mpi"]
+    if args.peers:
+        systems = [*systems, *(p for p in ("mpi", "agrs") if p not in systems)]
     ranks = args.ranks
     if ranks is None:
         ranks = [2, 4] if args.peers and (os.cpu_count() or 1) >= 4 else [2]
@@ -152,7 +154,7 @@ def demo_config(iters: int = 40) -> BenchConfig:
     """The demo's bench: DeepSeek-like rows (hidden 7168, bf16, top-8), 2 ranks, 16 experts."""
     from ubep.bench.run import mpi_unavailable_reason
 
-    systems = ["shm-ubep", "shm-direct", "shm-bsp", "torch"]
+    systems = ["shm-ubep", "shm-direct", "shm-bsp", "torch", "agrs"]
     if mpi_unavailable_reason() is None:
         systems.append("mpi")
     return BenchConfig(ranks=(2,), hiddens=(7168,), batches=DEMO_BATCHES, top_k=8,

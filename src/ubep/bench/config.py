@@ -14,7 +14,9 @@ from ubep.testing import ROUTINGS
 #: in place (the stand-in expert is the identity, as for every system here).
 BUFFER_SYSTEMS = {"shm-ubep": ("shm", "ubep", False), "shm-direct": ("shm", "ubep", True),
                   "shm-bsp": ("shm", "bsp", False), "torch": ("torch", "ubep", False)}
-SYSTEMS = (*BUFFER_SYSTEMS, "mpi")
+#: peers: "mpi" (`ubep.bench.mpi_peer`, under mpiexec) and "agrs" (`ubep.bench.agrs_peer`:
+#: all-gather + reduce-scatter, as vLLM's CPU expert parallelism does it)
+SYSTEMS = (*BUFFER_SYSTEMS, "mpi", "agrs")
 BOUND = "bound"
 #: the torch backend's own collectives, replayed bare on the same bytes (runs with "torch")
 RAW = "raw"

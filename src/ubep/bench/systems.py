@@ -102,6 +102,33 @@ class MpiSystem:
         pass
 
 
+class AgRsSystem:
+    """The AgRs peer (`ubep.bench.agrs_peer`) on the default process group."""
+
+    def __init__(self, name: str, cfg: BenchConfig, hidden: int):
+        from ubep.bench.agrs_peer import AgRsPeer
+
+        self.name = name
+        self.peer = AgRsPeer(cfg.experts)
+        self._args = self._res = None
+
+    def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
+        # every rank has the same batch here; vLLM knows all ranks' sizes before the layer
+        self._args = (x, topk_idx, topk_weights, x.shape[0])
+
+    def dispatch(self) -> None:
+        self._res = self.peer.dispatch(*self._args)
+
+    def combine(self) -> None:
+        self.peer.combine(self._res.recv_x, self._res)
+
+    def check(self, ref: ReferenceDispatch) -> str | None:
+        return check_dispatch(self.name, self._res, ref)
+
+    def close(self) -> None:
+        pass
+
+
 class CopyBound:
     """The bytes dispatch and combine must move on this rank, copied once by one core.
 
@@ -191,6 +218,8 @@ def make_system(name: str, cfg: BenchConfig, hidden: int, comm=None):
         return BufferSystem(name, cfg, hidden)
     if name == "mpi":
         return MpiSystem(name, cfg, hidden, comm)
+    if name == "agrs":
+        return AgRsSystem(name, cfg, hidden)
     if name == BOUND:
         return CopyBound(name, cfg, hidden)
     if name == RAW:

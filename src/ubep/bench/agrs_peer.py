@@ -1,0 +1,125 @@
+"""The AgRs peer: expert parallelism as vLLM's CPU path does it (all-gather, reduce-scatter).
+
+vLLM's `AgRsAll2AllManager` (the one its CPU communicator picks with
+`enable_expert_parallel`) does not exchange rows per expert: dispatch all-gathers every
+rank's tokens and routing, so every rank holds every token; each rank runs its local experts
+on the tokens routed to them; combine sums each token's local-expert outputs (weighted) on
+every rank and reduce-scatters the `[all tokens, hidden]` partial sums, so each rank gets its
+own tokens' sums. It moves every token to every rank whatever the routing, and sums in the
+output dtype across ranks, as vLLM does.
+
+A comparison point, not a backend of the library. To be oracle-checked like every system,
+dispatch ends with the rows routed to this rank's experts laid out as `ubep.Buffer` returns
+them (expert-major, then source rank, then token): the gather a grouped expert GEMM needs,
+which vLLM's fused MoE does inside the expert kernel. The collectives run on the default
+process group (gloo here); one all-gather carries rows and routing packed together, one
+reduce-scatter brings the sums back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_SUMMED_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class AgRsDispatch:
+    """What `AgRsPeer.dispatch` returns; the first fields mirror `ubep.DispatchResult`."""
+
+    recv_x: torch.Tensor             # [N, hidden], expert-major
+    recv_weights: torch.Tensor       # [N] float32
+    tokens_per_expert: torch.Tensor  # [E / P] int64
+    recv_src_rank: torch.Tensor      # [N] int64
+    recv_src_token: torch.Tensor     # [N] int64
+    recv_src_slot: torch.Tensor      # [N] int64
+    # for combine: per gathered token (rank-major, padded to max_tokens) and slot, the row of
+    # expert_out holding its output (N = a zero row: not routed to this rank), and its weight
+    slot_row: torch.Tensor           # [K, P * max_tokens] int64
+    slot_weight: torch.Tensor        # [P * max_tokens, K] float32
+    num_tokens: int
+    max_tokens: int
+
+
+class AgRsPeer:
+    """Dispatch/combine by all-gather and reduce-scatter over a torch.distributed group."""
+
+    def __init__(self, num_experts: int, group=None):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if num_experts % self.world:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
+                             f"{self.world}")
+        self.num_experts = num_experts
+        self.per_rank = num_experts // self.world
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 max_tokens: int) -> AgRsDispatch:
+        """All-gather tokens and routing, then lay out this rank's experts' rows.
+
+        Arguments:
+            x: `[T, hidden]`, contiguous, any dtype (moved as bytes).
+            topk_idx: `[T, K]` int64, `-1` = not routed. topk_weights: `[T, K]` float32.
+            max_tokens: the largest T of any rank (vLLM knows every rank's T before the
+                layer); every rank's block is padded to it.
+        """
+        world, per_rank, me = self.world, self.per_rank, self.rank
+        num_tokens, top_k = topk_idx.shape
+        hidden = x.shape[1]
+        row_bytes = hidden * x.element_size()
+        packed = row_bytes + 12 * top_k                  # row, K ids (int64), K weights (f32)
+        send = torch.empty(max_tokens, packed, dtype=torch.uint8)
+        send[:num_tokens, :row_bytes] = x.view(torch.uint8).view(num_tokens, row_bytes)
+        route = send[:, row_bytes:]
+        route[:num_tokens, :8 * top_k] = topk_idx.view(torch.uint8).view(num_tokens, 8 * top_k)
+        route[:num_tokens, 8 * top_k:] = topk_weights.view(torch.uint8).view(num_tokens,
+                                                                             4 * top_k)
+        route[num_tokens:, :8 * top_k] = 255             # padding tokens: ids -1
+        gathered = torch.empty(world * max_tokens, packed, dtype=torch.uint8)
+        dist.all_gather_single(gathered, send, group=self.group)
+
+        g = gathered.numpy()
+        ids = np.ascontiguousarray(g[:, row_bytes:row_bytes + 8 * top_k]).view(np.int64)
+        weights = np.ascontiguousarray(g[:, row_bytes + 8 * top_k:]).view(np.float32)
+        local = ids - me * per_rank
+        tok, slot = np.nonzero((local >= 0) & (local < per_rank))
+        expert = local[tok, slot]
+        order = np.argsort(expert * (world * max_tokens) + tok, kind="stable")
+        tok, slot, expert = tok[order], slot[order], expert[order]
+        num_recv = len(tok)
+        recv_x = torch.index_select(gathered[:, :row_bytes], 0, torch.from_numpy(tok))
+        slot_row = np.full((world * max_tokens, top_k), num_recv, dtype=np.int64)
+        slot_row[tok, slot] = np.arange(num_recv)
+        slot_weight = np.zeros((world * max_tokens, top_k), dtype=np.float32)
+        slot_weight[tok, slot] = weights[tok, slot]
+        return AgRsDispatch(
+            recv_x=recv_x.view(x.dtype).view(num_recv, hidden),
+            recv_weights=torch.from_numpy(weights[tok, slot]),
+            tokens_per_expert=torch.from_numpy(np.bincount(expert, minlength=per_rank)),
+            recv_src_rank=torch.from_numpy(tok // max_tokens),
+            recv_src_token=torch.from_numpy(tok % max_tokens),
+            recv_src_slot=torch.from_numpy(slot),
+            slot_row=torch.from_numpy(slot_row.T.copy()),
+            slot_weight=torch.from_numpy(slot_weight), num_tokens=num_tokens,
+            max_tokens=max_tokens)
+
+    def combine(self, expert_out: torch.Tensor, d: AgRsDispatch,
+                weighted: bool = True) -> torch.Tensor:
+        """Each gathered token's weighted sum over this rank's experts, reduce-scattered.
+
+        Returns `[T, hidden]` in `expert_out.dtype`: this rank's tokens' sums over all ranks.
+        """
+        hidden, dtype = expert_out.shape[1], expert_out.dtype
+        rows = torch.cat([expert_out, expert_out.new_zeros(1, hidden)])
+        w = d.slot_weight if weighted else (d.slot_row.T < expert_out.shape[0]).float()
+        partial = torch.zeros(d.slot_weight.shape[0], hidden, dtype=torch.float32)
+        for k in range(d.slot_row.shape[0]):
+            r = rows.index_select(0, d.slot_row[k])
+            partial.addcmul_(r if dtype in _SUMMED_AS_IS else r.float(), w[:, k:k + 1])
+        out = torch.empty(d.max_tokens, hidden, dtype=dtype)
+        dist.reduce_scatter_single(out, partial.to(dtype), group=self.group)
+        return out[:d.num_tokens]
