@@ -176,7 +176,7 @@ class EmulatedSuperpod:
                  send_programs: int = 2, recv_programs: int = 1,
                  schedule: str = "hierarchical", topology: Topology | None = None,
                  resident_programs: int | None = None, max_spins: int = 1 << 20,
-                 rows_per_step: int = 4, block_hidden: int | None = None, num_warps: int = 4):
+                 rows_per_step: int = 8, block_hidden: int | None = None, num_warps: int = 8):
         for name, value, least in (("num_ranks", num_ranks, 1), ("num_experts", num_experts, 1),
                                    ("hidden", hidden, 1), ("count_programs", count_programs, 1),
                                    ("send_programs", send_programs, 1),

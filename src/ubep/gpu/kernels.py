@@ -65,15 +65,18 @@ def _poll(ptrs, mask, epoch, max_spins):
 
 
 @triton.jit
-def _record(err, pid, code, rank, miss, peer):
-    """Write the first give-up of program `pid`: (phase code, rank, first missing peer, misses)."""
+def _record(err, pid, code, rank, miss, peer, budget):
+    """Note a give-up of program `pid` (phase code, rank, first missing peer, flags missing)
+    if it is the program's first, and return the poll budget left: none after a give-up, so
+    a program that gave up finishes at once instead of waiting at every later row."""
     missing = tl.sum(miss.to(tl.int32))
-    if missing > 0:
+    if (missing > 0) & (budget > 0):
         first = tl.min(tl.where(miss, peer, 2147483647))
         tl.store(err + pid * 4, code)
         tl.store(err + pid * 4 + 1, rank)
         tl.store(err + pid * 4 + 2, first)
         tl.store(err + pid * 4 + 3, missing)
+    return tl.where(missing > 0, 0, budget)
 
 
 @triton.jit
@@ -151,6 +154,7 @@ def _place_rows(pid, d, lo, hi, off, wbase, win, win_w, win_ts, row_flag, recv_x
                 POLL: tl.constexpr):
     """Rank d fills `recv_x[d, lo:hi]` from its windows (polling each row's flag if POLL)."""
     f = tl.arange(0, BE * BP)
+    budget = tl.full([], max_spins, tl.int32)   # a tensor: it is reassigned in the loop
     for n0 in range(lo, hi, ROWS):
         n = n0 + tl.arange(0, ROWS)
         m = n < hi
@@ -162,8 +166,8 @@ def _place_rows(pid, d, lo, hi, off, wbase, win, win_w, win_ts, row_flag, recv_x
         s = idx % BP
         slot = (d * P + s) * R + base + (n - start)
         if POLL:
-            miss = _poll(row_flag + slot, m, epoch, max_spins)
-            _record(err, pid, 2, d, miss, s)
+            miss = _poll(row_flag + slot, m, epoch, budget)
+            budget = _record(err, pid, 2, d, miss, s, budget)
         dst = (d * NC + n).to(tl.int64)
         _copy_rows(recv_x, dst, win, slot.to(tl.int64), m, H, BH)
         tl.store(recv_w + dst, tl.load(win_w + slot, mask=m), mask=m)
@@ -203,6 +207,7 @@ def _reduce(pid, s, lo, hi, topk_idx, w, cwin, cflag, y, T, K, EL, H, epoch, max
     """Rank s sums tokens `[lo, hi)`: fp32 sum over routed slots, in slot order, of w * row."""
     k = tl.arange(0, BK)
     h = tl.arange(0, BH)
+    budget = tl.full([], max_spins, tl.int32)   # a tensor: it is reassigned in the loop
     for t0 in range(lo, hi, ROWS):
         t = t0 + tl.arange(0, ROWS)
         m = t < hi
@@ -211,8 +216,8 @@ def _reduce(pid, s, lo, hi, topk_idx, w, cwin, cflag, y, T, K, EL, H, epoch, max
         expert = tl.load(topk_idx + tk, mask=routed, other=-1)
         routed = routed & (expert >= 0)
         if POLL:
-            miss = _poll(cflag + tk, routed, epoch, max_spins)
-            _record(err, pid, 3, s, miss, expert // EL)
+            miss = _poll(cflag + tk, routed, epoch, budget)
+            budget = _record(err, pid, 3, s, miss, expert // EL, budget)
         for h0 in range(0, H, BH):
             hm = (h0 + h) < H
             acc = tl.zeros((ROWS, BH), dtype=tl.float32)
@@ -276,14 +281,14 @@ def ubep_dispatch(cnt, count_dest, send_lo, send_tok, send_slot, send_dst, send_
         r = g % RV
         src = tl.arange(0, BP)
         miss = _poll(count_flag + d * P + src, src < P, epoch, max_spins)
-        _record(err, pid, 1, d, miss, src)
+        budget = _record(err, pid, 1, d, miss, src, max_spins)
         off, wbase, per_expert, total = _offsets(counts, d, P, EL, BP, BE)
         if r == 0:
             e = tl.arange(0, BE)
             tl.store(tokens_per_expert + d * EL + e, per_expert, mask=e < EL)
         _place_rows(pid, d, r * total // RV, (r + 1) * total // RV, off, wbase, win, win_w,
                     win_ts, row_flag, recv_x, recv_w, recv_rank, recv_ts, P, R, NC, H, epoch,
-                    max_spins, err, BP, BE, ROWS, BH, True)
+                    budget, err, BP, BE, ROWS, BH, True)
     _advance_epoch(state, epoch)
 
 

@@ -1,0 +1,49 @@
+"""Compile every ubep.gpu kernel for a CUDA target (sm_90) with no GPU; print what the PTX holds.
+
+Run by test_compile.py in a fresh interpreter with TRITON_INTERPRET=0 (the interpreter
+accepts programs that the compiler rejects). Arguments are typed by name; pointers and the
+row width carry the 16-divisibility Triton's launcher gives torch tensors and H = 7168.
+Prints one JSON line per kernel.
+"""
+
+import json
+import os
+import re
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ubep.gpu import kernels as K  # noqa: E402
+
+KERNELS = ("ubep_dispatch", "ubep_combine", "bsp_counts", "bsp_send", "bsp_offsets",
+           "bsp_reorder", "bsp_send_back", "bsp_reduce")
+TYPES = {
+    **dict.fromkeys("cnt count_dest send_lo send_tok send_slot send_dst send_pos counts "
+                    "count_flag win_ts row_flag recv_rank recv_ts tokens_per_expert err state "
+                    "topk_idx cflag offsets wbases".split(), "*i32"),
+    **dict.fromkeys("w win_w recv_w".split(), "*fp32"),
+    **dict.fromkeys("x win recv_x".split(), "*i16"),        # bf16 rows moved as words
+    **dict.fromkeys("expert_out cwin y".split(), "*bf16"),
+    **dict.fromkeys("P E EL T K R NC H C S RV max_spins out_stride".split(), "i32"),
+}
+CONSTEXPRS = dict(BP=32, BE=8, ROWS=8, BH=2048, BK=8, WEIGHTED=True)
+
+for name in KERNELS:
+    fn = getattr(K, name)
+    sig = {a: "constexpr" if a in CONSTEXPRS else TYPES[a] for a in fn.arg_names}
+    const = {a: CONSTEXPRS[a] for a in fn.arg_names if a in CONSTEXPRS}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or a in ("H", "out_stride")}
+    c = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8))
+    ptx = c.asm["ptx"]
+    print(json.dumps(dict(
+        kernel=name, cubin_bytes=len(c.asm["cubin"]),
+        vector_ld=bool(re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)),
+        vector_st=bool(re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)),
+        acquire=bool(re.search(r"atom\.global\.gpu\.acquire\.add", ptx)),
+        release=len(re.findall(r"atom\.global\.gpu\.release\.exch", ptx)),
+    )))

@@ -1,0 +1,42 @@
+"""The kernels compile for a GPU (sm_90) on this CPU-only host, with the lowering they rely on.
+
+The interpreter runs Python, so it accepts code the Triton compiler rejects; this compiles
+for real (Triton's bundled ptxas, no GPU needed) and checks the PTX: rows move as 16-byte
+vectors, flags are set with release exchanges and polled with acquire atomics (gpu scope).
+Whether a program's barrier precedes its release cannot be read off PTX text order (loops
+are laid out out of order); that ordering is `tl.debug_barrier()` in the source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="ubep.gpu needs triton (pip install 'ubep[gpu]')")
+
+
+def _ptxas() -> bool:
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return any(bin_dir.glob("ptxas*"))
+
+
+@pytest.mark.skipif(not _ptxas(), reason="this triton has no bundled ptxas")
+def test_kernels_compile_for_sm90_with_vector_rows_and_release_acquire_flags():
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_kernels.py"))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = {r["kernel"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert len(got) == 8 and all(r["cubin_bytes"] > 0 for r in got.values())
+    for name in ("bsp_send", "bsp_reorder", "bsp_send_back", "ubep_dispatch", "ubep_combine"):
+        assert got[name]["vector_ld"] and got[name]["vector_st"], name
+    # dispatch: count flags and row flags; combine: row flags
+    assert got["ubep_dispatch"]["release"] == 2 and got["ubep_combine"]["release"] == 1
+    assert got["ubep_dispatch"]["acquire"] and got["ubep_combine"]["acquire"]
+    for name in ("bsp_counts", "bsp_send", "bsp_reorder", "bsp_send_back", "bsp_reduce"):
+        assert not got[name]["acquire"] and not got[name]["release"], name
