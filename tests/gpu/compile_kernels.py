@@ -45,5 +45,6 @@ for name in KERNELS:
         vector_ld=bool(re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)),
         vector_st=bool(re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)),
         acquire=bool(re.search(r"atom\.global\.gpu\.acquire\.add", ptx)),
+        l1_bypass=bool(re.search(r"ld\.global\.cg\.v4\.b32", ptx)),
         release=len(re.findall(r"atom\.global\.gpu\.release\.exch", ptx)),
     )))

@@ -2,7 +2,8 @@
 
 The interpreter runs Python, so it accepts code the Triton compiler rejects; this compiles
 for real (Triton's bundled ptxas, no GPU needed) and checks the PTX: rows move as 16-byte
-vectors, flags are set with release exchanges and polled with acquire atomics (gpu scope).
+vectors (window rows read past L1), flags are set with release exchanges and polled with
+acquire atomics (gpu scope).
 Whether a program's barrier precedes its release cannot be read off PTX text order (loops
 are laid out out of order); that ordering is `tl.debug_barrier()` in the source.
 """
@@ -35,6 +36,7 @@ def test_kernels_compile_for_sm90_with_vector_rows_and_release_acquire_flags():
     assert len(got) == 8 and all(r["cubin_bytes"] > 0 for r in got.values())
     for name in ("bsp_send", "bsp_reorder", "bsp_send_back", "ubep_dispatch", "ubep_combine"):
         assert got[name]["vector_ld"] and got[name]["vector_st"], name
+        assert got[name]["l1_bypass"], name
     # dispatch: count flags and row flags; combine: row flags
     assert got["ubep_dispatch"]["release"] == 2 and got["ubep_combine"]["release"] == 1
     assert got["ubep_dispatch"]["acquire"] and got["ubep_combine"]["acquire"]

@@ -151,7 +151,7 @@ def run_config(P: int, T: int, H: int, K: int, E: int, device: torch.device, dty
     x_flat = x.view(P * T, H)
     w_flat = rt.topk_weights.view(-1)
     recv = torch.empty(rows, H, dtype=dtype, device=device)
-    copy_src = torch.randn(rows, H, generator=gen).to(dtype).to(device)
+    copy_src = torch.empty(rows, H, dtype=dtype, device=device)   # contents do not matter
     copy_dst = torch.empty_like(copy_src)
 
     def torch_dispatch():
@@ -295,12 +295,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"of {a.experts} experts, median of {a.reps} calls")
     start = time.perf_counter()
     rows: list[dict] = []
+    failed: list[str] = []
     for P in a.ranks:
         for T in a.batch:
-            rows += run_config(P, T, a.hidden, a.top_k, a.experts, device, torch.bfloat16,
-                               Timer(device, a.warmup, a.reps, console.print), resident,
-                               a.seed)
+            try:
+                rows += run_config(P, T, a.hidden, a.top_k, a.experts, device, torch.bfloat16,
+                                   Timer(device, a.warmup, a.reps, console.print), resident,
+                                   a.seed)
+            except Exception as e:   # one failed point must not cost the rest of the run
+                failed.append(f"P={P} T={T}: {type(e).__name__}: {e}")
+                console.print(f"  [red]P={P:3d} T={T:4d} failed[/]: {failed[-1]}")
+                continue
             console.print(f"  P={P:3d} T={T:4d} done ({time.perf_counter() - start:.0f} s)")
+    if not rows:
+        console.print("[red]no configuration ran[/]")
+        return 1
     a.out.mkdir(parents=True, exist_ok=True)
     with open(a.out / "gpu_bench.csv", "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -322,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     console.print(f"wrote {a.out / 'gpu_bench.csv'} and {a.out / 'gpu_bench.png'} "
                   f"in {time.perf_counter() - start:.0f} s")
-    return 0
+    for f in failed:
+        console.print(f"[red]failed[/] {f}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

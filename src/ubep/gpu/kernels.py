@@ -22,6 +22,10 @@ flags missing), so a missing producer is an error, not a hang. A poll round is o
 atomic per flag (about a microsecond on a GPU), which is the back-off: Triton has no
 portable sleep.
 
+Data written by another program of the same kernel (window rows and their metadata, the
+counts) is read with `.cg` loads, which bypass the SM's L1: L1 is not coherent, and a line
+holding a neighbour's row could have been cached before this row's flag went up.
+
 Every wait is on a program with a lower id: the single-kernel modes put the producers of a
 phase at the lowest ids. On a GPU all programs are resident at once (the executor checks the
 grid fits); Triton's interpreter runs programs one after another in id order, so there the
@@ -85,7 +89,7 @@ def _copy_rows(dst, dst_row, src, src_row, mask, H, BH: tl.constexpr):
     h = tl.arange(0, BH)
     for h0 in range(0, H, BH):
         hm = mask[:, None] & ((h0 + h) < H)[None, :]
-        v = tl.load(src + src_row[:, None] * H + (h0 + h)[None, :], mask=hm)
+        v = tl.load(src + src_row[:, None] * H + (h0 + h)[None, :], mask=hm, cache_modifier=".cg")
         tl.store(dst + dst_row[:, None] * H + (h0 + h)[None, :], v, mask=hm)
 
 
@@ -138,7 +142,8 @@ def _offsets(counts, d, P, EL, BP: tl.constexpr, BE: tl.constexpr):
     e = tl.arange(0, BE)
     s = tl.arange(0, BP)
     m = (e < EL)[:, None] & (s < P)[None, :]
-    c = tl.load(counts + (d * P + s[None, :]) * EL + e[:, None], mask=m, other=0)
+    c = tl.load(counts + (d * P + s[None, :]) * EL + e[:, None], mask=m, other=0,
+                cache_modifier=".cg")
     per_expert = tl.sum(c, axis=1)
     expert_start = tl.cumsum(per_expert, axis=0) - per_expert
     off = expert_start[:, None] + tl.cumsum(c, axis=1) - c
@@ -170,8 +175,8 @@ def _place_rows(pid, d, lo, hi, off, wbase, win, win_w, win_ts, row_flag, recv_x
             budget = _record(err, pid, 2, d, miss, s, budget)
         dst = (d * NC + n).to(tl.int64)
         _copy_rows(recv_x, dst, win, slot.to(tl.int64), m, H, BH)
-        tl.store(recv_w + dst, tl.load(win_w + slot, mask=m), mask=m)
-        tl.store(recv_ts + dst, tl.load(win_ts + slot, mask=m), mask=m)
+        tl.store(recv_w + dst, tl.load(win_w + slot, mask=m, cache_modifier=".cg"), mask=m)
+        tl.store(recv_ts + dst, tl.load(win_ts + slot, mask=m, cache_modifier=".cg"), mask=m)
         tl.store(recv_rank + dst, s, mask=m)
 
 
@@ -226,7 +231,7 @@ def _reduce(pid, s, lo, hi, topk_idx, w, cwin, cflag, y, T, K, EL, H, epoch, max
                 mj = m & (tl.load(topk_idx + rj, mask=m, other=-1) >= 0)
                 mm = mj[:, None] & hm[None, :]
                 v = tl.load(cwin + rj.to(tl.int64)[:, None] * H + (h0 + h)[None, :], mask=mm,
-                            other=0.0).to(tl.float32)
+                            other=0.0, cache_modifier=".cg").to(tl.float32)
                 if WEIGHTED:
                     v = tl.load(w + rj, mask=mj, other=0.0)[:, None] * v
                 acc = tl.where(mm, acc + v, acc)
