@@ -29,9 +29,16 @@ TYPES = {
     **dict.fromkeys("expert_out cwin y".split(), "*bf16"),
     **dict.fromkeys("P E EL T K R NC H C S RV max_spins out_stride".split(), "i32"),
 }
-CONSTEXPRS = dict(BP=32, BE=8, ROWS=8, BH=2048, BK=8, WEIGHTED=True)
+# the benchmark's P = 32 tiles; then the launcher's specializations of ints equal to 1
+# (batch 1, one program per role, top-1, ...), which turn them into compile-time constants
+VARIANTS = {
+    "p32": dict(BP=32, BE=8, ROWS=8, BH=2048, BK=8, WEIGHTED=True),
+    "ones": dict(BP=2, BE=1, ROWS=8, BH=2048, BK=1, WEIGHTED=False, T=1, K=1, EL=1, C=1, S=1,
+                 RV=1, R=1, max_spins=1),
+}
 
-for name in KERNELS:
+for variant, name in [(v, k) for v in VARIANTS for k in KERNELS]:
+    CONSTEXPRS = VARIANTS[variant]
     fn = getattr(K, name)
     sig = {a: "constexpr" if a in CONSTEXPRS else TYPES[a] for a in fn.arg_names}
     const = {a: CONSTEXPRS[a] for a in fn.arg_names if a in CONSTEXPRS}
@@ -41,7 +48,7 @@ for name in KERNELS:
                        options=dict(num_warps=8))
     ptx = c.asm["ptx"]
     print(json.dumps(dict(
-        kernel=name, cubin_bytes=len(c.asm["cubin"]),
+        variant=variant, kernel=name, cubin_bytes=len(c.asm["cubin"]),
         vector_ld=bool(re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)),
         vector_st=bool(re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)),
         acquire=bool(re.search(r"atom\.global\.gpu\.acquire\.add", ptx)),
