@@ -162,42 +162,41 @@ def run_config(P: int, T: int, H: int, K: int, E: int, device: torch.device, dty
         y.index_add_(0, row, out.float() * w_flat[slot, None])
         return y.to(dtype)
 
+    def same_as_torch(m: str, got, when: str) -> None:
+        rows_of = torch.cat([got.recv_x[r, :got.num_recv[r]] for r in range(P)])
+        if not torch.equal(rows_of.view(torch.int16), want.view(torch.int16)):
+            raise RuntimeError(f"P={P} T={T}: mode {m!r} dispatch differs from torch's {when}")
+
     # agreement: both executors' rows equal torch's, bit for bit; combines within fp32 tolerance
     want = torch_dispatch()
-    results = {m: pods[m].dispatch(x, routes[m]) for m in pods}
-    packed = {}
-    for m, got in results.items():
-        packed[m] = torch.cat([got.recv_x[r, :got.num_recv[r]] for r in range(P)])
-        if not torch.equal(packed[m].view(torch.int16), want.view(torch.int16)):
-            raise RuntimeError(f"P={P} T={T}: mode {m!r} dispatch differs from torch's")
     y_want = torch_combine(want)
+    views = {}   # the superpods' receive buffers, as views
     for m, pod in pods.items():
-        torch.testing.assert_close(pod.combine(results[m].recv_x, results[m]).view(P * T, H),
-                                   y_want, msg=lambda s, m=m: f"{m} combine: {s}")
+        got = views[m] = pod.dispatch(x, routes[m])
+        same_as_torch(m, got, "before timing")
+        torch.testing.assert_close(pod.combine(got.recv_x, got).view(P * T, H), y_want,
+                                   msg=lambda s, m=m: f"{m} combine: {s}")
 
-    calls = {
-        ("dispatch", "torch"): torch_dispatch,
-        ("combine", "torch"): lambda: torch_combine(want),
-        ("dispatch", "copy"): lambda: copy_dst.copy_(copy_src),
+    times = {
+        ("dispatch", "torch"): (timer.eager(torch_dispatch), timer.graph(torch_dispatch,
+                                                                         "torch dispatch")),
+        ("combine", "torch"): (timer.eager(lambda: torch_combine(want)),
+                               timer.graph(lambda: torch_combine(want), "torch combine")),
+        ("dispatch", "copy"): (timer.eager(lambda: copy_dst.copy_(copy_src)),
+                               timer.graph(lambda: copy_dst.copy_(copy_src), "copy")),
     }
+    times[("combine", "copy")] = times[("dispatch", "copy")]
     for m, pod in pods.items():
-        calls[("dispatch", m)] = lambda pod=pod, m=m: pod.dispatch(x, routes[m], check=False)
-    times = {}
-    for key, fn in calls.items():
-        times[key] = (timer.eager(fn), timer.graph(fn, f"{key[1]} {key[0]}"))
-    for m, pod in pods.items():
+        fn = lambda pod=pod, m=m: pod.dispatch(x, routes[m], check=False)  # noqa: E731
+        times[("dispatch", m)] = (timer.eager(fn), timer.graph(fn, f"{m} dispatch"))
+        # the receive buffers hold the last timed call's rows (a graph replay where there is
+        # one): after hundreds of back-to-back calls they are still torch's rows
+        pod.check()
+        same_as_torch(m, views[m], "after timing")
         got = pod.dispatch(x, routes[m])
         fn = lambda pod=pod, got=got: pod.combine(got.recv_x, got, check=False)  # noqa: E731
         times[("combine", m)] = (timer.eager(fn), timer.graph(fn, f"{m} combine"))
-    times[("combine", "copy")] = times[("dispatch", "copy")]
-    # after hundreds of back-to-back calls (graph replays included): no program gave up,
-    # and the latest dispatch still equals torch's
-    for m, pod in pods.items():
         pod.check()
-        got = pod.dispatch(x, routes[m])
-        again = torch.cat([got.recv_x[r, :got.num_recv[r]] for r in range(P)])
-        if not torch.equal(again.view(torch.int16), want.view(torch.int16)):
-            raise RuntimeError(f"P={P} T={T}: mode {m!r} dispatch differs after timing")
     nbytes = rows * H * x.element_size()
     out = []
     for op in OPS:
