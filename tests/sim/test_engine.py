@@ -182,3 +182,38 @@ def test_core_orders_by_time_priority_sequence():
         ev.succeed()
     with pytest.raises(ValueError, match="before now"):
         sim.at(1.0, print)
+
+
+def test_start_jitter_is_seeded_and_bsp_waits_for_the_slowest_rank(params):
+    p = params.with_(start_jitter_us=30.0)
+    a = simulate("cm384", mode="bsp", params=p, seed=4, **SMALL)
+    b = simulate("cm384", mode="bsp", params=p, seed=4, **SMALL)
+    base = simulate("cm384", mode="bsp", params=params, seed=4, **SMALL)
+    assert a.latency_us == b.latency_us >= base.latency_us
+    launch = a.engine.rank_phase_us["launch"]
+    assert launch.max() > launch.min() >= params.launch_us       # ranks start apart
+    # every rank's flag phase ends after the slowest rank's last worker sent its flags
+    e = a.engine
+    sent = np.array([max(iv.end_us for iv in a.worker_intervals(r) if iv.name == "token_send")
+                     for r in range(a.num_ranks)])
+    assert np.all(e.ready_us >= sent.max() + params.barrier_us - 1e-9)
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_one_worker_and_direct_paths(params, op, direct):
+    kw = dict(SMALL, workers=1, op=op, params=params)
+    r = simulate("cm384", direct=direct, **kw)
+    assert r.count_workers == 0 and r.latency_us > 0
+    e = r.engine
+    assert np.all(e.row_proc_start >= e.row_visible - 1e-9)
+    if op == "dispatch":
+        # the one worker sends its counts before its first row
+        assert np.all(e.row_issue_start >= params.launch_us + params.phase_fixed_us - 1e-9)
+        if direct:   # counts first: no row moves before its rank has every count
+            assert np.all(e.row_issue_start >= e.ready_us[e.extra["src"]] - 1e-9)
+    assert simulate("cm384", direct=direct, mode="ubep", workers=1, op=op,
+                    params=CostParams.zero(), **{k: v for k, v in SMALL.items()
+                                                 if k != "workers"}).latency_us == 0.0
+    with pytest.raises(ValueError, match="direct=True needs mode='ubep'"):
+        simulate("cm384", mode="bsp", direct=True, **SMALL)

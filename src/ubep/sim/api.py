@@ -39,6 +39,8 @@ class SimConfig:
     count_workers: int = field(default=0, metadata={
         "help": "count workers (0: the cost model's choice, Eq. 4 on these constants)"})
     op: str = field(default="dispatch", metadata={"help": "dispatch | combine"})
+    direct: bool = field(default=False, metadata={
+        "help": "ubep: the one-copy variant (counts first, rows straight to place)"})
     routing: str = field(default="uniform", metadata={"help": "uniform | hot"})
     hot_experts: int = field(default=0, metadata={"help": "experts made hot (routing skew)"})
     hot_weight: float = field(default=16.0, metadata={
@@ -55,6 +57,10 @@ class SimConfig:
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("op", self.op, OPS)
         check_choice("routing", self.routing, ROUTINGS)
+        if not isinstance(self.direct, bool):
+            raise TypeError(f"direct must be a bool, got {type(self.direct).__name__}")
+        if self.direct and self.mode != "ubep":
+            raise ValueError("direct=True needs mode='ubep' (the counts go first)")
         if not (isinstance(self.hot_weight, (int, float)) and self.hot_weight >= 1):
             raise ValueError(f"hot_weight={self.hot_weight!r} must be a number >= 1")
 
@@ -135,8 +141,6 @@ def prepare(topology, config: SimConfig, *, ranks: int | None = None,
         raise ValueError(f"num_experts={E} must be a multiple of the rank count {P}")
     if config.top_k > E:
         raise ValueError(f"top_k={config.top_k} must be <= num_experts={E}")
-    if config.mode == "ubep" and workers < 2:
-        raise ValueError(f"workers={workers}: ubep mode needs >= 2 (count + token workers)")
     if config.count_workers >= workers:
         raise ValueError(f"count_workers={config.count_workers} must be < workers={workers}")
     topk = make_topk(P, config.tokens_per_rank, config.top_k, E, routing=config.routing,
@@ -147,7 +151,7 @@ def prepare(topology, config: SimConfig, *, ranks: int | None = None,
         nc = model_count_workers(topo, config, E, workers, params)
     t = time.perf_counter()
     plans = [make_plan(topk[r], topology=topo, rank=r, num_experts=E, workers=workers,
-                       count_workers=nc if config.mode == "ubep" else None,
+                       count_workers=(nc or None) if config.mode == "ubep" else None,
                        schedule=config.schedule, mode=config.mode)
              for r in range(P)]
     plan_s = time.perf_counter() - t
@@ -169,7 +173,7 @@ def execute(prep: Prepared, params: CostParams | None = None, *, exact: bool = F
     out = engine.run(c.op, c.mode, c.sync, table, fab, params, row_bytes=row_bytes,
                      tokens_per_rank=c.tokens_per_rank, top_k=c.top_k,
                      num_experts=prep.num_experts, count_workers=prep.count_workers,
-                     exact=exact, cache=cache, seed=c.seed)
+                     exact=exact, cache=cache, seed=c.seed, direct=c.direct)
     out.extra.update(src=table.src, dst=table.dst)
     P = fab.num_ranks
     payload = int(table.src.size) * row_bytes
@@ -188,7 +192,8 @@ def simulate(topology, *, tokens_per_rank: int = 128, hidden: int = 7168, top_k:
              num_experts: int = 0, bytes_per_element: int = 2, mode: str = "ubep",
              sync: str = "tff", schedule: str = "hierarchical", workers: int | None = None,
              count_workers: int | None = None, op: str = "dispatch", routing: str = "uniform",
-             hot_experts: int = 0, seed: int = 0, ranks: int | None = None,
+             hot_experts: int = 0, hot_weight: float = 16.0, seed: int = 0,
+             direct: bool = False, ranks: int | None = None,
              params: CostParams | None = None, exact: bool = False) -> SimResult:
     """Simulate one dispatch or combine of every rank on a modelled fabric.
 
@@ -200,7 +205,9 @@ def simulate(topology, *, tokens_per_rank: int = 128, hidden: int = 7168, top_k:
         mode: "ubep" | "bsp"; sync: "sw" | "tff" | "dc" | "sp" (ubep; bsp has its own flag
             phase); schedule: "static" | "balanced" | "hierarchical".
         workers, count_workers: per rank (None: the topology's / the cost model's choice).
-        op: "dispatch" | "combine". routing: "uniform" | "hot" with `hot_experts` hot ones.
+        op: "dispatch" | "combine". routing: "uniform" | "hot" with `hot_experts` hot ones,
+            each `hot_weight` times likelier than another expert. direct: the shm runtime's
+            one-copy variant (ubep; counts first, rows straight to their place).
         params: cost constants (default: the calibrated ones). exact: use the event engine.
     Returns:
         `SimResult` with `latency_us`, `bandwidth_GBps`, `phases_us`, per-rank `stats(r)`.
@@ -210,7 +217,7 @@ def simulate(topology, *, tokens_per_rank: int = 128, hidden: int = 7168, top_k:
                     num_experts=num_experts, bytes_per_element=bytes_per_element, mode=mode,
                     sync=sync, schedule=schedule, workers=workers or 0,
                     count_workers=count_workers or 0, op=op, routing="hot" if hot else routing,
-                    hot_experts=hot_experts, seed=seed)
+                    hot_experts=hot_experts, hot_weight=hot_weight, seed=seed, direct=direct)
     return execute(prepare(topology, cfg, ranks=ranks, params=params), params, exact=exact)
 
 

@@ -19,6 +19,10 @@ def _add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
         if f.name in skip:
             continue
         default = f.default if f.default is not MISSING else None
+        if isinstance(default, bool):
+            p.add_argument("--" + f.name.replace("_", "-"), action="store_true",
+                           help=f.metadata["help"])
+            continue
         p.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default,
                        help=f"{f.metadata['help']} (default: {default})")
 
@@ -36,6 +40,15 @@ def register(subparsers) -> None:
     _add_config_flags(s)
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of all ranks")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.add_argument("--validate-host", action="store_true",
+                   help="measure this host's constants, run `ubep bench` (shm-bsp/ubep/direct, "
+                   "P=2, 7168 bf16, top-8, batch 1/8/16/128) and print the host model's "
+                   "prediction next to the measured medians")
+    s.add_argument("--bench-out", type=Path, default=Path("results/validate_host"),
+                   help="--validate-host: the bench's output folder (reused if it holds a "
+                   "finished run and --reuse is given)")
+    s.add_argument("--reuse", action="store_true",
+                   help="--validate-host: read --bench-out instead of running the bench")
     s.add_argument("--use-tuned", action="store_true",
                    help="take the count-worker number from `ubep tune`'s cache if it has one")
     s.set_defaults(func=_simulate)
@@ -89,6 +102,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from ubep.stats import write_chrome_trace
 
     console = _console()
+    if args.validate_host:
+        return _validate_host(args, console)
     try:
         cfg = _config(args)
         if args.use_tuned and cfg.count_workers == 0 and cfg.mode == "ubep":
@@ -117,6 +132,38 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.trace:
         write_chrome_trace(res.all_stats(), args.trace)
         console.print(f"trace: {args.trace}")
+    return 0
+
+
+def _validate_host(args: argparse.Namespace, console) -> int:
+    """Predicted vs measured `ubep bench` medians on this host (`ubep.sim.host`)."""
+    from rich.table import Table
+
+    from ubep.sim import host
+
+    out = args.bench_out
+    if not (args.reuse and (out / "bench.csv").exists()):
+        console.print(f"running ubep bench into {out} (waits for {host.BENCH_LOCK}) ...")
+        host.run_bench(out)
+    med, rtt = host.read_bench(out)
+    hc = host.constants(med, rtt, host.measure_copy_GBps())
+    rows = host.validate(med, hc)
+    run = json.loads((out / "run.json").read_text())
+    load = run.get("machine", {}).get("load_avg_1m")
+    tab = Table(title=f"host model vs ubep bench (P=2, hidden 7168 bf16, top-8); copy "
+                f"{hc.copy_GBps:.2f} GB/s, flag round trip {hc.flag_rtt_us:.2f} us"
+                + (f", load {load}" if load is not None else ""))
+    for col in ("system", "batch", "op", "per-call us", "predicted us", "measured us", "error"):
+        tab.add_column(col, justify="left" if col in ("system", "op") else "right")
+    for r in rows:
+        tab.add_row(r["system"], str(r["batch"]), r["op"],
+                    f"{hc.call_us[(r['system'], r['op'])]:.1f}", f"{r['predicted_us']:.1f}",
+                    f"{r['measured_us']:.1f}", f"{r['error']:+.2f}")
+    console.print(tab)
+    ok = sum(abs(r["error"]) <= 0.25 for r in rows)
+    console.print(f"within +-25%: {ok} of {len(rows)}")
+    (out / "validate_host.json").write_text(json.dumps(
+        {"constants": hc.to_dict(), "rows": rows}, indent=2))
     return 0
 
 

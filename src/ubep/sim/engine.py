@@ -319,8 +319,12 @@ def start_offsets(num_ranks: int, jitter_us: float, seed: int) -> np.ndarray:
 def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params: CostParams, *,
         row_bytes: int, tokens_per_rank: int, top_k: int, num_experts: int,
         count_workers: int, exact: bool = False, cache: dict | None = None,
-        seed: int = 0) -> EngineOutput:
-    """Simulate one dispatch or combine of every rank; see the module docstring."""
+        seed: int = 0, direct: bool = False) -> EngineOutput:
+    """Simulate one dispatch or combine of every rank; see the module docstring.
+
+    `direct` (ubep): the shm runtime's one-copy variant: dispatch exchanges the counts
+    first, then every row goes straight to its final place (no reorder); combine reads
+    each row where it lies once its rank published (no send-back copy)."""
     P, n = fabric.num_ranks, table.workers
     ivs = _Intervals()
     ranks = np.arange(P)
@@ -392,20 +396,43 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
         ss_vis = ss["complete"]
     else:
         nc = count_workers if op == "dispatch" else 0
-        if op == "dispatch" and nc < 1:
-            raise ValueError(f"count_workers={nc}: ubep mode needs at least one count worker")
+        single = op == "dispatch" and nc == 0 and n == 1   # counts, then rows, on one worker
+        if op == "dispatch" and nc < 1 and not single:
+            raise ValueError(f"count_workers={nc}: ubep mode needs at least one count worker "
+                             f"(or workers=1)")
         t_start = t0 + params.phase_fixed_us
+        send_start = t_start.copy()
         if op == "dispatch":
-            cw_lane = lane_worker < nc
-            count_end = t_start + costmodel.count_us(nc, top_k, tokens_per_rank, cc)
-            local_done, arrival = _fan_out(P, nc, cc.store_us, count_end, fabric)
+            c = max(nc, 1)
+            count_end = t_start + costmodel.count_us(c, top_k, tokens_per_rank, cc)
+            local_done, arrival = _fan_out(P, c, cc.store_us, count_end, fabric)
             got = arrival.max(axis=0)
             wait_end = np.maximum(local_done, got) + scan
-            cs_end = wait_end + costmodel.cumsum_us(nc, num_experts, cc)
+            cs_end = wait_end + costmodel.cumsum_us(c, num_experts, cc)
             ready = cs_end + cc.publish_us
-            cr, cw = lane_rank[cw_lane], lane_worker[cw_lane]
+            if single:
+                send_start = local_done
+            if direct:     # every row's final place is known before the first row moves
+                send_start = ready + params.signal_us
+        else:
+            ready = t_start.copy()
+            arrival = np.zeros((P, P))
+            if direct:     # each rank reads its rows once their ranks published where they lie
+                send_start = t_start + fabric.latency_us[fabric.hop].max(axis=0)
+        ss = send_stage(table, fabric, params, lane_start=send_start[lane_rank],
+                        issue_us=issue_us, wire_bytes=wire, sync=eff_sync, blocks=blocks,
+                        exact=exact, cache=cache)
+        if single and not direct:   # the one worker polls for the counts after its rows
+            own = send_start.copy()
+            np.maximum.at(own, lane_rank, ss["issue_done"])
+            wait_end = np.maximum(own, got) + scan
+            cs_end = wait_end + costmodel.cumsum_us(1, num_experts, cc)
+            ready = cs_end + cc.publish_us
+        if op == "dispatch":
+            cr = lane_rank[lane_worker < nc]
+            cw = lane_worker[lane_worker < nc]
+            mine = (P - cw + c - 1) // c
             ivs.add(cr, cw, "count", t0[cr], count_end[cr], True)
-            mine = (P - cw + nc - 1) // nc
             ivs.add(cr, cw, "send_counts", count_end[cr],
                     count_end[cr] + mine * cc.store_us, True)
             ivs.add(cr, cw, "count_wait", count_end[cr] + mine * cc.store_us,
@@ -415,16 +442,12 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
             phase.update(count=count_end - t0, send_counts=local_done - count_end,
                          count_wait=wait_end - local_done, cumsum=cs_end - wait_end,
                          publish=ready - cs_end)
-        else:
-            ready = t_start.copy()
-            arrival = np.zeros((P, P))
-        ss = send_stage(table, fabric, params, lane_start=t_start[lane_rank], issue_us=issue_us,
-                        wire_bytes=wire, sync=eff_sync, blocks=blocks, exact=exact,
-                        cache=cache)
+        if direct:
+            row_copy_us = 0.0      # rows land in place (dispatch) / are summed as read (combine)
         is_token = lane_worker >= (nc if op == "dispatch" else 0)
         lane_done = ss["issue_done"]
         tr, tw = lane_rank[is_token], lane_worker[is_token]
-        ivs.add(tr, tw, "token_send", t_start[tr], lane_done[is_token], True)
+        ivs.add(tr, tw, "token_send", send_start[tr], lane_done[is_token], True)
         # reorder (dispatch) / reduce (combine) by the receiving rank's token workers
         n_tok = n - (nc if op == "dispatch" else 0)
         first = nc if op == "dispatch" else 0
