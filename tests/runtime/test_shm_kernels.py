@@ -8,16 +8,16 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from ubep.plan.blocks import SENTINEL, BlockFormat, sentinel_refusal
+from ubep.plan.fastplan import STATIC, count_experts, map_worker
 from ubep.runtime.shm.atomics import fetch_add, load_acquire, store_release
 from ubep.runtime.shm.kernels.dispatch import offsets, recv_rows, send_rows
 from ubep.runtime.shm.kernels.local import barrier_arrive, poll_at_least, publish
 from ubep.runtime.shm.kernels.records import FMT_TFF, write_record
 from ubep.runtime.shm.kernels.sentinel import arm_sentinels
-from ubep.runtime.shm.kernels.single import plan_single
 from ubep.runtime.shm.kernels.slots import poll_counts, send_counts, write_batch_flags
 from ubep.runtime.shm.region import (
     L_DROWS,
@@ -27,6 +27,16 @@ from ubep.runtime.shm.region import (
     META_BYTES,
     region_layout,
 )
+
+
+def _plan_one_worker(idx: np.ndarray, num_experts: int):
+    """(sends, window positions, counts) of one static worker on one rank: the mapper's."""
+    counts = np.zeros(num_experts, np.int64)
+    count_experts(idx, counts)
+    sends, _, pos, _ = map_worker(idx, counts, num_experts, np.zeros(1, np.int64),
+                                  np.arange(num_experts, dtype=np.int64), STATIC, 1, 1, 0)
+    return sends, pos, counts
+
 
 # -- block formats (pure) ---------------------------------------------------------------------
 
@@ -127,7 +137,7 @@ def test_dispatch_round_trip_through_one_rank_region(sync, block):
     w = np.random.default_rng(0).random((4, 2)).astype(np.float32)
     x = np.random.default_rng(1).integers(0, 255, (4, 26), dtype=np.uint8)   # 13 bf16
     for epoch in (1, 2, 3):
-        sends, pos, counts = plan_single(idx, np.arange(2), False, 2)
+        sends, pos, counts = _plan_one_worker(idx, 2)
         send_counts(bases, lay, 0, epoch, counts, 1, 0, 0, 0, 1)
         cs = np.zeros(1, np.int64)
         send_rows(bases, lay, 0, epoch, x, idx, w, sends, pos, counts, cs)
@@ -164,7 +174,7 @@ def test_dc_detects_a_changed_marker_word():
     idx = np.array([[0, 1]], np.int64)
     w = np.ones((1, 2), np.float32)
     x = np.arange(26, dtype=np.uint8)[None, :]
-    sends, pos, counts = plan_single(idx, np.arange(2), False, 2)
+    sends, pos, counts = _plan_one_worker(idx, 2)
     send_counts(bases, lay, 0, 1, counts, 1, 0, 0, 0, 1)
     cs = np.zeros(1, np.int64)
     send_rows(bases, lay, 0, 1, x, idx, w, sends, pos, counts, cs)
@@ -203,26 +213,7 @@ def test_copy_kernels_do_not_call_memcpy():
     del mem
 
 
-# -- the single-worker plan equals make_plan -------------------------------------------------------
-@settings(max_examples=40, deadline=None)
-@given(tokens=st.integers(0, 12), top_k=st.integers(1, 4), world=st.sampled_from([1, 2, 4]),
-       schedule=st.sampled_from(["static", "balanced", "hierarchical"]),
-       seed=st.integers(0, 1000), kind=st.sampled_from(["uniform", "skewed", "partial"]))
-def test_plan_single_matches_make_plan(tokens, top_k, world, schedule, seed, kind):
-    from ubep.plan import Topology, make_plan
-    from ubep.testing import make_routing
 
-    num_experts = 4 * world
-    topo = Topology.preset("cm384", ranks=world) if world > 1 else Topology.resolve(None, 1)
-    idx, _ = make_routing(tokens, top_k, num_experts, kind=kind, seed=seed)
-    for rank in range(world):
-        p = make_plan(idx, topology=topo, rank=rank, num_experts=num_experts, workers=1,
-                      schedule=schedule)
-        sends, pos, counts = plan_single(idx.numpy(), np.ascontiguousarray(p.expert_order),
-                                           schedule == "static", 4)
-        np.testing.assert_array_equal(sends, p.sends)
-        np.testing.assert_array_equal(pos, p.window_pos)
-        np.testing.assert_array_equal(counts, p.send_counts)
 
 
 def test_record_header_size_is_what_dispatch_sends():

@@ -7,10 +7,10 @@ order. Every executor (shm runtime, simulator) reads only the Plan. No I/O here,
 """
 
 from ubep.plan.costmodel import choose_count_workers
-from ubep.plan.planner import Plan, make_plan
+from ubep.plan.planner import Plan, WorkerMapper, make_plan
 from ubep.plan.schedule import SCHEDULES
 from ubep.plan.search import quaternary_search
 from ubep.plan.topology import PRESETS, Tier, Topology
 
-__all__ = ["Topology", "Tier", "PRESETS", "Plan", "make_plan", "SCHEDULES",
+__all__ = ["Topology", "Tier", "PRESETS", "Plan", "WorkerMapper", "make_plan", "SCHEDULES",
            "choose_count_workers", "quaternary_search"]

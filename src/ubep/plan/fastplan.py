@@ -1,10 +1,20 @@
-"""The planner's fast path: the three schedulers as one Numba-compiled pass (counting sorts).
+"""The compiled planner: every worker's sends from the routing, by one Numba implementation.
 
-Why: `make_plan` runs on every dispatch. The numpy path (`schedule.py`) needs ~30 array
-calls, a few µs each on a small shared machine, ~100-300 µs per plan here; this path does
-the same work in one compiled call over O(T*K + E + H*n) loops (see docs/results/scheduler.md
-for both figures). It must produce exactly the numpy path's plan; tests/plan checks that on
-random routings, and the numpy path stays the documented, tested reference.
+`make_plan` calls `plan_kernel`; the shm runtime calls the same pieces per worker, as the
+paper's cores do (each computes its own slice, nobody waits for a central plan):
+
+1. `count_experts`: the per-expert send counts of one rank's routing;
+2. `class_slices`: every worker's slices, from the per-hop-class totals (hierarchical),
+   the total (balanced) or the token ranges (static) — closed form, O(hop classes * n);
+3. `map_worker`: where worker j's slices start and end (`quaternary_search` on the prefix
+   sums of the counts in the schedule's expert order: which expert, which offset), then
+   one pass over the routing that keeps worker j's (token, slot) pairs, in send order.
+
+Why compiled: `make_plan` runs on every dispatch, and the runtime's workers run the mapper
+on theirs. The numpy path (`schedule.py`) needs ~30 array calls, ~100-300 µs per plan on a
+small shared machine; this does the same work in O(T*K + E + H*n) loops per worker (see
+docs/results/scheduler.md). It must produce exactly the numpy path's plan; tests/plan
+checks that on random routings, and the numpy path stays the documented reference.
 """
 
 from __future__ import annotations
@@ -14,28 +24,240 @@ import numpy as np
 
 STATIC, BALANCED, HIERARCHICAL = 0, 1, 2
 
+_jit = numba.njit(cache=True, nogil=True)
 
-@numba.njit(cache=True, nogil=True)
-def plan_kernel(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
-                n, num_hop_classes):  # pragma: no cover - compiled
-    """Return (sends [N,3], experts, window_pos, hops, offsets, send_counts, targets, sizes,
-    bad): `bad` is an out-of-range expert id found in `idx` (then the rest is empty), or -1.
 
-    `idx` [T, K] int64; `rank_of_expert` [E]: each expert's position in the schedule's
-    expert order (hierarchical; ignored otherwise); `kind` STATIC | BALANCED | HIERARCHICAL.
-    """
-    T, K = idx.shape
-    counts = np.zeros(num_experts, np.int64)
-    n_sends = 0
-    for t in range(T):
-        for k in range(K):
+@_jit
+def count_experts(idx, counts):  # pragma: no cover - compiled
+    """`counts[e]` = slots of `idx` `[T, K]` routed to expert e. Returns an out-of-range id
+    found in `idx` (`< -1` or `>= len(counts)`; then `counts` is partial), or -1."""
+    num_experts = counts.shape[0]
+    for e in range(num_experts):
+        counts[e] = 0
+    t_n, k_n = idx.shape
+    for t in range(t_n):
+        for k in range(k_n):
             e = idx[t, k]
             if e < -1 or e >= num_experts:
-                z = np.zeros((0, 0), np.int64)
-                return (z, z[0], z[0], z[0], z[0], counts, z, z, e)
+                return e
             if e >= 0:
                 counts[e] += 1
-                n_sends += 1
+    return -1
+
+
+@_jit
+def count_expert_range(idx, e_lo, e_hi, counts):  # pragma: no cover - compiled
+    """`counts[e]` for experts `[e_lo, e_hi)` only (a count worker's share); others untouched."""
+    for e in range(e_lo, e_hi):
+        counts[e] = 0
+    t_n, k_n = idx.shape
+    for t in range(t_n):
+        for k in range(k_n):
+            e = idx[t, k]
+            if e >= e_lo and e < e_hi:
+                counts[e] += 1
+
+
+@_jit
+def quaternary_search(prefix, target):  # pragma: no cover - compiled
+    """`(index, steps)`: the first `index` with `prefix[index] > target` (`len(prefix)` past
+    the end), testing three pivots per step at the quarters of the window; the same answer
+    and step count as `ubep.plan.search.quaternary_search`, its documented reference."""
+    lo, hi = 0, prefix.shape[0] + 1        # window in positions of (0, prefix..., +inf)
+    steps = 0
+    while hi - lo > 1:
+        steps += 1
+        gap = hi - lo
+        p1 = lo + min(max((gap + 3) // 4, 1), gap - 1)
+        p2 = lo + min(max((2 * gap + 3) // 4, 1), gap - 1)
+        p3 = lo + min(max((3 * gap + 3) // 4, 1), gap - 1)
+        if prefix[p3 - 1] <= target:       # one compare of three pivots on a vector core
+            lo = p3
+        elif prefix[p2 - 1] <= target:
+            lo, hi = p2, p3
+        elif prefix[p1 - 1] <= target:
+            lo, hi = p1, p2
+        else:
+            hi = p1
+    return hi - 1, steps
+
+
+@_jit
+def static_offsets(idx, n):  # pragma: no cover - compiled
+    """`[n + 1]`: static worker j sends the slots of tokens `[j*T/n, (j+1)*T/n)`."""
+    t_n, k_n = idx.shape
+    before = np.zeros(t_n + 1, np.int64)   # routed slots of tokens < t
+    for t in range(t_n):
+        c = 0
+        for k in range(k_n):
+            if idx[t, k] >= 0:
+                c += 1
+        before[t + 1] = before[t] + c
+    offsets = np.empty(n + 1, np.int64)
+    for j in range(n + 1):
+        offsets[j] = before[(j * t_n) // n]
+    return offsets
+
+
+@_jit
+def expert_order(rank_of_expert, kind):  # pragma: no cover - compiled
+    """The order in which the slices cut the experts: by `rank_of_expert` (HIERARCHICAL's
+    remap), else by id."""
+    num_experts = rank_of_expert.shape[0]
+    order = np.empty(num_experts, np.int64)
+    for e in range(num_experts):
+        order[rank_of_expert[e] if kind == HIERARCHICAL else e] = e
+    return order
+
+
+@_jit
+def class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
+                 num_hop_classes):  # pragma: no cover - compiled
+    """Every worker's slices of the sends in the schedule's expert order (BALANCED or
+    HIERARCHICAL): `(offsets [n + 1], targets [n, S], sizes [n, S])`, see `Schedule`.
+
+    Hierarchical: one row per hop class, farthest first; row r's `V_r` sends are cut into n
+    slices of `floor` or `ceil` of `V_r / n`, the remainders dealt cyclically, continuing
+    from row to row; worker j takes slice j of every row.
+    """
+    num_experts = counts.shape[0]
+    offsets = np.zeros(n + 1, np.int64)
+    if kind == BALANCED:
+        total = 0
+        for e in range(num_experts):
+            total += counts[e]
+        targets = np.empty((n, 1), np.int64)
+        sizes = np.empty((n, 1), np.int64)
+        for j in range(n + 1):
+            offsets[j] = (j * total) // n
+        for j in range(n):
+            targets[j, 0] = offsets[j]
+            sizes[j, 0] = offsets[j + 1] - offsets[j]
+        return offsets, targets, sizes
+    h_n = num_hop_classes
+    per_class = np.zeros(h_n, np.int64)        # row r = hop class H - 1 - r
+    for e in range(num_experts):
+        per_class[h_n - 1 - hop_of_rank[e // experts_per_rank]] += counts[e]
+    targets = np.empty((n, h_n), np.int64)
+    sizes = np.empty((n, h_n), np.int64)
+    dealt = 0
+    row_start = 0
+    for r in range(h_n):
+        base, extra = per_class[r] // n, per_class[r] % n
+        first_extra = dealt % n
+        p = row_start
+        for j in range(n):
+            s = base + (1 if (j - first_extra) % n < extra else 0)
+            targets[j, r] = p
+            sizes[j, r] = s
+            p += s
+        dealt += extra
+        row_start += per_class[r]
+    for j in range(n):
+        s = 0
+        for r in range(h_n):
+            s += sizes[j, r]
+        offsets[j + 1] = offsets[j] + s
+    return offsets, targets, sizes
+
+
+@_jit
+def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind, n,
+               num_hop_classes, j):  # pragma: no cover - compiled
+    """Worker j's sends, in its send order: `(sends [m, 3] (token, slot, destination rank),
+    experts [m], window_pos [m], hops [m])`.
+
+    `counts` are `count_experts(idx)`; `rank_of_expert[e]`: e's position in the
+    hierarchical expert order (ignored for STATIC and BALANCED, whose order is the ids').
+    `window_pos` is a send's position among this rank's sends to that expert in token
+    order (its row in the receiver's window for this rank and expert).
+    """
+    t_n, k_n = idx.shape
+    num_experts = counts.shape[0]
+    lo_e = np.zeros(num_experts, np.int64)     # worker j owns window positions [lo, hi)
+    hi_e = np.zeros(num_experts, np.int64)
+    land = np.zeros(num_experts, np.int64)     # ... and sends them from list position land
+    t_lo, t_hi = 0, t_n
+    if kind == STATIC:
+        t_lo, t_hi = (j * t_n) // n, ((j + 1) * t_n) // n
+        m = 0
+        for t in range(t_lo, t_hi):
+            for k in range(k_n):
+                if idx[t, k] >= 0:
+                    m += 1
+    else:
+        order = expert_order(rank_of_expert, kind)
+        prefix = np.empty(num_experts, np.int64)   # inclusive, in the schedule's order
+        acc = 0
+        for q in range(num_experts):
+            acc += counts[order[q]]
+            prefix[q] = acc
+        _, targets, sizes = class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
+                                         num_hop_classes)
+        m = 0
+        for r in range(targets.shape[1]):
+            size = sizes[j, r]
+            if size == 0:
+                continue
+            first, last = targets[j, r], targets[j, r] + size - 1
+            q0, _ = quaternary_search(prefix, first)       # expert holding my first send
+            q1, _ = quaternary_search(prefix, last)        # ... and my last
+            for q in range(q0, q1 + 1):
+                e = order[q]
+                before = prefix[q] - counts[e]
+                a = first - before if q == q0 else 0
+                b = last - before + 1 if q == q1 else counts[e]
+                lo_e[e], hi_e[e], land[e] = a, b, m
+                m += b - a
+    sends = np.empty((m, 3), np.int64)
+    experts = np.empty(m, np.int64)
+    window_pos = np.empty(m, np.int64)
+    hops = np.empty(m, np.int64)
+    seen = np.zeros(num_experts, np.int64)
+    i = 0
+    for t in range(t_hi):
+        for k in range(k_n):
+            e = idx[t, k]
+            if e < 0:
+                continue
+            w = seen[e]
+            seen[e] = w + 1
+            if kind == STATIC:
+                if t < t_lo:
+                    continue
+                p = i
+                i += 1
+            elif w >= lo_e[e] and w < hi_e[e]:
+                p = land[e] + w - lo_e[e]
+            else:
+                continue
+            d = e // experts_per_rank
+            sends[p, 0], sends[p, 1], sends[p, 2] = t, k, d
+            experts[p] = e
+            window_pos[p] = w
+            hops[p] = hop_of_rank[d]
+    return sends, experts, window_pos, hops
+
+
+@_jit
+def plan_kernel(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
+                n, num_hop_classes):  # pragma: no cover - compiled
+    """Every worker's sends at once: (sends [N,3], experts, window_pos, hops, offsets,
+    send_counts, targets, sizes, bad). `bad` is an out-of-range expert id found in `idx`
+    (then the rest is empty), or -1.
+
+    The same slices as `map_worker` for every j (tests/plan pins it), in one pass: each send's
+    position in the schedule's expert order is moved to where its slice lands.
+    """
+    counts = np.zeros(num_experts, np.int64)
+    bad = count_experts(idx, counts)
+    if bad != -1:
+        z = np.zeros((0, 0), np.int64)
+        return (z, z[0], z[0], z[0], z[0], counts, z, z, bad)
+    t_n, k_n = idx.shape
+    n_sends = 0
+    for e in range(num_experts):
+        n_sends += counts[e]
     # row-major send list with each send's window position (running count per expert)
     tok = np.empty(n_sends, np.int64)
     slot = np.empty(n_sends, np.int64)
@@ -43,8 +265,8 @@ def plan_kernel(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert,
     wpos = np.empty(n_sends, np.int64)
     seen = np.zeros(num_experts, np.int64)
     i = 0
-    for t in range(T):
-        for k in range(K):
+    for t in range(t_n):
+        for k in range(k_n):
             e = idx[t, k]
             if e >= 0:
                 tok[i], slot[i], exp[i] = t, k, e
@@ -52,78 +274,28 @@ def plan_kernel(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert,
                 seen[e] += 1
                 i += 1
     pos = np.empty(n_sends, np.int64)   # final (worker-major) position of each send
-    offsets = np.zeros(n + 1, np.int64)
     if kind == STATIC:
-        sends_before_token = np.zeros(T + 1, np.int64)
-        for i in range(n_sends):
-            sends_before_token[tok[i] + 1] += 1
-        for t in range(T):
-            sends_before_token[t + 1] += sends_before_token[t]
-        for j in range(n + 1):
-            offsets[j] = sends_before_token[(j * T) // n]
-        for i in range(n_sends):
-            pos[i] = i
+        offsets = static_offsets(idx, n)
         targets = np.zeros((n, 0), np.int64)
         sizes = np.zeros((n, 0), np.int64)
-    elif kind == BALANCED:
-        first = np.zeros(num_experts, np.int64)
-        acc = 0
-        for e in range(num_experts):
-            first[e] = acc
-            acc += counts[e]
         for i in range(n_sends):
-            pos[i] = first[exp[i]] + wpos[i]
-        for j in range(n + 1):
-            offsets[j] = (j * n_sends) // n
-        targets = np.empty((n, 1), np.int64)
-        sizes = np.empty((n, 1), np.int64)
-        for j in range(n):
-            targets[j, 0] = offsets[j]
-            sizes[j, 0] = offsets[j + 1] - offsets[j]
+            pos[i] = i
     else:
-        H = num_hop_classes
-        # position of each expert's first send in the class-major sequence S
-        order = np.empty(num_experts, np.int64)
-        for e in range(num_experts):
-            order[rank_of_expert[e]] = e
-        first = np.zeros(num_experts, np.int64)
+        offsets, targets, sizes = class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
+                                               num_hop_classes)
+        order = expert_order(rank_of_expert, kind)
+        first = np.empty(num_experts, np.int64)   # S position of each expert's first send
         acc = 0
-        for r in range(num_experts):
-            e = order[r]
-            first[e] = acc
-            acc += counts[e]
-        per_class = np.zeros(H, np.int64)        # row r = hop class H - 1 - r
-        for e in range(num_experts):
-            per_class[H - 1 - hop_of_rank[e // experts_per_rank]] += counts[e]
-        sizes_rj = np.empty((H, n), np.int64)
-        dealt = 0
-        for r in range(H):
-            base, extra = per_class[r] // n, per_class[r] % n
-            first_extra = dealt % n
-            for j in range(n):
-                sizes_rj[r, j] = base + (1 if (j - first_extra) % n < extra else 0)
-            dealt += extra
-        for j in range(n):
-            s = 0
-            for r in range(H):
-                s += sizes_rj[r, j]
-            offsets[j + 1] = offsets[j] + s
-        targets = np.empty((n, H), np.int64)
-        sizes = np.empty((n, H), np.int64)
+        for q in range(num_experts):
+            first[order[q]] = acc
+            acc += counts[order[q]]
         shift = np.empty(n_sends, np.int64)      # S position -> final position
-        row_start = 0
-        for r in range(H):
-            p = row_start
-            for j in range(n):
-                land = offsets[j]
-                for r2 in range(r):
-                    land += sizes_rj[r2, j]
-                targets[j, r] = p
-                sizes[j, r] = sizes_rj[r, j]
-                for q in range(sizes_rj[r, j]):
-                    shift[p + q] = land + q
-                p += sizes_rj[r, j]
-            row_start += per_class[r]
+        for j in range(n):
+            land = offsets[j]
+            for r in range(targets.shape[1]):
+                for q in range(sizes[j, r]):
+                    shift[targets[j, r] + q] = land + q
+                land += sizes[j, r]
         for i in range(n_sends):
             pos[i] = shift[first[exp[i]] + wpos[i]]
     sends = np.empty((n_sends, 3), np.int64)

@@ -186,6 +186,53 @@ def _expert_layout(topology: Topology, rank: int, experts_per_rank: int) -> Expe
     return layout
 
 
+@dataclass(frozen=True)
+class WorkerMapper:
+    """What a worker needs to compute its own slice of a rank's sends, without a central
+    plan: the compiled `fastplan.map_worker` over these fixed-per-Buffer arrays.
+
+    `make_plan(...).worker_sends[j]` equals `mapper.map(idx, workers, j)[0]` (tests/plan).
+
+    Attributes:
+        num_experts, experts_per_rank: the routing's experts and how many each rank holds.
+        hop_of_rank: `[P]` int64, hop class from this rank to each rank.
+        rank_of_expert: `[E]` int64, each expert's position in the hierarchical order.
+        kind: `fastplan.STATIC | BALANCED | HIERARCHICAL`.
+        num_hop_classes: hop classes of the topology.
+    """
+
+    num_experts: int
+    experts_per_rank: int
+    hop_of_rank: np.ndarray = field(repr=False)
+    rank_of_expert: np.ndarray = field(repr=False)
+    kind: int
+    num_hop_classes: int
+
+    @classmethod
+    def of(cls, topology: Topology, rank: int, num_experts: int,
+           schedule: str = "hierarchical") -> WorkerMapper:
+        """The mapper of `rank`'s dispatch sends; `num_experts = P` with one "expert" per
+        rank maps combine's rows back (by source rank) with the same schedule."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not one of "
+                             f"{', '.join(map(repr, SCHEDULES))}")
+        epr = num_experts // topology.num_ranks
+        layout = _expert_layout(topology, rank, epr)
+        return cls(num_experts, epr, np.array(layout.hop_of_rank, np.int64),
+                   np.array(layout.rank_of_expert, np.int64), SCHEDULES.index(schedule),
+                   topology.num_hop_classes)
+
+    def map(self, idx: np.ndarray, workers: int, j: int):
+        """Worker j of `workers`: `(sends [m, 3], experts [m], window_pos [m], hops [m])`
+        (see `Plan`) from `idx` `[T, K]` int64 (contiguous, ids checked by the caller)."""
+        from ubep.plan.fastplan import count_experts, map_worker
+
+        counts = np.zeros(self.num_experts, np.int64)
+        count_experts(idx, counts)
+        return map_worker(idx, counts, self.experts_per_rank, self.hop_of_rank,
+                          self.rank_of_expert, self.kind, workers, self.num_hop_classes, j)
+
+
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

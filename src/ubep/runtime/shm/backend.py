@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
-from ubep.plan import Topology, make_plan
+from ubep.plan import Topology, WorkerMapper
 from ubep.plan.blocks import BlockFormat, sentinel_refusal
 from ubep.runtime.shm import segments
 from ubep.runtime.shm.context import ShmContext
@@ -105,19 +105,15 @@ class ShmBackend:
             raise
         self._refuse_sp = c.sync == "sp" and not c.direct
         self.topology = Topology.resolve(c.topology, self.world)
+        mapper = WorkerMapper.of(self.topology, self.rank, c.num_experts, c.schedule)
         if c.direct:
             self._path = DirectPath(self.ctx)
         elif self.workers == 1:
-            self._path = SinglePath(self.ctx, self._expert_order())
+            self._path = SinglePath(self.ctx, mapper)
         else:
-            self._path = PoolPath(self.ctx, self.topology)
-
-    def _expert_order(self) -> np.ndarray:
-        """The order in which the one-worker path sends experts (the schedule's remap)."""
-        c = self.config
-        one = torch.zeros(1, 1, dtype=torch.int64)
-        return make_plan(one, topology=self.topology, rank=self.rank, num_experts=c.num_experts,
-                         workers=1, schedule=c.schedule, mode=c.mode).expert_order
+            self._path = PoolPath(self.ctx, mapper,
+                                  WorkerMapper.of(self.topology, self.rank, self.world,
+                                                  c.schedule))
 
     # -- bootstrap ---------------------------------------------------------------------------
     def _bootstrap(self, group) -> ShmContext:

@@ -2,8 +2,9 @@
 
 Worker 0 is the calling thread, 1..n-1 are the pool's threads. They share the `Call`: its
 epoch, deadline, the first error (the others stop waiting on it) and per-worker intervals
-for the stats. In-rank synchronization goes through two words of a private array: a
-barrier counter (mode "bsp" only) and the published epoch of the offsets (mode "ubep").
+for the stats. In-rank synchronization goes through words of a private array: a barrier
+counter (mode "bsp" only) and per-worker flags, each set to a dispatch's epoch by one
+worker and awaited by others (mode "ubep": point to point, never all-to-all).
 """
 
 from __future__ import annotations
@@ -48,10 +49,15 @@ class CallRunner:
 
     def __init__(self, ctx: ShmContext):
         self.ctx = ctx
-        self._local = np.zeros(16, np.int64)       # [0] barrier counter, [1] published epoch
+        # [0] barrier counter, [1] unused, [2:] per-worker flags (`publish`, `wait_flag`)
+        self._local = np.zeros(2 + 2 * ctx.workers, np.int64)
         self._counter = self._local.ctypes.data
-        self._published = self._counter + 8
         self.broken = False
+
+    @property
+    def barriers(self) -> int:
+        """Barrier arrivals so far on this rank (mode "ubep" never adds any)."""
+        return int(self._local[0])
 
     def start(self, call: Call) -> Call:
         """Check that an earlier call left the workers in step; number this call's barriers."""
@@ -96,12 +102,13 @@ class CallRunner:
         self.wait(call, lambda s: 0 if poll_at_least(addr, target, s) else 1,
                   f"{phase}/barrier", lambda: [self.ctx.rank])
 
-    def publish(self, call: Call) -> None:
-        """Tell this rank's workers that the call's offsets are ready (release store)."""
-        publish(self._published, call.epoch)
+    def publish(self, call: Call, flag: int) -> None:
+        """Set in-rank flag `flag` (in [0, 2 * workers)) to the call's epoch (release store):
+        a point-to-point signal to the workers that `wait_flag` on it."""
+        publish(self._counter + 8 * (2 + flag), call.epoch)
 
-    def wait_published(self, call: Call, phase: str) -> None:
-        """Wait until `publish(call)` ran on some worker of this rank."""
-        addr, epoch = self._published, call.epoch
+    def wait_flag(self, call: Call, flag: int, phase: str) -> None:
+        """Wait until `publish(call, flag)` ran on some worker of this rank."""
+        addr, epoch = self._counter + 8 * (2 + flag), call.epoch
         self.wait(call, lambda s: 0 if poll_at_least(addr, epoch, s) else 1, phase,
                   lambda: [self.ctx.rank])

@@ -1,14 +1,25 @@
-"""The worker-pool path: a rank's call run by `workers` >= 2 threads in roles or phases.
+"""The worker-pool path: a rank's call run by `workers` >= 2 threads, in roles or phases.
 
-* mode "ubep" (kernel decomposition): count workers send per-expert counts first; count
-  worker 0 waits for every source's counts, computes the offsets (CalCumSum) and publishes
-  them (release store); token workers send their rows, then reorder each received row as
-  soon as the offsets are published and the row is seen complete. No barrier.
-* mode "bsp" (the baseline): Token-Sending -> barrier -> Send-Flag-and-Count -> Flag
-  verification -> barrier -> CalCumSum -> barrier -> Token-Reordering.
+mode "ubep" (kernel decomposition, docs/design.md §2.1), no barrier, no central plan:
 
-Combine writes each expert-output row back to its source's window at (token, slot); the
-source sums a token as soon as all its slots arrived (ubep) or after the phases (bsp).
+* count worker i counts its share of the routing (the experts of its destination ranks),
+  sends those ranks their counts, then receives its share of the sources' counts; once the
+  count group has them all (one in-rank flag per count worker), it runs CalCumSum for its
+  share of the local experts and publishes it (another flag); count worker 0 also makes
+  the outputs;
+* token worker j computes its own slice of the sends with the planner's mapper
+  (`WorkerMapper`: per-hop counts -> quaternary search -> its (token, slot) pairs), sends
+  at once, then waits for the count group's flags and reorders its share of the received
+  rows as each is seen complete.
+
+Combine has the same roles: count workers send the hellos (dtype, token workers, status)
+to their share of the ranks; token worker j sends back its slice of the rows, scheduled
+by the same mapper over the rows' source ranks (far ranks spread evenly); then every worker
+sums its share of the tokens as their rows arrive.
+
+mode "bsp" (the baseline): Token-Sending -> barrier -> Send-Flag-and-Count -> Flag
+verification -> barrier -> CalCumSum -> barrier -> Token-Reordering; combine: rows ->
+barrier -> flags -> verification -> barrier -> reduce. Each worker maps its own slice too.
 """
 
 from __future__ import annotations
@@ -19,8 +30,9 @@ import numpy as np
 import torch
 
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
-from ubep.plan import make_plan
-from ubep.plan.topology import Topology
+from ubep.plan import WorkerMapper
+from ubep.plan.costmodel import balance_count_workers
+from ubep.plan.fastplan import count_expert_range, count_experts, map_worker
 from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
@@ -42,7 +54,7 @@ from ubep.stats import Interval, Stats
 
 @dataclass(eq=False, kw_only=True)
 class DispatchCall(Call):
-    """One dispatch on the pool: its inputs, its plan, and what the workers fill in."""
+    """One dispatch on the pool: its inputs, the roles, and what the workers fill in."""
 
     xb: np.ndarray                  # [T, row bytes] uint8, the rows to send
     idx: np.ndarray                 # [T, K] int64 topk_idx
@@ -50,30 +62,36 @@ class DispatchCall(Call):
     dtype: torch.dtype
     hidden: int
     elem: int                       # dtype code (`protocol.DTYPE_CODES`)
-    n_tw: int                       # token workers
-    n_count: int                    # count workers (0: one thread does everything)
-    sends: list[np.ndarray]         # per token worker: [n_j, 3] (token, slot, dest rank)
-    pos: list[np.ndarray]           # per token worker: [n_j] window positions
-    counts: np.ndarray              # [E] my sends per global expert
-    dest_ranges: list[tuple[int, int]]   # per count worker: [lo, hi) destination ranks
+    n_tw: int                       # token workers (mode "bsp": every worker)
+    n_count: int                    # count workers (mode "bsp": 0)
+    dest_ranges: list[tuple[int, int]]   # per count worker: destination ranks it counts for
+    src_ranges: list[tuple[int, int]]    # per count worker: sources whose counts it reads
+    expert_ranges: list[tuple[int, int]]  # per count worker: local experts it sums
+    counts: np.ndarray              # [E] my sends per expert (count workers, each a share)
     rc: np.ndarray                  # [world, E/P] counts received from each source
     meta: np.ndarray                # [world, 3] each source's (token workers, dtype, status)
     got: np.ndarray                 # [world] int8: source's counts read
     cs: list[np.ndarray]            # per token worker: [world] dc checksum terms
     batch: np.ndarray               # [world] sw/dc batch state (see `recv_rows`)
-    # set by CalCumSum (`_offsets`):
+    n_sent: list[int]               # per token worker: sends
+    out_start: np.ndarray           # [world, E/P] output row of each (source, expert)
+    tpe: np.ndarray                 # [E/P] tokens per local expert
+    # set by count worker 0 (mode "bsp": worker 0) once it knows N (`_outputs`):
     n_recv: int = 0
-    out_start: np.ndarray | None = None  # [world, E/P] output row of each (source, expert)
     done: np.ndarray | None = None       # [n_recv] uint8: row reordered
     recv_x: torch.Tensor | None = None
     recv_xb: np.ndarray | None = None    # recv_x as [n_recv, row bytes] uint8
     recv_w: np.ndarray | None = None     # [n_recv] float32
-    tpe: np.ndarray | None = None        # [E/P] tokens per local expert
     ints: np.ndarray | None = None       # [3, n_recv] (source rank, token, slot)
 
     @property
     def rb(self) -> int:
         return self.xb.shape[1]
+
+
+def _shares(total: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) of `parts` contiguous shares of `total` items (sizes differ by at most 1)."""
+    return [(i * total // parts, (i + 1) * total // parts) for i in range(parts)]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -91,30 +109,42 @@ class CombineCall(Call):
     es: int                         # element size, bytes
     y: np.ndarray                   # [T, hidden] float32 sums
     done: np.ndarray                # [T] uint8: token summed
+    n_tw: int                       # workers that send rows back (batch flags per rank)
+    n_count: int                    # workers that send the hellos (mode "ubep")
     cs: list[np.ndarray] = field(default_factory=list)  # per worker: [world] dc checksums
 
 
 class PoolPath:
     """Dispatch and combine of a rank with `workers` >= 2 threads."""
 
-    def __init__(self, ctx: ShmContext, topology: Topology):
+    def __init__(self, ctx: ShmContext, mapper: WorkerMapper, rank_mapper: WorkerMapper):
+        """`mapper` maps this rank's dispatch sends; `rank_mapper` (one "expert" per rank)
+        maps combine's rows back by source rank."""
         self.ctx = ctx
         self.runner = CallRunner(ctx)
-        self.topology = topology
+        self.mapper = mapper
+        self.rank_mapper = rank_mapper
         self._d_epoch = 0
         self._c_epoch = 0
 
-    def _plan(self, topk_idx: torch.Tensor):
-        """(token workers, count workers, per-token-worker sends and window positions,
-        send_counts, count_dest_ranges) from the Plan of this call."""
+    def _count_workers(self, num_tokens: int, top_k: int) -> int:
+        """Workers in the count role: `config.count_workers`, else the cost model's choice."""
         c = self.ctx.config
-        p = make_plan(topk_idx, topology=self.topology, rank=self.ctx.rank,
-                      num_experts=c.num_experts, workers=self.ctx.workers,
-                      count_workers=c.count_workers, schedule=c.schedule, mode=c.mode)
-        ws = [np.ascontiguousarray(s) for s in p.worker_sends]
-        wp = [np.ascontiguousarray(s) for s in p.worker_window_pos]
-        return (p.token_workers, p.count_workers, ws, wp, np.ascontiguousarray(p.send_counts),
-                p.count_dest_ranges)
+        if c.mode == "bsp":
+            return 0
+        if c.count_workers is not None:
+            return min(c.count_workers, self.ctx.workers - 1)
+        return balance_count_workers(self.ctx.workers, c.num_experts, top_k, num_tokens)
+
+    def _map(self, idx: np.ndarray, n_tw: int, tj: int) -> tuple[np.ndarray, np.ndarray,
+                                                                 np.ndarray]:
+        """Token worker tj's own slice: `(counts [E], sends [m, 3], window_pos [m])`."""
+        m = self.mapper
+        counts = np.empty(m.num_experts, np.int64)
+        count_experts(idx, counts)
+        sends, _, pos, _ = map_worker(idx, counts, m.experts_per_rank, m.hop_of_rank,
+                                      m.rank_of_expert, m.kind, n_tw, m.num_hop_classes, tj)
+        return counts, sends, pos
 
     def _stats(self, op: str, call: Call, t0: float, t1: float, record_bytes: int,
                sent: int, recv: int, extra: dict) -> Stats:
@@ -142,34 +172,35 @@ class PoolPath:
                  call: int, t0: float) -> DispatchResult:
         ctx = self.ctx
         c = ctx.config
-        world = ctx.world
+        world, n, el = ctx.world, ctx.workers, c.experts_per_rank
         idx = topk_idx.numpy()
         w = topk_weights.numpy()
         num_tokens, top_k = idx.shape
         xb = x.view(torch.uint8).reshape(num_tokens, -1).numpy() if x.numel() else \
             np.zeros((num_tokens, x.shape[1] * x.element_size()), np.uint8)
         elem = DTYPE_CODES[x.dtype]
-        n_tw, n_count, w_sends, w_pos, counts, dest_ranges = self._plan(topk_idx)
-        t_plan = now_us()
+        n_count = self._count_workers(num_tokens, top_k)
+        n_tw = n - n_count
         self._d_epoch += 1
         epoch = self._d_epoch
-        n = ctx.workers if c.mode == "bsp" or n_count else 1
-        if c.sync == "sp":
-            for sends in w_sends:
-                bad = KP.sp_check_dispatch(xb, w, sends, int(ctx.lay[L_BB]))
-                if bad >= 0:
-                    KS.send_counts(ctx.bases, ctx.lay, ctx.rank, epoch, counts, n_tw, elem,
-                                   STATUS_ABORT, 0, world)
-                    raise sentinel_error("x", int(sends[bad, 0]))
-        el = c.experts_per_rank
+        if c.sync == "sp":                     # before any worker sends: refuse, tell peers
+            bad = KP.sp_check_routing(xb, idx, w, int(ctx.lay[L_BB]))
+            if bad >= 0:
+                KS.send_counts(ctx.bases, ctx.lay, ctx.rank, epoch,
+                               np.zeros(c.num_experts, np.int64), n_tw, elem, STATUS_ABORT, 0,
+                               world)
+                raise sentinel_error("x", bad)
         cl = self.runner.start(DispatchCall(
             epoch=epoch, deadline=ctx.deadline(), n=n, xb=xb, idx=idx, w=w, dtype=x.dtype,
-            hidden=x.shape[1], elem=elem, n_tw=n_tw, n_count=n_count, sends=w_sends,
-            pos=w_pos, counts=counts, dest_ranges=dest_ranges, rc=np.zeros((world, el), np.int64),
+            hidden=x.shape[1], elem=elem, n_tw=n_tw, n_count=n_count,
+            dest_ranges=_shares(world, max(n_count, 1)),
+            src_ranges=_shares(world, max(n_count, 1)),
+            expert_ranges=_shares(el, max(n_count, 1)),
+            counts=np.zeros(c.num_experts, np.int64), rc=np.zeros((world, el), np.int64),
             meta=np.full((world, 3), -1, np.int64), got=np.zeros(world, np.int8),
-            cs=[np.zeros(world, np.int64) for _ in range(max(n_tw, 1))],
-            batch=np.zeros(world, np.int64)))
-        cl.iv[0].append(("plan", t0, t_plan, "busy"))
+            cs=[np.zeros(world, np.int64) for _ in range(n_tw)],
+            batch=np.zeros(world, np.int64), n_sent=[0] * n_tw,
+            out_start=np.empty((world, el), np.int64), tpe=np.empty(el, np.int64)))
         if c.mode == "bsp":
             self.runner.run(cl, lambda j: self._dispatch_bsp(cl, j))
         else:
@@ -184,27 +215,101 @@ class PoolPath:
             recv_src_rank=src_rank, recv_src_token=src_tok, recv_src_slot=src_slot,
             state=(idx, w, ints, epoch))
         extra = {"epoch": epoch, "workers": n, "token_workers": n_tw, "count_workers": n_count,
-                 "block_bytes": c.block_bytes}
-        stats = self._stats("dispatch", cl, t0, t1, META_BYTES + cl.rb,
-                            sum(len(s) for s in w_sends), cl.n_recv, extra)
+                 "block_bytes": c.block_bytes, "barriers": self.runner.barriers}
+        stats = self._stats("dispatch", cl, t0, t1, META_BYTES + cl.rb, sum(cl.n_sent),
+                            cl.n_recv, extra)
         return DispatchResult(
             recv_x=cl.recv_x, recv_weights=torch.from_numpy(cl.recv_w),
             tokens_per_expert=torch.from_numpy(cl.tpe), recv_src_rank=src_rank,
             recv_src_token=src_tok, recv_src_slot=src_slot, handle=handle, stats=stats)
 
-    def _send_counts(self, cl: DispatchCall, j: int, lo: int, hi: int) -> None:
-        ctx = self.ctx
-        a = now_us()
-        KS.send_counts(ctx.bases, ctx.lay, ctx.rank, cl.epoch, cl.counts, cl.n_tw, cl.elem,
-                       STATUS_OK, lo, hi)
-        cl.record(j, "send_counts", a)
+    # the roles of mode "ubep"
+    def _dispatch_ubep(self, cl: DispatchCall, j: int) -> None:
+        if j < cl.n_count:
+            self._count_role(cl, j)
+        else:
+            self._token_role(cl, j, j - cl.n_count)
 
-    def _send_rows(self, cl: DispatchCall, j: int, tj: int, flags: bool) -> None:
+    def _count_role(self, cl: DispatchCall, i: int) -> None:
+        """Count worker i: counts for its destinations, its sources' counts, its share of
+        CalCumSum. Flags: `i` = "my sources' counts are in", `n_count + i` = "my offsets"."""
+        ctx, runner = self.ctx, self.runner
+        el = ctx.config.experts_per_rank
+        a = now_us()
+        d_lo, d_hi = cl.dest_ranges[i]
+        count_expert_range(cl.idx, d_lo * el, d_hi * el, cl.counts)
+        KS.send_counts(ctx.bases, ctx.lay, ctx.rank, cl.epoch, cl.counts, cl.n_tw, cl.elem,
+                       STATUS_OK, d_lo, d_hi)
+        cl.record(i, "send_counts", a)
+        s_lo, s_hi = cl.src_ranges[i]
+        self._poll_counts(cl, i, s_lo, s_hi)
+        check_peers_meta(cl.meta, cl.elem, ctx.rank, "dispatch", s_lo, s_hi)
+        runner.publish(cl, i)
+        a = now_us()
+        for other in range(cl.n_count):        # the count group's counts, point to point
+            if other != i:
+                runner.wait_flag(cl, other, "dispatch/counts")
+        cl.record(i, "wait_count_group", a, "wait")
+        a = now_us()
+        e_lo, e_hi = cl.expert_ranges[i]
+        n_recv = KD.offsets_range(cl.rc, e_lo, e_hi, cl.out_start, cl.tpe)
+        if i == 0:
+            self._outputs(cl, n_recv)
+        runner.publish(cl, cl.n_count + i)
+        cl.record(i, "offsets", a)
+
+    def _token_role(self, cl: DispatchCall, j: int, tj: int) -> None:
+        """Token worker tj: its own slice, sent at once; then its share of the reordering."""
+        a = now_us()
+        counts, sends, pos = self._map(cl.idx, cl.n_tw, tj)
+        cl.n_sent[tj] = sends.shape[0]
+        cl.record(j, "map", a)
+        self._send_rows(cl, j, tj, sends, pos, counts, True)
+        a = now_us()
+        for i in range(cl.n_count):
+            self.runner.wait_flag(cl, cl.n_count + i, "dispatch/offsets")
+        cl.record(j, "wait_offsets", a, "wait")
+        self._recv(cl, j, tj, cl.n_tw)
+
+    # the phases of mode "bsp"
+    def _dispatch_bsp(self, cl: DispatchCall, j: int) -> None:
+        ctx, runner = self.ctx, self.runner
+        n, world = cl.n, ctx.world
+        a = now_us()
+        counts, sends, pos = self._map(cl.idx, n, j)
+        cl.n_sent[j] = sends.shape[0]
+        cl.record(j, "map", a)
+        self._send_rows(cl, j, j, sends, pos, counts, False)     # Token-Sending
+        runner.barrier(cl, 1, "dispatch")
+        if j == 0:                                                # Send-Flag-and-Count
+            a = now_us()
+            if ctx.fmt.sync in ("sw", "dc"):
+                for tj in range(cl.n_tw):
+                    KS.write_batch_flags(ctx.bases, ctx.lay, 0, ctx.rank, cl.epoch, tj,
+                                         cl.cs[tj], ctx.dc_corrupt)
+            KS.send_counts(ctx.bases, ctx.lay, ctx.rank, cl.epoch, counts, cl.n_tw, cl.elem,
+                           STATUS_OK, 0, world)
+            cl.record(0, "send_flags", a)
+        lo, hi = j * world // n, (j + 1) * world // n             # Flag verification
+        if hi > lo:
+            self._poll_counts(cl, j, lo, hi)
+        runner.barrier(cl, 2, "dispatch")
+        if j == 0:                                                # CalCumSum
+            a = now_us()
+            check_peers_meta(cl.meta, cl.elem, ctx.rank, "dispatch")
+            self._outputs(cl, KD.offsets(cl.rc, cl.out_start, cl.tpe))
+            cl.record(0, "offsets", a)
+        runner.barrier(cl, 3, "dispatch")
+        self._recv(cl, j, j, n)                                   # Token-Reordering
+
+    # pieces
+    def _send_rows(self, cl: DispatchCall, j: int, tj: int, sends: np.ndarray, pos: np.ndarray,
+                   counts: np.ndarray, flags: bool) -> None:
         ctx = self.ctx
         a = now_us()
         cs = cl.cs[tj]
-        KD.send_rows(ctx.bases, ctx.lay, ctx.rank, cl.epoch, cl.xb, cl.idx, cl.w, cl.sends[tj],
-                     cl.pos[tj], cl.counts, cs)
+        KD.send_rows(ctx.bases, ctx.lay, ctx.rank, cl.epoch, cl.xb, cl.idx, cl.w, sends, pos,
+                     counts, cs)
         if flags and ctx.fmt.sync in ("sw", "dc"):
             KS.write_batch_flags(ctx.bases, ctx.lay, 0, ctx.rank, cl.epoch, tj, cs,
                                  ctx.dc_corrupt)
@@ -219,25 +324,16 @@ class PoolPath:
                          "dispatch/counts", lambda: [s for s in range(lo, hi) if not got[s]])
         cl.record(j, "wait_counts", a, "wait")
 
-    def _offsets(self, cl: DispatchCall, j: int) -> None:
-        """CalCumSum: offsets of every (source, expert) run; allocate the outputs."""
-        ctx = self.ctx
-        a = now_us()
-        check_peers_meta(cl.meta, cl.elem, ctx.rank, "dispatch")
-        el = ctx.config.experts_per_rank
-        out_start = np.empty((ctx.world, el), np.int64)
-        tpe = np.empty(el, np.int64)
-        n_recv = KD.offsets(cl.rc, out_start, tpe)
+    def _outputs(self, cl: DispatchCall, n_recv: int) -> None:
+        """Allocate what the reordering fills: `n_recv` rows, weights, origins."""
         rb = cl.rb
-        recv_x = torch.empty((n_recv, cl.hidden), dtype=cl.dtype)
-        cl.n_recv, cl.out_start, cl.tpe = n_recv, out_start, tpe
+        cl.n_recv = n_recv
         cl.done = np.zeros(n_recv, np.uint8)
         cl.ints = np.empty((3, n_recv), np.int64)
         cl.recv_w = np.empty(n_recv, np.float32)
-        cl.recv_x = recv_x
-        cl.recv_xb = recv_x.view(torch.uint8).reshape(n_recv, rb).numpy() if n_recv and rb \
-            else np.zeros((n_recv, rb), np.uint8)
-        cl.record(j, "offsets", a)
+        cl.recv_x = torch.empty((n_recv, cl.hidden), dtype=cl.dtype)
+        cl.recv_xb = cl.recv_x.view(torch.uint8).reshape(n_recv, rb).numpy() \
+            if n_recv and rb else np.zeros((n_recv, rb), np.uint8)
 
     def _recv(self, cl: DispatchCall, j: int, part: int, parts: int) -> None:
         ctx = self.ctx
@@ -255,51 +351,6 @@ class PoolPath:
                 "dispatch/rows", lambda: missing_sources(rc, done, lo, hi),
                 lambda: dc_detail(batch))
         cl.record(j, "reorder", a)
-
-    def _dispatch_ubep(self, cl: DispatchCall, j: int) -> None:
-        world = self.ctx.world
-        if cl.n_count == 0:                    # one thread, dependency order
-            self._send_counts(cl, 0, 0, world)
-            self._send_rows(cl, 0, 0, True)
-            self._poll_counts(cl, 0, 0, world)
-            self._offsets(cl, 0)
-            self._recv(cl, 0, 0, 1)
-        elif j < cl.n_count:                   # count role
-            lo, hi = cl.dest_ranges[j]
-            self._send_counts(cl, j, lo, hi)
-            if j == 0:
-                self._poll_counts(cl, j, 0, world)
-                self._offsets(cl, j)
-                self.runner.publish(cl)
-        else:                                  # token role
-            tj = j - cl.n_count
-            self._send_rows(cl, j, tj, True)
-            a = now_us()
-            self.runner.wait_published(cl, "dispatch/offsets")
-            cl.record(j, "wait_offsets", a, "wait")
-            self._recv(cl, j, tj, cl.n_tw)
-
-    def _dispatch_bsp(self, cl: DispatchCall, j: int) -> None:
-        ctx = self.ctx
-        n, world = cl.n, ctx.world
-        self._send_rows(cl, j, j, False)                    # Token-Sending
-        self.runner.barrier(cl, 1, "dispatch")
-        if j == 0:                                          # Send-Flag-and-Count
-            a = now_us()
-            if ctx.fmt.sync in ("sw", "dc"):
-                for tj in range(cl.n_tw):
-                    KS.write_batch_flags(ctx.bases, ctx.lay, 0, ctx.rank, cl.epoch, tj,
-                                         cl.cs[tj], ctx.dc_corrupt)
-            cl.record(0, "send_flags", a)
-            self._send_counts(cl, 0, 0, world)
-        lo, hi = j * world // n, (j + 1) * world // n       # Flag verification
-        if hi > lo:
-            self._poll_counts(cl, j, lo, hi)
-        self.runner.barrier(cl, 2, "dispatch")
-        if j == 0:
-            self._offsets(cl, 0)                            # CalCumSum
-        self.runner.barrier(cl, 3, "dispatch")
-        self._recv(cl, j, j, n)                             # Token-Reordering
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
@@ -323,12 +374,13 @@ class PoolPath:
                 KS.send_hello(ctx.bases, ctx.lay, ctx.rank, epoch, n, elem, STATUS_ABORT)
                 raise sentinel_error("expert_out", bad)
         ecode, lut = combine_elem(dtype)
-        num_tokens = idx.shape[0]
+        num_tokens, top_k = idx.shape
+        n_count = self._count_workers(num_tokens, top_k)
         cl = self.runner.start(CombineCall(
             epoch=epoch, deadline=ctx.deadline(), n=n, rows=rows, ints=ints, idx=idx, w=w,
             elem=elem, ecode=ecode, lut=lut, weighted=bool(weighted),
             es=expert_out.element_size(), y=np.zeros((num_tokens, hidden), np.float32),
-            done=np.zeros(num_tokens, np.uint8),
+            done=np.zeros(num_tokens, np.uint8), n_tw=n - n_count, n_count=n_count,
             cs=[np.zeros(world, np.int64) for _ in range(n)]))
         if c.mode == "bsp":
             self.runner.run(cl, lambda j: self._combine_bsp(cl, j))
@@ -337,27 +389,49 @@ class PoolPath:
         y = cast_rows(cl.y, dtype)
         t1 = now_us()
         stats = self._stats("combine", cl, t0, t1, rows.shape[1], n_recv,
-                            int((idx >= 0).sum()), {"epoch": epoch, "workers": n})
+                            int((idx >= 0).sum()),
+                            {"epoch": epoch, "workers": n, "token_workers": cl.n_tw,
+                             "count_workers": n_count, "barriers": self.runner.barriers})
         return CombineResult(y=y, stats=stats)
 
-    def _c_send(self, cl: CombineCall, j: int, flags: bool) -> None:
+    def _c_send(self, cl: CombineCall, j: int, tj: int, items: np.ndarray | None,
+                flags: bool) -> None:
+        """Worker j sends back the rows `items` (None: its equal share of the received
+        order) as sender tj; sw/dc: then its batch flag."""
         ctx = self.ctx
         a = now_us()
-        n_recv = cl.rows.shape[0]
-        lo, hi = j * n_recv // cl.n, (j + 1) * n_recv // cl.n
-        ints, cs = cl.ints, cl.cs[j]
-        KC.send_back(ctx.bases, ctx.lay, cl.epoch, cl.rows, ints[0], ints[1], ints[2], lo, hi,
-                     cs)
+        ints, cs = cl.ints, cl.cs[tj]
+        if items is None:
+            n_recv = cl.rows.shape[0]
+            lo, hi = tj * n_recv // cl.n_tw, (tj + 1) * n_recv // cl.n_tw
+            KC.send_back(ctx.bases, ctx.lay, cl.epoch, cl.rows, ints[0], ints[1], ints[2], lo,
+                         hi, cs)
+        else:
+            KC.send_back_list(ctx.bases, ctx.lay, cl.epoch, cl.rows, ints[0], ints[1], ints[2],
+                              items, cs)
         if flags and ctx.fmt.sync in ("sw", "dc"):
-            KS.write_batch_flags(ctx.bases, ctx.lay, 1, ctx.rank, cl.epoch, j, cs,
+            KS.write_batch_flags(ctx.bases, ctx.lay, 1, ctx.rank, cl.epoch, tj, cs,
                                  ctx.dc_corrupt)
         cl.record(j, "send_rows", a)
 
-    def _c_hello(self, cl: CombineCall, j: int) -> None:
+    def _c_hello(self, cl: CombineCall, j: int, lo: int, hi: int) -> None:
         ctx = self.ctx
         a = now_us()
-        KS.send_hello(ctx.bases, ctx.lay, ctx.rank, cl.epoch, cl.n, cl.elem, STATUS_OK)
+        KS.send_hellos(ctx.bases, ctx.lay, ctx.rank, cl.epoch, cl.n_tw, cl.elem, STATUS_OK, lo,
+                       hi)
         cl.record(j, "send_flags", a)
+
+    def _c_map(self, cl: CombineCall, j: int, tj: int) -> np.ndarray:
+        """Token worker tj's rows to send back: the mapper over the rows' source ranks."""
+        a = now_us()
+        m = self.rank_mapper
+        labels = cl.ints[0].reshape(-1, 1)
+        counts = np.empty(m.num_experts, np.int64)
+        count_experts(labels, counts)
+        sends, _, _, _ = map_worker(labels, counts, 1, m.hop_of_rank, m.rank_of_expert, m.kind,
+                                    cl.n_tw, m.num_hop_classes, tj)
+        cl.record(j, "map", a)
+        return np.ascontiguousarray(sends[:, 0])
 
     def _c_reduce(self, cl: CombineCall, j: int, need_all_hellos: bool) -> None:
         """Sum my tokens' rows as they arrive; also collect every peer's hello."""
@@ -394,21 +468,24 @@ class PoolPath:
         cl.record(j, "reduce", a)
 
     def _combine_ubep(self, cl: CombineCall, j: int) -> None:
-        if j == 0:
-            self._c_hello(cl, j)
-        self._c_send(cl, j, True)
+        if j < cl.n_count:                    # count role: the hellos to my share of ranks
+            lo, hi = _shares(self.ctx.world, cl.n_count)[j]
+            self._c_hello(cl, j, lo, hi)
+        else:                                 # token role: my slice of the rows back
+            tj = j - cl.n_count
+            self._c_send(cl, j, tj, self._c_map(cl, j, tj), True)
         self._c_reduce(cl, j, need_all_hellos=True)
 
     def _combine_bsp(self, cl: CombineCall, j: int) -> None:
         ctx = self.ctx
-        self._c_send(cl, j, False)                      # Token-Sending
+        self._c_send(cl, j, j, None, False)             # Token-Sending
         self.runner.barrier(cl, 1, "combine")
         if j == 0:                                      # flags after the barrier
             if ctx.fmt.sync in ("sw", "dc"):
                 for tj in range(cl.n):
                     KS.write_batch_flags(ctx.bases, ctx.lay, 1, ctx.rank, cl.epoch, tj,
                                          cl.cs[tj], ctx.dc_corrupt)
-            self._c_hello(cl, 0)
+            self._c_hello(cl, 0, 0, ctx.world)
             a = now_us()                                # Flag verification
             hello = np.full((ctx.world, 3), -1, np.int64)
             got = np.zeros(ctx.world, np.int8)

@@ -22,17 +22,19 @@ class ShmProtocolError(UbepError):
     """Peers disagree about a call (dtype), or a peer aborted it (bad input on that rank)."""
 
 
-def check_peers_meta(meta: np.ndarray, elem: int, rank: int, what: str) -> None:
-    """Raise `ShmProtocolError` if a peer aborted or uses another dtype than code `elem`.
+def check_peers_meta(meta: np.ndarray, elem: int, rank: int, what: str, lo: int = 0,
+                     hi: int | None = None) -> None:
+    """Raise `ShmProtocolError` if a peer of [lo, hi) aborted or uses another dtype than
+    code `elem`.
 
     `meta` `[world, 3]`: each peer's (token workers, dtype code, status).
     """
-    world = meta.shape[0]
-    aborted = [s for s in range(world) if meta[s, 2] == STATUS_ABORT]
+    ranks = range(lo, meta.shape[0] if hi is None else hi)
+    aborted = [s for s in ranks if meta[s, 2] == STATUS_ABORT]
     if aborted:
         raise ShmProtocolError(f"rank {rank}: peer rank(s) {aborted} aborted the "
                                f"{what} (bad input on that rank, see its error)")
-    wrong = [s for s in range(world) if meta[s, 1] != elem]
+    wrong = [s for s in ranks if meta[s, 1] != elem]
     if wrong:
         names = {s: str(MOVABLE_DTYPES[int(meta[s, 1])]) for s in wrong}
         raise ShmProtocolError(

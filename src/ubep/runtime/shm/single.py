@@ -27,6 +27,7 @@ from ubep.handle import (
     new_handle,
 )
 from ubep.options import BufferConfig
+from ubep.plan import WorkerMapper
 from ubep.plan.blocks import BlockFormat
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
@@ -40,18 +41,15 @@ from ubep.stats import DeferredStats, Interval, Stats
 class SinglePath:
     """Dispatch and combine of a rank with one worker."""
 
-    def __init__(self, ctx: ShmContext, expert_order: np.ndarray):
+    def __init__(self, ctx: ShmContext, mapper: WorkerMapper):
         self.ctx = ctx
         c = ctx.config
         w, el = ctx.world, c.experts_per_rank
-        self._static = c.schedule == "static"
+        self._mapper = mapper                  # the planner's per-worker mapper, one worker
         self._bsp = c.mode == "bsp"
         self._d_epoch = 0
         self._c_epoch = 0
-        # scratch, kept: the path allocates nothing it can reuse. The expert order is a
-        # writable copy: the kernels were warmed up for writable arrays (Numba compiles per
-        # array flag) and the plan's may be read-only.
-        self._order = np.array(expert_order, np.int64)
+        # scratch, kept: the path allocates nothing it can reuse
         self._cs = np.zeros(w, np.int64)
         self._rc = np.zeros((w, el), np.int64)
         self._meta = np.zeros((w, 3), np.int64)
@@ -70,7 +68,7 @@ class SinglePath:
         the rows."""
         ctx = self.ctx
         c = ctx.config
-        res, order = self._res, self._order
+        res, m = self._res, self._mapper
         num_tokens, hidden = x.shape
         top_k = topk_idx.shape[1]
         rb = hidden * x.element_size()
@@ -83,9 +81,10 @@ class SinglePath:
         base, lay, world = ctx.base, ctx.lay, ctx.world
         tpe = np.empty(c.experts_per_rank, np.int64)
         missing = KS.dispatch_begin_at(ctx.bases, lay, ctx.rank, epoch, x.data_ptr(),
-                                       num_tokens, rb, idx_addr, top_k, w_addr, order,
-                                       self._static, elem, ctx.dc_corrupt, self._cs, self._bsp,
-                                       rc, meta, got, out_start, tpe, batch, res)
+                                       num_tokens, rb, idx_addr, top_k, w_addr, m.rank_of_expert,
+                                       m.hop_of_rank, m.kind, m.num_hop_classes, elem,
+                                       ctx.dc_corrupt, self._cs, self._bsp, rc, meta, got,
+                                       out_start, tpe, batch, res)
         if missing:
             t1 = now_us()
             ctx.wait(lambda s: KS.dispatch_counts_at(base, lay, epoch, rc, meta, got, out_start,

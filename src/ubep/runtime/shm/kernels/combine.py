@@ -56,6 +56,24 @@ def send_back(bases, lay, epoch, rows, src_rank, src_tok, src_slot, lo, hi, cs):
 
 
 @jit
+def send_back_list(bases, lay, epoch, rows, src_rank, src_tok, src_slot, items, cs):
+    """`send_back` of the rows `items` (indices, in that order): a worker's schedule."""
+    bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
+    kmax, stride = lay[L_KMAX], lay[L_CSTRIDE]
+    par = epoch & 1
+    head = np.zeros(1, np.uint8)
+    rb = rows.shape[1]
+    nb = num_blocks(rb, ppb)
+    win = lay[L_CWIN_OFF] + par * lay[L_CSLOTS] * stride
+    for q in range(items.shape[0]):
+        i = items[q]
+        s = src_rank[i]
+        slot = src_tok[i] * kmax + src_slot[i]
+        dst = bases[s] + win + slot * stride
+        cs[s] += write_record(dst, bb, ppb, fmt, head, 0, rows[i], rb, epoch, slot * nb)
+
+
+@jit
 def accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y):
     """y += wgt * row, the row's elements read from blocks at src and converted to fp32."""
     nb = num_blocks(rb, ppb)

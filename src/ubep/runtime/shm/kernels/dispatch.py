@@ -88,6 +88,31 @@ def offsets(counts, out_start, tokens_per_expert):
 
 
 @jit
+def offsets_range(counts, e_lo, e_hi, out_start, tokens_per_expert):
+    """CalCumSum for local experts [e_lo, e_hi) only (a count worker's share): their
+    `out_start` and `tokens_per_expert`; returns N (rows received, all experts).
+
+    The share's base (rows of the experts before it) is summed from `counts` directly, so the
+    count workers need not wait for each other's prefix.
+    """
+    world, el = counts.shape
+    n = 0
+    for e in range(e_lo):
+        for s in range(world):
+            n += counts[s, e]
+    for e in range(e_lo, e_hi):
+        tokens_per_expert[e] = 0
+        for s in range(world):
+            out_start[s, e] = n
+            n += counts[s, e]
+            tokens_per_expert[e] += counts[s, e]
+    for e in range(e_hi, el):
+        for s in range(world):
+            n += counts[s, e]
+    return n
+
+
+@jit
 def recv_rows(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, out_x, out_w,
               out_rank, out_tok, out_slot, spins):
     """Reorder received rows [lo, hi) (source-major item order) into the expert-major output.

@@ -70,3 +70,24 @@ def sp_check_rows(rows, bb):
     return -1
 
 
+@jit
+def sp_check_routing(x, idx, weights, bb):
+    """First token whose record for some routed slot holds the sentinel at a marker
+    position, else -1 (checked before any worker sends: `sp_check_dispatch` without a plan)."""
+    head = np.zeros(16, np.uint8)
+    head_i = head.view(np.int32)
+    head_f = head.view(np.float32)
+    rb = x.shape[1]
+    nb = num_blocks(16 + rb, bb)
+    t_n, k_n = idx.shape
+    for t in range(t_n):
+        for k in range(k_n):
+            if idx[t, k] < 0:
+                continue
+            head_i[0] = t
+            head_i[1] = k
+            head_f[2] = weights[t, k]
+            for b in range(nb):
+                if rec_word(head, 16, x[t], rb, b * bb + bb - 8) == SENT:
+                    return t
+    return -1

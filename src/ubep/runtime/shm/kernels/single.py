@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray
 
+from ubep.plan.fastplan import count_experts, map_worker
 from ubep.runtime.shm.atomics import f32_ptr, i64_ptr, u8_ptr, u16_ptr
 from ubep.runtime.shm.kernels import jit
 from ubep.runtime.shm.kernels.combine import f32_to_bf16, reduce_tokens, send_back
@@ -26,52 +27,10 @@ from ubep.runtime.shm.kernels.slots import (
 from ubep.runtime.shm.region import L_BB, L_EL, L_FMT, L_WORLD
 
 
-# -- planning (one token worker) ---------------------------------------------------------------
-@jit
-def plan_single(idx, expert_order, static, experts_per_rank):
-    """The Plan of one token worker: `(sends [N,3], window_pos [N], send_counts [E])`.
-
-    Same arrays as `ubep.plan.make_plan(..., workers=1)`: static sends row-major; balanced
-    and hierarchical sort by the position of the expert in `expert_order`, then token.
-    """
-    t_n, k_n = idx.shape
-    e_n = expert_order.shape[0]
-    counts = np.zeros(e_n, np.int64)
-    for t in range(t_n):
-        for k in range(k_n):
-            e = idx[t, k]
-            if e >= 0:
-                counts[e] += 1
-    n = 0
-    start = np.empty(e_n, np.int64)
-    for i in range(e_n):
-        e = expert_order[i]
-        start[e] = n
-        n += counts[e]
-    sends = np.empty((n, 3), np.int64)
-    pos = np.empty(n, np.int64)
-    fill = np.zeros(e_n, np.int64)
-    i = 0
-    for t in range(t_n):
-        for k in range(k_n):
-            e = idx[t, k]
-            if e < 0:
-                continue
-            j = i if static else start[e] + fill[e]
-            sends[j, 0] = t
-            sends[j, 1] = k
-            sends[j, 2] = e // experts_per_rank
-            pos[j] = fill[e]
-            fill[e] += 1
-            i += 1
-    return sends, pos, counts
-
-
-
 # -- one worker: a call's sending side in one kernel ----------------------------------------------
 @jit
-def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, expert_order, static, elem,
-                         corrupt, cs, bsp):
+def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, rank_of_expert, hop_of_rank,
+                         kind, num_hop_classes, elem, corrupt, cs, bsp):
     """Plan, counts, rows and batch flags of a one-worker dispatch in one call.
 
     ubep order: counts first, then rows (+ sw/dc batch flags); bsp order: rows, flags, then
@@ -80,7 +39,10 @@ def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, expert_order, s
     """
     world = lay[L_WORLD]
     fmt = lay[L_FMT]
-    sends, pos, counts = plan_single(idx, expert_order, static, lay[L_EL])
+    counts = np.empty(world * lay[L_EL], np.int64)
+    count_experts(idx, counts)             # the planner's own pieces, as a pool worker's
+    sends, _, pos, _ = map_worker(idx, counts, lay[L_EL], hop_of_rank, rank_of_expert, kind, 1,
+                                  num_hop_classes, 0)
     if fmt == FMT_SP:
         bad = sp_check_dispatch(x, weights, sends, lay[L_BB])
         if bad >= 0:
@@ -150,8 +112,8 @@ CAST_NONE, CAST_BF16 = 0, 1
 
 @jit
 def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_addr,
-                      expert_order, static, elem, corrupt, cs, bsp, counts, meta, got,
-                      out_start, tpe, batch, res):
+                      rank_of_expert, hop_of_rank, kind, num_hop_classes, elem, corrupt, cs,
+                      bsp, counts, meta, got, out_start, tpe, batch, res):
     """`dispatch_send_single`, then one look at the counts (`dispatch_counts_at`).
 
     Sets `res[RES_SENDS]` to the send count, or to -(token + 1) after an sp sentinel abort (then
@@ -160,8 +122,8 @@ def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, t
     x = carray(u8_ptr(x_addr), (num_tokens, rb))
     idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
     w = carray(f32_ptr(w_addr), (num_tokens, top_k))
-    n = dispatch_send_single(bases, lay, me, epoch, x, idx, w, expert_order, static, elem,
-                             corrupt, cs, bsp)
+    n = dispatch_send_single(bases, lay, me, epoch, x, idx, w, rank_of_expert, hop_of_rank, kind,
+                             num_hop_classes, elem, corrupt, cs, bsp)
     res[RES_SENDS] = n
     if n < 0:
         return 0

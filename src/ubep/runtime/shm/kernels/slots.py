@@ -115,9 +115,15 @@ def batch_complete(base, lay, combine, epoch, s, n_tw):
 @jit
 def send_hello(bases, lay, me, epoch, n_tw, elem, status):
     """Combine: tell every rank this call started (token workers, dtype, status)."""
+    send_hellos(bases, lay, me, epoch, n_tw, elem, status, 0, lay[L_WORLD])
+
+
+@jit
+def send_hellos(bases, lay, me, epoch, n_tw, elem, status, d_lo, d_hi):
+    """`send_hello` to ranks [d_lo, d_hi) only (a count worker's share)."""
     world = lay[L_WORLD]
     par = epoch & 1
-    for d in range(world):
+    for d in range(d_lo, d_hi):
         slot = bases[d] + lay[L_HELLO_OFF] + (par * world + me) * 64
         w = carray(i64_ptr(slot), 8)
         w[SLOT_NTW] = n_tw

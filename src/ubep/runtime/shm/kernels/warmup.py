@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ubep.runtime.shm.kernels.combine import ELEM_F32, reduce_tokens, send_back
+from ubep.plan.fastplan import (
+    BALANCED,
+    HIERARCHICAL,
+    STATIC,
+    count_expert_range,
+    count_experts,
+    map_worker,
+)
+from ubep.runtime.shm.kernels.combine import ELEM_F32, reduce_tokens, send_back, send_back_list
 from ubep.runtime.shm.kernels.direct import (
     combine_begin,
     copy_local,
@@ -22,8 +30,9 @@ from ubep.runtime.shm.kernels.direct import (
     reduce_direct,
     send_rows_direct,
 )
-from ubep.runtime.shm.kernels.dispatch import offsets, recv_rows, send_rows
+from ubep.runtime.shm.kernels.dispatch import offsets, offsets_range, recv_rows, send_rows
 from ubep.runtime.shm.kernels.local import barrier_arrive, poll_at_least, publish
+from ubep.runtime.shm.kernels.sentinel import sp_check_routing
 from ubep.runtime.shm.kernels.single import (
     CAST_BF16,
     RES_RECV,
@@ -34,7 +43,6 @@ from ubep.runtime.shm.kernels.single import (
     dispatch_begin_at,
     dispatch_counts_at,
     dispatch_send_single,
-    plan_single,
     recv_rows_at,
 )
 from ubep.runtime.shm.kernels.slots import (
@@ -43,6 +51,7 @@ from ubep.runtime.shm.kernels.slots import (
     poll_hello,
     send_counts,
     send_hello,
+    send_hellos,
     write_batch_flags,
 )
 from ubep.runtime.shm.region import D_END, D_RECV_OFF, L_EL, L_SIZE, direct_layout
@@ -61,8 +70,9 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     meta, got, tpe = np.zeros((1, 3), np.int64), np.zeros(1, np.int8), np.zeros(el, np.int64)
     epoch = 5 if bsp else 4
     x_addr, idx_addr, w_addr = x.ctypes.data, idx.ctypes.data, w.ctypes.data
-    dispatch_begin_at(bases, lay, 0, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, order, False, 0,
-                      0, cs, bsp, counts, meta, got, out_start, tpe, batch, res)
+    dispatch_begin_at(bases, lay, 0, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, order,
+                      np.zeros(1, np.int64), HIERARCHICAL, 1, 0, 0, cs, bsp, counts, meta, got,
+                      out_start, tpe, batch, res)
     dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch, 0, res, 1)
     n = int(res[RES_RECV])
     ints, wts = np.zeros((3, n), np.int64), np.zeros(n, np.float32)
@@ -100,7 +110,8 @@ def warm_up(lay_of, multi: bool) -> None:
     out_start = np.zeros((1, lay[L_EL]), np.int64)
     tpe = np.zeros(lay[L_EL], np.int64)
     for epoch, bsp in ((1, False), (2, True)):
-        dispatch_send_single(bases, lay, 0, epoch, x, idx, w, order, False, 0, 0, cs, bsp)
+        dispatch_send_single(bases, lay, 0, epoch, x, idx, w, order, np.zeros(1, np.int64),
+                             HIERARCHICAL, 1, 0, 0, cs, bsp)
         got[:] = 0
         poll_counts(base, lay, epoch, 0, 1, rc, meta, got, 1)
         check_meta(meta, 0)
@@ -118,13 +129,27 @@ def warm_up(lay_of, multi: bool) -> None:
                             np.zeros(1, np.int64), np.zeros((1, 2), np.float32), 1, bsp)
         _warm_up_at(bases, lay, bsp)
     if multi:
-        send_counts(bases, lay, 0, 3, tpe, 1, 0, 0, 0, 1)
-        sends, pos, counts = plan_single(idx, order, False, lay[L_EL])
+        counts = np.zeros(lay[L_EL], np.int64)
+        count_experts(idx, counts)
+        count_expert_range(idx, 0, lay[L_EL], counts)
+        send_counts(bases, lay, 0, 3, counts, 1, 0, 0, 0, 1)
+        sp_check_routing(x, idx, w, 64)
+        hop = np.zeros(1, np.int64)
+        for kind in (STATIC, BALANCED, HIERARCHICAL):
+            sends, _, pos, _ = map_worker(idx, counts, lay[L_EL], hop, order, kind, 2, 1, 0)
         send_rows(bases, lay, 0, 3, x, idx, w, sends, pos, counts, cs)
+        offsets_range(rc, 0, lay[L_EL], out_start, tpe)
         write_batch_flags(bases, lay, 0, 0, 3, 0, cs, 0)
         poll_hello(base, lay, 3, meta, got, 1)
         send_hello(bases, lay, 0, 3, 1, 0, 0)
+        send_hellos(bases, lay, 0, 3, 1, 0, 0, 0, 1)
         send_back(bases, lay, 3, x, ints[0], ints[1], ints[2], 0, 0, cs)
+        labels = ints[0].reshape(-1, 1)
+        rank_counts = np.zeros(1, np.int64)
+        count_experts(labels, rank_counts)
+        rows, _, _, _ = map_worker(labels, rank_counts, 1, hop, np.zeros(1, np.int64),
+                                   HIERARCHICAL, 2, 1, 0)
+        send_back_list(bases, lay, 3, x, ints[0], ints[1], ints[2], rows[:, 0].copy(), cs)
         reduce_tokens(base, lay, 3, idx, w, True, 8, 4, ELEM_F32, np.zeros(1, np.float32),
                       meta, 0, 0, np.zeros(1, np.uint8), np.zeros(1, np.int64),
                       np.zeros((1, 2), np.float32), 1)
