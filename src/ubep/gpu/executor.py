@@ -292,8 +292,8 @@ class EmulatedSuperpod:
             return torch.as_tensor(np.ascontiguousarray(a)).to(self.device, dtype)
 
         return Routing(
-            plans=plans, topk_idx=dev(idx_np), topk_weights=dev(topk_weights.detach(),
-                                                                torch.float32),
+            plans=plans, topk_idx=dev(idx_np),
+            topk_weights=topk_weights.detach().to(self.device, torch.float32).contiguous(),
             num_recv=tuple(int(n) for n in num_recv), window_rows=window_rows,
             cnt=dev(np.stack([p.send_counts for p in plans])), count_dest=dev(count_dest),
             send_lo=dev(np.concatenate(lo)), send_tok=dev(np.concatenate(tok)),
