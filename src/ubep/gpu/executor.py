@@ -144,13 +144,16 @@ class EmulatedSuperpod:
             counts, `send_programs` copy rows into the destinations' windows, setting a flag
             per row, `recv_programs` wait for every source's counts, then move each row to
             its place once its flag holds this call's epoch. No barrier: a receiver starts
-            on the rows that have arrived. Combine: `send_programs` per rank send rows back,
-            `recv_programs` reduce each token once its rows' flags are set. All programs of
-            a kernel must be resident at once: `P * (count_programs + send_programs +
-            recv_programs)` <= `resident_programs` (checked here).
+            on the rows that have arrived. Combine: `count_programs + send_programs` per
+            rank send rows back, `recv_programs` reduce each token once its rows' flags are
+            set. All programs of a kernel must be resident at once: `P * (count_programs +
+            send_programs + recv_programs)` <= `resident_programs` (checked here).
         "bsp": the barrier-separated baseline: dispatch is four kernels (counts, send,
             offsets, reorder), combine two (send back, reduce); each kernel boundary is the
-            global barrier between phases.
+            global barrier between phases. As in the plan's "bsp" mode every program does
+            every phase: the send, reorder, send-back and reduce kernels each run all
+            `count_programs + send_programs + recv_programs` programs of every rank, so
+            each phase has the whole grid (counts and offsets: one program per rank).
 
     Arguments:
         num_ranks: emulated ranks P (>= 1).
@@ -158,7 +161,8 @@ class EmulatedSuperpod:
         hidden: elements per row.
         mode: "ubep" | "bsp".
         device: a CUDA device, or "cpu" under Triton's interpreter; None = CUDA if present.
-        count_programs, send_programs, recv_programs: programs per rank in each role.
+        count_programs, send_programs, recv_programs: programs per rank in each role
+            (mode "bsp": their sum is the programs per rank of every phase).
         schedule: the planner's token-to-program schedule ("static" | "balanced" |
             "hierarchical").
         topology: the fabric the planner sees; None = `device_topology` (one tier).
@@ -204,13 +208,14 @@ class EmulatedSuperpod:
         if block_hidden & (block_hidden - 1):
             raise ValueError(f"block_hidden={block_hidden} must be a power of two")
         self.block_hidden = block_hidden
-        workers = count_programs + send_programs if mode == "ubep" else send_programs
+        per_rank = count_programs + send_programs + recv_programs
+        self.programs_per_rank = per_rank
+        workers = count_programs + send_programs if mode == "ubep" else per_rank
         self.topology = topology if topology is not None else device_topology(num_ranks, workers)
         if self.topology.num_ranks != num_ranks:
             raise ValueError(f"topology has {self.topology.num_ranks} ranks; num_ranks="
                              f"{num_ranks} must match")
         self.resident_programs = _resident_programs(self.device, resident_programs)
-        per_rank = count_programs + send_programs + recv_programs
         self.kernel_programs = num_ranks * per_rank if mode == "ubep" else 0
         if mode == "ubep" and self.resident_programs is not None \
                 and self.kernel_programs > self.resident_programs:
@@ -267,7 +272,7 @@ class EmulatedSuperpod:
         ubep = self.mode == "ubep"
         plans = tuple(make_plan(
             idx_np[s], topology=self.topology, rank=s, num_experts=E,
-            workers=self.count_programs + self.send_programs if ubep else self.send_programs,
+            workers=self.count_programs + self.send_programs if ubep else self.programs_per_rank,
             count_workers=self.count_programs if ubep else None, schedule=self.schedule,
             mode=self.mode) for s in range(P))
         EL = self.experts_per_rank
@@ -347,15 +352,16 @@ class EmulatedSuperpod:
                 **tiles, **kw)
         else:
             K.bsp_counts[(P,)](rt.cnt, self._counts, P, E, EL, BP=self._bp, BE=self._be, **kw)
-            K.bsp_send[(P * S,)](rt.send_lo, rt.send_tok, rt.send_slot, rt.send_dst,
+            W = self.programs_per_rank
+            K.bsp_send[(P * W,)](rt.send_lo, rt.send_tok, rt.send_slot, rt.send_dst,
                                  rt.send_pos, xw, rt.topk_weights, self._win, self._win_w,
-                                 self._win_ts, T, K_, P, R, H, S, **tiles, **kw)
+                                 self._win_ts, T, K_, P, R, H, W, **tiles, **kw)
             K.bsp_offsets[(P,)](self._counts, self._offsets, self._wbases,
                                 self._tokens_per_expert, P, EL, BP=self._bp, BE=self._be, **kw)
-            K.bsp_reorder[(P * RV,)](self._offsets, self._wbases, self._tokens_per_expert,
-                                     self._win, self._win_w, self._win_ts, self._recv_x,
-                                     self._recv_w, self._recv_rank, self._recv_ts, P, EL, R, NC,
-                                     H, RV, BP=self._bp, BE=self._be, **tiles, **kw)
+            K.bsp_reorder[(P * W,)](self._offsets, self._wbases, self._tokens_per_expert,
+                                    self._win, self._win_w, self._win_ts, self._recv_x,
+                                    self._recv_w, self._recv_rank, self._recv_ts, P, EL, R, NC,
+                                    H, W, BP=self._bp, BE=self._be, **tiles, **kw)
         if check:
             self.check()
         return GpuDispatch(
@@ -402,8 +408,8 @@ class EmulatedSuperpod:
         cwin = self._cwin.view(out.dtype)
         y = torch.empty(P, T, H, dtype=out.dtype, device=self.device)
         self._next_call()
-        EL, NC, S, RV = self.experts_per_rank, self._recv_rows, self.send_programs, \
-            self.recv_programs
+        EL, NC, RV = self.experts_per_rank, self._recv_rows, self.recv_programs
+        S, W = self.count_programs + self.send_programs, self.programs_per_rank
         kw = dict(num_warps=self.num_warps, ROWS=self.rows_per_step, BH=self.block_hidden)
         bk = K.next_pow2(K_)
         if self.mode == "ubep":
@@ -413,11 +419,11 @@ class EmulatedSuperpod:
                 EL, T, K_, NC, H, S, RV, self.max_spins, BE=self._be, BK=bk, WEIGHTED=weighted,
                 **kw)
         else:
-            K.bsp_send_back[(P * S,)](out, out.shape[1], self._tokens_per_expert,
-                                      self._recv_rank, self._recv_ts, cwin, EL, T, K_, NC, H, S,
+            K.bsp_send_back[(P * W,)](out, out.shape[1], self._tokens_per_expert,
+                                      self._recv_rank, self._recv_ts, cwin, EL, T, K_, NC, H, W,
                                       BE=self._be, **kw)
-            K.bsp_reduce[(P * RV,)](rt.topk_idx, rt.topk_weights, cwin, y, T, K_, EL, H, RV,
-                                    BK=bk, WEIGHTED=weighted, **kw)
+            K.bsp_reduce[(P * W,)](rt.topk_idx, rt.topk_weights, cwin, y, T, K_, EL, H, W,
+                                   BK=bk, WEIGHTED=weighted, **kw)
         if check:
             self.check()
         return y
