@@ -19,7 +19,7 @@ the same bytes, bare, as its "raw collectives" line):
 * a destination's (token, slot, weight) words travel in the same collective as its rows, as a
   few whole rows in front of them, so nothing is concatenated to each row;
 * send and receive buffers are kept and grown, not allocated per call;
-* combine gathers each slot's rows and adds them, weighted, in fp32, slot by slot.
+* combine sums each token's slots as one small batched matrix product per chunk of tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ubep.stats import Stats
 
 _META_WORDS = 3  # int32 token, int32 slot, float32 weight (its bits) per routed row
 _META_BYTES = 4 * _META_WORDS
-_SUMMED_AS_IS = (torch.float32, torch.bfloat16, torch.float16)  # addcmul_ takes these rows
+_REDUCE_CHUNK_BYTES = 4 << 20  # combine sums tokens in chunks of this many fp32 slot bytes
 
 
 def _now_us() -> float:
@@ -72,6 +72,8 @@ class TorchBackend:
         self.group = group
         self.buffer_id = buffer_id
         self._scratch: dict[str, torch.Tensor] = {}
+        #: the local expert of each (source rank, local expert) block, source-major
+        self._block_expert = np.tile(np.arange(config.experts_per_rank), config.world_size)
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device) -> torch.Tensor:
         """`[rows, row_bytes]` uint8 scratch, reused across calls (grown when too small)."""
@@ -172,8 +174,7 @@ class TorchBackend:
                 row_of_pair.append(np.arange(row + m, row + recv_rows[s]))
             row += recv_rows[s]
         meta_in = np.concatenate(metas)
-        block_expert = np.tile(np.arange(per_rank), world)
-        to_expert_major = np.argsort(np.repeat(block_expert, recv_counts.reshape(-1)),
+        to_expert_major = np.argsort(np.repeat(self._block_expert, recv_counts.reshape(-1)),
                                      kind="stable")
         num_recv = len(to_expert_major)
         recv_x = torch.index_select(work, 0, dev(np.concatenate(row_of_pair)[to_expert_major]))
@@ -204,7 +205,7 @@ class TorchBackend:
                                           to_source_major[own + per_src[me]:],
                                           to_source_major[own:own + per_src[me]]])
         state = _TorchState(
-            slot_row=dev(slot_row.reshape(num_tokens, top_k).T.copy()),
+            slot_row=dev(slot_row.reshape(num_tokens, top_k)),
             slot_weight=slot_weight.reshape(num_tokens, top_k),
             rows_per_dest=[0 if d == me else n for d, n in enumerate(per_dest)],
             rows_per_src=[0 if s == me else n for s, n in enumerate(per_src)],
@@ -243,17 +244,20 @@ class TorchBackend:
         dist.all_to_all_single(work[:back], to_send, st.rows_per_dest, st.rows_per_src,
                                group=self.group)
         t2 = _now_us()
-        # y[t] = sum over slots k, in slot order, of w[t, k] * row(t, k), in fp32; unrouted
-        # slots read the zero row with weight 0 (their given weight may be NaN)
+        # y[t] = sum over slots k of w[t, k] * row(t, k), in fp32: per chunk of tokens, one
+        # gather of their slots' rows and one batched [1, K] x [K, hidden] product (chunks of
+        # ~4 MiB of fp32 rows keep the operands in cache); unrouted slots read the zero row
+        # with weight 0 (their given weight may be NaN)
         rows = work.view(dtype).view(-1, hidden)
-        w = st.slot_weight if weighted else (st.slot_row.T.cpu().numpy() < back + own)
-        w = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device)
-        num_tokens, top_k = handle.num_tokens, st.slot_row.shape[0]
-        y = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
-        for k in range(top_k):
-            r = rows.index_select(0, st.slot_row[k])
-            y.addcmul_(r if dtype in _SUMMED_AS_IS else r.float(), w[:, k:k + 1])
-        y = y.to(dtype)
+        w = st.slot_weight if weighted else (st.slot_row.cpu().numpy() < back + own)
+        w = torch.from_numpy(np.asarray(w, dtype=np.float32)).to(device)
+        num_tokens, top_k = st.slot_row.shape
+        y = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
+        chunk = max(1, _REDUCE_CHUNK_BYTES // (4 * top_k * hidden))
+        for t in range(0, num_tokens, chunk):
+            e = min(num_tokens, t + chunk)
+            slots = rows.index_select(0, st.slot_row[t:e].view(-1)).view(e - t, top_k, hidden)
+            y[t:e] = torch.bmm(w[t:e].unsqueeze(1), slots.float()).squeeze(1)
         t3 = _now_us()
         phases = {"pack": t1 - t0, "token_exchange": t2 - t1, "reduce": t3 - t2}
         collectives = [("rows_back", [n * row_bytes for n in st.rows_per_src],
