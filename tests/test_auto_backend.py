@@ -23,7 +23,7 @@ def _run(rank, world, pretend, kw):
     elif pretend == "no_room":
         auto._shm_free_bytes = lambda: 4096
     try:
-        buf = ubep.Buffer(num_experts=8, hidden=16, max_tokens_per_rank=16, timeout_s=30, **kw)
+        buf = ubep.Buffer(num_experts=8, hidden=16, max_tokens_per_rank=16, timeout_s=60, **kw)
     except ValueError as e:
         return {"error": str(e)}
     with buf:
