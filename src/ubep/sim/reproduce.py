@@ -448,7 +448,7 @@ def exp_fig12(short: bool, topo: str) -> Experiment:
 def exp_fig14(short: bool, topo: str) -> Experiment:
     ranks = (32,) if short else (64, 128, 256)
     batches = (8, 128) if short else (8, 16, 32, 64, 128)
-    ncs = (1, 2, 4, 8) if short else tuple(range(1, 17))
+    ncs = (1, 2, 4, 8) if short else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40)
     jobs = [Job((r, b, c), r, _cfg("ubep", tokens_per_rank=b, count_workers=c))
             for r in ranks for b in batches for c in (0,) + ncs]   # 0: the model's choice
 
