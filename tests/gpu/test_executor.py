@@ -194,3 +194,18 @@ def test_bad_inputs_name_the_argument_and_leave_the_superpod_usable():
     check_dispatch(got, x, idx, w, E)
     with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
         pod.combine(got.recv_x.to(torch.float64), got)
+
+
+@pytest.mark.parametrize("schedule", ["static", "hierarchical"])
+def test_plans_for_a_tiered_fabric_place_rows_as_the_oracle(schedule):
+    """A CM384 slice as the planner's fabric: its send order changes, the result does not."""
+    from ubep.plan import Topology
+
+    P, E, T, K_, H = 4, 8, 6, 3, 32
+    idx, w = routing("uniform", P, T, K_, E, seed=5)
+    x = payload(P, T, H, torch.bfloat16)
+    pod = EmulatedSuperpod(P, E, H, device="cpu", topology=Topology.preset("cm384", P),
+                           schedule=schedule, send_programs=3)
+    rt = pod.route(idx, w)
+    assert rt.plans[0].schedule == schedule and rt.plans[0].token_workers == 3
+    check_dispatch(pod.dispatch(x, rt), x, idx, w, E)
