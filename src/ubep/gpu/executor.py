@@ -168,7 +168,9 @@ class EmulatedSuperpod:
         topology: the fabric the planner sees; None = `device_topology` (one tier).
         resident_programs: programs the device runs at once; None = its SM count (one
             program per SM, always resident), unlimited under the interpreter (which runs
-            programs in id order, so no program waits on one that has not run).
+            programs in id order, so no program waits on one that has not run). The single
+            kernel hands out roles in arrival order, so it cannot deadlock even past this
+            limit; the check keeps every role running side by side, which is the point.
         max_spins: polls of a flag before a program gives up (`SpinLimitError`).
         rows_per_step: rows a program moves per step (a power of two).
         block_hidden: row elements per tile; None = min(next power of two of hidden, 2048).
@@ -237,8 +239,9 @@ class EmulatedSuperpod:
         self._win_rows = self._recv_rows = self._comb_rows = 0
         self._word: torch.dtype | None = None
         self._cwin: torch.Tensor | None = None
-        # [epoch, programs done] of the single-kernel calls; flags start at 0, epochs at 1
-        self._state = torch.tensor([1, 0], dtype=torch.int32, device=dev)
+        # [epoch, programs done, role tickets] of the single-kernel calls; flags start at 0,
+        # epochs at 1
+        self._state = torch.tensor([1, 0, 0], dtype=torch.int32, device=dev)
         self._calls = 0
         self._last_dispatch = -1
         self._broken: str | None = None

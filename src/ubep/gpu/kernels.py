@@ -26,10 +26,12 @@ Data written by another program of the same kernel (window rows and their metada
 counts) is read with `.cg` loads, which bypass the SM's L1: L1 is not coherent, and a line
 holding a neighbour's row could have been cached before this row's flag went up.
 
-Every wait is on a program with a lower id: the single-kernel modes put the producers of a
-phase at the lowest ids. On a GPU all programs are resident at once (the executor checks the
-grid fits); Triton's interpreter runs programs one after another in id order, so there the
-producers have finished before a consumer polls.
+Every wait is on a role with a lower id: the single-kernel modes put the producers of a
+phase at the lowest ids and hand role ids out in arrival order (`_take_role`), so a
+program only waits on programs that have started. The executor also checks that the whole
+grid is resident at once (the persistent-kernel model: every role running side by side).
+Triton's interpreter runs programs one after another in id order, so there the producers
+have finished before a consumer polls.
 """
 
 from __future__ import annotations
@@ -241,8 +243,21 @@ def _reduce(pid, s, lo, hi, topk_idx, w, cwin, cflag, y, T, K, EL, H, epoch, max
 
 
 @triton.jit
+def _take_role(state):
+    """This program's role id: its arrival order in the call (a ticket from `state[2]`).
+
+    Roles are given in arrival order, not by program id, so a program only ever waits on
+    roles with lower ids, which started before it: the single kernel cannot deadlock even
+    if the device holds fewer programs at once than the grid (the hardware does not promise
+    to start blocks in id order). Under the interpreter the ticket equals the program id.
+    """
+    return tl.atomic_add(state + 2, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _advance_epoch(state, epoch):
-    """`state` = [epoch, programs done]: the last program of a call moves the epoch on.
+    """`state` = [epoch, programs done, tickets]: the last program of a call moves the epoch
+    on and resets the counters for the next call.
 
     Every program read the epoch before it counted itself done, so the last one to count
     knows no program of this call still needs it. The epoch lives on the device so a call
@@ -252,6 +267,7 @@ def _advance_epoch(state, epoch):
     done = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         tl.store(state + 1, 0)
+        tl.store(state + 2, 0)
         tl.store(state, tl.where(epoch >= 2147483646, 1, epoch + 1))
 
 
@@ -268,7 +284,7 @@ def ubep_dispatch(cnt, count_dest, send_lo, send_tok, send_slot, send_dst, send_
     its plan's rows into the destinations' windows; a receiver waits for every source's
     counts, computes where its share of the rows goes and moves each row once its flag is up.
     """
-    pid = tl.program_id(0)
+    pid = _take_role(state)
     epoch = tl.load(state)
     if pid < P * C:
         s = pid // C
@@ -303,7 +319,7 @@ def ubep_combine(topk_idx, w, expert_out, out_stride, tokens_per_expert, recv_ra
                  ROWS: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
                  WEIGHTED: tl.constexpr):
     """Combine in one kernel: P*S programs send rows back, then P*RV programs reduce."""
-    pid = tl.program_id(0)
+    pid = _take_role(state)
     epoch = tl.load(state)
     if pid < P * S:
         d = pid // S
