@@ -209,3 +209,36 @@ def test_plans_for_a_tiered_fabric_place_rows_as_the_oracle(schedule):
     rt = pod.route(idx, w)
     assert rt.plans[0].schedule == schedule and rt.plans[0].token_workers == 3
     check_dispatch(pod.dispatch(x, rt), x, idx, w, E)
+
+
+@pytest.mark.parametrize("mode", ["ubep", "bsp"])
+def test_any_routing_and_program_split_places_rows_as_the_oracle(mode):
+    """Property: random ranks, tokens, top-k, -1 slots and programs per role (hypothesis)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=6, deadline=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(P=st.integers(2, 3), per_rank=st.integers(1, 3), T=st.integers(1, 5),
+                      K_=st.integers(1, 3), holes=st.floats(0, 0.6), seed=st.integers(0, 99),
+                      programs=st.tuples(st.integers(1, 2), st.integers(1, 3),
+                                         st.integers(1, 3)))
+    def check(P, per_rank, T, K_, holes, seed, programs):
+        E = P * per_rank
+        K_ = min(K_, E)
+        idx, w = routing("uniform", P, T, K_, E, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        idx[torch.rand(idx.shape, generator=g) < holes] = -1
+        x = payload(P, T, 16, torch.bfloat16, seed=seed)
+        c, s, r = programs
+        pod = EmulatedSuperpod(P, E, 16, mode=mode, device="cpu", count_programs=c,
+                               send_programs=s, recv_programs=r)
+        got = pod.dispatch(x, pod.route(idx, w))
+        ref = check_dispatch(got, x, idx, w, E)
+        y = pod.combine(got.recv_x, got)
+        want = reference.combine([got.recv_x[q, :got.num_recv[q]] for q in range(P)], ref,
+                                 list(idx), list(w))
+        for q in range(P):
+            torch.testing.assert_close(y[q], want[q])
+
+    check()
