@@ -114,3 +114,42 @@ def _indivisible(rank, world):
 def test_num_experts_must_divide_by_world():
     msgs = run_ranks(_indivisible, 3)
     assert all("num_experts=4 must be divisible by the group size 3" in m for m in msgs)
+
+
+# -- tensors off the CPU (issue 18 item 10): refused by name and device, before any read ------
+def _off_cpu(rank, world):
+    import ubep
+
+    errors = []
+    with ubep.Buffer(num_experts=4, hidden=8, max_tokens_per_rank=4, max_top_k=2) as buf:
+        x = torch.zeros(2, 8)
+        idx = torch.tensor([[0, 1], [2, -1]])
+        w = torch.ones(2, 2)
+        for args in ((x.to("meta"), idx.to("meta"), w.to("meta")),
+                     (x.to("meta").requires_grad_(), idx.to("meta"), w.to("meta"))):
+            try:
+                buf.dispatch(*args)
+            except ValueError as e:
+                errors.append(str(e))
+        res = buf.dispatch(x, idx, w)                 # still usable
+        for out in (res.recv_x.to("meta"), res.recv_x.to("meta").requires_grad_()):
+            try:
+                buf.combine(out, res.handle)
+            except ValueError as e:
+                errors.append(str(e))
+        buf.combine(res.recv_x, res.handle)
+    try:
+        ubep.get_dispatch_layout(idx.to("meta"), 4, 2)
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_tensors_off_cpu_are_refused_naming_the_device():
+    for errors in run_ranks(_off_cpu, 2):
+        assert len(errors) == 5, errors
+        assert all("meta" in e for e in errors)
+        assert "x is on device meta" in errors[0] and "x is on device meta" in errors[1]
+        assert "expert_out is on device meta" in errors[2]
+        assert "expert_out is on device meta" in errors[3]
+        assert "topk_idx is a meta tensor" in errors[4]

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ubep.handle import DispatchHandle, DispatchResult
+from ubep.validate import check_combine_inputs, check_dispatch_inputs
 
 if TYPE_CHECKING:
     from ubep.buffer import Buffer
@@ -260,7 +261,11 @@ def check_gradients_possible(buffer: Buffer, top_k: int, weights_need_grad: bool
 def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
              ) -> DispatchResult:
     """`Buffer.dispatch` as `ubep::dispatch`: differentiable and traceable."""
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():  # eager: the errors of the direct path, first
+        c = buffer.config
+        _, topk_idx, _ = check_dispatch_inputs(
+            x, topk_idx, topk_weights, hidden=c.hidden, num_experts=c.num_experts,
+            max_tokens_per_rank=c.max_tokens_per_rank, max_top_k=c.max_top_k)
         check_gradients_possible(buffer, topk_idx.shape[1], topk_weights.requires_grad)
     recv_x, recv_w, tpe, origins, key = torch.ops.ubep.dispatch(
         buffer._id, x, topk_idx, topk_weights)
@@ -275,6 +280,8 @@ def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
 def combine(buffer: Buffer, expert_out: Tensor, handle: OpHandle | DispatchHandle,
             weighted: bool) -> Tensor:
     """`Buffer.combine` as `ubep::combine`: differentiable and traceable."""
+    if not torch.compiler.is_compiling():
+        check_combine_inputs(expert_out, num_recv=handle.num_recv, hidden=handle.hidden)
     if isinstance(handle, DispatchHandle):  # from the direct eager path: register it now
         if not torch.compiler.is_compiling():
             check_gradients_possible(buffer, handle.topk_idx.shape[1], False)

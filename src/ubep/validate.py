@@ -22,6 +22,15 @@ MAX_ELEMENT_BYTES = 4
 _MOVABLE = frozenset(MOVABLE_DTYPES)
 
 
+def check_on_cpu(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor that is not in CPU memory: every executor here reads and writes rows
+    by their CPU address (a CUDA pointer would reach CPU kernels; a meta tensor has no data)."""
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on device {t.device}; ubep's executors move CPU tensors only (there is "
+            f"no GPU executor yet): pass {name}.cpu()")
+
+
 def _check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -41,6 +50,9 @@ def check_topk_idx(topk_idx: object, *, num_experts: int, num_tokens: int | None
     if num_tokens is not None and idx.shape[0] != num_tokens:
         raise ValueError(
             f"topk_idx has {idx.shape[0]} rows but x has {num_tokens} tokens; they must match")
+    if idx.device.type == "meta":
+        raise ValueError("topk_idx is a meta tensor (shape only, no values); the routing "
+                         "must be a tensor with data")
     if idx.dtype != torch.int64:  # .to() costs µs even when it has nothing to do
         idx = idx.to(torch.int64)
     if not idx.is_contiguous():
@@ -170,6 +182,7 @@ def _check_dispatch_inputs_full(x: object, topk_idx: object, topk_weights: objec
         raise ValueError(
             f"x, topk_idx and topk_weights must be on one device, got x on {x.device}, "
             f"topk_idx on {topk_idx.device}, topk_weights on {w.device}")
+    check_on_cpu("x", x)
     idx = check_topk_idx(topk_idx, num_experts=num_experts, num_tokens=x.shape[0])
     if idx.shape[1] > max_top_k:
         raise ValueError(
@@ -192,9 +205,10 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
     """
     if (isinstance(expert_out, torch.Tensor) and expert_out.shape == (num_recv, hidden)
             and _summable(expert_out.dtype) and expert_out.is_contiguous()
-            and not expert_out.requires_grad):
+            and not expert_out.requires_grad and expert_out.is_cpu):
         return expert_out
     out = _check_tensor("expert_out", expert_out, 2)
+    check_on_cpu("expert_out", out)
     if tuple(out.shape) != (num_recv, hidden):
         raise ValueError(
             f"expert_out has shape {tuple(out.shape)}; the handle's dispatch received "
