@@ -9,7 +9,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ubep import ops
+from ubep import ops, quant
 from ubep.errors import BrokenBufferError, UbepError
 from ubep.handle import DispatchHandle, DispatchResult
 from ubep.options import (
@@ -162,6 +162,7 @@ class Buffer:
         self._closed = False
         self._broken: BaseException | None = None
         self._backend = make_backend(self.config, group, self._id)
+        self._companions: dict[int, Buffer] = {}  # rows of other widths (ubep.quant)
         ops.register_buffer(self)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -172,6 +173,8 @@ class Buffer:
                 return
             self._closed = True
             self._backend.close()
+            for companion in self._companions.values():
+                companion.close()
 
     def __enter__(self) -> Buffer:
         return self
@@ -206,27 +209,48 @@ class Buffer:
             raise
 
     # -- the two operations ----------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor) -> DispatchResult:
+    def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 *, handle: DispatchHandle | None = None) -> DispatchResult:
         """Send each token's row to every rank hosting one of its experts.
 
         Arguments:
-            x: `[T, hidden]`, any movable dtype, `T <= max_tokens_per_rank`.
+            x: `[T, hidden]`, any movable dtype, `T <= max_tokens_per_rank`; or a tuple
+                `(x, x_scales)` of quantized rows and their float32 scales `[T, S]` (e.g.
+                fp8 with one scale per 128 channels, `ubep.quant.per_token_cast_to_fp8`):
+                the scales go with their rows, `recv_x_scales` holds them.
             topk_idx: `[T, K]`, int32/int64, values in `[-1, num_experts)`, distinct per row;
                 `-1` = slot not routed.
             topk_weights: `[T, K]`, floating; the gating weight of each slot.
+            handle: instead of `topk_idx`/`topk_weights`: the handle of an earlier dispatch
+                of this Buffer, whose routing is reused (cached re-dispatch, as DeepEP's
+                `handle=`): the rows land in that dispatch's order.
 
         Returns:
             A `DispatchResult`: `recv_x` `[N, hidden]` expert-major, `recv_weights` `[N]`,
-            `tokens_per_expert` `[num_local_experts]`, row origins, `handle` and `stats`.
+            `tokens_per_expert` `[num_local_experts]`, row origins, `handle` and `stats`
+            (and `recv_x_scales` `[N, S]` when `x` is a tuple).
 
         Gradients flow back to `x` and `topk_weights` when they require grad (see
         `ubep.ops`); under `torch.compile` the call is the `ubep::dispatch` operator.
         """
+        if handle is not None:
+            topk_idx, topk_weights = self._routing_of(handle, topk_idx, topk_weights)
+        if type(x) is tuple:
+            return quant.dispatch_with_scales(self, x, topk_idx, topk_weights)
         if ((_requires_grad(x) or _requires_grad(topk_weights)) and torch.is_grad_enabled()
                 or _is_compiling()):
             return ops.dispatch(self, x, topk_idx, topk_weights)
         return self._dispatch_now(x, topk_idx, topk_weights)
+
+    def _routing_of(self, handle, topk_idx, topk_weights) -> tuple[torch.Tensor, torch.Tensor]:
+        """`handle`'s routing, for a cached re-dispatch."""
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError("pass either handle= (reuse an earlier dispatch's routing) or "
+                             "topk_idx and topk_weights, not both")
+        if not isinstance(handle, (DispatchHandle, ops.OpHandle)) or handle.buffer_id != self._id:
+            raise ValueError("handle must be the handle of a dispatch of this Buffer")
+        return handle.topk_idx, handle.topk_weights
 
     def _dispatch_now(self, x: torch.Tensor, topk_idx: torch.Tensor,
                       topk_weights: torch.Tensor) -> DispatchResult:

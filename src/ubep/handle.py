@@ -52,6 +52,8 @@ class DispatchResult:
         recv_src_slot: `[N]`, int64; the top-k slot of (token, expert) on its source rank.
         handle: pass to `Buffer.combine` to send the expert outputs back.
         stats: `ubep.Stats` with per-phase times and per-worker intervals, or None.
+        recv_x_scales: `[N, S]` float32, the scales of `recv_x`'s rows when `x` was a tuple
+            `(x, x_scales)`; else None.
     """
 
     recv_x: torch.Tensor
@@ -62,6 +64,7 @@ class DispatchResult:
     recv_src_slot: torch.Tensor
     handle: DispatchHandle
     stats: Stats | None = None
+    recv_x_scales: torch.Tensor | None = None
 
     def __getattr__(self, name: str):
         """`recv_weights` and the row origins left out by `new_dispatch_result` are made on
