@@ -27,13 +27,11 @@ def _time(fn, iters: int) -> list[float]:
 
 def _decision_ns(buf, x, idx, w, n: int = 200_000) -> list[float]:
     """ns per call of what `Buffer.dispatch` adds before `_dispatch_now` (same code)."""
-    import torch
-
-    from ubep.buffer import _is_compiling, _requires_grad
+    from ubep.buffer import _grad_enabled, _is_compiling
 
     def decide():
-        return ((_requires_grad(x) or _requires_grad(w)) and torch.is_grad_enabled()
-                or _is_compiling())
+        return ((getattr(x, "requires_grad", False) or getattr(w, "requires_grad", False))
+                and _grad_enabled() or _is_compiling())
 
     t0 = time.perf_counter_ns()
     for _ in range(n):
