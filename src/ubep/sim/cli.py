@@ -223,8 +223,25 @@ def _reproduce(args: argparse.Namespace) -> int:
     from ubep.sim.reproduce import run
 
     report = run(args.out, short=args.short, topology=args.topology)
-    _console().print(f"report: {report}")
+    console = _console()
+    from rich.markdown import Markdown
+
+    text = report.read_text()
+    for title in PRINTED:
+        start = text.find(f"\n## {title}")
+        if start < 0:
+            continue
+        end = text.find("\n## ", start + 1)
+        section = "\n".join(line for line in text[start:end if end > 0 else None].splitlines()
+                             if not line.startswith("!["))
+        console.print(Markdown(section))
+    console.print(f"report with every experiment, CSVs and plots: {report}")
     return 0
+
+
+#: report sections `ubep reproduce` prints (the rest stays in report.md)
+PRINTED = ("Dispatch latency", "Token-Sending latency", "Per-worker Token-Sending",
+           "sw / tff / dc / sp", "Count-worker sweep")
 
 
 def _tune(args: argparse.Namespace) -> int:

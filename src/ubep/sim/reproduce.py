@@ -487,8 +487,15 @@ def exp_fig14(short: bool, topo: str) -> Experiment:
         fig.tight_layout()
         fig.savefig(out / "fig14.png", dpi=110)
         plt.close(fig)
-        return _md_table(best, ["ranks", "batch", "best_count_workers", "best_us",
-                                "cost_model_choice", "cost_model_us"])
+        grid_rows = [{"ranks": r, **{f"batch {b}": f"{x['best_count_workers']} "
+                                    f"({x['cost_model_choice']})"
+                                    for b in batches for x in best
+                                    if x["ranks"] == r and x["batch"] == b}} for r in ranks]
+        return ("Best count-worker (CalCumSum group) number per (ranks, batch), the model's "
+                f"Eq. 4 choice in parentheses; swept: {', '.join(map(str, ncs))}.\n\n"
+                + _md_table(grid_rows, ["ranks", *[f"batch {b}" for b in batches]]) + "\n\n"
+                + _md_table(best, ["ranks", "batch", "best_count_workers", "best_us",
+                                   "cost_model_choice", "cost_model_us"]))
 
     return Experiment("fig14", "Count-worker sweep, best per row vs the cost model "
                       "(Fig. 14, Appendix A)", jobs, finish)
