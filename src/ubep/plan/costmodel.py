@@ -4,11 +4,12 @@ Count workers count the rank's (token, expert) pairs, store one count word per d
 rank (pipelined: a store costs its issue time, not its flight), wait for the last count to
 arrive (polling overlaps the arrivals; one vector pass reads them after the last one), and
 split the prefix sum (CalCumSum) among themselves. Token workers move the K*B rows, each at
-its staging depth's pace, all of them together no faster than the rank's port:
+its staging depth's pace, all of them together no faster than the rank's port, and then
+reorder the K*B rows the rank receives (uniform routing: as many as it sends):
 
     T_count(c) = K*B*pair/c + ceil(P/c)*store + flight + scan + E*scan_entry
                  + E*cumsum_entry/c + (merge if c > 1) + publish
-    T_token(t) = max(K*B*row/t, K*B*port_row)
+    T_token(t) = max(K*B*row/t, K*B*port_row) + K*B*reorder_row/t
 
 and the choice is the `c` in [1, workers - 1] minimising max(T_count(c), T_token(workers - c)).
 `CountCosts` holds the unit costs. The simulator builds them from its own `CostParams`
@@ -38,6 +39,7 @@ class CountCosts:
     publish_us: float = 0.3         # release the offsets to the token workers
     row_us: float = 0.5             # one token worker per row (slot time / staging depth)
     port_row_us: float = 0.0        # the rank's port per row (all token workers together)
+    reorder_row_us: float = 0.0     # one token worker copying a received row into place
 
     def __post_init__(self) -> None:
         for name, v in self.__dict__.items():
@@ -73,9 +75,10 @@ def cumsum_us(c: int, num_experts: int, costs: CountCosts) -> float:
 
 
 def t_token(t: int, *, top_k: int, num_tokens: int, costs: CountCosts) -> float:
-    """Sending the K*B rows with `t` token workers, us."""
+    """Sending the K*B rows with `t` token workers, then reordering as many, us."""
     rows = top_k * num_tokens
-    return max(rows * costs.row_us / t, rows * costs.port_row_us)
+    return max(rows * costs.row_us / t, rows * costs.port_row_us) + \
+        rows * costs.reorder_row_us / t
 
 
 def choose_count_workers(workers: int, num_experts: int, top_k: int, num_tokens: int, *,

@@ -121,11 +121,11 @@ def model_count_workers(topology, config: SimConfig, num_experts: int, workers: 
 
     params = params or calibrated(topology.name)
     fab = Fabric.of(topology, params)
-    _, wire = engine.wire_bytes_of(config.hidden * config.bytes_per_element, "ubep",
-                                   config.sync, fab)
+    row_bytes = config.hidden * config.bytes_per_element
+    _, wire = engine.wire_bytes_of(row_bytes, "ubep", config.sync, fab)
     return choose_count_workers(workers, num_experts, config.top_k, config.tokens_per_rank,
                                 ranks=topology.num_ranks,
-                                costs=engine.count_costs(params, fab, wire))
+                                costs=engine.count_costs(params, fab, wire, row_bytes))
 
 
 def prepare(topology, config: SimConfig, *, ranks: int | None = None,

@@ -280,14 +280,17 @@ def wire_bytes_of(row_bytes: int, mode: str, sync: str, fabric: Fabric) -> tuple
                        fabric.flag_bytes)
 
 
-def count_costs(params: CostParams, fabric: Fabric, wire_bytes: int) -> CountCosts:
+def count_costs(params: CostParams, fabric: Fabric, wire_bytes: int,
+                row_bytes: int | None = None) -> CountCosts:
     """The unit costs of Eq. 4 (`ubep.plan.costmodel`) implied by these constants on this
     fabric, for rows of `wire_bytes` under uniform routing: what the planner minimises and
     what `run` executes for the count path.
 
     A token worker's row costs its staging slot time (staging copy + hop latency +
     serialization, averaged over destinations) divided by the staging depth, and never less
-    than the staging copy itself; the rank's port passes its remote share of the rows.
+    than the staging copy itself; the rank's port passes its remote share of the rows; a
+    received row costs a token worker its reorder copy (`row_bytes`, default the payload of
+    `wire_bytes`).
     """
     P = fabric.num_ranks
     hop = fabric.hop
@@ -306,7 +309,9 @@ def count_costs(params: CostParams, fabric: Fabric, wire_bytes: int) -> CountCos
                       scan_entry_us=params.scan_ns_per_entry * 1e-3,
                       cumsum_entry_us=params.cumsum_ns_per_entry * 1e-3,
                       merge_us=params.signal_us, publish_us=params.signal_us,
-                      row_us=row, port_row_us=port_row)
+                      row_us=row, port_row_us=port_row,
+                      reorder_row_us=time_us(wire_bytes if row_bytes is None else row_bytes,
+                                             params.copy_bw_GBps))
 
 
 def start_offsets(num_ranks: int, jitter_us: float, seed: int) -> np.ndarray:
@@ -333,7 +338,7 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
     eff_sync = "sw" if mode == "bsp" else sync
     blocks, wire = wire_bytes_of(row_bytes, mode, sync, fabric)
     issue_us = time_us(wire, params.stage_bw_GBps)
-    cc = count_costs(params, fabric, wire)
+    cc = count_costs(params, fabric, wire, row_bytes)
     row_copy_us = time_us(row_bytes, params.copy_bw_GBps) + (
         blocks * params.rearm_ns_per_block * 1e-3 if eff_sync == "sp" and mode == "ubep" else 0)
     e_local = max(1, num_experts // P)
