@@ -12,6 +12,7 @@ import sys
 
 _COMMAND_MODULES = [
     "ubep.bench.cli",
+    "ubep.bench.results",
     "ubep.moe.cli",
     "ubep.plan.cli",
     "ubep.sim.cli",

@@ -1,0 +1,46 @@
+"""`ubep results` renders docs/results.md from two runs: figures are ratios of one run."""
+
+import numpy as np
+
+from ubep.bench.config import BenchConfig
+from ubep.bench.results import figures, render
+from ubep.bench.run import BenchResult, _collect, _summarise
+
+H = 7168
+
+
+def _result(scale: float, block: int) -> BenchResult:
+    """A run at batch 1 and 128 where every system's times are fixed multiples."""
+    cfg = BenchConfig(hiddens=(H,), batches=(1, 128), iters=3, block=block,
+                      systems=("shm-direct", "shm-ubep", "torch", "agrs"))
+    base = {"shm-direct": 30.0, "shm-ubep": 50.0, "torch": 900.0, "raw": 500.0,
+            "agrs": 1000.0, "bound": 10.0}
+    times = {}
+    for name, us in base.items():
+        for batch in (1, 128):
+            t = np.full((2, 3), us * scale * (1 if batch == 1 else 100) / 2)
+            t[:, 2] *= 2                                       # one slow iteration: p99
+            times[(name, H, batch)] = t
+    rank = {"times": times, "phases": {}, "unavailable": {}, "rtt_us": 0.0,
+            "bytes": {(H, 1): (1, 1), (H, 128): (1, 1)}}
+    res = BenchResult(config=cfg, machine={"time_utc": "now", "cpus_usable": 2,
+                                           "load_avg_1m": 0.1})
+    _collect(res, 2, [rank, rank])
+    _summarise(res)
+    return res
+
+
+def test_figures_are_ratios_of_one_run():
+    turns, inter = _result(1.0, 20), _result(2.0, 1)
+    lines = figures(turns, inter)
+    row = {line.split(" | ")[0].lstrip("| "): line for line in lines}
+    # torch / (raw + bound) = 900 / 510 in both runs, whatever the run's scale
+    assert row["torch / (raw collectives + copy bound), batch 1"].count("1.76×") == 2
+    assert "| 30.0 µs | 60.0 µs | yes |" in row["shm-direct dispatch+combine, batch 1, median"]
+    assert "| 50.0 µs | 100.0 µs | no |" in row[
+        "shm-ubep dispatch+combine, batch 1, median"]
+    assert row["agrs / shm-direct, batch 128"].count("33.33×") == 2
+    assert "| 3.00× | 3.00× | yes |" in row["shm-direct batch 1 / copy bound"]
+    md = render(turns, inter, command="ubep results")
+    assert "    ubep results" in md and "## Run 2: every iteration interleaved" in md
+    assert "| 1 | raw collectives |" in md and "× raw+copy" in md
