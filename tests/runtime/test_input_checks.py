@@ -12,12 +12,28 @@ CASE = Case(num_experts=4, hidden=16, top_k=2, tokens=(5, 3), dtype="fp32", rout
 
 
 def _grad_inputs(rank, world, kw):
+    import torch
+
     import ubep
 
     with ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, timeout_s=10.0,
                      **kw) as buf:
         x, idx, w = CASE.inputs(rank)
-        res = buf.dispatch(x.requires_grad_(), idx, w.requires_grad_())
+        x, w = x.requires_grad_(), w.requires_grad_()
+        if kw.get("direct"):
+            # direct=True cannot carry gradients (recv_x is a view the next dispatch
+            # overwrites): a named error before any communication, then usable as data
+            with pytest.raises(ValueError, match="direct=True"):
+                buf.dispatch(x, idx, w)
+            with torch.no_grad():
+                res = buf.dispatch(x, idx, w)
+                out = expert_fn(res.recv_x)
+                y = buf.combine(out, res.handle)
+            return {"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
+                    "tokens_per_expert": res.tokens_per_expert,
+                    "recv_src_rank": res.recv_src_rank, "recv_src_token": res.recv_src_token,
+                    "recv_src_slot": res.recv_src_slot, "y": y}
+        res = buf.dispatch(x, idx, w)
         out = expert_fn(res.recv_x).requires_grad_()
         y = buf.combine(out, res.handle)
         return {"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
