@@ -30,14 +30,14 @@ def _gather(t: torch.Tensor, world: int) -> list[torch.Tensor]:
     return out
 
 
-def _intranode(rank, world):
+def _intranode(rank, world, backend="torch"):
     from ubep.compat import deep_ep
     from ubep.quant import per_token_cast_back, per_token_cast_to_fp8
 
     torch.manual_seed(rank)
     num_tokens, num_topk, num_experts = 9, 3, 4 * world
     per_rank = num_experts // world
-    buffer = deep_ep.Buffer(None, int(1e9), 0)
+    buffer = deep_ep.Buffer(None, int(1e9), 0, backend=backend, max_tokens_per_rank=64)
     x = torch.ones(num_tokens, HIDDEN, dtype=torch.bfloat16) * rank
     x_pure_rand = torch.randn(num_tokens, HIDDEN, dtype=torch.bfloat16)
     x_e4m3 = per_token_cast_to_fp8(x)
@@ -161,12 +161,12 @@ def _intranode(rank, world):
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_intranode_checks_of_deep_ep(world):
-    assert run_ranks(_intranode, world, timeout_s=300) == [24] * world
+@pytest.mark.parametrize("world,backend", [(2, "torch"), (3, "torch"), (2, "shm")])
+def test_intranode_checks_of_deep_ep(world, backend):
+    assert run_ranks(_intranode, world, backend, timeout_s=300) == [24] * world
 
 
-def _low_latency(rank, world):
+def _low_latency(rank, world, backend="torch"):
     from ubep.compat import deep_ep
     from ubep.quant import per_token_cast_back
 
@@ -174,7 +174,7 @@ def _low_latency(rank, world):
     num_tokens, num_topk, num_experts = 6, 3, 4 * world
     num_local_experts = num_experts // world
     buffer = deep_ep.Buffer(None, 0, int(1e9), low_latency_mode=True,
-                            num_qps_per_rank=num_local_experts)
+                            num_qps_per_rank=num_local_experts, backend=backend)
     rank_offset = 128
     x = torch.ones(num_tokens, HIDDEN, dtype=torch.bfloat16) * (rank - rank_offset)
     x[:, -128:] = torch.arange(num_tokens).to(torch.bfloat16).view(-1, 1)
@@ -261,9 +261,9 @@ def _low_latency(rank, world):
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_low_latency_checks_of_deep_ep(world):
-    assert run_ranks(_low_latency, world, timeout_s=300) == [24] * world
+@pytest.mark.parametrize("world,backend", [(2, "torch"), (3, "torch"), (2, "shm")])
+def test_low_latency_checks_of_deep_ep(world, backend):
+    assert run_ranks(_low_latency, world, backend, timeout_s=300) == [24] * world
 
 
 def _misuse(rank, world):
