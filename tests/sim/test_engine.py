@@ -217,3 +217,14 @@ def test_one_worker_and_direct_paths(params, op, direct):
                                                  if k != "workers"}).latency_us == 0.0
     with pytest.raises(ValueError, match="direct=True needs mode='ubep'"):
         simulate("cm384", mode="bsp", direct=True, **SMALL)
+
+
+def test_ingress_bytes_and_floor_are_reported(params):
+    r = simulate("cm384", params=params, routing="hot", hot_experts=2, **SMALL)
+    src, dst = r.engine.extra["src"], r.engine.extra["dst"]
+    remote = src != dst
+    assert r.ingress_bytes.sum() == remote.sum() * r.engine.wire_bytes_per_row
+    assert r.ingress_bytes.max() > r.ingress_bytes.mean()          # the hot ranks
+    port_GBps = 392 * params.port_bw_scale
+    assert r.ingress_floor_us == pytest.approx(r.ingress_bytes.max() / (port_GBps * 1e3))
+    assert r.summary()["ingress_floor_us"] == pytest.approx(r.ingress_floor_us, abs=1e-3)

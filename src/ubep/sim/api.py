@@ -175,6 +175,14 @@ def execute(prep: Prepared, params: CostParams | None = None, *, exact: bool = F
                      num_experts=prep.num_experts, count_workers=prep.count_workers,
                      exact=exact, cache=cache, seed=c.seed, direct=c.direct)
     out.extra.update(src=table.src, dst=table.dst)
+    # what each rank's ingress port must take in, and the time that takes at best
+    remote = table.src != table.dst
+    ingress = np.bincount(table.dst[remote], minlength=fab.num_ranks) * out.wire_bytes_per_row
+    hops = np.unique(table.hop[remote])
+    port = float(fab.port_bw_GBps[hops].min()) if hops.size else float("inf")
+    out.extra.update(ingress_bytes=ingress,
+                     ingress_floor_us=ingress / (port * 1e3) if np.isfinite(port)
+                     else np.zeros(fab.num_ranks))
     P = fab.num_ranks
     payload = int(table.src.size) * row_bytes
     wire = int(table.src.size) * out.wire_bytes_per_row

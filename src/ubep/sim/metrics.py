@@ -49,6 +49,17 @@ class SimResult:
         """Alias of `phases_us`."""
         return self.phases_us
 
+    @property
+    def ingress_bytes(self) -> np.ndarray:
+        """`[P]` remote bytes each rank receives (wire bytes, sync overhead included)."""
+        return self.engine.extra["ingress_bytes"]
+
+    @property
+    def ingress_floor_us(self) -> float:
+        """The largest per-rank ingress divided by that rank's port bandwidth: no schedule
+        can finish the dispatch's sending sooner (a skewed routing raises it)."""
+        return float(np.max(self.engine.extra["ingress_floor_us"], initial=0.0))
+
     def worker_intervals(self, rank: int) -> list[Interval]:
         """Busy/wait intervals of every worker of `rank`, by worker then start time."""
         e = self.engine
@@ -98,4 +109,6 @@ class SimResult:
                 "latency_us": round(self.latency_us, 3),
                 "bandwidth_GBps": round(self.bandwidth_GBps, 3),
                 "payload_efficiency": round(self.payload_efficiency, 4),
+                "max_ingress_bytes": int(np.max(self.ingress_bytes, initial=0)),
+                "ingress_floor_us": round(self.ingress_floor_us, 3),
                 **{f"phase_{k}_us": round(v, 3) for k, v in self.phases_us.items()}}

@@ -267,16 +267,6 @@ def exp_fig8(short: bool, topo: str) -> Experiment:
 FIG9 = dict(ranks=64, experts=256, hot_experts=8, hot_weight=3.0)
 
 
-def ingress(r: SimResult, fabric_port_GBps: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per rank: remote bytes received on the wire, and the time its ingress port needs
-    for them (the floor no schedule can beat), us."""
-    e = r.engine
-    src, dst = e.extra["src"], e.extra["dst"]
-    rows = np.bincount(dst[src != dst], minlength=r.num_ranks)
-    nbytes = rows * e.wire_bytes_per_row
-    return nbytes, nbytes / (fabric_port_GBps * 1e3)
-
-
 def exp_fig9(short: bool, topo: str) -> Experiment:
     from ubep.sim.workload import hot_expert_ids
 
@@ -293,7 +283,7 @@ def exp_fig9(short: bool, topo: str) -> Experiment:
         r0 = res[("s", scheds[0])]
         fab = Fabric.of(Topology.preset(topo, ranks=R), calibrated(topo))
         port = float(fab.port_bw_GBps[1:].min())
-        nbytes, floor = ingress(r0, port)
+        nbytes, floor = r0.ingress_bytes, r0.engine.extra["ingress_floor_us"]
         hot = hot_expert_ids(E, H, seed=r0.config.seed)
         hot_ranks = sorted({int(x) // (E // R) for x in hot})
         for s in scheds:
