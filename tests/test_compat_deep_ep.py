@@ -277,7 +277,8 @@ def _misuse(rank, world):
                  lambda: buffer.combine(x, ("not", "a", "handle")),
                  lambda: buffer.low_latency_dispatch(x, idx, 4, 4, use_ue8m0=True),
                  lambda: buffer.low_latency_dispatch(x, idx, 2, 4),
-                 lambda: deep_ep.Buffer(None, comm=object())):
+                 lambda: deep_ep.Buffer(None, comm=object()),
+                 lambda: buffer.low_latency_dispatch(x.float().requires_grad_(), idx, 4, 4)):
         try:
             call()
         except ValueError as e:
@@ -288,9 +289,10 @@ def _misuse(rank, world):
 
 def test_misuse_is_named():
     for errors in run_ranks(_misuse, 2):
-        assert len(errors) == 5
+        assert len(errors) == 6
         assert "num_tokens_per_rank is required" in errors[0]
         assert "handle must be the handle" in errors[1]
         assert "use_ue8m0" in errors[2]
         assert "num_max_dispatch_tokens_per_rank=2" in errors[3]
         assert "comm=" in errors[4]
+        assert "does not carry gradients" in errors[5]

@@ -30,6 +30,10 @@ Gradients (for the ranks together; each formula is a collective every rank runs)
 A per-row float travels back to its slot as an unweighted combine of rows that hold it in
 column `slot` and zeros elsewhere: tokens sum their K rows, each slot lands in its own
 column, exactly (one non-zero term per column). That needs `hidden >= top_k`.
+
+Each operator is a collective, declared functional (no side effects in its schema): every
+rank compiles the same graph and so runs them in the same order, but a compiled graph may drop
+a dispatch whose results are never used; use them (as `EPMoE` does), or call it eagerly.
 """
 
 from __future__ import annotations

@@ -245,6 +245,7 @@ class Buffer:
         `(recv_x, None, None, None, None, event)`.
         """
         x, x_scales = x if isinstance(x, tuple) else (x, None)
+        _refuse_grad(x, x_scales, topk_weights)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle=) takes no topk_idx/topk_weights")
@@ -340,6 +341,7 @@ class Buffer:
         tensor or a pair) added to the result. Returns `(combined_x [T, H],
         combined_topk_weights [T, K] or None, event)`.
         """
+        _refuse_grad(x, topk_weights)
         state = _state(handle, _Dispatched)
         P, n = self.group_size, state.num_recv
         y = self._ubep(P, x.shape[1], P).combine(x[:n].contiguous(), state.rows_handle,
@@ -376,6 +378,7 @@ class Buffer:
         `handle[1]` `layout_range` (`begin << 32 | count` per source rank). `hook()` returns
         at once: the data has arrived when this returns.
         """
+        _refuse_grad(x)
         if use_ue8m0:
             raise ValueError("use_ue8m0=True (packed UE8M0 scales) is not supported by ubep: "
                              "use float32 scales (use_ue8m0=False)")
@@ -436,6 +439,7 @@ class Buffer:
         tensor from `get_next_low_latency_combine_buffer`); `topk_idx` must be the
         dispatch's. Returns `(combined_x [T, H] bf16 (into `out` if given), event, hook)`.
         """
+        _refuse_grad(x, topk_weights)
         state = _state(handle, _LowLatency)
         if not torch.equal(topk_idx, state.topk_idx):
             raise ValueError("low_latency_combine: topk_idx differs from the dispatch's")
@@ -459,6 +463,16 @@ class Buffer:
             out.copy_(y)
             y = out
         return y, EventOverlap(), _no_wait
+
+
+def _refuse_grad(*tensors) -> None:
+    """DeepEP's Buffer carries no gradients (frameworks wrap it); neither does this one, and
+    it says so instead of dropping them."""
+    if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise ValueError("ubep.compat.deep_ep does not carry gradients (as DeepEP's Buffer): "
+                         "call it under torch.no_grad() inside your autograd function, or use "
+                         "ubep.Buffer, whose dispatch and combine are differentiable")
 
 
 def _no_wait() -> None:
