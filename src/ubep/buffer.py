@@ -70,7 +70,9 @@ class Buffer:
             its final place at its destination: one copy per row instead of the paper's two
             (window, then place), and combine reads expert outputs where they lie. As in
             DeepEP's low-latency mode, `recv_x` is then a view of this Buffer's shared memory,
-            valid until its next dispatch, and only the latest dispatch can be combined; write
+            valid until its next dispatch, and only the latest dispatch can be combined (as
+            often as wanted: combine returns once every peer has read the rows it needed, so
+            the caller may then reuse `recv_x` and the combine buffer); write
             expert outputs into `get_combine_buffer(handle)` (or pass `recv_x` itself) and
             combine copies nothing. Rows carry a per-row flag word, so `sync` must be "tff"
             (the default) or "sw"; workers split the tokens evenly, in order (`schedule`

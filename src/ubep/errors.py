@@ -10,9 +10,14 @@ class PeerTimeoutError(UbepError, TimeoutError):
 
     def __init__(self, rank: int, phase: str, peers: list[int] | tuple[int, ...], timeout_s: float,
                  detail: str = ""):
-        self.rank, self.phase, self.peers, self.timeout_s = rank, phase, list(peers), timeout_s
-        msg = (f"rank {rank} timed out after {timeout_s:g}s in phase {phase!r} "
-               f"waiting for rank(s) {self.peers}")
+        # `peers` are the other ranks; waiting on this rank's own workers is said in words
+        own = rank in peers
+        self.rank, self.phase, self.timeout_s = rank, phase, timeout_s
+        self.peers = [p for p in peers if p != rank]
+        waiting = " and ".join(
+            ([f"rank(s) {self.peers}"] if self.peers or not own else []) +
+            (["this rank's own workers"] if own else []))
+        msg = f"rank {rank} timed out after {timeout_s:g}s in phase {phase!r} waiting for {waiting}"
         super().__init__(msg + (f": {detail}" if detail else ""))
 
 

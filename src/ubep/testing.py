@@ -63,7 +63,7 @@ def _context() -> mp.context.BaseContext:
     global _ctx
     if _ctx is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep", "ubep._preload"])
         _ctx = ctx
     return _ctx
 

@@ -17,7 +17,7 @@ def _grad_inputs(rank, world, kw):
     import ubep
 
     with ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, timeout_s=10.0,
-                     **kw) as buf:
+                     **kw) as buf, torch.no_grad():
         x, idx, w = CASE.inputs(rank)
         x, w = x.requires_grad_(), w.requires_grad_()
         if kw.get("direct"):
@@ -43,5 +43,31 @@ def _grad_inputs(rank, world, kw):
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_tensors_that_require_grad_are_moved_as_data_on_every_path(path):
+def test_tensors_that_require_grad_are_moved_as_data_under_no_grad_on_every_path(path):
+    # with grad enabled the call goes through ubep.ops (autograd); under no_grad the rows and
+    # weights are data: every path reads them (workers=2 and direct raised numpy's error)
     check_case(CASE, run_ranks(_grad_inputs, 2, PATHS[path], timeout_s=120))
+
+
+def test_a_timeout_names_only_other_ranks_as_peers():
+    from ubep.errors import PeerTimeoutError
+
+    e = PeerTimeoutError(0, "dispatch/rows", [0, 1], 2.0)
+    assert e.peers == [1] and "rank(s) [1]" in str(e) and "own workers" in str(e)
+    own = PeerTimeoutError(1, "dispatch/barrier", [1], 2.0)
+    assert own.peers == [] and "[1]" not in str(own) and "own workers" in str(own)
+    plain = PeerTimeoutError(1, "combine/rows", [0, 2], 2.0, "detail")
+    assert plain.peers == [0, 2] and "own workers" not in str(plain)
+    assert str(plain).endswith(": detail")
+
+
+@pytest.mark.parametrize("what,verb", [("dispatch", "dispatches"), ("combine", "combines")])
+def test_a_dtype_mismatch_says_what_the_rank_does(what, verb):
+    import numpy as np
+
+    from ubep.runtime.shm.protocol import ShmProtocolError, check_peers_meta
+
+    meta = np.array([[1, 0, 0], [1, 2, 0]], np.int64)       # rank 1 uses another dtype
+    with pytest.raises(ShmProtocolError) as e:
+        check_peers_meta(meta, 0, 0, what)
+    assert f"rank 0 {verb} " in str(e.value) and "same dtype" in str(e.value)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 
-from ubep.testing import run_ranks
+from ubep.testing import RankFailure, run_ranks
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
@@ -68,3 +72,108 @@ def test_constructor_waits_honour_timeout_s():
     rank, phase, peers, took = out[0]
     assert (rank, peers) == (0, [1]) and phase.startswith("Buffer()")
     assert took < 6.0            # the deadline, not the late rank's arrival, ended the wait
+
+
+# -- /dev/shm too small: an error on every rank, no SIGBUS ------------------------------------
+def _too_big(rank, world):
+    import ubep
+    from ubep.runtime.shm.segments import ShmCapacityError
+
+    try:
+        # ~2 x 8 MiB of windows per rank, /dev/shm is 8 MiB
+        ubep.Buffer(num_experts=4, hidden=1024, max_tokens_per_rank=512, max_top_k=4,
+                    backend="shm", workers=1).close()
+    except ShmCapacityError as e:
+        return str(e), e.needed, e.available
+    return "constructed"
+
+
+def test_a_dev_shm_too_small_for_the_buffer_is_an_error_on_every_rank():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs over /dev/shm in a mount namespace")
+    code = textwrap.dedent(f"""
+        import subprocess, os, sys
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", "/dev/shm"], check=True)
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_shm_bootstrap import _too_big
+        from ubep.testing import RankFailure, run_ranks
+        print(repr(run_ranks(_too_big, 2, timeout_s=120, return_exceptions=True)))
+        print(repr(os.listdir("/dev/shm")))
+        """)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(["unshare", "-m", sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode and "mount" in r.stderr and "Traceback" not in r.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    out, left = eval(lines[-2]), eval(lines[-1])     # noqa: S307 - our own repr
+    for res in out:
+        assert not isinstance(res, RankFailure), res   # an error, not a SIGBUS'd rank
+        msg, needed, available = res
+        assert "could not reserve" in msg and needed > available > 0
+        assert str(needed) in msg and str(available) in msg
+    assert left == []
+
+
+# -- ranks in different PID namespaces sharing /dev/shm ---------------------------------------
+_RANK = """
+import os, sys, time, torch, torch.distributed as dist
+from datetime import timedelta
+import ubep
+from ubep.testing import make_routing, make_tokens
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=60))
+buf = ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, backend="shm",
+                  workers={workers}, timeout_s=20.0)
+for i in range(20):
+    idx, w = make_routing(6, 2, 4, seed=i * 10 + rank)
+    res = buf.dispatch(make_tokens(rank, 6, 16, torch.float32, seed=i), idx, w)
+    buf.combine(res.recv_x, res.handle)
+print("CALLS", rank, os.getpid(), flush=True)
+dist.barrier()
+if rank == 1:
+    os._exit(0)                      # gone without a word: the peer must notice, by lock
+t0 = time.monotonic()
+try:
+    idx, w = make_routing(6, 2, 4, seed=99)
+    buf.dispatch(make_tokens(rank, 6, 16, torch.float32), idx, w)
+    print("NOERROR", flush=True)
+except ubep.PeerDiedError as e:
+    print("DIED", e.peers, round(time.monotonic() - t0, 3), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ranks_in_different_pid_namespaces_work_and_see_a_peer_die(workers):
+    if os.geteuid() != 0:
+        pytest.skip("needs root for unshare")
+    probe = subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr!r}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = _RANK.format(port=port, workers=workers)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               UBEP_JOB_ID=f"pidns{os.getpid()}", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code, "0"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+             subprocess.Popen(["unshare", "-p", "-f", "--mount-proc", "--kill-child",
+                               sys.executable, "-c", code, "1"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    (out0, err0), (out1, err1) = outs
+    assert "CALLS 1 1" in out1, err1        # rank 1 is pid 1 of its own namespace
+    assert "CALLS 0" in out0, err0
+    last = out0.strip().splitlines()[-1]
+    assert last.startswith("DIED [1]"), out0 + err0
+    assert _job_entries(f"pidns{os.getpid()}") == []

@@ -61,3 +61,34 @@ def test_an_interrupt_mid_dispatch_breaks_the_buffer(path):
     assert not isinstance(peer, RankFailure) or peer.kind != "timeout", peer
     if peer != "peer completed":
         assert peer[1] == [0], peer        # the peer blames the interrupted rank
+
+
+def _sentinel_abort(rank, world, workers):
+    import ubep
+    from ubep.plan.blocks import SENTINEL
+
+    with ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, backend="shm",
+                     sync="sp", block_bytes=32, workers=workers, timeout_s=5.0) as buf:
+        x, idx, w = _inputs(rank)
+        if rank == 0:       # record = 16 B header + row: row bytes 8..15 are a marker word
+            idx[3] = torch.tensor([0, 2])
+            x.view(torch.uint8).reshape(6, -1)[3, 8:16] = torch.tensor(
+                list(SENTINEL.to_bytes(8, "little")), dtype=torch.uint8)
+        try:
+            buf.dispatch(x, idx, w)
+            first = "no error"
+        except (ValueError, ubep.UbepError) as e:
+            first = type(e).__name__
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(*_inputs(rank, 1))
+            return first, "reused", time.monotonic() - t0
+        except ubep.BrokenBufferError:
+            return first, "broken", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_sp_sentinel_abort_breaks_the_buffer_on_every_rank(workers):
+    out = run_ranks(_sentinel_abort, 2, workers, timeout_s=120)
+    assert out[0][:2] == ("SentinelAbort", "broken") and out[0][2] < 0.5
+    assert out[1][:2] == ("ShmProtocolError", "broken") and out[1][2] < 0.5

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from numba import njit
 
 from ubep.plan.blocks import SENTINEL, BlockFormat, sentinel_refusal
 from ubep.plan.fastplan import STATIC, count_experts, map_worker
@@ -47,7 +48,10 @@ def test_blocks_hold_the_record_and_efficiency_is_bounded(sync, block, record):
     f = BlockFormat(sync, block)
     n = f.num_blocks(record)
     assert (n - 1) * f.payload_per_block < record <= n * f.payload_per_block
-    assert 0 < f.efficiency(record) <= (block - 8) / block if sync == "tff" else 1.0
+    eff = f.efficiency(record)
+    bound = (block - 8) / block if sync == "tff" else 1.0   # tff: a flag word per block
+    assert 0 < eff <= bound
+    assert eff == record / (n * block)
     assert all(p % 8 == 0 and p < n * block for p in f.marker_positions(record))
 
 
@@ -112,8 +116,17 @@ def test_fetch_add_counts_every_arrival_from_threads():
     assert word[0] == 4000
 
 
-def test_intrinsics_are_exported():
-    assert callable(load_acquire) and callable(store_release) and callable(fetch_add)
+@njit
+def _store_add_load(addr):
+    store_release(addr, 41)
+    old = fetch_add(addr, 1)
+    return old, load_acquire(addr)
+
+
+def test_intrinsics_store_add_and_load_a_word():
+    word = np.zeros(2, np.int64)
+    assert _store_add_load(word.ctypes.data + 8) == (41, 42)
+    assert word.tolist() == [0, 42]          # that word, and only that word
 
 
 # -- records through a local region --------------------------------------------------------------
@@ -141,7 +154,7 @@ def test_dispatch_round_trip_through_one_rank_region(sync, block):
         send_counts(bases, lay, 0, epoch, counts, 1, 0, 0, 0, 1)
         cs = np.zeros(1, np.int64)
         send_rows(bases, lay, 0, epoch, x, idx, w, sends, pos, counts, cs)
-        write_batch_flags(bases, lay, 0, 0, epoch, 0, cs, 0)
+        write_batch_flags(bases, lay, 0, 0, epoch, 0, cs)
         rc = np.zeros((1, 2), np.int64)
         meta = np.zeros((1, 3), np.int64)
         got = np.zeros(1, np.int8)
@@ -178,7 +191,7 @@ def test_dc_detects_a_changed_marker_word():
     send_counts(bases, lay, 0, 1, counts, 1, 0, 0, 0, 1)
     cs = np.zeros(1, np.int64)
     send_rows(bases, lay, 0, 1, x, idx, w, sends, pos, counts, cs)
-    write_batch_flags(bases, lay, 0, 0, 1, 0, cs, 0)
+    write_batch_flags(bases, lay, 0, 0, 1, 0, cs)
     # corrupt the first row's marker word (last 8 bytes of its first block), epoch 1 = parity 1
     marker = int(lay[L_DWIN_OFF] + lay[L_DROWS] * lay[L_DSTRIDE]) + 64 - 8
     mem_view = np.frombuffer(mem, np.uint8)
@@ -216,8 +229,20 @@ def test_copy_kernels_do_not_call_memcpy():
 
 
 
-def test_record_header_size_is_what_dispatch_sends():
-    assert META_BYTES == 16
+def test_a_dispatch_record_is_a_meta_bytes_header_then_the_row():
+    mem, lay, base, bases = _region("tff", 512)
+    idx = np.array([[-1, 1]], np.int64)
+    w = np.array([[0.5, 0.75]], np.float32)
+    x = (np.arange(26, dtype=np.uint8) + 100)[None, :]
+    sends, pos, counts = _plan_one_worker(idx, 2)
+    send_counts(bases, lay, 0, 1, counts, 1, 0, 0, 0, 1)
+    send_rows(bases, lay, 0, 1, x, idx, w, sends, pos, counts, np.zeros(1, np.int64))
+    at = mem.tobytes().find(x[0].tobytes())
+    assert at >= META_BYTES
+    header = mem[at - META_BYTES:at]
+    token, slot = header[:8].view(np.int32).tolist()
+    assert (token, slot) == (0, 1) and header[8:12].view(np.float32)[0] == np.float32(0.75)
+    del mem
 
 
 def test_combine_cast_matches_torch_outside_nan_payloads():

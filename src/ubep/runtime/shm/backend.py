@@ -21,19 +21,19 @@ import weakref
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
 from ubep.plan import Topology, WorkerMapper
 from ubep.plan.blocks import BlockFormat, sentinel_refusal
+from ubep.runtime import bootstrap
 from ubep.runtime.shm import segments
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.direct import DirectPath
 from ubep.runtime.shm.kernels.sentinel import arm_sentinels
 from ubep.runtime.shm.kernels.warmup import warm_up, warm_up_direct
 from ubep.runtime.shm.pool import PoolPath
-from ubep.runtime.shm.protocol import ShmProtocolError
+from ubep.runtime.shm.protocol import SentinelAbort, ShmProtocolError
 from ubep.runtime.shm.region import D_END, L_SIZE, direct_layout, region_layout
 from ubep.runtime.shm.single import SinglePath
 from ubep.runtime.shm.waits import now_us
@@ -62,7 +62,6 @@ class _Resources:
         self.views: list = []
         self.pool: WorkerPool | None = None
         self.peer_names: list[str] = []
-        self.peer_pids: list[int] = []
 
     def release(self) -> None:
         if self.pool is not None:
@@ -71,9 +70,9 @@ class _Resources:
         if self.own_name is not None and not self.own_unlinked:
             segments.unlink_name(self.own_name)
             self.own_unlinked = True
-        for name, pid in zip(self.peer_names, self.peer_pids):  # what dead peers left
-            if pid != os.getpid() and not segments.pid_alive(pid):
-                segments.unlink_name(name)
+        for shm in self.peers:          # what dead peers left (a name is never reused)
+            if not shm.owner_alive():
+                segments.unlink_name(shm.name)
         self.views.clear()
         for shm in [*self.peers, self.own]:
             if shm is not None:
@@ -82,6 +81,24 @@ class _Resources:
                 except (BufferError, OSError):
                     pass
         self.peers, self.own = [], None
+
+
+def _raise_if_any_failed(names: list, size: int, world: int) -> None:
+    """The same error on every rank if any rank could not create its segment."""
+    failed = {r: f for r, (_, f) in enumerate(names) if f is not None}
+    if not failed:
+        return
+    if all(f[0] == "ShmCapacityError" for f in failed.values()):
+        free = min(f[2] for f in failed.values())
+        raise segments.ShmCapacityError(
+            f"rank(s) {sorted(failed)} could not reserve shared memory: this Buffer needs "
+            f"{size} bytes per rank, {world * size} bytes in {segments.SHM_DIR} for {world} "
+            f"ranks, and {free} bytes were free. Make {segments.SHM_DIR} larger (docker: "
+            f"--shm-size) or lower max_tokens_per_rank, hidden or max_top_k",
+            needed=world * size, available=free)
+    detail = "; ".join(f"rank {r}: {f[1]}" for r, f in sorted(failed.items()))
+    raise segments.ShmError(f"rank(s) {sorted(failed)} could not create their shared-memory "
+                            f"segment: {detail}")
 
 
 class ShmBackend:
@@ -96,6 +113,8 @@ class ShmBackend:
         self.fmt = BlockFormat(c.sync, c.block_bytes)
         self.workers = c.workers or default_workers(c.world_size)
         self._closed = False
+        #: False once a call failed after its peers were told (see `Buffer._run`)
+        self.in_step = True
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
         try:
@@ -117,24 +136,32 @@ class ShmBackend:
 
     # -- bootstrap ---------------------------------------------------------------------------
     def _bootstrap(self, group) -> ShmContext:
-        """Create my region, map every peer's, compile the kernels; all ranks in step."""
+        """Create my region, map every peer's, compile the kernels; all ranks in step.
+
+        Every exchange waits at most `timeout_s`; a rank that cannot reserve its region makes
+        every rank raise the same `ShmCapacityError` before any data moves.
+        """
         c, res = self.config, self._res
-        mine = (socket.gethostname(), os.getpid(), self.workers,
-                os.environ.get("UBEP_JOB_ID", ""), c.direct)
-        infos: list = [None] * self.world
-        dist.all_gather_object(infos, mine, group=group)
+
+        def exchange(obj, phase: str) -> list:
+            return bootstrap.exchange(obj, group, rank=self.rank, world=self.world,
+                                      timeout_s=c.timeout_s, phase=f"Buffer()/{phase}")
+
+        # compile first: local work, outside the window in which our names exist
+        warm_up(lambda: region_layout(world=1, experts_per_rank=c.experts_per_rank,
+                                      max_workers=1, hidden=2, max_tokens=1, max_top_k=1,
+                                      fmt=self.fmt), self.workers > 1)
+        if c.direct:
+            warm_up_direct()
+        infos = exchange((socket.gethostname(), self.workers,
+                          os.environ.get("UBEP_JOB_ID", "")), "hosts")
         hosts = sorted({i[0] for i in infos})
-        if len({bool(i[4]) for i in infos}) > 1:
-            raise ValueError("direct= differs between ranks: every rank of the group must "
-                             "create its Buffer with the same direct= option")
         if len(hosts) > 1:
             raise ValueError(
                 f"backend='shm' needs every rank on one host, but the group spans {hosts}; "
                 f"use backend='torch' across hosts")
-        pids = [int(i[1]) for i in infos]
-        self.pids = res.peer_pids = pids
-        max_workers = max(int(i[2]) for i in infos)
-        job = infos[0][3] or f"{pids[0]}"
+        max_workers = max(int(i[1]) for i in infos)
+        job = infos[0][2] or "job"
         lay = region_layout(   # direct: the windows are not used, keep them minimal
             world=self.world, experts_per_rank=c.experts_per_rank, max_workers=max_workers,
             hidden=1 if c.direct else c.hidden, max_tokens=1 if c.direct else
@@ -146,16 +173,22 @@ class ShmBackend:
         size = int(dlay[D_END]) if c.direct else int(lay[L_SIZE])
         segments.sweep_stale()
         name = segments.segment_name(job, self.buffer_id, self.rank)
-        res.own = segments.create(name, size)
-        res.own_name = name
-        names: list = [None] * self.world
-        dist.all_gather_object(names, name, group=group)
-        res.peer_names = list(names)
+        failure = None
+        try:
+            res.own = segments.create(name, size)      # memory reserved: no SIGBUS later
+            res.own_name = name
+        except segments.ShmError as e:
+            failure = (type(e).__name__, str(e), getattr(e, "available", 0))
+        names = exchange((name, failure), "segments")
+        _raise_if_any_failed(names, size, self.world)
+        res.peer_names = [n for n, _ in names]
         bases = np.zeros(self.world, np.int64)
-        for r, n in enumerate(names):
+        segs = []
+        for r, (n, _) in enumerate(names):
             shm = res.own if r == self.rank else segments.attach(n)
             if r != self.rank:
                 res.peers.append(shm)
+            segs.append(shm)
             view = np.frombuffer(shm.buf, np.uint8)
             if view.size < size:
                 raise RuntimeError(f"segment {n} of rank {r} is smaller than the layout")
@@ -164,19 +197,13 @@ class ShmBackend:
         base = int(bases[self.rank])
         if self.fmt.sync == "sp":
             arm_sentinels(base, lay)
-        warm_up(lambda: region_layout(world=1, experts_per_rank=c.experts_per_rank,
-                                      max_workers=1, hidden=2, max_tokens=1, max_top_k=1,
-                                      fmt=self.fmt), self.workers > 1)
-        if c.direct:
-            warm_up_direct()
-        ok: list = [None] * self.world
-        dist.all_gather_object(ok, True, group=group)   # everyone mapped (and armed)
-        segments.unlink_name(name)                       # memory lives while mapped
+        exchange(True, "attach")                          # everyone mapped (and armed)
+        segments.unlink_name(name)                        # memory lives while mapped
         res.own_unlinked = True
         if self.workers > 1:
             res.pool = WorkerPool(self.workers, name=f"ubep-r{self.rank}-b{self.buffer_id}")
         return ShmContext(config=c, buffer_id=self.buffer_id, rank=self.rank, world=self.world,
-                          fmt=self.fmt, workers=self.workers, pids=pids, bases=bases,
+                          fmt=self.fmt, workers=self.workers, segs=segs, bases=bases,
                           base=base, lay=lay, dlay=dlay, region=res.views[self.rank],
                           pool=res.pool)
 
@@ -193,7 +220,7 @@ class ShmBackend:
             why = sentinel_refusal(str(x.dtype))
             if why:
                 raise ValueError(why)
-        return self._path.dispatch(x, topk_idx, topk_weights, call, t0)
+        return self._in_step(self._path.dispatch, x, topk_idx, topk_weights, call, t0)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
                 weighted: bool) -> CombineResult:
@@ -203,7 +230,16 @@ class ShmBackend:
             why = sentinel_refusal(str(expert_out.dtype))
             if why:
                 raise ValueError(why)
-        return self._path.combine(expert_out, handle, weighted, t0)
+        return self._in_step(self._path.combine, expert_out, handle, weighted, t0)
+
+    def _in_step(self, fn, *args):
+        """Run a path's call; `in_step` False after an error raised once peers were involved
+        (`Buffer` then refuses further use even for a ValueError, e.g. the sp sentinel's)."""
+        try:
+            return fn(*args)
+        except SentinelAbort:
+            self.in_step = False
+            raise
 
     def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
         """direct=True: the `[N, hidden]` view combine reads in place (see DirectPath)."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from ubep.options import BufferConfig
 from ubep.plan.blocks import BlockFormat
+from ubep.runtime.shm.segments import Segment
 from ubep.runtime.shm.waits import wait
 from ubep.runtime.shm.workers import WorkerPool
 
@@ -23,14 +24,13 @@ class ShmContext:
         buffer_id, rank, world: which Buffer, which rank of how many.
         fmt: the block format of `config.sync`.
         workers: threads of this rank that run a call (1: the calling thread only).
-        pids: each rank's process id (liveness checks while waiting).
+        segs: every rank's mapped segment (`owner_alive()`: liveness checks while waiting).
         bases: `[world]` int64, the address of every rank's region in this process.
         base: `bases[rank]`.
         lay: the `region.L_*` layout (identical on every rank).
         dlay: the `region.D_*` layout of the direct areas, or None without `direct=True`.
         region: my region as `[size]` uint8.
         pool: the worker threads (`workers` > 1), else None.
-        dc_corrupt: tests only: added to every dc checksum sent (a corrupted batch).
     """
 
     config: BufferConfig
@@ -39,14 +39,13 @@ class ShmContext:
     world: int
     fmt: BlockFormat
     workers: int
-    pids: list[int]
+    segs: list[Segment]
     bases: np.ndarray
     base: int
     lay: np.ndarray
     dlay: np.ndarray | None
     region: np.ndarray
     pool: WorkerPool | None
-    dc_corrupt: int = 0
 
     def deadline(self) -> float:
         """The `time.monotonic()` deadline of a call that starts now."""
@@ -56,6 +55,6 @@ class ShmContext:
              detail_of: Callable[[], str] | None = None, *, deadline: float,
              failed: Callable[[], bool] | None = None) -> None:
         """`waits.wait` for this rank (see there)."""
-        wait(poll, rank=self.rank, pids=self.pids, phase=phase, deadline=deadline,
+        wait(poll, rank=self.rank, segs=self.segs, phase=phase, deadline=deadline,
              timeout_s=self.config.timeout_s, peers_of=peers_of, detail_of=detail_of,
              failed=failed)

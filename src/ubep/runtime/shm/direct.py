@@ -9,7 +9,10 @@ dispatch: publish my per-expert counts -> read every rank's (the only wait befor
     meta word {token, slot, weight, epoch} -> wait for my N rows' meta words.
 combine:  publish where my expert outputs lie (in place if `expert_out` is `recv_x` or the
     tensor of `get_combine_buffer`, else after one local copy) -> sum each of my tokens by
-    reading its rows where they lie, as soon as their ranks have published.
+    reading its rows where they lie, as soon as their ranks have published -> tell every rank
+    I am done reading (a done word in each region) -> wait until every rank is done reading
+    mine. So once combine returns, `recv_x` and the combine buffer are the caller's again
+    (peers read them no more), and combining the latest dispatch again is a fresh round.
 
 So dispatch copies each row once and combine reads it once. The price: `recv_x` is a view of
 this Buffer's shared memory, valid until its next dispatch (as DeepEP's low-latency mode),
@@ -40,8 +43,16 @@ from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
 from ubep.runtime.shm.kernels import direct as DK
+from ubep.runtime.shm.kernels.local import poll_words_at_least, publish
 from ubep.runtime.shm.protocol import DTYPE_CODES, ShmProtocolError
-from ubep.runtime.shm.region import D_AREA, D_COMB_OFF, D_MAXR, D_META_OFF, D_RECV_OFF
+from ubep.runtime.shm.region import (
+    D_AREA,
+    D_COMB_OFF,
+    D_DONE_OFF,
+    D_MAXR,
+    D_META_OFF,
+    D_RECV_OFF,
+)
 from ubep.runtime.shm.waits import now_us as _now_us
 from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES
@@ -80,6 +91,8 @@ class DirectPath:
         self._got = np.zeros(w, np.int8)
         area = int(dlay[D_AREA])
         self._meta = region[int(dlay[D_META_OFF]):][:16 * self.max_recv].view(np.int64)
+        self._done_off = int(dlay[D_DONE_OFF])
+        self._done = region[self._done_off:][:8 * w].view(np.int64)
         self._recv_addr = backend.base + int(dlay[D_RECV_OFF])
         self._comb_addr = backend.base + int(dlay[D_COMB_OFF])
         self._areas = {"recv": torch.from_numpy(region[int(dlay[D_RECV_OFF]):][:area]),
@@ -275,6 +288,7 @@ class DirectPath:
             t1 = _now_us()
             ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
                                      y, out16, deadline)
+        self._done_reading(epoch, deadline)
         if dtype == torch.bfloat16:
             out = torch.from_numpy(out16).view(torch.bfloat16)
         elif dtype == torch.float32:
@@ -284,6 +298,18 @@ class DirectPath:
         t2 = _now_us()
         stats = DeferredStats.of(self._combine_stats, (t0, t1, t2), ivs, copied, idx, rb, epoch)
         return new_combine_result(out, stats)
+
+    def _done_reading(self, epoch: int, deadline: float) -> None:
+        """Tell every rank I read all I needed of combine `epoch`; wait until every rank has
+        read all it needed of mine (my expert outputs are then the caller's again)."""
+        b = self.ctx
+        mine = self._done_off + 8 * b.rank
+        for r in range(b.world):
+            publish(int(b.bases[r]) + mine, epoch)
+        first = b.base + self._done_off
+        b.wait(lambda s: poll_words_at_least(first, b.world, epoch, s), "combine/done",
+               lambda: [r for r in range(b.world) if int(self._done[r]) < epoch],
+               deadline=deadline)
 
     def _reduce(self, b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
                 lo, hi, deadline) -> None:

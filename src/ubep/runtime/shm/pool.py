@@ -286,7 +286,7 @@ class PoolPath:
             if ctx.fmt.sync in ("sw", "dc"):
                 for tj in range(cl.n_tw):
                     KS.write_batch_flags(ctx.bases, ctx.lay, 0, ctx.rank, cl.epoch, tj,
-                                         cl.cs[tj], ctx.dc_corrupt)
+                                         cl.cs[tj])
             KS.send_counts(ctx.bases, ctx.lay, ctx.rank, cl.epoch, counts, cl.n_tw, cl.elem,
                            STATUS_OK, 0, world)
             cl.record(0, "send_flags", a)
@@ -311,8 +311,7 @@ class PoolPath:
         KD.send_rows(ctx.bases, ctx.lay, ctx.rank, cl.epoch, cl.xb, cl.idx, cl.w, sends, pos,
                      counts, cs)
         if flags and ctx.fmt.sync in ("sw", "dc"):
-            KS.write_batch_flags(ctx.bases, ctx.lay, 0, ctx.rank, cl.epoch, tj, cs,
-                                 ctx.dc_corrupt)
+            KS.write_batch_flags(ctx.bases, ctx.lay, 0, ctx.rank, cl.epoch, tj, cs)
         cl.record(j, "send_rows", a)
 
     def _poll_counts(self, cl: DispatchCall, j: int, lo: int, hi: int) -> None:
@@ -410,8 +409,7 @@ class PoolPath:
             KC.send_back_list(ctx.bases, ctx.lay, cl.epoch, cl.rows, ints[0], ints[1], ints[2],
                               items, cs)
         if flags and ctx.fmt.sync in ("sw", "dc"):
-            KS.write_batch_flags(ctx.bases, ctx.lay, 1, ctx.rank, cl.epoch, tj, cs,
-                                 ctx.dc_corrupt)
+            KS.write_batch_flags(ctx.bases, ctx.lay, 1, ctx.rank, cl.epoch, tj, cs)
         cl.record(j, "send_rows", a)
 
     def _c_hello(self, cl: CombineCall, j: int, lo: int, hi: int) -> None:
@@ -484,7 +482,7 @@ class PoolPath:
             if ctx.fmt.sync in ("sw", "dc"):
                 for tj in range(cl.n):
                     KS.write_batch_flags(ctx.bases, ctx.lay, 1, ctx.rank, cl.epoch, tj,
-                                         cl.cs[tj], ctx.dc_corrupt)
+                                         cl.cs[tj])
             self._c_hello(cl, 0, 0, ctx.world)
             a = now_us()                                # Flag verification
             hello = np.full((ctx.world, 3), -1, np.int64)

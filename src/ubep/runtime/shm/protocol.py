@@ -22,6 +22,9 @@ class ShmProtocolError(UbepError):
     """Peers disagree about a call (dtype), or a peer aborted it (bad input on that rank)."""
 
 
+_VERBS = {"dispatch": "dispatches", "combine": "combines"}
+
+
 def check_peers_meta(meta: np.ndarray, elem: int, rank: int, what: str, lo: int = 0,
                      hi: int | None = None) -> None:
     """Raise `ShmProtocolError` if a peer of [lo, hi) aborted or uses another dtype than
@@ -38,13 +41,18 @@ def check_peers_meta(meta: np.ndarray, elem: int, rank: int, what: str, lo: int 
     if wrong:
         names = {s: str(MOVABLE_DTYPES[int(meta[s, 1])]) for s in wrong}
         raise ShmProtocolError(
-            f"rank {rank} {what}s {MOVABLE_DTYPES[elem]} rows but rank(s) {names} "
-            f"use another dtype; every rank must pass the same dtype")
+            f"rank {rank} {_VERBS.get(what, what)} {MOVABLE_DTYPES[elem]} rows but rank(s) "
+            f"{names} use another dtype; every rank must pass the same dtype")
 
 
-def sentinel_error(what: str, row: int) -> ValueError:
+class SentinelAbort(ValueError):
+    """sp: a row holds the sentinel. Raised after the peers were told to abort the call, so
+    this rank is out of step with them (the Buffer is broken) although the cause is input."""
+
+
+def sentinel_error(what: str, row: int) -> SentinelAbort:
     """sp: row `row` of argument `what` holds the sentinel and cannot be sent."""
-    return ValueError(
+    return SentinelAbort(
         f"{what} row {row} holds the sp sentinel pattern 0xFFF7FFF7FFF7FFF7 at a block "
         f"marker position; sync='sp' cannot send it (the receiver would wait forever): "
         f"use sync='tff'")

@@ -87,14 +87,17 @@ def region_layout(*, world: int, experts_per_rank: int, max_workers: int, hidden
 #     recv    [MAXR] rows      received rows, expert-major, packed at hidden x itemsize:
 #                              `recv_x` is a view of it
 #     comb    [MAXR] rows      expert outputs copied here (or written here by the user)
+#     done    [world] int64    combine: rank s stores its combine epoch into word s of every
+#                              rank once it has read all it needs: an owner's combine returns
+#                              only when every peer is done reading its expert outputs
 #
 # Counts exist twice (epoch parity); the rest once: nobody writes rows, metas or a ready word
 # of call e+1 before every rank has published its counts of e+1, which it does only after
 # finishing call e's combine (see `direct.py`).
 
 (D_COUNTS_OFF, D_CW, D_READY_OFF, D_META_OFF, D_RECV_OFF, D_COMB_OFF, D_MAXR, D_AREA,
- D_END) = range(9)
-D_LEN = 9
+ D_END, D_DONE_OFF) = range(10)
+D_LEN = 10
 #: words of a direct count slot after the E counts
 DC_ELEM, DC_TOKENS, DC_STATUS = 0, 1, 2
 #: words of the ready slot
@@ -119,6 +122,9 @@ def direct_layout(*, start: int, world: int, num_experts: int, hidden: int, max_
     off += area
     comb_off = off
     off += area
+    done_off = off
+    off += _align(world * 8, 64)
     lay = np.zeros(D_LEN, dtype=np.int64)
-    lay[:] = [counts_off, cw, ready_off, meta_off, recv_off, comb_off, max_recv, area, off]
+    lay[:] = [counts_off, cw, ready_off, meta_off, recv_off, comb_off, max_recv, area, off,
+              done_off]
     return lay

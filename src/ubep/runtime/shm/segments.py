@@ -67,23 +67,6 @@ def shm_total_bytes(shm_dir: str = SHM_DIR) -> int:
     return st.f_blocks * st.f_frsize
 
 
-def pid_alive(pid: int) -> bool:
-    """True if a process with `pid` exists in this PID namespace (kept for callers not yet
-    moved to `Segment.owner_alive`; a pid says nothing about ranks in other namespaces)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            st = f.read()
-        return st[st.rindex(b")") + 2:][:1] not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
-
-
 def segment_name(job: str, buffer_id: int, rank: int) -> str:
     """A fresh, unpredictable name for rank `rank`'s segment of Buffer `buffer_id` of `job`."""
     safe = re.sub(r"[^A-Za-z0-9]", "", str(job))[:40] or "job"

@@ -83,7 +83,7 @@ class SinglePath:
         missing = KS.dispatch_begin_at(ctx.bases, lay, ctx.rank, epoch, x.data_ptr(),
                                        num_tokens, rb, idx_addr, top_k, w_addr, m.rank_of_expert,
                                        m.hop_of_rank, m.kind, m.num_hop_classes, elem,
-                                       ctx.dc_corrupt, self._cs, self._bsp, rc, meta, got,
+                                       self._cs, self._bsp, rc, meta, got,
                                        out_start, tpe, batch, res)
         if missing:
             t1 = now_us()
@@ -136,7 +136,7 @@ class SinglePath:
             out = torch.empty(num_tokens, hidden, dtype=dtype)
             y_addr = out.data_ptr()
         bad = KS.combine_begin_at(ctx.bases, lay, ctx.rank, epoch, expert_out.data_ptr(),
-                                  n_recv, rb, ints, elem, ctx.dc_corrupt, self._cs, self._bsp,
+                                  n_recv, rb, ints, elem, self._cs, self._bsp,
                                   hello, got, batch, y_addr, num_tokens, hidden)
         if bad < 0:
             raise sentinel_error("expert_out", -bad - 1)

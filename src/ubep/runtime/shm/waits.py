@@ -2,7 +2,9 @@
 
 Every wait of the shm runtime goes through `wait`: it has a deadline (`PeerTimeoutError`
 names the waiting rank, the phase and the peers still missing), checks that the peers are
-alive (`PeerDiedError`), and stops early when another worker of the same call failed.
+alive (`PeerDiedError`, by the lock every rank holds on its own segment: no process ids,
+so ranks in different PID namespaces work), and stops early when another worker of the same
+call failed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def now_us() -> float:
     return time.perf_counter_ns() / 1e3
 
 
-def wait(poll: Callable[[int], int], *, rank: int, pids: Sequence[int], phase: str,
+def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segment], phase: str,
          deadline: float, timeout_s: float, peers_of: Callable[[], list[int]],
          detail_of: Callable[[], str] | None = None,
          failed: Callable[[], bool] | None = None) -> None:
@@ -63,7 +65,7 @@ def wait(poll: Callable[[int], int], *, rank: int, pids: Sequence[int], phase: s
         now = time.monotonic()
         if now >= next_live:
             next_live = now + LIVENESS_EVERY_S
-            dead = [r for r, pid in enumerate(pids) if r != rank and not segments.pid_alive(pid)]
+            dead = [r for r, seg in enumerate(segs) if not seg.owner_alive()]
             if dead:
                 raise PeerDiedError(rank, phase, dead)
         if now > deadline:

@@ -23,6 +23,21 @@ def poll_at_least(addr, target, spins):
 
 
 @jit
+def poll_words_at_least(addr, n, target, spins):
+    """Spin until each of the `n` int64 words at `addr` reaches `target`; how many have not."""
+    left = n
+    for _ in range(max(spins, 1)):
+        left = 0
+        for i in range(n):
+            if load_acquire(addr + 8 * i) < target:
+                left += 1
+        if left == 0:
+            return 0
+        cpu_pause()
+    return left
+
+
+@jit
 def publish(addr, value):
     store_release(addr, value)
 

@@ -30,7 +30,7 @@ from ubep.runtime.shm.region import L_BB, L_EL, L_FMT, L_WORLD
 # -- one worker: a call's sending side in one kernel ----------------------------------------------
 @jit
 def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, rank_of_expert, hop_of_rank,
-                         kind, num_hop_classes, elem, corrupt, cs, bsp):
+                         kind, num_hop_classes, elem, cs, bsp):
     """Plan, counts, rows and batch flags of a one-worker dispatch in one call.
 
     ubep order: counts first, then rows (+ sw/dc batch flags); bsp order: rows, flags, then
@@ -54,15 +54,15 @@ def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, rank_of_expert,
         cs[d] = 0
     send_rows(bases, lay, me, epoch, x, idx, weights, sends, pos, counts, cs)
     if fmt == FMT_SW or fmt == FMT_DC:
-        write_batch_flags(bases, lay, 0, me, epoch, 0, cs, corrupt)
+        write_batch_flags(bases, lay, 0, me, epoch, 0, cs)
     if bsp:
         send_counts(bases, lay, me, epoch, counts, 1, elem, 0, 0, world)
     return sends.shape[0]
 
 
 @jit
-def combine_send_single(bases, lay, me, epoch, rows, src_rank, src_tok, src_slot, elem, corrupt,
-                        cs, bsp):
+def combine_send_single(bases, lay, me, epoch, rows, src_rank, src_tok, src_slot, elem, cs,
+                        bsp):
     """Hello, rows back and batch flags of a one-worker combine (bsp: hello last).
 
     sp: a row holding the sentinel sends an abort hello and returns -(row + 1); else 0.
@@ -80,7 +80,7 @@ def combine_send_single(bases, lay, me, epoch, rows, src_rank, src_tok, src_slot
         cs[d] = 0
     send_back(bases, lay, epoch, rows, src_rank, src_tok, src_slot, 0, rows.shape[0], cs)
     if fmt == FMT_SW or fmt == FMT_DC:
-        write_batch_flags(bases, lay, 1, me, epoch, 0, cs, corrupt)
+        write_batch_flags(bases, lay, 1, me, epoch, 0, cs)
     if bsp:
         send_hello(bases, lay, me, epoch, 1, elem, 0)
     return 0
@@ -112,7 +112,7 @@ CAST_NONE, CAST_BF16 = 0, 1
 
 @jit
 def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_addr,
-                      rank_of_expert, hop_of_rank, kind, num_hop_classes, elem, corrupt, cs,
+                      rank_of_expert, hop_of_rank, kind, num_hop_classes, elem, cs,
                       bsp, counts, meta, got, out_start, tpe, batch, res):
     """`dispatch_send_single`, then one look at the counts (`dispatch_counts_at`).
 
@@ -123,7 +123,7 @@ def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, t
     idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
     w = carray(f32_ptr(w_addr), (num_tokens, top_k))
     n = dispatch_send_single(bases, lay, me, epoch, x, idx, w, rank_of_expert, hop_of_rank, kind,
-                             num_hop_classes, elem, corrupt, cs, bsp)
+                             num_hop_classes, elem, cs, bsp)
     res[RES_SENDS] = n
     if n < 0:
         return 0
@@ -162,14 +162,14 @@ def recv_rows_at(base, lay, epoch, counts, meta, out_start, n, done, batch, x_ad
 
 
 @jit
-def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, corrupt, cs, bsp,
+def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bsp,
                      hello, got, batch, y_addr, num_tokens, hidden):
     """`combine_send_single` of the `[n, rb]` bytes at `rows_addr`, then the receive state
     reset: `hello` -1, `got` and `batch` 0, the fp32 sums `[num_tokens, hidden]` at `y_addr`
     zeroed (after the send: the peers need our rows first). Returns what the send returns."""
     rows = carray(u8_ptr(rows_addr), (n, rb))
     bad = combine_send_single(bases, lay, me, epoch, rows, ints[0], ints[1], ints[2], elem,
-                              corrupt, cs, bsp)
+                              cs, bsp)
     if bad < 0:
         return bad
     for s in range(hello.shape[0]):

@@ -44,14 +44,14 @@ def send_counts(bases, lay, me, epoch, counts, n_tw, elem, status, d_lo, d_hi):
 
 
 @jit
-def write_batch_flags(bases, lay, combine, me, epoch, j, cs, corrupt):
+def write_batch_flags(bases, lay, combine, me, epoch, j, cs):
     """sw/dc: after its rows, worker j tells every rank its batch is complete (+checksum)."""
     world, mw = lay[L_WORLD], lay[L_MW]
     off = lay[L_CBATCH_OFF] if combine else lay[L_DBATCH_OFF]
     par = epoch & 1
     for d in range(world):
         slot = bases[d] + off + ((par * world + me) * mw + j) * 64
-        carray(i64_ptr(slot), 1)[0] = cs[d] + corrupt
+        carray(i64_ptr(slot), 1)[0] = cs[d]
         store_release(slot + 56, epoch)
 
 

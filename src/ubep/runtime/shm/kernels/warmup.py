@@ -31,7 +31,12 @@ from ubep.runtime.shm.kernels.direct import (
     send_rows_direct,
 )
 from ubep.runtime.shm.kernels.dispatch import offsets, offsets_range, recv_rows, send_rows
-from ubep.runtime.shm.kernels.local import barrier_arrive, poll_at_least, publish
+from ubep.runtime.shm.kernels.local import (
+    barrier_arrive,
+    poll_at_least,
+    poll_words_at_least,
+    publish,
+)
 from ubep.runtime.shm.kernels.sentinel import sp_check_routing
 from ubep.runtime.shm.kernels.single import (
     CAST_BF16,
@@ -71,7 +76,7 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     epoch = 5 if bsp else 4
     x_addr, idx_addr, w_addr = x.ctypes.data, idx.ctypes.data, w.ctypes.data
     dispatch_begin_at(bases, lay, 0, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, order,
-                      np.zeros(1, np.int64), HIERARCHICAL, 1, 0, 0, cs, bsp, counts, meta, got,
+                      np.zeros(1, np.int64), HIERARCHICAL, 1, 0, cs, bsp, counts, meta, got,
                       out_start, tpe, batch, res)
     dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch, 0, res, 1)
     n = int(res[RES_RECV])
@@ -82,7 +87,7 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     hello = np.zeros((1, 3), np.int64)
     y = np.zeros((1, 2), np.float32)
     y16 = np.zeros((1, 2), np.uint16)
-    combine_begin_at(bases, lay, 0, epoch, out.ctypes.data, n, 8, ints, 0, 0, cs, bsp, hello,
+    combine_begin_at(bases, lay, 0, epoch, out.ctypes.data, n, 8, ints, 0, cs, bsp, hello,
                      got, batch, y.ctypes.data, 1, 2)
     combine_poll_at(base, lay, epoch, idx_addr, w_addr, 1, 1, True, 8, 4, ELEM_F32,
                     np.zeros(1, np.float32), hello, got, np.zeros(1, np.uint8), batch,
@@ -111,7 +116,7 @@ def warm_up(lay_of, multi: bool) -> None:
     tpe = np.zeros(lay[L_EL], np.int64)
     for epoch, bsp in ((1, False), (2, True)):
         dispatch_send_single(bases, lay, 0, epoch, x, idx, w, order, np.zeros(1, np.int64),
-                             HIERARCHICAL, 1, 0, 0, cs, bsp)
+                             HIERARCHICAL, 1, 0, cs, bsp)
         got[:] = 0
         poll_counts(base, lay, epoch, 0, 1, rc, meta, got, 1)
         check_meta(meta, 0)
@@ -121,7 +126,7 @@ def warm_up(lay_of, multi: bool) -> None:
                   np.zeros(1, np.int64), np.zeros((n, 8), np.uint8), np.zeros(n, np.float32),
                   ints[0], ints[1], ints[2], 1)
         combine_send_single(bases, lay, 0, epoch, np.zeros((n, 8), np.uint8), ints[0], ints[1],
-                            ints[2], 0, 0, cs, bsp)
+                            ints[2], 0, cs, bsp)
         hello = np.full((1, 3), -1, np.int64)
         got[:] = 0
         combine_poll_single(base, lay, epoch, idx, w, True, 8, 4, ELEM_F32,
@@ -139,7 +144,7 @@ def warm_up(lay_of, multi: bool) -> None:
             sends, _, pos, _ = map_worker(idx, counts, lay[L_EL], hop, order, kind, 2, 1, 0)
         send_rows(bases, lay, 0, 3, x, idx, w, sends, pos, counts, cs)
         offsets_range(rc, 0, lay[L_EL], out_start, tpe)
-        write_batch_flags(bases, lay, 0, 0, 3, 0, cs, 0)
+        write_batch_flags(bases, lay, 0, 0, 3, 0, cs)
         poll_hello(base, lay, 3, meta, got, 1)
         send_hello(bases, lay, 0, 3, 1, 0, 0)
         send_hellos(bases, lay, 0, 3, 1, 0, 0, 0, 1)
@@ -200,4 +205,5 @@ def warm_up_direct() -> None:
     reduce_direct(bases, dlay, 3, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
                   np.zeros(1, np.float32), 0, 1, np.full(1, -1, np.int64),
                   np.zeros(1, np.uint8), y, np.zeros((0, 2), np.uint16), 1)
+    poll_words_at_least(base, 1, 0, 1)
     del mem
