@@ -174,46 +174,51 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
     """
     t_n, k_n = idx.shape
     num_experts = counts.shape[0]
-    lo_e = np.zeros(num_experts, np.int64)     # worker j owns window positions [lo, hi)
-    hi_e = np.zeros(num_experts, np.int64)
-    land = np.zeros(num_experts, np.int64)     # ... and sends them from list position land
+    # one allocation for the per-expert work arrays (this runs on every dispatch)
+    ws = np.zeros((6, num_experts), np.int64)
+    lo_e, hi_e, land = ws[0], ws[1], ws[2]   # worker j sends window positions [lo, hi) of e
+    order, prefix, seen = ws[3], ws[4], ws[5]  # ... from its list position land[e]
     t_lo, t_hi = 0, t_n
+    m = 0
     if kind == STATIC:
         t_lo, t_hi = (j * t_n) // n, ((j + 1) * t_n) // n
-        m = 0
         for t in range(t_lo, t_hi):
             for k in range(k_n):
                 if idx[t, k] >= 0:
                     m += 1
     else:
-        order = expert_order(rank_of_expert, kind)
-        prefix = np.empty(num_experts, np.int64)   # inclusive, in the schedule's order
+        for e in range(num_experts):
+            order[rank_of_expert[e] if kind == HIERARCHICAL else e] = e
         acc = 0
-        for q in range(num_experts):
+        for q in range(num_experts):           # inclusive prefix sums in the schedule's order
             acc += counts[order[q]]
             prefix[q] = acc
-        _, targets, sizes = class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
-                                         num_hop_classes)
-        m = 0
-        for r in range(targets.shape[1]):
-            size = sizes[j, r]
-            if size == 0:
-                continue
-            first, last = targets[j, r], targets[j, r] + size - 1
-            q0, _ = quaternary_search(prefix, first)       # expert holding my first send
-            q1, _ = quaternary_search(prefix, last)        # ... and my last
-            for q in range(q0, q1 + 1):
+        if n == 1:                             # one worker: every slice is its own
+            for q in range(num_experts):
                 e = order[q]
-                before = prefix[q] - counts[e]
-                a = first - before if q == q0 else 0
-                b = last - before + 1 if q == q1 else counts[e]
-                lo_e[e], hi_e[e], land[e] = a, b, m
-                m += b - a
+                hi_e[e], land[e] = counts[e], prefix[q] - counts[e]
+            m = acc
+        else:
+            _, targets, sizes = class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
+                                             num_hop_classes)
+            for r in range(targets.shape[1]):
+                size = sizes[j, r]
+                if size == 0:
+                    continue
+                first, last = targets[j, r], targets[j, r] + size - 1
+                q0, _ = quaternary_search(prefix, first)       # expert of my first send
+                q1, _ = quaternary_search(prefix, last)        # ... and of my last
+                for q in range(q0, q1 + 1):
+                    e = order[q]
+                    before = prefix[q] - counts[e]
+                    a = first - before if q == q0 else 0
+                    b = last - before + 1 if q == q1 else counts[e]
+                    lo_e[e], hi_e[e], land[e] = a, b, m
+                    m += b - a
     sends = np.empty((m, 3), np.int64)
     experts = np.empty(m, np.int64)
     window_pos = np.empty(m, np.int64)
     hops = np.empty(m, np.int64)
-    seen = np.zeros(num_experts, np.int64)
     i = 0
     for t in range(t_hi):
         for k in range(k_n):
@@ -232,11 +237,25 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
             else:
                 continue
             d = e // experts_per_rank
-            sends[p, 0], sends[p, 1], sends[p, 2] = t, k, d
+            sends[p, 0] = t
+            sends[p, 1] = k
+            sends[p, 2] = d
             experts[p] = e
             window_pos[p] = w
             hops[p] = hop_of_rank[d]
     return sends, experts, window_pos, hops
+
+
+@_jit
+def worker_sends(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert, kind, n,
+                 num_hop_classes, j):  # pragma: no cover - compiled
+    """What a runtime worker needs, in one entry: `(counts [E], sends [m, 3], window_pos
+    [m])` of `count_experts` and `map_worker`."""
+    counts = np.empty(num_experts, np.int64)
+    count_experts(idx, counts)
+    sends, _, window_pos, _ = map_worker(idx, counts, experts_per_rank, hop_of_rank,
+                                         rank_of_expert, kind, n, num_hop_classes, j)
+    return counts, sends, window_pos
 
 
 @_jit

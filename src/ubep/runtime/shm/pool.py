@@ -32,7 +32,7 @@ import torch
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.plan import WorkerMapper
 from ubep.plan.costmodel import balance_count_workers
-from ubep.plan.fastplan import count_expert_range, count_experts, map_worker
+from ubep.plan.fastplan import count_expert_range, worker_sends
 from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
@@ -140,11 +140,8 @@ class PoolPath:
                                                                  np.ndarray]:
         """Token worker tj's own slice: `(counts [E], sends [m, 3], window_pos [m])`."""
         m = self.mapper
-        counts = np.empty(m.num_experts, np.int64)
-        count_experts(idx, counts)
-        sends, _, pos, _ = map_worker(idx, counts, m.experts_per_rank, m.hop_of_rank,
-                                      m.rank_of_expert, m.kind, n_tw, m.num_hop_classes, tj)
-        return counts, sends, pos
+        return worker_sends(idx, m.num_experts, m.experts_per_rank, m.hop_of_rank,
+                            m.rank_of_expert, m.kind, n_tw, m.num_hop_classes, tj)
 
     def _stats(self, op: str, call: Call, t0: float, t1: float, record_bytes: int,
                sent: int, recv: int, extra: dict) -> Stats:
@@ -423,11 +420,8 @@ class PoolPath:
         """Token worker tj's rows to send back: the mapper over the rows' source ranks."""
         a = now_us()
         m = self.rank_mapper
-        labels = cl.ints[0].reshape(-1, 1)
-        counts = np.empty(m.num_experts, np.int64)
-        count_experts(labels, counts)
-        sends, _, _, _ = map_worker(labels, counts, 1, m.hop_of_rank, m.rank_of_expert, m.kind,
-                                    cl.n_tw, m.num_hop_classes, tj)
+        _, sends, _ = worker_sends(cl.ints[0].reshape(-1, 1), m.num_experts, 1, m.hop_of_rank,
+                                   m.rank_of_expert, m.kind, cl.n_tw, m.num_hop_classes, tj)
         cl.record(j, "map", a)
         return np.ascontiguousarray(sends[:, 0])
 

@@ -14,7 +14,7 @@ from ubep.plan.fastplan import (
     STATIC,
     count_expert_range,
     count_experts,
-    map_worker,
+    worker_sends,
 )
 from ubep.runtime.shm.kernels.combine import ELEM_F32, reduce_tokens, send_back, send_back_list
 from ubep.runtime.shm.kernels.direct import (
@@ -141,7 +141,7 @@ def warm_up(lay_of, multi: bool) -> None:
         sp_check_routing(x, idx, w, 64)
         hop = np.zeros(1, np.int64)
         for kind in (STATIC, BALANCED, HIERARCHICAL):
-            sends, _, pos, _ = map_worker(idx, counts, lay[L_EL], hop, order, kind, 2, 1, 0)
+            _, sends, pos = worker_sends(idx, lay[L_EL], lay[L_EL], hop, order, kind, 2, 1, 0)
         send_rows(bases, lay, 0, 3, x, idx, w, sends, pos, counts, cs)
         offsets_range(rc, 0, lay[L_EL], out_start, tpe)
         write_batch_flags(bases, lay, 0, 0, 3, 0, cs)
@@ -150,10 +150,8 @@ def warm_up(lay_of, multi: bool) -> None:
         send_hellos(bases, lay, 0, 3, 1, 0, 0, 0, 1)
         send_back(bases, lay, 3, x, ints[0], ints[1], ints[2], 0, 0, cs)
         labels = ints[0].reshape(-1, 1)
-        rank_counts = np.zeros(1, np.int64)
-        count_experts(labels, rank_counts)
-        rows, _, _, _ = map_worker(labels, rank_counts, 1, hop, np.zeros(1, np.int64),
-                                   HIERARCHICAL, 2, 1, 0)
+        _, rows, _ = worker_sends(labels, 1, 1, hop, np.zeros(1, np.int64), HIERARCHICAL, 2, 1,
+                                  0)
         send_back_list(bases, lay, 3, x, ints[0], ints[1], ints[2], rows[:, 0].copy(), cs)
         reduce_tokens(base, lay, 3, idx, w, True, 8, 4, ELEM_F32, np.zeros(1, np.float32),
                       meta, 0, 0, np.zeros(1, np.uint8), np.zeros(1, np.int64),
