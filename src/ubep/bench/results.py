@@ -128,6 +128,38 @@ Combine uses the dispatched rows as the expert outputs (identity experts), weigh
 """
 
 
+_LIMITS = """\
+*Two copies per row (shm-ubep, shm-bsp).* The paper's mechanism writes each row into a window
+at its destination and then into the expert-major output, and combine copies back and then
+reduces. shm-direct exchanges the per-expert counts first, so every row has a known final
+place and is copied once; combine reads each expert output where it lies. Its price is
+DeepEP low-latency semantics (`recv_x` valid until the next dispatch), which is why
+`backend="auto"` does not turn it on.
+
+*One worker per rank.* With 2 cores and 2 ranks each rank has one worker: kernel
+decomposition has no second core to overlap its count, send and reorder roles on, so
+shm-ubep and shm-bsp copy the same bytes in the same thread and differ by a flag round.
+
+*Fixed costs at batch 1.* A batch-1 call moves 8 rows each way (~115 KB); what a shm call
+spends beyond that is the wait for the peer and Python (validation, kernel entries, result
+objects): in one process with no peer to wait for (`Buffer(backend="shm")` on a 1-rank
+group, 3,000 calls, median), a dispatch+combine pair takes ~29 µs with `direct=True` and
+~42 µs without. On a loaded host the wait for the peer dominates: when the peer is not
+running, a waiter spins, then yields, then sleeps 20-100 µs per round.
+
+*torch.* Three `all_to_all_single` per dispatch+combine (counts, rows, rows back) are the
+floor; gloo spends ~0.2-0.3 ms on each even for a few KB. What the backend adds is a few
+dozen small host operations at batch 1 (index bookkeeping in numpy, about 20 torch ops) and,
+at batch 128, two gathers of the rows (send side, expert-major side) and the reduction.
+Rows for the rank itself never enter a collective.
+
+*AgRs.* vLLM's path moves every token to every rank whatever the routing (one all-gather)
+and reduce-scatters a `[all tokens, hidden]` tensor of partial sums: fewer rows than a
+per-expert all-to-all when top-k covers most ranks (here 8 of 16 experts over 2 ranks), but
+every rank computes and sends partial sums for every token.
+"""
+
+
 def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
     """docs/results.md from the two runs."""
     from ubep.bench.report import load_warning, markdown
@@ -141,7 +173,7 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
         f"Run at {m.get('time_utc')} on {m.get('cpu_model')}, {m.get('cpus_usable')} usable "
         f"cores, 1-minute load {m.get('load_avg_1m', 0):.1f} at the start; Python "
         f"{m.get('python')}, torch {m.get('torch')}"
-        + (f", {m['mpi']}" if m.get("mpi") else "") + f". Flag round trip "
+        + (f", {' '.join(m['mpi'].split())}" if m.get("mpi") else "") + f". Flag round trip "
         f"{turns.rtt_us.get(2, 0):.2f} µs. Run 1 took {turns.elapsed_s:.0f} s, run 2 "
         f"{inter.elapsed_s:.0f} s.", "",
         "P=2 ranks, bf16, top-8, 16 experts, uniform routing, batch = tokens per rank. Every "
@@ -162,6 +194,7 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
             "## Run 1: turns of 20 back-to-back iterations", "", markdown(turns),
             "## Run 2: every iteration interleaved", "", markdown(inter),
             "![the same, interleaved every iteration](figures/bench_peers_interleaved.png)", "",
+            "## What limits each system here", "", _LIMITS,
             "## What is measured", "", _MEASURED,
             "## Other results", "",
             "- `docs/results/e2e.md` — MoE decoding, time per output token per backend",
