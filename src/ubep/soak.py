@@ -170,7 +170,12 @@ def _soak_rank(rank: int, world: int, sessions: list[dict], stop_at: float) -> d
                                           f"{kind}): dispatch differs from the reference")
                 if not do_combine:
                     continue
-                y = buf.combine(_expert(res.recv_x), res.handle, weighted=weighted)
+                out = _expert(res.recv_x)
+                if kw["direct"] and i % 3 == 0:        # zero copy: write into shared memory
+                    cb = buf.get_combine_buffer(res.handle, out.dtype)
+                    cb.copy_(out)
+                    out = cb
+                y = buf.combine(out, res.handle, weighted=weighted)
                 ref_y = reference.combine([_expert(d.recv_x) for d in refs], refs,
                                           [a[1] for a in ins], [a[2] for a in ins],
                                           weighted=weighted)[rank]
