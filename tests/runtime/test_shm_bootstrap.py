@@ -177,3 +177,36 @@ def test_ranks_in_different_pid_namespaces_work_and_see_a_peer_die(workers):
     last = out0.strip().splitlines()[-1]
     assert last.startswith("DIED [1]"), out0 + err0
     assert _job_entries(f"pidns{os.getpid()}") == []
+
+
+# -- the whole job killed inside the constructor ----------------------------------------------
+def _killed_inside_constructor(rank, world):
+    import os
+    import signal
+
+    import ubep
+    from ubep.runtime import bootstrap
+
+    real = bootstrap.exchange
+
+    def exchange(obj, group, *, phase, **kw):
+        if phase == "Buffer()/attach":          # segments created and mapped, names not yet
+            os.kill(os.getpid(), signal.SIGKILL)  # unlinked: the one window that leaves names
+        return real(obj, group, phase=phase, **kw)
+
+    bootstrap.exchange = exchange
+    ubep.Buffer(num_experts=4, hidden=8, max_tokens_per_rank=4, backend="shm", workers=1)
+    return "constructed"
+
+
+def test_a_job_killed_inside_the_constructor_leaves_names_the_next_sweep_removes():
+    from ubep.runtime.shm import segments
+
+    job = f"killctor{os.getpid()}"
+    out = run_ranks(_killed_inside_constructor, 2, timeout_s=120, return_exceptions=True,
+                    env={"UBEP_JOB_ID": job})
+    assert all(isinstance(o, RankFailure) and o.kind == "died" for o in out), out
+    left = _job_entries(job)
+    assert len(left) == 2                        # one per rank, their owners dead
+    removed = segments.sweep_stale()             # what every Buffer() runs first
+    assert set(left) <= set(removed) and _job_entries(job) == []
