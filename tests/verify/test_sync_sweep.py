@@ -101,8 +101,9 @@ def _threads_pingpong(sync, block_bytes, payload, rounds=50):
 
     import numpy as np
 
-    from ubep.bench.sync_pingpong import _FMT, _pingpong
+    from ubep.bench.sync_pingpong import _pingpong
     from ubep.plan.blocks import SENTINEL_I64, BlockFormat
+    from ubep.runtime.shm.region import FMT_CODES
 
     fmt = BlockFormat(sync, block_bytes)
     win = fmt.wire_bytes(payload)
@@ -121,7 +122,7 @@ def _threads_pingpong(sync, block_bytes, payload, rounds=50):
 
     def side(i):
         out_w, in_w = (a, b) if i == 0 else (b, a)
-        done[i] = _pingpong(out_w, out_w + win, in_w, in_w + win, _FMT[sync], block_bytes,
+        done[i] = _pingpong(out_w, out_w + win, in_w, in_w + win, FMT_CODES[sync], block_bytes,
                             src[i], dst[i], payload // 8, i == 0, rounds, 1, 50_000_000,
                             stamps)
 

@@ -34,11 +34,10 @@ from numba.extending import intrinsic
 from ubep.plan.blocks import MARKER_BYTES, SENTINEL_I64, BlockFormat
 from ubep.runtime.shm import segments
 from ubep.runtime.shm.atomics import cpu_pause, i64_ptr, load_acquire, store_release
+from ubep.runtime.shm.kernels.records import mix
+from ubep.runtime.shm.region import FMT_CODES
 
-_FMT = {"sw": 0, "tff": 1, "dc": 2, "sp": 3}
 _SLOT_BYTES = 64          # sw flag / dc checksum + epoch, one cache line
-_C1 = -7046029254386353131
-_C2 = -4658895280553007687
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -53,11 +52,6 @@ def _cycles(typingctx):
 
 
 _jit = njit(nogil=True, cache=True)
-
-
-@_jit
-def _mix(m, b):
-    return (m ^ (b * _C1)) * _C2
 
 
 @_jit
@@ -81,7 +75,7 @@ def _send(win, slot, fmt, bb, src, nwords, epoch):
         else:
             m = src[p0 + bw - 1] ^ epoch if p0 + bw - 1 < nwords else np.int64(0)
             store_release(blk + bb - 8, m)
-            cs += _mix(m, b)
+            cs += mix(m, b)
     if fmt == 0:
         store_release(slot + 56, epoch)
     elif fmt == 2:
@@ -103,7 +97,7 @@ def _recv(win, slot, fmt, bb, dst, nwords, epoch, max_spins):
                     break
                 cs = np.int64(0)
                 for b in range(nb):
-                    cs += _mix(load_acquire(win + b * bb + bb - 8), b)
+                    cs += mix(load_acquire(win + b * bb + bb - 8), b)
                 if cs == carray(i64_ptr(slot), 1)[0]:
                     break
             cpu_pause()
@@ -243,7 +237,7 @@ def pingpong_rank(rank: int, world: int, payloads, syncs, block_bytes: int, roun
                 t0 = time.perf_counter_ns()
                 done = _pingpong(wins.addr(v, out_d), wins.addr(v, out_d) + wins.win_bytes,
                                  wins.addr(v, in_d), wins.addr(v, in_d) + wins.win_bytes,
-                                 _FMT[v], block_bytes, src, dst, nwords, rank == 0, rounds,
+                                 FMT_CODES[v], block_bytes, src, dst, nwords, rank == 0, rounds,
                                  epochs[v], max_spins, stamps)
                 t1 = time.perf_counter_ns()
                 if done != rounds:

@@ -126,15 +126,22 @@ class PoolPath:
         self.rank_mapper = rank_mapper
         self._d_epoch = 0
         self._c_epoch = 0
+        self._n_count: dict[tuple[int, int], int] = {}
 
     def _count_workers(self, num_tokens: int, top_k: int) -> int:
-        """Workers in the count role: `config.count_workers`, else the cost model's choice."""
+        """Workers in the count role: `config.count_workers`, else the cost model's choice
+        for this batch (`ubep.plan.costmodel`, remembered per (tokens, top-k))."""
         c = self.ctx.config
         if c.mode == "bsp":
             return 0
         if c.count_workers is not None:
             return min(c.count_workers, self.ctx.workers - 1)
-        return balance_count_workers(self.ctx.workers, c.num_experts, top_k, num_tokens)
+        key = (num_tokens, top_k)
+        n = self._n_count.get(key)
+        if n is None:
+            n = self._n_count[key] = balance_count_workers(
+                self.ctx.workers, c.num_experts, top_k, num_tokens, ranks=self.ctx.world)
+        return n
 
     def _map(self, idx: np.ndarray, n_tw: int, tj: int) -> tuple[np.ndarray, np.ndarray,
                                                                  np.ndarray]:

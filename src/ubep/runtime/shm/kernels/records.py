@@ -23,7 +23,8 @@ _C2 = -4658895280553007687   # 0xBF58476D1CE4E5B9
 
 
 @jit
-def _mix(m, bid):
+def mix(m, bid):
+    """dc: a marker word mixed with its block id, the term a checksum sums."""
     return (m ^ (bid * _C1)) * _C2
 
 
@@ -114,7 +115,7 @@ def write_record(dst, bb, ppb, fmt, head, hl, body, bl, epoch, bid0):
                 _copy_out(blk, head_addr, hl, body_addr, p0, p1)
             m = rec_word(head, hl, body, bl, p0 + bb - 8)
             store_release(blk + bb - 8, m)
-            cs += _mix(m, bid0 + b)
+            cs += mix(m, bid0 + b)
     return cs
 
 
@@ -154,7 +155,7 @@ def rearm(src, nb, bb):
 def markers_checksum(src, nb, bb, bid0):
     cs = np.int64(0)
     for b in range(nb):
-        cs += _mix(load_acquire(src + b * bb + bb - 8), bid0 + b)
+        cs += mix(load_acquire(src + b * bb + bb - 8), bid0 + b)
     return cs
 
 
