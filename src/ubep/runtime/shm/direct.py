@@ -53,7 +53,7 @@ from ubep.runtime.shm.region import (
     D_META_OFF,
     D_RECV_OFF,
 )
-from ubep.runtime.shm.waits import now_us as _now_us
+from ubep.runtime.shm.waits import now_us
 from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES
 
@@ -151,7 +151,7 @@ class DirectPath:
             b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, elems, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
                     deadline=deadline)
-        t1 = _now_us()
+        t1 = now_us()
         t_n = idx.shape[0]
         pos = np.empty(idx.shape, np.int64)
         tpe = np.empty(self.el, np.int64)
@@ -175,7 +175,7 @@ class DirectPath:
             n_recv, ivs = self._dispatch_pool(x, idx, w, pos, tpe, ints, wts, rb, code, epoch,
                                               deadline)
         self._last_call, self._last_dtype = call, x.dtype
-        t2 = _now_us()
+        t2 = now_us()
         handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
                             ints[:, :n_recv], (idx, w, pos, epoch))
         stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, idx, n_recv, rb, epoch)
@@ -195,16 +195,16 @@ class DirectPath:
         t_n = idx.shape[0]
 
         def work(j: int) -> None:
-            a = _now_us()
+            a = now_us()
             DK.send_rows_direct(b.bases, self.dlay, epoch, xa, rb, idx, w, pos, self.el,
                                 j * t_n // n, (j + 1) * t_n // n)
-            m = _now_us()
+            m = now_us()
             lo, hi = j * n_recv // n, (j + 1) * n_recv // n
             self._wait(cl, lambda s: DK.recv_meta(b.base, self.dlay, epoch, lo, hi, ints[1],
                                                ints[2], wts, s),
                     "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], lo, hi))
             cl.iv[j].append(("send", a, m, "busy"))
-            cl.iv[j].append(("wait_rows", m, _now_us(), "wait"))
+            cl.iv[j].append(("wait_rows", m, now_us(), "wait"))
 
         self.runner.run(cl, work)
         return n_recv, cl.iv
@@ -275,7 +275,7 @@ class DirectPath:
                                     out16, 8)
             if left < 0:
                 raise self._combine_dtype_error(dtype, -left - 1)
-            t1 = _now_us()
+            t1 = now_us()
             if left:
                 self._reduce(b, None, epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
                              y, out16, 0, t_n, deadline)
@@ -285,7 +285,7 @@ class DirectPath:
                 DK.copy_local(self._comb_addr, ptr, n_recv * rb)
             DK.publish_ready(b.base, self.dlay, epoch, code, offset)
             ready[:] = -1
-            t1 = _now_us()
+            t1 = now_us()
             ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
                                      y, out16, deadline)
         self._done_reading(epoch, deadline)
@@ -295,7 +295,7 @@ class DirectPath:
             out = torch.from_numpy(y)
         else:
             out = cast_rows(y, dtype)
-        t2 = _now_us()
+        t2 = now_us()
         stats = DeferredStats.of(self._combine_stats, (t0, t1, t2), ivs, copied, idx, rb, epoch)
         return new_combine_result(out, stats)
 
@@ -341,10 +341,10 @@ class DirectPath:
         t_n = idx.shape[0]
 
         def work(j: int) -> None:
-            a = _now_us()
+            a = now_us()
             self._reduce(b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y,
                          out16, j * t_n // n, (j + 1) * t_n // n, deadline)
-            cl.iv[j].append(("reduce", a, _now_us(), "busy"))
+            cl.iv[j].append(("reduce", a, now_us(), "busy"))
 
         self.runner.run(cl, work)
         return cl.iv
