@@ -1,0 +1,1 @@
+"""Adapters that let frameworks call ubep: `ubep.integrations.vllm` (vLLM's all2all backend)."""

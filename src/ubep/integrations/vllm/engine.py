@@ -1,0 +1,162 @@
+"""Run vLLM engines on a tiny seeded Qwen3-MoE: one engine without EP, or DP ranks with EP.
+
+Used by the end-to-end test (greedy tokens with ubep as the all2all backend must equal one
+engine's without expert parallelism) and by `ubep e2e --engine vllm` (TPOT per setup).
+Data-parallel ranks are processes set up as vLLM's offline data-parallel example does
+(`VLLM_DP_*` variables); every engine is shut down explicitly before its process returns.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: the smallest Qwen3-MoE vLLM 0.32.0 runs on CPU (head_dim 64; 16 fails its CPU attention)
+TINY_QWEN3_MOE = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    intermediate_size=256, vocab_size=512, max_position_embeddings=512,
+    decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False,
+    initializer_range=0.1, rms_norm_eps=1e-6,
+)
+
+
+def make_tiny_checkpoint(path: Path, seed: int = 0) -> Path:
+    """Write a Qwen3-MoE with seeded random weights (float32 safetensors) to `path`.
+
+    A real checkpoint, not `load_format="dummy"`: dummy initializes each (possibly sharded)
+    parameter on its own, so sharded and unsharded engines would hold different weights.
+    """
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(**TINY_QWEN3_MOE, torch_dtype="float32")
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One setup: `dp` engines (data-parallel ranks), expert parallel through `backend`."""
+
+    model: str
+    dp: int = 1
+    expert_parallel: bool = False
+    all2all_backend: str = "ubep"
+    prompts: tuple[tuple[int, ...], ...] = ()
+    max_tokens: int = 8
+    repeats: int = 1                  # timed generations (TPOT samples)
+    gpu_memory_utilization: float = 0.1
+    max_model_len: int = 256
+    timeout_s: float = 900.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(run: EngineRun, rank: int, port: int, barrier, out) -> None:
+    """One DP rank: build the engine, generate its share of prompts, shut down."""
+    try:
+        os.environ.update(run.env)
+        if run.dp > 1:
+            os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank),
+                              VLLM_DP_SIZE=str(run.dp), VLLM_DP_MASTER_IP="127.0.0.1",
+                              VLLM_DP_MASTER_PORT=str(port))
+        out.put((rank, "ok", _generate(run, rank, barrier)))
+    except BaseException as e:  # the parent reports it with the rank
+        import traceback
+
+        out.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _generate(run: EngineRun, rank: int, barrier) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = dict(
+        model=run.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        gpu_memory_utilization=run.gpu_memory_utilization, max_model_len=run.max_model_len,
+        max_num_seqs=max(16, len(run.prompts)), seed=0)
+    if run.expert_parallel:
+        kwargs.update(enable_expert_parallel=True, all2all_backend=run.all2all_backend)
+    llm = LLM(**kwargs)
+    try:
+        mine = list(range(rank, len(run.prompts), run.dp))
+        params = SamplingParams(temperature=0.0, max_tokens=run.max_tokens, ignore_eos=True)
+        tokens: dict[int, list[int]] = {}
+        steps_ms: list[float] = []
+        barrier.wait(timeout=run.timeout_s)
+        for _ in range(run.repeats):
+            engine = llm.llm_engine
+            for i in mine:
+                engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(run.prompts[i])),
+                                   params)
+            step = 0
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outs = engine.step()
+                dt = (time.perf_counter() - t0) * 1e3
+                if step > 0:   # step 0 prefills; every later step decodes one token each
+                    steps_ms.append(dt)
+                step += 1
+                for o in outs:
+                    if o.finished:
+                        tokens[int(o.request_id)] = list(o.outputs[0].token_ids)
+        # a rank with no requests keeps its engine in the DP group until all are done
+        barrier.wait(timeout=run.timeout_s)
+        return {"tokens": tokens, "steps_ms": steps_ms}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def run_engines(run: EngineRun) -> dict[str, Any]:
+    """Run `run` and return `{"tokens": {prompt index: ids}, "steps_ms": {rank: [...]}}`."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(run.dp), ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(run, r, port, barrier, out),
+                         name=f"vllm-dp{r}") for r in range(run.dp)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + run.timeout_s
+    try:
+        while len(results) < run.dp:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"vLLM ranks {sorted(set(range(run.dp)) - set(results))} "
+                                   f"did not finish within {run.timeout_s:.0f} s")
+            try:
+                rank, status, value = out.get(timeout=min(left, 5.0))
+            except Exception:
+                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+                if dead and len(results) < run.dp:
+                    raise RuntimeError(f"vLLM processes {dead} died without a result") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"vLLM DP rank {rank} failed: {value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    tokens: dict[int, list[int]] = {}
+    for r in results.values():
+        tokens.update(r["tokens"])
+    return {"tokens": tokens, "steps_ms": {r: v["steps_ms"] for r, v in results.items()}}
