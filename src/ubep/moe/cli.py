@@ -32,6 +32,9 @@ def register(subparsers) -> None:
                     "P50/P99 per backend and the dispatch+combine share of a step, writes a "
                     "CSV of step latencies, a JSON summary and a violin plot normalised to "
                     "gloo.")
+    p.add_argument("--engine", choices=("ubep", "vllm"), default="ubep",
+                   help="ubep: ubep's own MoE decoder; vllm: vLLM with DP 2 + EP through ubep "
+                        "vs one engine without EP (needs vLLM: make vllm-venv)")
     p.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS))
     p.add_argument("--size", choices=SIZES, default="small",
                    help="model preset (small: the issue's sizes; tiny: the tests')")
@@ -85,6 +88,11 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from ubep.integrations.vllm.bench import run_vllm
+
+        run_vllm(args)
+        return 0
     from rich.console import Console
     from rich.table import Table
 

@@ -47,15 +47,18 @@ def make_tiny_checkpoint(path: Path, seed: int = 0) -> Path:
 
 @dataclass(frozen=True)
 class EngineRun:
-    """One setup: `dp` engines (data-parallel ranks), expert parallel through `backend`."""
+    """One setup: `dp` engines (data-parallel ranks), expert parallel through `backend`.
+
+    `workloads` run one after another on the same engines; each is a tuple of prompts (token
+    ids) given at once, prompt i to DP rank `i % dp`, each generating `max_tokens` greedily.
+    """
 
     model: str
     dp: int = 1
     expert_parallel: bool = False
     all2all_backend: str = "ubep"
-    prompts: tuple[tuple[int, ...], ...] = ()
+    workloads: tuple[tuple[tuple[int, ...], ...], ...] = ()
     max_tokens: int = 8
-    repeats: int = 1                  # timed generations (TPOT samples)
     gpu_memory_utilization: float = 0.1
     max_model_len: int = 256
     timeout_s: float = 900.0
@@ -71,6 +74,9 @@ def _free_port() -> int:
 def _rank_main(run: EngineRun, rank: int, port: int, barrier, out) -> None:
     """One DP rank: build the engine, generate its share of prompts, shut down."""
     try:
+        # moe_layer_report is a function sent to vLLM's workers: vLLM pickles it only when
+        # told to (our own processes, on this host)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.update(run.env)
         if run.dp > 1:
             os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank),
@@ -90,20 +96,20 @@ def _generate(run: EngineRun, rank: int, barrier) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=run.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         gpu_memory_utilization=run.gpu_memory_utilization, max_model_len=run.max_model_len,
-        max_num_seqs=max(16, len(run.prompts)), seed=0)
+        max_num_seqs=max([16] + [len(w) for w in run.workloads]), seed=0)
     if run.expert_parallel:
         kwargs.update(enable_expert_parallel=True, all2all_backend=run.all2all_backend)
     llm = LLM(**kwargs)
     try:
-        mine = list(range(rank, len(run.prompts), run.dp))
         params = SamplingParams(temperature=0.0, max_tokens=run.max_tokens, ignore_eos=True)
-        tokens: dict[int, list[int]] = {}
-        steps_ms: list[float] = []
-        barrier.wait(timeout=run.timeout_s)
-        for _ in range(run.repeats):
-            engine = llm.llm_engine
-            for i in mine:
-                engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(run.prompts[i])),
+        engine = llm.llm_engine
+        results = []
+        for prompts in run.workloads:
+            tokens: dict[int, list[int]] = {}
+            steps_ms: list[float] = []
+            barrier.wait(timeout=run.timeout_s)
+            for i in range(rank, len(prompts), run.dp):
+                engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(prompts[i])),
                                    params)
             step = 0
             while engine.has_unfinished_requests():
@@ -116,15 +122,35 @@ def _generate(run: EngineRun, rank: int, barrier) -> dict[str, Any]:
                 for o in outs:
                     if o.finished:
                         tokens[int(o.request_id)] = list(o.outputs[0].token_ids)
+            results.append({"tokens": tokens, "steps_ms": steps_ms})
         # a rank with no requests keeps its engine in the DP group until all are done
         barrier.wait(timeout=run.timeout_s)
-        return {"tokens": tokens, "steps_ms": steps_ms}
+        moe = llm.collective_rpc(moe_layer_report)
+        barrier.wait(timeout=run.timeout_s)
+        return {"workloads": results, "moe_layers": moe[0]}
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
+def moe_layer_report(worker) -> list[dict[str, Any]]:
+    """In a vLLM worker: each MoE layer's prepare/finalize class and dispatch count."""
+    report = []
+    for name, module in worker.model_runner.model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is None:
+            continue
+        pf = kernel.prepare_finalize
+        report.append({"layer": name, "prepare_finalize": type(pf).__name__,
+                       "dispatches": getattr(pf, "num_dispatches", None),
+                       "combines": getattr(pf, "num_combines", None),
+                       "dispatch_s": getattr(pf, "dispatch_s", None),
+                       "combine_s": getattr(pf, "combine_s", None)})
+    return report
+
+
 def run_engines(run: EngineRun) -> dict[str, Any]:
-    """Run `run` and return `{"tokens": {prompt index: ids}, "steps_ms": {rank: [...]}}`."""
+    """Run `run`; return `{"workloads": [{"tokens": {prompt index: ids}, "steps_ms": {rank:
+    [decode step latencies]}} per workload], "moe_layers": {rank: moe_layer_report}}`."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(run.dp), ctx.Queue()
     port = _free_port()
@@ -156,7 +182,12 @@ def run_engines(run: EngineRun) -> dict[str, Any]:
             if p.is_alive():
                 p.kill()
                 p.join()
-    tokens: dict[int, list[int]] = {}
-    for r in results.values():
-        tokens.update(r["tokens"])
-    return {"tokens": tokens, "steps_ms": {r: v["steps_ms"] for r, v in results.items()}}
+    workloads = []
+    for w in range(len(run.workloads)):
+        tokens: dict[int, list[int]] = {}
+        for r in results.values():
+            tokens.update(r["workloads"][w]["tokens"])
+        workloads.append({"tokens": tokens, "steps_ms": {
+            rank: r["workloads"][w]["steps_ms"] for rank, r in results.items()}})
+    return {"workloads": workloads,
+            "moe_layers": {r: v["moe_layers"] for r, v in results.items()}}

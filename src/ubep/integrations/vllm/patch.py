@@ -109,9 +109,20 @@ def _patch_cpu_communicator() -> None:
         self.use_all2all = True
         self.all2all_manager = UbepAll2AllManager(self.cpu_group)
 
+    original_destroy = CpuCommunicator.destroy
+
+    def destroy(self):
+        """Close ubep's Buffers too (the CPU communicator's own destroy does nothing)."""
+        from ubep.integrations.vllm.manager import UbepAll2AllManager
+
+        if isinstance(getattr(self, "all2all_manager", None), UbepAll2AllManager):
+            self.all2all_manager.destroy()
+        original_destroy(self)
+
     __init__._ubep = True
     __init__.__wrapped__ = original
     CpuCommunicator.__init__ = __init__
+    CpuCommunicator.destroy = destroy
 
 
 def _patch_prepare_finalize_factory() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -50,6 +52,10 @@ class UbepPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     Arguments:
         buffer: the `ubep.Buffer` of this layer's shape, over the EP group.
         group: the EP group's process group (the Buffer's), to share expert maps.
+
+    Attributes:
+        buffer, num_dispatches (prepare calls so far), num_combines (finalize calls),
+        dispatch_s / combine_s (seconds spent in `Buffer.dispatch` / `Buffer.combine`).
     """
 
     def __init__(self, buffer: ubep.Buffer, group) -> None:
@@ -57,6 +63,8 @@ class UbepPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.buffer = buffer
         self.group = group
         self._handle = None
+        self.num_dispatches = self.num_combines = 0
+        self.dispatch_s = self.combine_s = 0.0
         self._local_ids = False
         self._map_seen: torch.Tensor | None = None
         self._ubep_of_global: torch.Tensor | None = None
@@ -127,8 +135,11 @@ class UbepPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._placement(expert_map, num_experts)
         ids = topk_ids.to(torch.int64)
         ubep_idx = torch.where(ids >= 0, self._ubep_of_global[ids.clamp(min=0)], -1)
+        t0 = time.perf_counter()
         res = self.buffer.dispatch(a1, ubep_idx, topk_weights)
+        self.dispatch_s += time.perf_counter() - t0
         self._handle = res.handle
+        self.num_dispatches += 1
         counts = res.tokens_per_expert
         local = torch.repeat_interleave(torch.arange(counts.numel()), counts)
         expert_ids = local if self._local_ids else self._global_of_local[local]
@@ -167,4 +178,7 @@ class UbepPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 f"ubep's combine does not apply {type(weight_and_reduce_impl).__name__}; it "
                 f"sums rows one per (token, expert), weighted or not")
         rows = fused_expert_output.reshape(handle.num_recv, handle.hidden)
+        t0 = time.perf_counter()
         self.buffer.combine(rows, handle, weighted=weighted, out=output)
+        self.combine_s += time.perf_counter() - t0
+        self.num_combines += 1
