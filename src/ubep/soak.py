@@ -145,7 +145,8 @@ def _soak_rank(rank: int, world: int, sessions: list[dict], stop_at: float) -> d
         except Exception as e:  # noqa: BLE001 - counted and reported, the soak goes on
             tally.errors += 1
             tally.failures.append(f"rank {rank} {where}: Buffer(): {type(e).__name__}: {e}")
-            continue
+            break                # the group may be out of step: fresh processes go on
+        failed = False
         try:
             for i in range(s["calls"]):
                 ins, (dtype, k, kind, weighted, do_combine) = call_inputs(s, world, i)
@@ -188,11 +189,15 @@ def _soak_rank(rank: int, world: int, sessions: list[dict], stop_at: float) -> d
         except ubep.PeerTimeoutError as e:
             tally.hangs += 1
             tally.failures.append(f"rank {rank} {where}: {e}")
+            failed = True
         except Exception as e:  # noqa: BLE001
             tally.errors += 1
             tally.failures.append(f"rank {rank} {where}: {type(e).__name__}: {e}")
+            failed = True
         finally:
             buf.close()
+        if failed:               # a failed call may leave the process group out of step too:
+            break                # the rest of this chunk runs on fresh processes
     return tally.__dict__
 
 

@@ -155,7 +155,7 @@ def _dispatch_inputs_ready(x: object, idx: object, w: object, hidden: int, num_e
     if not (x.is_cpu and idx.is_cpu and w.is_cpu and x.is_contiguous()
             and idx.is_contiguous() and w.is_contiguous()):
         return False
-    if x.requires_grad or w.requires_grad:
+    if x.requires_grad or w.requires_grad or xs[1] == 1 or xs[0] == 0:   # see _rows
         return False
     return _topk_ok_at(idx.data_ptr(), ks[0], ks[1], num_experts)
 
@@ -195,7 +195,7 @@ def _check_dispatch_inputs_full(x: object, topk_idx: object, topk_weights: objec
         raise TypeError(f"topk_weights must be floating point, got {w.dtype}")
     if w.dtype != torch.float32:
         w = w.to(torch.float32)
-    return x.contiguous(), idx, w.contiguous()
+    return _rows(x), idx, w.contiguous()
 
 
 def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> torch.Tensor:
@@ -205,7 +205,8 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
     """
     if (isinstance(expert_out, torch.Tensor) and expert_out.shape == (num_recv, hidden)
             and _summable(expert_out.dtype) and expert_out.is_contiguous()
-            and not expert_out.requires_grad and expert_out.is_cpu):
+            and not expert_out.requires_grad and expert_out.is_cpu
+            and expert_out.stride(-1) == 1):
         return expert_out
     out = _check_tensor("expert_out", expert_out, 2)
     check_on_cpu("expert_out", out)
@@ -217,7 +218,18 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
         raise TypeError(
             f"expert_out has dtype {out.dtype}; combine sums rows, so it needs a floating dtype "
             f"of at most {MAX_ELEMENT_BYTES} bytes (bf16, fp16, fp32, fp8)")
-    return out.detach().contiguous()
+    return _rows(out.detach())
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` `[rows, hidden]` in row-major memory with unit element stride, viewable as bytes.
+
+    torch calls a tensor contiguous while a size-1 or empty dimension has any stride (an
+    `[n, 1]` transpose, an empty product): such a tensor cannot be viewed as bytes."""
+    t = t.contiguous()
+    if t.dim() == 2 and t.stride(-1) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def check_combine_out(out: object, *, num_tokens: int, hidden: int, dtype: torch.dtype,

@@ -17,7 +17,7 @@ def _grad_inputs(rank, world, kw):
     import ubep
 
     with ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, timeout_s=10.0,
-                     **kw) as buf, torch.no_grad():
+                     **kw) as buf:
         x, idx, w = CASE.inputs(rank)
         x, w = x.requires_grad_(), w.requires_grad_()
         if kw.get("direct"):
@@ -33,9 +33,10 @@ def _grad_inputs(rank, world, kw):
                     "tokens_per_expert": res.tokens_per_expert,
                     "recv_src_rank": res.recv_src_rank, "recv_src_token": res.recv_src_token,
                     "recv_src_slot": res.recv_src_slot, "y": y}
-        res = buf.dispatch(x, idx, w)
-        out = expert_fn(res.recv_x).requires_grad_()
-        y = buf.combine(out, res.handle)
+        with torch.no_grad():          # the data path (with grad, ubep.ops takes the call)
+            res = buf.dispatch(x, idx, w)
+            out = expert_fn(res.recv_x).requires_grad_()
+            y = buf.combine(out, res.handle)
         return {"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
                 "tokens_per_expert": res.tokens_per_expert, "recv_src_rank": res.recv_src_rank,
                 "recv_src_token": res.recv_src_token, "recv_src_slot": res.recv_src_slot,
@@ -71,3 +72,34 @@ def test_a_dtype_mismatch_says_what_the_rank_does(what, verb):
     with pytest.raises(ShmProtocolError) as e:
         check_peers_meta(meta, 0, 0, what)
     assert f"rank 0 {verb} " in str(e.value) and "same dtype" in str(e.value)
+
+
+ODD = Case(num_experts=4, hidden=1, top_k=2, tokens=(5, 0), dtype="fp32")
+
+
+def _odd_strides(rank, world, kw):
+    import torch
+
+    import ubep
+
+    with ubep.Buffer(num_experts=4, hidden=1, max_tokens_per_rank=8, timeout_s=10.0,
+                     **kw) as buf:
+        x, idx, w = ODD.inputs(rank)
+        # "contiguous" to torch, but no unit element stride: a [T, 1] transpose, an empty
+        # product; neither can be viewed as bytes as it is
+        x = x.reshape(1, -1).t() if x.numel() else torch.randn(0, 1) * 4
+        assert x.is_contiguous() and x.stride(-1) != 1
+        res = buf.dispatch(x, idx, w)
+        out = expert_fn(res.recv_x)
+        out = out.reshape(1, -1).t() if out.numel() else torch.randn(0, 1) * 4
+        y = buf.combine(out.to(expert_fn(res.recv_x).dtype), res.handle)
+        return {"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
+                "tokens_per_expert": res.tokens_per_expert, "recv_src_rank": res.recv_src_rank,
+                "recv_src_token": res.recv_src_token, "recv_src_slot": res.recv_src_slot,
+                "y": y}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_rows_torch_calls_contiguous_without_unit_stride_are_moved_on_every_path(path):
+    # found by `ubep soak`: the torch backend raised on an empty [0, 1] x of strides (1, 0)
+    check_case(ODD, run_ranks(_odd_strides, 2, PATHS[path], timeout_s=120))
