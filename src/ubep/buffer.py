@@ -194,18 +194,15 @@ class Buffer:
                 f"{self._broken}) and left this rank out of step with its peers; close this "
                 f"Buffer and make a new one on every rank") from self._broken
 
-    def _run(self, fn, *args):
-        try:
-            return fn(*args)
-        except BaseException as e:
-            # Bad input the backend refuses before anything moved leaves every rank in step.
-            # Anything else (a runtime failure, an interrupt, an error raised after the peers
-            # were told to abort) leaves this rank out of step with its peers: refuse reuse.
-            before_sending = isinstance(e, (ValueError, TypeError)) and getattr(
-                self._backend, "in_step", True)
-            if isinstance(e, UbepError) or not before_sending:
-                self._broken = e
-            raise
+    def _failed(self, e: BaseException) -> None:
+        """Record that a backend call raised `e` (the caller re-raises it)."""
+        # Bad input the backend refuses before anything moved leaves every rank in step.
+        # Anything else (a runtime failure, an interrupt, an error raised after the peers
+        # were told to abort) leaves this rank out of step with its peers: refuse reuse.
+        before_sending = isinstance(e, (ValueError, TypeError)) and getattr(
+            self._backend, "in_step", True)
+        if isinstance(e, UbepError) or not before_sending:
+            self._broken = e
 
     # -- the two operations ----------------------------------------------------------
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -263,7 +260,11 @@ class Buffer:
                 x, topk_idx, topk_weights, hidden=c.hidden, num_experts=c.num_experts,
                 max_tokens_per_rank=c.max_tokens_per_rank, max_top_k=c.max_top_k)
             self._calls += 1
-            res = self._run(self._backend.dispatch, x, idx, w, self._calls)
+            try:                # inline (a helper call per op costs more than the try)
+                res = self._backend.dispatch(x, idx, w, self._calls)
+            except BaseException as e:
+                self._failed(e)
+                raise
             self.last_stats = res.stats
             return res
 
@@ -315,7 +316,11 @@ class Buffer:
             if out is not None:
                 check_combine_out(out, num_tokens=handle.num_tokens, hidden=handle.hidden,
                                   dtype=rows.dtype, device=rows.device)
-            res = self._run(self._backend.combine, rows, handle, bool(weighted))
+            try:
+                res = self._backend.combine(rows, handle, bool(weighted))
+            except BaseException as e:
+                self._failed(e)
+                raise
             self.last_stats = res.stats
             if out is None:
                 return res.y

@@ -113,7 +113,7 @@ class ShmBackend:
         self.fmt = BlockFormat(c.sync, c.block_bytes)
         self.workers = c.workers or default_workers(c.world_size)
         self._closed = False
-        #: False once a call failed after its peers were told (see `Buffer._run`)
+        #: False once a call failed after its peers were told (see `Buffer._failed`)
         self.in_step = True
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
@@ -214,29 +214,34 @@ class ShmBackend:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int) -> DispatchResult:
-        self._check_open("dispatch")
+        """Run a path's dispatch; `in_step` False after an error raised once peers were
+        involved (`Buffer` then refuses further use even for a ValueError, e.g. the sp
+        sentinel's)."""
+        if self._closed:
+            self._check_open("dispatch")
         t0 = now_us()
         if self._refuse_sp:
             why = sentinel_refusal(str(x.dtype))
             if why:
                 raise ValueError(why)
-        return self._in_step(self._path.dispatch, x, topk_idx, topk_weights, call, t0)
+        try:
+            return self._path.dispatch(x, topk_idx, topk_weights, call, t0)
+        except SentinelAbort:
+            self.in_step = False
+            raise
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
                 weighted: bool) -> CombineResult:
-        self._check_open("combine")
+        """Run a path's combine (`in_step` as in `dispatch`)."""
+        if self._closed:
+            self._check_open("combine")
         t0 = now_us()
         if self._refuse_sp:
             why = sentinel_refusal(str(expert_out.dtype))
             if why:
                 raise ValueError(why)
-        return self._in_step(self._path.combine, expert_out, handle, weighted, t0)
-
-    def _in_step(self, fn, *args):
-        """Run a path's call; `in_step` False after an error raised once peers were involved
-        (`Buffer` then refuses further use even for a ValueError, e.g. the sp sentinel's)."""
         try:
-            return fn(*args)
+            return self._path.combine(expert_out, handle, weighted, t0)
         except SentinelAbort:
             self.in_step = False
             raise

@@ -34,7 +34,7 @@ from ubep.runtime.shm.elements import cast_rows, combine_elem
 from ubep.runtime.shm.kernels import single as KS
 from ubep.runtime.shm.protocol import DTYPE_CODES, check_peers_meta, dc_detail, sentinel_error
 from ubep.runtime.shm.region import L_EL, META_BYTES
-from ubep.runtime.shm.waits import now_us
+from ubep.runtime.shm.waits import SPINS, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 
 
@@ -104,10 +104,14 @@ class SinglePath:
         wts = np.empty(n_recv, np.float32)
         done = np.zeros(n_recv, np.uint8)
         x_addr = recv_x.data_ptr()
-        ctx.wait(lambda s: KS.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv, done,
-                                           batch, x_addr, rb, wts, ints, s),
-                 "dispatch/rows", lambda: missing_sources(rc, done, 0, n_recv),
-                 lambda: dc_detail(batch), deadline=deadline)
+        # the first poll inline: when every row is already there (one rank, or peers ahead of
+        # us) the bounded wait and its closures are not built at all
+        if KS.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv, done, batch, x_addr,
+                           rb, wts, ints, SPINS):
+            ctx.wait(lambda s: KS.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv,
+                                               done, batch, x_addr, rb, wts, ints, s),
+                     "dispatch/rows", lambda: missing_sources(rc, done, 0, n_recv),
+                     lambda: dc_detail(batch), deadline=deadline)
         t3 = now_us()
         handle = new_handle(ctx.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
                             topk_weights, ints, (idx_addr, w_addr, top_k, ints))
@@ -147,12 +151,15 @@ class SinglePath:
             cast, out_addr = KS.CAST_BF16, out.data_ptr()
         done = np.zeros(num_tokens, np.uint8)
         bsp, weighted = self._bsp, bool(weighted)
-        ctx.wait(lambda s: KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens,
-                                              top_k, weighted, rb, es, ecode, lut, hello, got,
-                                              done, batch, y_addr, hidden, s, bsp, elem, cast,
-                                              out_addr, res),
-                 "combine/rows", lambda: self._combine_missing(handle, done),
-                 lambda: dc_detail(batch), deadline=deadline)
+        if KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted,
+                              rb, es, ecode, lut, hello, got, done, batch, y_addr, hidden, SPINS,
+                              bsp, elem, cast, out_addr, res):     # first poll inline, as above
+            ctx.wait(lambda s: KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens,
+                                                  top_k, weighted, rb, es, ecode, lut, hello,
+                                                  got, done, batch, y_addr, hidden, s, bsp, elem,
+                                                  cast, out_addr, res),
+                     "combine/rows", lambda: self._combine_missing(handle, done),
+                     lambda: dc_detail(batch), deadline=deadline)
         _, code, _, routed = res.tolist()
         if code:
             check_peers_meta(hello, elem, ctx.rank, "combine")
