@@ -6,7 +6,14 @@ real, `ubep.sim` executes on a model of a superpod fabric.
 """
 
 from ubep.buffer import Buffer
-from ubep.errors import BrokenBufferError, PeerDiedError, PeerTimeoutError, UbepError
+from ubep.errors import (
+    BrokenBufferError,
+    PeerDiedError,
+    PeerTimeoutError,
+    ShmCapacityError,
+    ShmError,
+    UbepError,
+)
 from ubep.handle import DispatchHandle, DispatchResult
 from ubep.layout import DispatchLayout, get_dispatch_layout
 from ubep.options import BufferConfig
@@ -19,5 +26,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer", "BufferConfig", "DispatchHandle", "DispatchResult", "DispatchLayout",
     "get_dispatch_layout", "Stats", "Interval", "chrome_trace", "write_chrome_trace", "Topology",
-    "UbepError", "PeerTimeoutError", "PeerDiedError", "BrokenBufferError", "sync_info", "SyncInfo",
+    "UbepError", "PeerTimeoutError", "PeerDiedError", "BrokenBufferError", "ShmError",
+    "ShmCapacityError", "sync_info", "SyncInfo",
 ]

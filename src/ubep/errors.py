@@ -1,5 +1,7 @@
 """Exceptions raised by ubep beyond ValueError/TypeError for bad input."""
 
+import errno
+
 
 class UbepError(RuntimeError):
     """Base class for runtime failures of an executor."""
@@ -31,3 +33,18 @@ class PeerDiedError(UbepError):
 
 class BrokenBufferError(UbepError):
     """An earlier failure left the Buffer unusable; close it and make a new one."""
+
+
+class ShmError(OSError):
+    """A shared-memory segment could not be created or attached; says why and what to do."""
+
+
+class ShmCapacityError(ShmError):
+    """/dev/shm has no room for a segment: carries the bytes needed and the bytes free."""
+
+    def __init__(self, msg: str, *, needed: int, available: int):
+        super().__init__(errno.ENOSPC, msg)
+        self.needed, self.available = needed, available
+
+    def __str__(self) -> str:
+        return self.strerror

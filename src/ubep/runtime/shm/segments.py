@@ -33,27 +33,14 @@ import re
 import secrets
 import time
 
+from ubep.errors import ShmCapacityError, ShmError
+
 PREFIX = "ubep_"
 SHM_DIR = "/dev/shm"
 #: how long a sweep leaves an empty (just created, not yet locked) segment alone, seconds
 CREATING_GRACE_S = 60.0
 #: how long `create` tries to take the lock of its new segment (a sweep may hold it briefly)
 _LOCK_WAIT_S = 5.0
-
-
-class ShmError(OSError):
-    """A shared-memory segment could not be created or attached; says why and what to do."""
-
-
-class ShmCapacityError(ShmError):
-    """/dev/shm has not room for a segment: carries the bytes needed and the bytes free."""
-
-    def __init__(self, msg: str, *, needed: int, available: int):
-        super().__init__(errno.ENOSPC, msg)
-        self.needed, self.available = needed, available
-
-    def __str__(self) -> str:
-        return self.strerror
 
 
 def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
