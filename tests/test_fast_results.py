@@ -64,3 +64,18 @@ def test_lazy_result_fields_are_tensors_sharing_the_numpy_memory():
         _ = r.nope
     with pytest.raises(AttributeError):
         _ = h.nope
+
+
+def test_tokens_per_expert_given_as_numpy_is_an_int64_tensor_on_read():
+    idx = torch.zeros(1, 2, dtype=torch.int64)
+    h = new_handle(7, 1, 1, 2, 4, idx, torch.ones(1, 2), np.zeros((3, 2), np.int64), state=None)
+    tpe = np.array([2, 0], np.int64)
+    r = new_dispatch_result(torch.zeros(2, 4), np.ones(2, np.float32), tpe, h, None)
+    assert "tokens_per_expert" not in vars(r)
+    assert r.tokens_per_expert.dtype == torch.int64
+    assert torch.equal(r.tokens_per_expert, torch.tensor([2, 0]))
+    assert r.tokens_per_expert is r.tokens_per_expert      # made once
+    # a tensor passed in is kept as is
+    given = torch.tensor([1, 1])
+    assert new_dispatch_result(torch.zeros(2, 4), np.ones(2, np.float32), given, h,
+                               None).tokens_per_expert is given

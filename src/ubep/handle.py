@@ -67,8 +67,9 @@ class DispatchResult:
     recv_x_scales: torch.Tensor | None = None
 
     def __getattr__(self, name: str):
-        """`recv_weights` and the row origins left out by `new_dispatch_result` are made on
-        first read (the origins are the handle's tensors, as with the constructor)."""
+        """`recv_weights`, `tokens_per_expert` and the row origins left out by
+        `new_dispatch_result` are made on first read (the origins are the handle's tensors,
+        as with the constructor)."""
         return _made_on_read(self, name, _from_weights_or_handle)
 
 
@@ -109,6 +110,8 @@ def _from_origins(d: dict, name: str) -> torch.Tensor | None:
 def _from_weights_or_handle(d: dict, name: str) -> torch.Tensor | None:
     if name == "recv_weights" and "_weights" in d:
         return torch.from_numpy(d["_weights"])
+    if name == "tokens_per_expert" and "_tpe" in d:
+        return torch.from_numpy(d["_tpe"])
     if name in _ORIGIN_ROWS and "handle" in d:
         return getattr(d["handle"], name)
     return None
@@ -127,13 +130,18 @@ def new_handle(buffer_id: int, call: int, num_tokens: int, num_recv: int, hidden
 
 
 def new_dispatch_result(recv_x: torch.Tensor, recv_weights: np.ndarray,
-                        tokens_per_expert: torch.Tensor, handle: DispatchHandle,
+                        tokens_per_expert: torch.Tensor | np.ndarray, handle: DispatchHandle,
                         stats: Stats | None) -> DispatchResult:
-    """A `DispatchResult` whose `recv_weights` (float32 numpy here) and row origins (the
-    handle's) are made into tensors on first read."""
+    """A `DispatchResult` whose `recv_weights` (float32 numpy here), row origins (the
+    handle's) and `tokens_per_expert` when given as int64 numpy are made into tensors on
+    first read."""
     r = _new(DispatchResult)
-    r.__dict__.update(recv_x=recv_x, _weights=recv_weights, tokens_per_expert=tokens_per_expert,
-                      handle=handle, stats=stats)
+    if type(tokens_per_expert) is np.ndarray:
+        r.__dict__.update(recv_x=recv_x, _weights=recv_weights, _tpe=tokens_per_expert,
+                          handle=handle, stats=stats)
+    else:
+        r.__dict__.update(recv_x=recv_x, _weights=recv_weights,
+                          tokens_per_expert=tokens_per_expert, handle=handle, stats=stats)
     return r
 
 

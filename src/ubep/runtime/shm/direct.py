@@ -53,7 +53,7 @@ from ubep.runtime.shm.region import (
     D_META_OFF,
     D_RECV_OFF,
 )
-from ubep.runtime.shm.waits import now_us
+from ubep.runtime.shm.waits import SPINS, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES
 
@@ -93,6 +93,9 @@ class DirectPath:
         self._meta = region[int(dlay[D_META_OFF]):][:16 * self.max_recv].view(np.int64)
         self._done_off = int(dlay[D_DONE_OFF])
         self._done = region[self._done_off:][:8 * w].view(np.int64)
+        # `_done_reading`'s addresses: my word on every rank, and every rank's word on mine
+        self._done_mine = [int(a) + self._done_off + 8 * ctx.rank for a in ctx.bases]
+        self._done_first = ctx.base + self._done_off
         self._recv_addr = backend.base + int(dlay[D_RECV_OFF])
         self._comb_addr = backend.base + int(dlay[D_COMB_OFF])
         self._areas = {"recv": torch.from_numpy(region[int(dlay[D_RECV_OFF]):][:area]),
@@ -179,8 +182,8 @@ class DirectPath:
         handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
                             ints[:, :n_recv], (idx, w, pos, epoch))
         stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, idx, n_recv, rb, epoch)
-        return new_dispatch_result(self._view("recv", n_recv, x.dtype), wts[:n_recv],
-                                   torch.from_numpy(tpe), handle, stats)
+        return new_dispatch_result(self._view("recv", n_recv, x.dtype), wts[:n_recv], tpe,
+                                   handle, stats)
 
     def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, deadline):
         """`workers` > 1: the workers send a token range each, then wait for a row range."""
@@ -303,12 +306,13 @@ class DirectPath:
         """Tell every rank I read all I needed of combine `epoch`; wait until every rank has
         read all it needed of mine (my expert outputs are then the caller's again)."""
         b = self.ctx
-        mine = self._done_off + 8 * b.rank
-        for r in range(b.world):
-            publish(int(b.bases[r]) + mine, epoch)
-        first = b.base + self._done_off
-        b.wait(lambda s: poll_words_at_least(first, b.world, epoch, s), "combine/done",
-               lambda: [r for r in range(b.world) if int(self._done[r]) < epoch],
+        for addr in self._done_mine:
+            publish(addr, epoch)
+        first, world = self._done_first, b.world
+        if not poll_words_at_least(first, world, epoch, SPINS):   # first poll inline
+            return
+        b.wait(lambda s: poll_words_at_least(first, world, epoch, s), "combine/done",
+               lambda: [r for r in range(world) if int(self._done[r]) < epoch],
                deadline=deadline)
 
     def _reduce(self, b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,

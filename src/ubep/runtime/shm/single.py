@@ -117,7 +117,7 @@ class SinglePath:
                             topk_weights, ints, (idx_addr, w_addr, top_k, ints))
         stats = DeferredStats.of(_dispatch_stats, c, ctx.fmt, ctx.rank, (t0, t1, t2, t3),
                                  n_sends, n_recv, rb, epoch)
-        return new_dispatch_result(recv_x, wts, torch.from_numpy(tpe), handle, stats)
+        return new_dispatch_result(recv_x, wts, tpe, handle, stats)
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
