@@ -1,7 +1,8 @@
 """The tuning cache: count-worker choices `ubep tune` measured, keyed by workload.
 
 `ubep tune` sweeps the count-worker number in the simulator and records the best one here;
-a caller that plans (the simulator with `--use-tuned`, or any planner caller) looks it up
+a caller that plans (the shm runtime's worker pool, once per Buffer; the simulator with
+`--use-tuned`) looks it up
 and passes it to `ubep.plan.costmodel.choose_count_workers(..., tuned=...)`, which prefers
 it to the formula. `ubep.plan` itself stays pure: the file I/O lives in this module.
 
@@ -45,6 +46,23 @@ def lookup(topology: str, workers: int, experts: int, batch: int,
     if isinstance(entry, dict) and isinstance(entry.get("count_workers"), int):
         return entry["count_workers"]
     return None
+
+
+def choices(topology: str, workers: int, experts: int,
+            path: Path | None = None) -> dict[int, int]:
+    """Every recorded count-worker choice for (topology, workers, experts), keyed by batch.
+
+    The runtime reads this once per Buffer, so the cache costs nothing per call.
+    """
+    prefix = f"{topology}|workers={workers}|experts={experts}|batch="
+    out: dict[int, int] = {}
+    for key, entry in load(path).items():
+        if not key.startswith(prefix) or not isinstance(entry, dict):
+            continue
+        batch, n = key[len(prefix):], entry.get("count_workers")
+        if batch.isdigit() and isinstance(n, int) and not isinstance(n, bool):
+            out[int(batch)] = n
+    return out
 
 
 def record(topology: str, workers: int, experts: int, batch: int, count_workers: int, *,

@@ -117,3 +117,41 @@ def test_count_and_token_roles_overlap_and_no_barrier_runs(mode):
         # token workers send while the count group still works on the offsets (scheduling
         # on a busy 2-core host can serialize a call now and then, not every call)
         assert overlapped >= calls // 2, f"roles overlapped in {overlapped}/{calls} calls"
+
+
+def _tuned_roles(rank, world, cache):
+    import os
+
+    import torch
+
+    import ubep
+    from ubep.plan.costmodel import balance_count_workers
+
+    os.environ["UBEP_TUNING_CACHE"] = cache
+    with ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, backend="shm",
+                     workers=4, timeout_s=60) as buf:
+        out = {}
+        for t in (3, 5):                       # 3 was tuned, 5 was not
+            x = torch.randn(t, 16)
+            idx = torch.stack([torch.randperm(4)[:2] for _ in range(t)])
+            res = buf.dispatch(x, idx, torch.rand(t, 2))
+            out[t] = (res.stats.extra["count_workers"],
+                      balance_count_workers(4, 4, 2, t, ranks=world))
+        return out
+
+
+def test_a_choice_recorded_by_ubep_tune_is_the_one_the_runtime_uses(tmp_path):
+    from ubep import tuning
+    from ubep.plan import Topology
+    from ubep.plan.costmodel import balance_count_workers
+
+    cache = str(tmp_path / "tuning.json")
+    name = Topology.resolve(None, 2).name
+    formula = balance_count_workers(4, 4, 2, 3, ranks=2)
+    tuned = 1 if formula != 1 else 2           # differs from what Eq. 4 would pick
+    tuning.record(name, 4, 4, 3, tuned, latency_us=1.0, source="test", path=tmp_path /
+                  "tuning.json")
+    assert tuning.choices(name, 4, 4, path=tmp_path / "tuning.json") == {3: tuned}
+    for rank_out in run_ranks(_tuned_roles, 2, cache, timeout_s=120):
+        assert rank_out[3][0] == tuned
+        assert rank_out[5][0] == rank_out[5][1]   # no entry: the cost model's own choice

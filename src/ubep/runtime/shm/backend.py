@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 import torch
 
+from ubep import tuning
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
 from ubep.plan import Topology, WorkerMapper
@@ -132,7 +133,9 @@ class ShmBackend:
         else:
             self._path = PoolPath(self.ctx, mapper,
                                   WorkerMapper.of(self.topology, self.rank, self.world,
-                                                  c.schedule))
+                                                  c.schedule),
+                                  tuning.choices(self.topology.name, self.workers,
+                                                 c.num_experts))
 
     # -- bootstrap ---------------------------------------------------------------------------
     def _bootstrap(self, group) -> ShmContext:

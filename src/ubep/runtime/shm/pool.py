@@ -117,9 +117,11 @@ class CombineCall(Call):
 class PoolPath:
     """Dispatch and combine of a rank with `workers` >= 2 threads."""
 
-    def __init__(self, ctx: ShmContext, mapper: WorkerMapper, rank_mapper: WorkerMapper):
+    def __init__(self, ctx: ShmContext, mapper: WorkerMapper, rank_mapper: WorkerMapper,
+                 tuned: dict[int, int] | None = None):
         """`mapper` maps this rank's dispatch sends; `rank_mapper` (one "expert" per rank)
-        maps combine's rows back by source rank."""
+        maps combine's rows back by source rank; `tuned`: count-worker choices `ubep tune`
+        recorded for this topology, worker and expert count, by batch (`ubep.tuning`)."""
         self.ctx = ctx
         self.runner = CallRunner(ctx)
         self.mapper = mapper
@@ -127,10 +129,12 @@ class PoolPath:
         self._d_epoch = 0
         self._c_epoch = 0
         self._n_count: dict[tuple[int, int], int] = {}
+        self._tuned = tuned or {}
 
     def _count_workers(self, num_tokens: int, top_k: int) -> int:
         """Workers in the count role: `config.count_workers`, else the cost model's choice
-        for this batch (`ubep.plan.costmodel`, remembered per (tokens, top-k))."""
+        for this batch (`ubep.plan.costmodel`: the tuned choice for this batch if `ubep tune`
+        recorded one, else Eq. 4; remembered per (tokens, top-k))."""
         c = self.ctx.config
         if c.mode == "bsp":
             return 0
@@ -140,7 +144,8 @@ class PoolPath:
         n = self._n_count.get(key)
         if n is None:
             n = self._n_count[key] = balance_count_workers(
-                self.ctx.workers, c.num_experts, top_k, num_tokens, ranks=self.ctx.world)
+                self.ctx.workers, c.num_experts, top_k, num_tokens, ranks=self.ctx.world,
+                tuned=self._tuned.get(num_tokens))
         return n
 
     def _map(self, idx: np.ndarray, n_tw: int, tj: int) -> tuple[np.ndarray, np.ndarray,
