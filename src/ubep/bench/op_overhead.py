@@ -27,7 +27,10 @@ def _time(fn, iters: int) -> list[float]:
 
 def _decision_ns(buf, x, idx, w, n: int = 200_000) -> list[float]:
     """ns per call of what `Buffer.dispatch` adds before `_dispatch_now` (same code)."""
-    from ubep.buffer import _grad_enabled, _is_compiling
+    import torch
+
+    # the same two calls Buffer makes (buffer.py binds them to module names)
+    _grad_enabled, _is_compiling = torch.is_grad_enabled, torch.compiler.is_compiling
 
     def decide():
         return ((getattr(x, "requires_grad", False) or getattr(w, "requires_grad", False))
