@@ -102,7 +102,7 @@ class MpiSystem:
         pass
 
 
-class AgRsSystem:
+class AgRsSystem(MpiSystem):
     """The AgRs peer (`ubep.bench.agrs_peer`) on the default process group."""
 
     def __init__(self, name: str, cfg: BenchConfig, hidden: int):
@@ -115,18 +115,6 @@ class AgRsSystem:
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         # every rank has the same batch here; vLLM knows all ranks' sizes before the layer
         self._args = (x, topk_idx, topk_weights, x.shape[0])
-
-    def dispatch(self) -> None:
-        self._res = self.peer.dispatch(*self._args)
-
-    def combine(self) -> None:
-        self.peer.combine(self._res.recv_x, self._res)
-
-    def check(self, ref: ReferenceDispatch) -> str | None:
-        return check_dispatch(self.name, self._res, ref)
-
-    def close(self) -> None:
-        pass
 
 
 class CopyBound:
