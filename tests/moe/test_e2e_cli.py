@@ -13,7 +13,8 @@ def test_e2e_command_writes_results(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "TPOT" in out and "gloo" in out
     summary = json.loads((tmp_path / "e2e_summary.json").read_text())
-    assert summary["command"].startswith("ubep e2e --arch qwen3 --size tiny --ranks 2")
+    assert summary["command"].startswith(
+        "ubep e2e --engine ubep --arch qwen3 --size tiny --ranks 2")
     rows = {r["backend"]: r for r in summary["rows"]}
     assert set(rows) == {"unsplit", "gloo"}
     gloo = rows["gloo"]
