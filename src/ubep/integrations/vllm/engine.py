@@ -58,10 +58,12 @@ class EngineRun:
     expert_parallel: bool = False
     all2all_backend: str = "ubep"
     workloads: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    repeats: tuple[int, ...] = ()     # runs of each workload (default 1); TPOT samples
     max_tokens: int = 8
     gpu_memory_utilization: float = 0.1
     max_model_len: int = 256
     timeout_s: float = 900.0
+    bind_cores: bool = True           # DP rank r's compute threads on core r (see _rank_main)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -78,6 +80,13 @@ def _rank_main(run: EngineRun, rank: int, port: int, barrier, out) -> None:
         # told to (our own processes, on this host)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.update(run.env)
+        if run.dp > 1 and run.bind_cores:
+            # vLLM's "auto" binding puts every local DP rank's OMP threads on the same first
+            # core (and reserves the next one): two ranks' models would share one core
+            cores = sorted(os.sched_getaffinity(0))
+            # (one list per local DP rank, "|"-separated, the same string on every rank)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+                str(cores[r % len(cores)]) for r in range(run.dp)))
         if run.dp > 1:
             os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank),
                               VLLM_DP_SIZE=str(run.dp), VLLM_DP_MASTER_IP="127.0.0.1",
@@ -96,7 +105,8 @@ def _generate(run: EngineRun, rank: int, barrier) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=run.model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
         gpu_memory_utilization=run.gpu_memory_utilization, max_model_len=run.max_model_len,
-        max_num_seqs=max([16] + [len(w) for w in run.workloads]), seed=0)
+        max_num_seqs=max([16] + [len(w) for w in run.workloads]), seed=0,
+        disable_log_stats=False)    # per-request engine-core timestamps (TPOT)
     if run.expert_parallel:
         kwargs.update(enable_expert_parallel=True, all2all_backend=run.all2all_backend)
     llm = LLM(**kwargs)
@@ -104,25 +114,24 @@ def _generate(run: EngineRun, rank: int, barrier) -> dict[str, Any]:
         params = SamplingParams(temperature=0.0, max_tokens=run.max_tokens, ignore_eos=True)
         engine = llm.llm_engine
         results = []
-        for prompts in run.workloads:
+        for w, prompts in enumerate(run.workloads):
             tokens: dict[int, list[int]] = {}
-            steps_ms: list[float] = []
-            barrier.wait(timeout=run.timeout_s)
-            for i in range(rank, len(prompts), run.dp):
-                engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(prompts[i])),
-                                   params)
-            step = 0
-            while engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                outs = engine.step()
-                dt = (time.perf_counter() - t0) * 1e3
-                if step > 0:   # step 0 prefills; every later step decodes one token each
-                    steps_ms.append(dt)
-                step += 1
-                for o in outs:
-                    if o.finished:
+            tpot_ms: list[float] = []
+            for _ in range(run.repeats[w] if run.repeats else 1):
+                barrier.wait(timeout=run.timeout_s)
+                for i in range(rank, len(prompts), run.dp):
+                    engine.add_request(str(i), TokensPrompt(prompt_token_ids=list(prompts[i])),
+                                       params)
+                while engine.has_unfinished_requests():
+                    for o in engine.step():
+                        if not o.finished:
+                            continue
                         tokens[int(o.request_id)] = list(o.outputs[0].token_ids)
-            results.append({"tokens": tokens, "steps_ms": steps_ms})
+                        m = o.metrics      # engine-core timestamps of first and last token
+                        if m is not None and m.num_generation_tokens > 1:
+                            tpot_ms.append((m.last_token_ts - m.first_token_ts) * 1e3
+                                           / (m.num_generation_tokens - 1))
+            results.append({"tokens": tokens, "tpot_ms": tpot_ms})
         # a rank with no requests keeps its engine in the DP group until all are done
         barrier.wait(timeout=run.timeout_s)
         moe = llm.collective_rpc(moe_layer_report)
@@ -149,8 +158,16 @@ def moe_layer_report(worker) -> list[dict[str, Any]]:
 
 
 def run_engines(run: EngineRun) -> dict[str, Any]:
-    """Run `run`; return `{"workloads": [{"tokens": {prompt index: ids}, "steps_ms": {rank:
-    [decode step latencies]}} per workload], "moe_layers": {rank: moe_layer_report}}`."""
+    """Run `run`; return `{"workloads": [{"tokens": {prompt index: ids}, "tpot_ms": {rank:
+    [each finished request's time per output token]}} per workload], "moe_layers": {rank:
+    moe_layer_report}}`. TPOT as vLLM's benchmarks define it: (last token - first token) /
+    (tokens - 1), from the engine core's timestamps."""
+    for w, prompts in enumerate(run.workloads):
+        if run.dp > 1 and len(prompts) < run.dp:
+            raise ValueError(
+                f"workload {w} has {len(prompts)} prompts for dp={run.dp}: every DP rank needs "
+                f"one (vLLM's offline DP engines run no dummy forward for an idle rank, so "
+                f"its peer would wait in the MoE exchange)")
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(run.dp), ctx.Queue()
     port = _free_port()
@@ -187,7 +204,7 @@ def run_engines(run: EngineRun) -> dict[str, Any]:
         tokens: dict[int, list[int]] = {}
         for r in results.values():
             tokens.update(r["workloads"][w]["tokens"])
-        workloads.append({"tokens": tokens, "steps_ms": {
-            rank: r["workloads"][w]["steps_ms"] for rank, r in results.items()}})
+        workloads.append({"tokens": tokens, "tpot_ms": {
+            rank: r["workloads"][w]["tpot_ms"] for rank, r in results.items()}})
     return {"workloads": workloads,
             "moe_layers": {r: v["moe_layers"] for r, v in results.items()}}
