@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ def _free_port() -> int:
 
 def _rank_main(run: EngineRun, rank: int, port: int, barrier, out) -> None:
     """One DP rank: build the engine, generate its share of prompts, shut down."""
+    # its own process group: if the rank must be killed, vLLM's engine-core and worker
+    # processes (which inherit the group) go with it instead of being orphaned
+    os.setpgrp()
     try:
         # moe_layer_report is a function sent to vLLM's workers: vLLM pickles it only when
         # told to (our own processes, on this host)
@@ -141,6 +145,18 @@ def _generate(run: EngineRun, rank: int, barrier) -> dict[str, Any]:
         llm.llm_engine.engine_core.shutdown()
 
 
+def _kill_group(proc) -> None:
+    """End a rank's process group (the rank, its engine core, its workers), if any is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        proc.join(timeout=10)
+        if not proc.is_alive() and sig == signal.SIGTERM:
+            time.sleep(1.0)     # let the engine core and workers act on SIGTERM
+
+
 def moe_layer_report(worker) -> list[dict[str, Any]]:
     """In a vLLM worker: each MoE layer's prepare/finalize class and dispatch count."""
     report = []
@@ -196,9 +212,7 @@ def run_engines(run: EngineRun) -> dict[str, Any]:
     finally:
         for p in procs:
             p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            _kill_group(p)
     workloads = []
     for w in range(len(run.workloads)):
         tokens: dict[int, list[int]] = {}
