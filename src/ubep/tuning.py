@@ -3,7 +3,8 @@
 `ubep tune` sweeps the count-worker number in the simulator and records the best one here;
 a caller that plans (the shm runtime's worker pool, once per Buffer; the simulator with
 `--use-tuned`) looks it up and passes it to `ubep.plan.costmodel.choose_count_workers(...,
-tuned=...)`, which prefers it to the formula. `ubep.plan` itself stays pure: the file I/O lives in this module.
+tuned=...)`, which prefers it to the formula. `ubep.plan` itself stays pure: the file I/O
+lives in this module.
 
 The file is JSON at `$UBEP_TUNING_CACHE`, else `~/.cache/ubep/tuning.json`; entries are
 keyed by (topology, workers, experts, batch) and hold the choice, its latency and where
