@@ -39,38 +39,33 @@ ELEM_F32, ELEM_BF16, ELEM_LUT16, ELEM_LUT8 = 0, 1, 2, 3
 
 
 @jit
-def send_back(bases, lay, epoch, rows, src_rank, src_tok, src_slot, lo, hi, cs):
-    """Write expert-output rows [lo, hi) to their source's window at slot token*KMAX + k."""
+def _send_back_row(bases, lay, epoch, rows, src_rank, src_tok, src_slot, i, head, cs):
+    """Write expert-output row i to its source's window at slot token*KMAX + k."""
     bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
     kmax, stride = lay[L_KMAX], lay[L_CSTRIDE]
-    par = epoch & 1
-    head = np.zeros(1, np.uint8)
+    win = lay[L_CWIN_OFF] + (epoch & 1) * lay[L_CSLOTS] * stride
     rb = rows.shape[1]
-    nb = num_blocks(rb, ppb)
-    win = lay[L_CWIN_OFF] + par * lay[L_CSLOTS] * stride
+    s = src_rank[i]
+    slot = src_tok[i] * kmax + src_slot[i]
+    cs[s] += write_record(bases[s] + win + slot * stride, bb, ppb, fmt, head, 0, rows[i], rb,
+                          epoch, slot * num_blocks(rb, ppb))
+
+
+@jit
+def send_back(bases, lay, epoch, rows, src_rank, src_tok, src_slot, lo, hi, cs):
+    """Write expert-output rows [lo, hi) to their sources' windows."""
+    head = np.zeros(1, np.uint8)
     for i in range(lo, hi):
-        s = src_rank[i]
-        slot = src_tok[i] * kmax + src_slot[i]
-        dst = bases[s] + win + slot * stride
-        cs[s] += write_record(dst, bb, ppb, fmt, head, 0, rows[i], rb, epoch, slot * nb)
+        _send_back_row(bases, lay, epoch, rows, src_rank, src_tok, src_slot, i, head, cs)
 
 
 @jit
 def send_back_list(bases, lay, epoch, rows, src_rank, src_tok, src_slot, items, cs):
     """`send_back` of the rows `items` (indices, in that order): a worker's schedule."""
-    bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
-    kmax, stride = lay[L_KMAX], lay[L_CSTRIDE]
-    par = epoch & 1
     head = np.zeros(1, np.uint8)
-    rb = rows.shape[1]
-    nb = num_blocks(rb, ppb)
-    win = lay[L_CWIN_OFF] + par * lay[L_CSLOTS] * stride
     for q in range(items.shape[0]):
-        i = items[q]
-        s = src_rank[i]
-        slot = src_tok[i] * kmax + src_slot[i]
-        dst = bases[s] + win + slot * stride
-        cs[s] += write_record(dst, bb, ppb, fmt, head, 0, rows[i], rb, epoch, slot * nb)
+        _send_back_row(bases, lay, epoch, rows, src_rank, src_tok, src_slot, items[q], head,
+                       cs)
 
 
 @jit

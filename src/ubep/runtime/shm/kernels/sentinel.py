@@ -39,21 +39,25 @@ def arm_sentinels(base, lay):
 
 
 @jit
+def _record_holds_sentinel(x, weights, t, k, bb, head):
+    """Whether (token t, slot k)'s dispatch record holds the sentinel at a marker position."""
+    head.view(np.int32)[0] = t
+    head.view(np.int32)[1] = k
+    head.view(np.float32)[2] = weights[t, k]
+    rb = x.shape[1]
+    for b in range(num_blocks(16 + rb, bb)):
+        if rec_word(head, 16, x[t], rb, b * bb + bb - 8) == SENT:
+            return True
+    return False
+
+
+@jit
 def sp_check_dispatch(x, weights, sends, bb):
     """First send index whose record holds the sentinel at a marker position, else -1."""
     head = np.zeros(16, np.uint8)
-    head_i = head.view(np.int32)
-    head_f = head.view(np.float32)
-    rb = x.shape[1]
-    nb = num_blocks(16 + rb, bb)
     for i in range(sends.shape[0]):
-        t, k = sends[i, 0], sends[i, 1]
-        head_i[0] = t
-        head_i[1] = k
-        head_f[2] = weights[t, k]
-        for b in range(nb):
-            if rec_word(head, 16, x[t], rb, b * bb + bb - 8) == SENT:
-                return i
+        if _record_holds_sentinel(x, weights, sends[i, 0], sends[i, 1], bb, head):
+            return i
     return -1
 
 
@@ -75,19 +79,9 @@ def sp_check_routing(x, idx, weights, bb):
     """First token whose record for some routed slot holds the sentinel at a marker
     position, else -1 (checked before any worker sends: `sp_check_dispatch` without a plan)."""
     head = np.zeros(16, np.uint8)
-    head_i = head.view(np.int32)
-    head_f = head.view(np.float32)
-    rb = x.shape[1]
-    nb = num_blocks(16 + rb, bb)
     t_n, k_n = idx.shape
     for t in range(t_n):
         for k in range(k_n):
-            if idx[t, k] < 0:
-                continue
-            head_i[0] = t
-            head_i[1] = k
-            head_f[2] = weights[t, k]
-            for b in range(nb):
-                if rec_word(head, 16, x[t], rb, b * bb + bb - 8) == SENT:
-                    return t
+            if idx[t, k] >= 0 and _record_holds_sentinel(x, weights, t, k, bb, head):
+                return t
     return -1
