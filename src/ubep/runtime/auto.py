@@ -33,26 +33,19 @@ def host_memory_key(shm_dir: str = SHM_DIR) -> tuple | None:
 def shm_bytes_needed(config: BufferConfig, workers: int) -> int:
     """Bytes one rank's shm segment takes for `config` with `workers` worker threads."""
     from ubep.plan.blocks import BlockFormat
-    from ubep.runtime.shm.region import D_END, L_SIZE, direct_layout, region_layout
+    from ubep.runtime.shm.region import segment_layouts
 
-    c = config
-    lay = region_layout(
-        world=c.world_size, experts_per_rank=c.experts_per_rank, max_workers=workers,
-        hidden=1 if c.direct else c.hidden, max_tokens=1 if c.direct else c.max_tokens_per_rank,
-        max_top_k=c.max_top_k, fmt=BlockFormat(c.sync, c.block_bytes))
-    if not c.direct:
-        return int(lay[L_SIZE])
-    return int(direct_layout(start=int(lay[L_SIZE]), world=c.world_size,
-                             num_experts=c.num_experts, hidden=c.hidden,
-                             max_tokens=c.max_tokens_per_rank, max_top_k=c.max_top_k)[D_END])
+    return segment_layouts(config, max_workers=workers,
+                           fmt=BlockFormat(config.sync, config.block_bytes))[2]
 
 
 def _shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
+    from ubep.runtime.shm.segments import shm_free_bytes
+
     try:
-        st = os.statvfs(shm_dir)
+        return shm_free_bytes(shm_dir)
     except OSError:
         return 0
-    return st.f_bavail * st.f_frsize
 
 
 def choose_backend(config: BufferConfig, group) -> tuple[str, str]:

@@ -35,7 +35,7 @@ from ubep.runtime.shm.kernels.sentinel import arm_sentinels
 from ubep.runtime.shm.kernels.warmup import warm_up, warm_up_direct
 from ubep.runtime.shm.pool import PoolPath
 from ubep.runtime.shm.protocol import SentinelAbort, ShmProtocolError
-from ubep.runtime.shm.region import D_END, L_SIZE, direct_layout, region_layout
+from ubep.runtime.shm.region import region_layout, segment_layouts
 from ubep.runtime.shm.single import SinglePath
 from ubep.runtime.shm.waits import now_us
 from ubep.runtime.shm.workers import WorkerPool
@@ -62,7 +62,6 @@ class _Resources:
         self.peers: list = []
         self.views: list = []
         self.pool: WorkerPool | None = None
-        self.peer_names: list[str] = []
 
     def release(self) -> None:
         if self.pool is not None:
@@ -165,15 +164,7 @@ class ShmBackend:
                 f"use backend='torch' across hosts")
         max_workers = max(int(i[1]) for i in infos)
         job = infos[0][2] or "job"
-        lay = region_layout(   # direct: the windows are not used, keep them minimal
-            world=self.world, experts_per_rank=c.experts_per_rank, max_workers=max_workers,
-            hidden=1 if c.direct else c.hidden, max_tokens=1 if c.direct else
-            c.max_tokens_per_rank, max_top_k=c.max_top_k, fmt=self.fmt)
-        dlay = direct_layout(
-            start=int(lay[L_SIZE]), world=self.world, num_experts=c.num_experts,
-            hidden=c.hidden, max_tokens=c.max_tokens_per_rank, max_top_k=c.max_top_k) \
-            if c.direct else None
-        size = int(dlay[D_END]) if c.direct else int(lay[L_SIZE])
+        lay, dlay, size = segment_layouts(c, max_workers=max_workers, fmt=self.fmt)
         segments.sweep_stale()
         name = segments.segment_name(job, self.buffer_id, self.rank)
         failure = None
@@ -184,7 +175,6 @@ class ShmBackend:
             failure = (type(e).__name__, str(e), getattr(e, "available", 0))
         names = exchange((name, failure), "segments")
         _raise_if_any_failed(names, size, self.world)
-        res.peer_names = [n for n, _ in names]
         bases = np.zeros(self.world, np.int64)
         segs = []
         for r, (n, _) in enumerate(names):

@@ -128,3 +128,23 @@ def direct_layout(*, start: int, world: int, num_experts: int, hidden: int, max_
     lay[:] = [counts_off, cw, ready_off, meta_off, recv_off, comb_off, max_recv, area, off,
               done_off]
     return lay
+
+
+def segment_layouts(config, *, max_workers: int,
+                    fmt: BlockFormat) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """A rank's `(L_* layout, D_* layout or None, segment bytes)` for a Buffer `config`.
+
+    With `direct=True` the windows are not used and are kept minimal. The one place the
+    segment's size is decided: the shm backend creates it, `backend="auto"` checks it fits.
+    """
+    c = config
+    lay = region_layout(
+        world=c.world_size, experts_per_rank=c.experts_per_rank, max_workers=max_workers,
+        hidden=1 if c.direct else c.hidden, max_tokens=1 if c.direct else c.max_tokens_per_rank,
+        max_top_k=c.max_top_k, fmt=fmt)
+    if not c.direct:
+        return lay, None, int(lay[L_SIZE])
+    dlay = direct_layout(start=int(lay[L_SIZE]), world=c.world_size, num_experts=c.num_experts,
+                         hidden=c.hidden, max_tokens=c.max_tokens_per_rank,
+                         max_top_k=c.max_top_k)
+    return lay, dlay, int(dlay[D_END])
