@@ -208,8 +208,12 @@ def test_a_corrupted_dc_checksum_is_reported_at_the_deadline(phase):
 def _other_host(rank, world):
     import socket
 
-    if rank == 1:
+    from ubep.runtime.shm import segments
+
+    if rank == 1:      # another host: another name, and another kernel's /dev/shm
         socket.gethostname = lambda: "elsewhere"
+        key = segments.host_memory_key()
+        segments.host_memory_key = lambda: ("another boot", *key[1:])
     try:
         _buffer()
     except ValueError as e:

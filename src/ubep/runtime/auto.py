@@ -10,24 +10,11 @@ on the answer because they decide from the same gathered facts.
 
 from __future__ import annotations
 
-import os
-
 from ubep.options import BufferConfig
 from ubep.runtime.bootstrap import exchange
+from ubep.runtime.shm.segments import SHM_DIR, host_memory_key
 
-SHM_DIR = "/dev/shm"
-
-
-def host_memory_key(shm_dir: str = SHM_DIR) -> tuple | None:
-    """What identifies the shared memory this process maps: (boot id, device, inode) of
-    `shm_dir`, or None where there is none (not Linux, no /dev/shm)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        st = os.stat(shm_dir)
-    except OSError:
-        return None
-    return (boot, st.st_dev, st.st_ino)
+__all__ = ["choose_backend", "host_memory_key", "shm_bytes_needed", "SHM_DIR"]
 
 
 def shm_bytes_needed(config: BufferConfig, workers: int) -> int:

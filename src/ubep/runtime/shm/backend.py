@@ -156,12 +156,16 @@ class ShmBackend:
         if c.direct:
             warm_up_direct()
         infos = exchange((socket.gethostname(), self.workers,
-                          os.environ.get("UBEP_JOB_ID", "")), "hosts")
-        hosts = sorted({i[0] for i in infos})
-        if len(hosts) > 1:
+                          os.environ.get("UBEP_JOB_ID", ""), segments.host_memory_key()),
+                         "hosts")
+        # one shared memory (boot id, /dev/shm mount), not one hostname: containers sharing
+        # the host's IPC namespace have hostnames of their own
+        if None in {i[3] for i in infos} or len({i[3] for i in infos}) > 1:
+            hosts = sorted({i[0] for i in infos})
             raise ValueError(
-                f"backend='shm' needs every rank on one host, but the group spans {hosts}; "
-                f"use backend='torch' across hosts")
+                f"backend='shm' needs every rank on one host, mapping the same /dev/shm, but "
+                f"the group's ranks (on {hosts}) do not share one; use backend='torch' "
+                f"across hosts")
         max_workers = max(int(i[1]) for i in infos)
         job = infos[0][2] or "job"
         lay, dlay, size = segment_layouts(c, max_workers=max_workers, fmt=self.fmt)

@@ -43,6 +43,19 @@ CREATING_GRACE_S = 60.0
 _LOCK_WAIT_S = 5.0
 
 
+def host_memory_key(shm_dir: str = SHM_DIR) -> tuple | None:
+    """What identifies the shared memory this process maps: (boot id, device, inode) of
+    `shm_dir`, or None where there is none (not Linux, no /dev/shm). Ranks with equal keys
+    share it, whatever their hostnames (containers with `--ipc=host`) or PID namespaces."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat(shm_dir)
+    except OSError:
+        return None
+    return (boot, st.st_dev, st.st_ino)
+
+
 def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
     """Bytes an unprivileged process may still allocate in `shm_dir`."""
     st = os.statvfs(shm_dir)
