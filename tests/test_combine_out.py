@@ -46,6 +46,34 @@ def test_combine_out_matches_reference(backend):
         check_case(case, [per_rank[r][i] for r in range(2)])
 
 
+def _combine_into_contiguous_out(rank, world, kw, cases):
+    """A row-major `out` (what vLLM passes): the one-worker path sums straight into it."""
+    outs = []
+    for case in cases:
+        with ubep.Buffer(num_experts=case.num_experts, hidden=case.hidden,
+                         max_tokens_per_rank=max(case.tokens), backend="shm", **kw) as buf:
+            x, idx, w = case.inputs(rank)
+            res = buf.dispatch(x, idx, w)
+            out = torch.full((case.tokens[rank], case.hidden), 7.0, dtype=case.torch_dtype())
+            got = buf.combine(expert_fn(res.recv_x), res.handle, weighted=case.weighted, out=out)
+            if got is not out:
+                raise AssertionError("combine(out=) must return out itself")
+            outs.append({"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
+                         "tokens_per_expert": res.tokens_per_expert,
+                         "recv_src_rank": res.recv_src_rank,
+                         "recv_src_token": res.recv_src_token,
+                         "recv_src_slot": res.recv_src_slot, "y": out.clone()})
+    return outs
+
+
+@pytest.mark.parametrize("kw", [dict(workers=1), dict(workers=2), dict(direct=True)],
+                         ids=["one-worker", "pool", "direct"])
+def test_contiguous_out_on_every_shm_path(kw):
+    per_rank = run_ranks(_combine_into_contiguous_out, 2, kw, _CASES, timeout_s=180)
+    for i, case in enumerate(_CASES):
+        check_case(case, [per_rank[r][i] for r in range(2)])
+
+
 @pytest.fixture()
 def buf(single_rank_group):
     with ubep.Buffer(num_experts=4, hidden=8, max_tokens_per_rank=4) as b:

@@ -317,14 +317,12 @@ class Buffer:
                 check_combine_out(out, num_tokens=handle.num_tokens, hidden=handle.hidden,
                                   dtype=rows.dtype, device=rows.device)
             try:
-                res = self._backend.combine(rows, handle, bool(weighted))
+                res = self._backend.combine(rows, handle, bool(weighted), out)
             except BaseException as e:
                 self._failed(e)
                 raise
             self.last_stats = res.stats
-            if out is None:
-                return res.y
-            return out.copy_(res.y)
+            return res.y
 
     def get_combine_buffer(self, handle: DispatchHandle,
                            dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -23,7 +23,9 @@ class Backend(Protocol):
                  call: int) -> DispatchResult: ...
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
-                weighted: bool) -> CombineResult: ...
+                weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
+        """`out`: where y goes (checked by `Buffer`); a backend sums straight into it
+        where it can, and returns it as `y`."""
 
     def close(self) -> None: ...
 

@@ -226,7 +226,7 @@ class TorchBackend:
                                    tokens_per_expert, handle, stats)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
-                weighted: bool) -> CombineResult:
+                weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
         st: _TorchState = handle.state
         num_recv, hidden = expert_out.shape
         dtype, device = expert_out.dtype, expert_out.device
@@ -235,10 +235,10 @@ class TorchBackend:
         # work buffer: [rows returned to this rank | own rows | zero row | rows to send back]
         back, own, nret = st.num_back, st.num_own, st.num_return
         work = self._buffer("combine", back + own + 1 + nret, row_bytes, device)
-        out = expert_out.view(torch.uint8).view(num_recv, row_bytes)
+        raw = expert_out.view(torch.uint8).view(num_recv, row_bytes)
         to_send = work[back + own + 1:]
-        torch.index_select(out, 0, st.to_source_major[:nret], out=to_send)
-        torch.index_select(out, 0, st.to_source_major[nret:], out=work[back:back + own])
+        torch.index_select(raw, 0, st.to_source_major[:nret], out=to_send)
+        torch.index_select(raw, 0, st.to_source_major[nret:], out=work[back:back + own])
         work[back + own].zero_()
         t1 = _now_us()
         dist.all_to_all_single(work[:back], to_send, st.rows_per_dest, st.rows_per_src,
@@ -252,7 +252,8 @@ class TorchBackend:
         w = st.slot_weight if weighted else (st.slot_row.cpu().numpy() < back + own)
         w = torch.from_numpy(np.asarray(w, dtype=np.float32)).to(device)
         num_tokens, top_k = st.slot_row.shape
-        y = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
+        y = out if out is not None else torch.empty(num_tokens, hidden, dtype=dtype,
+                                                    device=device)
         chunk = max(1, _REDUCE_CHUNK_BYTES // (4 * top_k * hidden))
         for t in range(0, num_tokens, chunk):
             e = min(num_tokens, t + chunk)

@@ -228,7 +228,7 @@ class ShmBackend:
             raise
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
-                weighted: bool) -> CombineResult:
+                weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
         """Run a path's combine (`in_step` as in `dispatch`)."""
         if self._closed:
             self._check_open("combine")
@@ -238,7 +238,7 @@ class ShmBackend:
             if why:
                 raise ValueError(why)
         try:
-            return self._path.combine(expert_out, handle, weighted, t0)
+            return self._path.combine(expert_out, handle, weighted, t0, out)
         except SentinelAbort:
             self.in_step = False
             raise

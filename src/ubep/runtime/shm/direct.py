@@ -247,7 +247,7 @@ class DirectPath:
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
-                t0: float) -> CombineResult:
+                t0: float, dest: torch.Tensor | None = None) -> CombineResult:
         b = self.ctx
         if handle.call != self._last_call:
             raise ValueError("handle is not from this Buffer's latest dispatch; with "
@@ -298,6 +298,8 @@ class DirectPath:
             out = torch.from_numpy(y)
         else:
             out = cast_rows(y, dtype)
+        if dest is not None:
+            out = dest.copy_(out)
         t2 = now_us()
         stats = DeferredStats.of(self._combine_stats, (t0, t1, t2), ivs, copied, idx, rb, epoch)
         return new_combine_result(out, stats)

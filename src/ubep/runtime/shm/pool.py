@@ -362,7 +362,7 @@ class PoolPath:
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
-                t0: float) -> CombineResult:
+                t0: float, out: torch.Tensor | None = None) -> CombineResult:
         ctx = self.ctx
         c = ctx.config
         world = ctx.world
@@ -395,6 +395,8 @@ class PoolPath:
         else:
             self.runner.run(cl, lambda j: self._combine_ubep(cl, j))
         y = cast_rows(cl.y, dtype)
+        if out is not None:
+            y = out.copy_(y)
         t1 = now_us()
         stats = self._stats("combine", cl, t0, t1, rows.shape[1], n_recv,
                             int((idx >= 0).sum()),

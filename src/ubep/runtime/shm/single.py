@@ -121,7 +121,7 @@ class SinglePath:
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
-                t0: float) -> CombineResult:
+                t0: float, dest: torch.Tensor | None = None) -> CombineResult:
         """Rows back in one kernel entry, then sum (and round to bf16) in the poll. fp32 sums
         land in the output itself, bf16 ones in kept scratch; by address."""
         ctx = self.ctx
@@ -136,8 +136,10 @@ class SinglePath:
         deadline = ctx.deadline()
         hello, got, batch, base, lay = self._hello, self._got, self._batch, ctx.base, ctx.lay
         out = None
+        # the kernels write by address: a caller's row-major `dest` takes the sums directly
+        into = dest if dest is not None and dest.is_contiguous() else None
         if dtype is torch.float32:                     # sum in place, no cast
-            out = torch.empty(num_tokens, hidden, dtype=dtype)
+            out = into if into is not None else torch.empty(num_tokens, hidden, dtype=dtype)
             y_addr = out.data_ptr()
         bad = KS.combine_begin_at(ctx.bases, lay, ctx.rank, epoch, expert_out.data_ptr(),
                                   n_recv, rb, ints, elem, self._cs, self._bsp,
@@ -147,7 +149,7 @@ class SinglePath:
         t1 = now_us()
         cast, out_addr = KS.CAST_NONE, 0
         if dtype is torch.bfloat16:                   # the poll rounds into it once complete
-            out = torch.empty(num_tokens, hidden, dtype=dtype)
+            out = into if into is not None else torch.empty(num_tokens, hidden, dtype=dtype)
             cast, out_addr = KS.CAST_BF16, out.data_ptr()
         done = np.zeros(num_tokens, np.uint8)
         bsp, weighted = self._bsp, bool(weighted)
@@ -165,6 +167,8 @@ class SinglePath:
             check_peers_meta(hello, elem, ctx.rank, "combine")
         if out is None:                                # fp16, fp8: rare, cast by torch/numpy
             out = cast_rows(self._y[:num_tokens * hidden].reshape(num_tokens, hidden), dtype)
+        if dest is not None and out is not dest:
+            out = dest.copy_(out)
         t2 = now_us()
         stats = DeferredStats.of(_combine_stats, ctx.config, ctx.fmt, ctx.rank, (t0, t1, t2),
                                  n_recv, routed, rb, epoch)
