@@ -71,9 +71,16 @@ def test_hierarchical_spreads_every_hop_class_evenly(case):
     counts = plan.hop_counts()
     for h in range(topo.num_hop_classes):
         assert counts[:, h].max(initial=0) <= math.ceil(per_class[h] / n)
-    # within a worker, the farthest sends go first
+    # within a worker, every hop class is spread over the send order in proportion: in any
+    # prefix of L sends, class h has L * m_h / m of them, give or take (H + 1) / 2
+    H = topo.num_hop_classes
     for hops in plan.worker_hops:
-        assert (np.diff(hops) <= 0).all()
+        m = hops.shape[0]
+        if m == 0:
+            continue
+        seen = np.cumsum(hops[:, None] == np.arange(H)[None, :], axis=0)   # [m, H]
+        want = np.arange(1, m + 1)[:, None] * seen[-1][None, :] / m
+        assert np.abs(seen - want).max() <= (H + 1) / 2 + 1e-9
 
 
 @SETTINGS
@@ -97,15 +104,20 @@ def test_slice_starts_found_by_quaternary_search_match_the_slices(case, schedule
                      schedule=schedule)
     experts, offsets, steps = plan.slice_starts()
     assert steps <= math.ceil(math.log(num_experts + 1, 4) - 1e-9)
+    S = plan.segment_sizes.shape[1]
     for j in range(plan.token_workers):
-        start = 0
-        for s in range(plan.segment_sizes.shape[1]):
+        # slice s of a hierarchical worker holds its sends of hop class H - 1 - s (farthest
+        # first), interleaved with the other slices; balanced has one slice
+        hops = plan.worker_hops[j]
+        for s in range(S):
             size = plan.segment_sizes[j, s]
+            mine = (np.flatnonzero(hops == topo.num_hop_classes - 1 - s) if S > 1
+                    else np.arange(len(hops)))
+            assert mine.shape[0] == size
             if size:
-                assert plan.worker_experts[j][start] == experts[j, s]
-                assert plan.worker_window_pos[j][start] == offsets[j, s]
-            start += size
-        assert start == len(plan.worker_sends[j])
+                assert plan.worker_experts[j][mine[0]] == experts[j, s]
+                assert plan.worker_window_pos[j][mine[0]] == offsets[j, s]
+        assert plan.segment_sizes[j].sum() == len(plan.worker_sends[j])
 
 
 @SETTINGS

@@ -8,7 +8,8 @@ paper's cores do (each computes its own slice, nobody waits for a central plan):
    the total (balanced) or the token ranges (static) — closed form, O(hop classes * n);
 3. `map_worker`: where worker j's slices start and end (`quaternary_search` on the prefix
    sums of the counts in the schedule's expert order: which expert, which offset), then
-   one pass over the routing that keeps worker j's (token, slot) pairs, in send order.
+   one pass over the routing that keeps worker j's (token, slot) pairs, in send order
+   (hierarchical: its slices interleaved in proportion, `interleave`).
 
 Why compiled: `make_plan` runs on every dispatch, and the runtime's workers run the mapper
 on theirs. The numpy path (`schedule.py`) needs ~30 array calls, ~100-300 µs per plan on a
@@ -162,6 +163,33 @@ def class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
 
 
 @_jit
+def interleave(sizes, j):  # pragma: no cover - compiled
+    """Worker j's send order: `perm[i]` = where the i-th send of its slices (concatenated
+    row by row, farthest class first) goes. The slices are merged by
+    `(2q + 1) / (2 size)` (the q-th of a slice's `size` sends), ties to the farther class:
+    `ubep.plan.schedule.interleave_keys`, the documented reference."""
+    h_n = sizes.shape[1]
+    m = 0
+    for r in range(h_n):
+        m += sizes[j, r]
+    perm = np.empty(m, np.int64)
+    used = np.zeros(h_n, np.int64)
+    start = np.zeros(h_n, np.int64)
+    for r in range(1, h_n):
+        start[r] = start[r - 1] + sizes[j, r - 1]
+    for step in range(m):
+        best, key = -1, 0.0
+        for r in range(h_n):
+            if used[r] < sizes[j, r]:
+                k = (2 * used[r] + 1) / (2 * sizes[j, r])
+                if best < 0 or k < key:
+                    best, key = r, k
+        perm[start[best] + used[best]] = step
+        used[best] += 1
+    return perm
+
+
+@_jit
 def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind, n,
                num_hop_classes, j):  # pragma: no cover - compiled
     """Worker j's sends, in its send order: `(sends [m, 3] (token, slot, destination rank),
@@ -180,6 +208,7 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
     order, prefix, seen = ws[3], ws[4], ws[5]  # ... from its list position land[e]
     t_lo, t_hi = 0, t_n
     m = 0
+    perm = np.empty(0, np.int64)               # HIERARCHICAL: slice order -> send order
     if kind == STATIC:
         t_lo, t_hi = (j * t_n) // n, ((j + 1) * t_n) // n
         for t in range(t_lo, t_hi):
@@ -193,7 +222,7 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
         for q in range(num_experts):           # inclusive prefix sums in the schedule's order
             acc += counts[order[q]]
             prefix[q] = acc
-        if n == 1:                             # one worker: every slice is its own
+        if n == 1 and kind != HIERARCHICAL:    # one worker: every slice is its own
             for q in range(num_experts):
                 e = order[q]
                 hi_e[e], land[e] = counts[e], prefix[q] - counts[e]
@@ -215,6 +244,8 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
                     b = last - before + 1 if q == q1 else counts[e]
                     lo_e[e], hi_e[e], land[e] = a, b, m
                     m += b - a
+            if kind == HIERARCHICAL:
+                perm = interleave(sizes, j)
     sends = np.empty((m, 3), np.int64)
     experts = np.empty(m, np.int64)
     window_pos = np.empty(m, np.int64)
@@ -234,6 +265,8 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
                 i += 1
             elif w >= lo_e[e] and w < hi_e[e]:
                 p = land[e] + w - lo_e[e]
+                if kind == HIERARCHICAL:
+                    p = perm[p]
             else:
                 continue
             d = e // experts_per_rank
@@ -311,9 +344,12 @@ def plan_kernel(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert,
         shift = np.empty(n_sends, np.int64)      # S position -> final position
         for j in range(n):
             land = offsets[j]
+            perm = interleave(sizes, j) if kind == HIERARCHICAL else np.empty(0, np.int64)
             for r in range(targets.shape[1]):
                 for q in range(sizes[j, r]):
-                    shift[targets[j, r] + q] = land + q
+                    i = land - offsets[j] + q
+                    shift[targets[j, r] + q] = offsets[j] + (perm[i] if kind == HIERARCHICAL
+                                                             else i)
                 land += sizes[j, r]
         for i in range(n_sends):
             pos[i] = shift[first[exp[i]] + wpos[i]]

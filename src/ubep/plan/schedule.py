@@ -11,12 +11,14 @@ offsets into it. All three are vectorized numpy; none loops over sends in Python
 * hierarchical (docs/design.md §2.2): experts are remapped to hop-class-major order (farthest
   class first; inside a class rotated to start after the planning rank), i.e. the sends
   form a virtual matrix with one row per hop class; each row is cut into `n` token-level
-  equal slices and worker j takes slice j of every row, so
-  reading the matrix column-wise (a logical transposition) gives each worker the same mix
-  of near and far sends. Every worker gets `floor` or `ceil` of `N / n` sends and at most
-  `ceil(V_h / n)` of the `V_h` sends of hop class h: the remainders of the rows are dealt
-  out cyclically, continuing from row to row. A worker finds where each of its slices
-  starts (expert and offset) with the quaternary search (`slice_starts`).
+  equal slices and worker j takes slice j of every row. Every worker gets `floor` or
+  `ceil` of `N / n` sends and at most `ceil(V_h / n)` of the `V_h` sends of hop class h:
+  the remainders of the rows are dealt out cyclically, continuing from row to row. Reading
+  the matrix column-wise (the logical transposition) is also each worker's send order: its
+  slices are interleaved in proportion (`interleave_keys`), so near rows go out while far
+  rows are in flight and every worker loads each tier of the fabric evenly over time,
+  instead of all workers sending their far rows first at once. A worker finds where each
+  of its slices starts (expert and offset) with the quaternary search (`slice_starts`).
 """
 
 from __future__ import annotations
@@ -124,14 +126,25 @@ def expert_layout(hop_of_rank: np.ndarray, experts_per_rank: int, rank: int = -1
     return layout
 
 
+def interleave_keys(q: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Where the q-th of `size` sends of one slice falls in its worker's send order, as a
+    fraction: the middle of its share, `(2q + 1) / (2 size)`. A worker sends its slices
+    merged by this key (ties: the farther class first), so each hop class is spread over
+    the whole list in proportion to its size. Exact for equal fractions (IEEE division is
+    correctly rounded), so `fastplan` computes the same order."""
+    return (2 * q + 1) / (2 * size)
+
+
 def schedule_hierarchical(expert: np.ndarray, layout: ExpertLayout, n: int,
                           num_hop_classes: int) -> Schedule:
-    """Per hop class, equal token-level slices; worker j takes slice j of every class."""
+    """Per hop class, equal token-level slices; worker j takes slice j of every class and
+    sends them interleaved in proportion (`interleave_keys`)."""
     hop_of_expert, expert_order = layout.hop_of_expert, layout.expert_order
     # class-major, then expert, then token (small int keys: numpy radix-sorts them)
     by_class = np.argsort(layout.rank_of_expert[expert], kind="stable")
     # sends per class, farthest class first (the row order of the virtual matrix)
     per_class = np.bincount(hop_of_expert[expert], minlength=num_hop_classes)[::-1]
+    H = per_class.shape[0]
     base, extra = np.divmod(per_class, n)
     # deal each row's remainder cyclically, continuing where the previous row stopped
     first = (np.cumsum(extra) - extra) % n
@@ -141,12 +154,14 @@ def schedule_hierarchical(expert: np.ndarray, layout: ExpertLayout, n: int,
     per_worker = sizes.sum(axis=0)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(per_worker, out=offsets[1:])
-    # slice (h, j) lands after worker j's slices of the farther classes: a scatter, no sort
-    lands = offsets[None, :-1] + np.cumsum(sizes, axis=0) - sizes                    # [H, n]
-    shift = np.repeat((lands - targets).ravel(), sizes.ravel())
-    order = np.empty_like(by_class)
-    order[np.arange(shift.shape[0]) + shift] = by_class
-    return Schedule(order, offsets, expert_order, targets.T.astype(np.int64),
+    # the sends in class-major order lie slice by slice, (row h, worker j) row-major: each
+    # one's row, worker and index inside its slice; then merge every worker's slices
+    flat = sizes.ravel()
+    row = np.repeat(np.repeat(np.arange(H), n), flat)
+    worker = np.repeat(np.tile(j, H), flat)
+    q = np.arange(by_class.shape[0]) - np.repeat(targets.ravel(), flat)
+    merged = np.lexsort((row, interleave_keys(q, np.repeat(flat, flat)), worker))
+    return Schedule(by_class[merged], offsets, expert_order, targets.T.astype(np.int64),
                     sizes.T.astype(np.int64))
 
 
