@@ -1,34 +1,158 @@
-"""The host model: constants in, predictions out (no bench run here: that is
-`ubep simulate --validate-host`, a benchmark, not a test)."""
+"""The host model from first principles: its microbenchmark table, the passes each path makes
+over rows, footprints, faulted pages, per-call overheads. No bench run and no timed
+assertion here (`ubep simulate --validate-host` is a benchmark, not a test)."""
+
+import math
 
 import pytest
 
-from ubep.sim import host
+from ubep.sim import host, hostbench
+from ubep.sim.hostbench import CopyTable
+
+R = host.HIDDEN * host.BYTES_PER_ELEMENT
 
 
-def test_host_predictions_grow_with_payload_and_direct_copies_once():
-    p = host.host_params(copy_GBps=8.0, flag_rtt_us=0.2)
+def flat_table(ns: float = 0.05, touch_ns: float = 1.0) -> CopyTable:
+    """Every pass costs `ns` per byte at every footprint (first touch: `touch_ns`)."""
+    fps = (1 << 16, 1 << 20, 1 << 24, 1 << 28)
+    return CopyTable(R, fps, {(p, n): (touch_ns if p == "first_touch" else ns,) * len(fps)
+                              for p in hostbench.PASSES for n in (1, 2)})
+
+
+def cache_table() -> CopyTable:
+    """A cache-like table: cheap up to 4 MiB, four times dearer from 32 MiB on."""
+    fps = (1 << 16, 1 << 22, 1 << 25, 1 << 28)
+    return CopyTable(R, fps, {(p, n): (0.02, 0.02, 0.08, 0.08) for p in hostbench.PASSES
+                              for n in (1, 2)})
+
+
+def test_table_reproduces_its_points_interpolates_and_never_gets_cheaper_with_footprint():
+    fps = (1 << 16, 1 << 20, 1 << 24)
+    noisy = CopyTable(R, fps, {("copy", 2): (0.02, 0.06, 0.05)})   # a dip: timing noise
+    assert noisy.cost_ns_per_byte("copy", 1 << 16) == pytest.approx(0.02)
+    assert noisy.cost_ns_per_byte("copy", 1 << 20) == pytest.approx(0.06)
+    assert noisy.cost_ns_per_byte("copy", 1 << 24) == pytest.approx(0.06)   # running max
+    assert noisy.cost_ns_per_byte("copy", 1 << 18) == pytest.approx(0.04)   # log-linear
+    assert noisy.cost_ns_per_byte("copy", 10) == pytest.approx(0.02)        # clamped
+    assert noisy.cost_ns_per_byte("copy", 1 << 30) == pytest.approx(0.06)
+    grid = [1 << k for k in range(10, 32)]
+    costs = [cache_table().cost_ns_per_byte("record_read", f) for f in grid]
+    assert costs == sorted(costs)
+    t = cache_table()
+    assert CopyTable.from_dict(t.to_dict()) == t
+
+
+def test_footprints_count_the_buffers_each_path_cycles_through():
+    b = 16
+    rows = b * host.TOP_K
+    direct = host.footprint_bytes("shm-direct", b)
+    assert direct == b * R + rows * (R + 16) + b * host.HIDDEN * 4 + b * R
+    single = host.footprint_bytes("shm-ubep", b)
+    assert single == host.footprint_bytes("shm-bsp", b)          # the same one-worker path
+    # windows of both parities (header + row as tff blocks, and the row alone) + recv_x
+    wire_d, wire_c = hostbench.record_wire_bytes(R), hostbench.record_wire_bytes(R, 0)
+    assert single - direct == 2 * rows * (wire_d + wire_c) - 16 * rows
+    for s in host.SYSTEMS:
+        fp = [host.footprint_bytes(s, b) for b in (1, 8, 16, 128)]
+        assert fp == sorted(fp) and fp[-1] == 128 * fp[0]
+
+
+def test_direct_dispatch_costs_its_rows_once_at_the_tables_price():
+    ns, rtt = 0.05, 0.2
+    for b in (1, 8, 16, 128):
+        p = host.call_params("shm-direct", "dispatch", host.HIDDEN, b, flat_table(ns), rtt)
+        got = host.predict("shm-direct", "dispatch", host.HIDDEN, b, p)
+        rows = b * host.TOP_K                       # uniform over 2 ranks: each sends b*k
+        assert got == pytest.approx(rows * R * ns / 1e3, rel=0.03, abs=2 * rtt), b
+
+
+def test_one_worker_dispatch_writes_then_reads_every_row():
+    """send all rows as records, then read each received one out: two passes, serial."""
+    ns, rtt = 0.05, 0.2
+    for system in ("shm-ubep", "shm-bsp"):
+        p = host.call_params(system, "dispatch", host.HIDDEN, 128, flat_table(ns), rtt)
+        got = host.predict(system, "dispatch", host.HIDDEN, 128, p)
+        rows = 128 * host.TOP_K
+        assert got == pytest.approx(2 * rows * R * ns / 1e3, rel=0.05), system
+
+
+def test_combine_adds_the_passes_over_the_sums():
+    ns, rtt, b = 0.05, 0.2, 16
+    sums = b * host.HIDDEN * 4
     for system in host.SYSTEMS:
-        lat = [host.predict(system, "dispatch", host.HIDDEN, b, p) for b in host.BATCHES]
-        assert lat == sorted(lat) and lat[0] > 0, (system, lat)
-    ubep = host.predict("shm-ubep", "dispatch", host.HIDDEN, 128, p)
-    direct = host.predict("shm-direct", "dispatch", host.HIDDEN, 128, p)
-    rows = 128 * host.TOP_K * host.HIDDEN * 2
-    assert direct < ubep                             # one copy instead of two
-    assert direct >= rows / (8.0 * 1e3)               # at least one copy of its rows
+        d = host.call_params(system, "dispatch", host.HIDDEN, b, flat_table(ns), rtt)
+        c = host.call_params(system, "combine", host.HIDDEN, b, flat_table(ns), rtt)
+        assert c.launch_us - d.launch_us == pytest.approx(len(host.SUM_PASSES) * sums * ns
+                                                          / 1e3)
 
 
-def test_per_call_overhead_is_what_the_model_leaves_unexplained():
-    p = host.host_params(copy_GBps=8.0, flag_rtt_us=0.2)
+def test_predictions_grow_with_batch_and_direct_is_cheapest():
+    for table in (flat_table(), cache_table()):
+        for op in ("dispatch", "combine"):
+            lat = {s: [host.predict(s, op, host.HIDDEN, b,
+                                    host.call_params(s, op, host.HIDDEN, b, table, 0.2))
+                       for b in host.BATCHES] for s in host.SYSTEMS}
+            for s, v in lat.items():
+                assert v == sorted(v) and v[0] > 0, (s, op, v)
+            assert all(d < u for d, u in zip(lat["shm-direct"], lat["shm-ubep"]))
+
+
+def test_a_footprint_past_the_cache_costs_the_dearer_bytes():
+    """The cache table is 4x dearer from 32 MiB: the batch-128 one-worker call (80+ MB)
+    costs what it costs where every byte is dear, the batch-1 one (0.6 MB) what it costs
+    where every byte is cheap."""
+    def lat(table, b):
+        p = host.call_params("shm-ubep", "dispatch", host.HIDDEN, b, table, 0.2)
+        return host.predict("shm-ubep", "dispatch", host.HIDDEN, b, p)
+
+    assert host.footprint_bytes("shm-ubep", 1) < (1 << 22) < (1 << 25) < \
+        host.footprint_bytes("shm-ubep", 128)
+    assert lat(cache_table(), 1) == pytest.approx(lat(flat_table(0.02), 1))
+    assert lat(cache_table(), 128) == pytest.approx(lat(flat_table(0.08), 128))
+
+
+def test_faulted_pages_cost_the_first_touch_price():
+    table, rtt = flat_table(touch_ns=1.0), 0.2
+    base = host.call_params("shm-ubep", "dispatch", host.HIDDEN, 16, table, rtt)
+    faulted = host.call_params("shm-ubep", "dispatch", host.HIDDEN, 16, table, rtt,
+                               faults=100)
+    assert faulted.launch_us - base.launch_us == pytest.approx(100 * hostbench.PAGE * 1.0
+                                                               / 1e3)
+
+
+def test_per_call_overhead_is_what_the_model_leaves_unexplained_at_each_batch():
+    table, rtt = flat_table(), 0.2
     med = {}
     for system in host.SYSTEMS:
         for op in ("dispatch", "combine"):
             for b in host.BATCHES:
+                p = host.call_params(system, op, host.TINY_HIDDEN, b, table, rtt)
                 med[(system, host.TINY_HIDDEN, b, op)] = \
                     host.predict(system, op, host.TINY_HIDDEN, b, p) + 30.0 + b
                 med[(system, host.HIDDEN, b, op)] = 100.0
-    hc = host.constants(med, 0.2, 8.0)
-    assert all(v == pytest.approx(31.0) for v in hc.call_us.values())
+    hc = host.constants(med, rtt, table)
+    assert all(v == pytest.approx(30.0 + b) for (_, _, b), v in hc.call_us.items())
     rows = host.validate(med, hc)
     assert len(rows) == len(host.SYSTEMS) * len(host.BATCHES) * 2
-    assert all(r["measured_us"] == 100.0 and r["predicted_us"] > 31.0 for r in rows)
+    for r in rows:
+        p = host.call_params(r["system"], r["op"], host.HIDDEN, r["batch"], table, rtt)
+        bare = host.predict(r["system"], r["op"], host.HIDDEN, r["batch"], p)
+        assert r["predicted_us"] == pytest.approx(bare + 30.0 + r["batch"])
+        assert r["error"] == pytest.approx((r["predicted_us"] - 100.0) / 100.0)
+
+
+def test_microbenchmark_times_every_pass_alone_and_in_pairs():
+    """A tiny grid of the real microbenchmark (the runtime's kernels, two processes):
+    every point is a positive, finite cost per byte."""
+    fps = (1 << 16, 1 << 18)
+    t = hostbench.measure(passes=hostbench.PASSES, footprints=fps, seconds=0.001,
+                          procs=(1, 2), rounds=1)
+    assert set(t.ns_per_byte) == {(p, n) for p in hostbench.PASSES for n in (1, 2)}
+    for v in t.ns_per_byte.values():
+        assert len(v) == len(fps) and all(0 < x < math.inf for x in v)
+
+
+def test_record_layout_matches_the_runtime():
+    # a dispatch record: 16-byte header + row, 504 payload bytes per 512-byte block
+    assert hostbench.record_wire_bytes(R) == math.ceil((R + 16) / 504) * 512
+    assert hostbench.record_wire_bytes(128, 0) == 512

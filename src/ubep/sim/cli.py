@@ -41,14 +41,17 @@ def register(subparsers) -> None:
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of all ranks")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.add_argument("--validate-host", action="store_true",
-                   help="measure this host's constants, run `ubep bench` (shm-bsp/ubep/direct, "
-                   "P=2, 7168 bf16, top-8, batch 1/8/16/128) and print the host model's "
+                   help="time this host's passes over rows (ubep.sim.hostbench), count the "
+                   "pages each call faults, run `ubep bench` (shm-bsp/ubep/direct, "
+                   "P=2, 7168 bf16, top-8, batch 1/8/16/128), all under the bench lock, and "
+                   "print the host model's "
                    "prediction next to the measured medians")
     s.add_argument("--bench-out", type=Path, default=Path("results/validate_host"),
                    help="--validate-host: the bench's output folder (reused if it holds a "
                    "finished run and --reuse is given)")
     s.add_argument("--reuse", action="store_true",
-                   help="--validate-host: read --bench-out instead of running the bench")
+                   help="--validate-host: read --bench-out (bench, copy table, fault counts) "
+                   "instead of measuring again")
     s.add_argument("--use-tuned", action="store_true",
                    help="take the count-worker number from `ubep tune`'s cache if it has one")
     s.set_defaults(func=_simulate)
@@ -141,27 +144,48 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _validate_host(args: argparse.Namespace, console) -> int:
     """Predicted vs measured `ubep bench` medians on this host (`ubep.sim.host`)."""
+    import os
+
     from rich.table import Table
 
-    from ubep.sim import host
+    from ubep.sim import host, hostbench
 
     out = args.bench_out
-    if not (args.reuse and (out / "bench.csv").exists()):
-        console.print(f"running ubep bench into {out} (waits for {host.BENCH_LOCK}) ...")
-        host.run_bench(out)
+    table_file, faults_file = out / "host_copy_table.json", out / "host_faults.json"
+    reuse = args.reuse and all(f.exists() for f in (out / "bench.csv", table_file, faults_file))
+    if reuse:
+        table = hostbench.CopyTable.from_dict(json.loads(table_file.read_text()))
+        faults = {tuple(k.split(":")[:2]) + (int(k.split(":")[2]),): v
+                  for k, v in json.loads(faults_file.read_text()).items()}
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        console.print(f"waiting for {host.BENCH_LOCK} ...")
+        with host.bench_lock():
+            load = os.getloadavg()[0]
+            console.print(f"load {load:.2f}: timing this host's passes over rows "
+                          f"(ubep.sim.hostbench, ~2 min) ...")
+            table = hostbench.measure()
+            table_file.write_text(json.dumps(table.to_dict(), indent=1))
+            console.print("counting the pages each call faults (the runtime, bench pattern)")
+            faults = host.count_faults()
+            faults_file.write_text(json.dumps({f"{s}:{o}:{b}": v
+                                               for (s, o, b), v in faults.items()}, indent=1))
+            console.print(f"running ubep bench into {out} ...")
+            host.run_bench(out)
     med, rtt = host.read_bench(out)
-    hc = host.constants(med, rtt, host.measure_copy_GBps())
+    hc = host.constants(med, rtt, table, faults)
     rows = host.validate(med, hc)
     run = json.loads((out / "run.json").read_text())
     load = run.get("machine", {}).get("load_avg_1m")
-    tab = Table(title=f"host model vs ubep bench (P=2, hidden 7168 bf16, top-8); copy "
-                f"{hc.copy_GBps:.2f} GB/s, flag round trip {hc.flag_rtt_us:.2f} us"
-                + (f", load {load}" if load is not None else ""))
-    for col in ("system", "batch", "op", "per-call us", "predicted us", "measured us", "error"):
+    tab = Table(title="host model vs ubep bench (P=2, hidden 7168 bf16, top-8); flag round "
+                f"trip {hc.flag_rtt_us:.2f} us" + (f", load {load:.2f} at the bench's start"
+                                                   if load is not None else ""))
+    for col in ("system", "batch", "op", "footprint MB", "faults", "per-call us",
+                "predicted us", "measured us", "error"):
         tab.add_column(col, justify="left" if col in ("system", "op") else "right")
     for r in rows:
-        tab.add_row(r["system"], str(r["batch"]), r["op"],
-                    f"{hc.call_us[(r['system'], r['op'])]:.1f}", f"{r['predicted_us']:.1f}",
+        tab.add_row(r["system"], str(r["batch"]), r["op"], f"{r['footprint_MB']:.1f}",
+                    f"{r['faults']:.0f}", f"{r['call_us']:.1f}", f"{r['predicted_us']:.1f}",
                     f"{r['measured_us']:.1f}", f"{r['error']:+.2f}")
     console.print(tab)
     ok = sum(abs(r["error"]) <= 0.25 for r in rows)

@@ -1,76 +1,227 @@
 """The `host` model: the simulator's engine with this machine's constants, checked against
 `ubep bench` on this machine (`ubep simulate --validate-host`).
 
-Constants come from microbenchmarks, not from fitting the points being predicted:
+Ranks are processes sharing one host's memory: one hop class, no port limit, one worker
+per rank on 2 cores. A core never waits for its stores to be seen by the peer (the copy
+is its cost; visibility follows half a flag round trip later), so a worker's rows in flight
+are not limited by the hop (`staging_rows` deep enough never to fill). What a row costs
+is what the runtime does to it (`ubep.runtime.shm`), priced by microbenchmarks of the
+runtime's own kernels on this host (`ubep.sim.hostbench`), not fitted to the points
+predicted:
 
-* copy bandwidth: one core copying 14 KB rows (numpy) into a buffer of a dispatch's size;
-  a row store into a peer's shared memory and a reorder copy both cost row / bandwidth;
+* the passes over rows: the one-worker path (shm-ubep, shm-bsp) writes each row as a tff
+  record into its destination's window and the receiver reads it out into place (dispatch);
+  combine writes each row back the same way and the source sums it into its token
+  (`accumulate` over blocks), after zeroing the sums, and rounds them to bf16 at the end.
+  The direct path copies each row once into its final place (dispatch) and sums the rows
+  where they lie (combine), each token's sum zeroed before and rounded after;
+* a pass's cost per byte depends on the call's footprint: the bytes a rank's calls cycle
+  through (its input, windows of both parities or its receive area, outputs, fp32 sums),
+  looked up in the microbenchmark's table of the same pass timed on that footprint with
+  two processes copying at once (both ranks move rows at the same time, sharing the last
+  level cache and the memory bus);
+* fresh pages: a tensor the runtime allocates per call (the dispatch's `recv_x`, the
+  combine's output) may come from memory the allocator maps fresh, and its first touch
+  then faults every page. How many pages a call faults is counted (`count_faults`: the
+  runtime in the bench's calling pattern, ranks' minor faults around each call; a count,
+  not a time) and each faulted page is priced at the microbenchmark's first-touch cost;
 * flag round trip: the bench's own ping-pong between the two ranks (`run.json`); a store
   becomes visible to the peer half a round trip after it was written;
-* per-call overhead: what each system's call costs beyond the model's data movement, from
-  the same bench run at a negligible payload (hidden 64, batches 1-128: at most 256 KB):
-  the smallest of (measured median - the model's time for that call).
+* per-call overhead (Python, torch tensors, planning, counts, per-row bookkeeping): the same
+  bench run at hidden 64 (a row of 128 bytes, a call's rows at most 256 KB) at the same
+  batch, minus the model's data movement for that call. Measured at every batch, so
+  bookkeeping that grows with the rows is measured, not assumed.
 
-Ranks are processes sharing one host's memory: one hop class, no port limit (memory
-bandwidth is not the bottleneck of a single-core copy), one worker per rank on 2 cores,
-one row in flight per worker (a copy is synchronous). Then the engine predicts the bench
-medians of shm-bsp, shm-ubep and shm-direct at hidden 7168 bf16, top-8, P=2.
+Then the engine predicts the bench medians of shm-bsp, shm-ubep and shm-direct at hidden
+7168 bf16, top-8, P=2.
 """
 
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import math
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from ubep.sim.hostbench import PAGE, CopyTable, record_wire_bytes
 
 SYSTEMS = {"shm-bsp": ("bsp", False), "shm-ubep": ("ubep", False),
            "shm-direct": ("ubep", True)}
 BATCHES = (1, 8, 16, 128)
 HIDDEN, TINY_HIDDEN, TOP_K, EXPERTS, RANKS = 7168, 64, 8, 16, 2
+BYTES_PER_ELEMENT = 2
 BENCH_LOCK = "/tmp/ubep-bench.lock"
+#: the passes over rows of each path and op: (the sender's, the receiver's per row)
+ROW_PASSES = {("single", "dispatch"): ("record_write", "record_read"),
+              ("single", "combine"): ("record_write", "accumulate_blocks"),
+              ("direct", "dispatch"): ("copy", None),
+              ("direct", "combine"): ("accumulate", None)}
+#: the passes over each token's fp32 sum in a combine (zero it, round it to bf16)
+SUM_PASSES = ("fill", "to_bf16")
 
 
 @dataclass(frozen=True)
 class HostConstants:
     """The microbenchmarked constants of this host."""
 
-    copy_GBps: float
+    table: CopyTable           # ns per byte of every pass by footprint (`hostbench`)
     flag_rtt_us: float
-    call_us: dict            # (system, op) -> per-call overhead, us
+    call_us: dict              # (system, op, batch) -> per-call overhead, us
+    faults: dict               # (system, op, batch) -> pages faulted per call (hidden 7168)
 
     def to_dict(self) -> dict:
-        return {"copy_GBps": self.copy_GBps, "flag_rtt_us": self.flag_rtt_us,
-                "call_us": {f"{s}:{o}": v for (s, o), v in self.call_us.items()}}
+        return {"copy_table": self.table.to_dict(), "flag_rtt_us": self.flag_rtt_us,
+                "call_us": {f"{s}:{o}:{b}": v for (s, o, b), v in self.call_us.items()},
+                "faults": {f"{s}:{o}:{b}": v for (s, o, b), v in self.faults.items()}}
 
 
-def measure_copy_GBps(row_bytes: int = HIDDEN * 2, rows: int = 1024, repeats: int = 15
-                      ) -> float:
-    """One core copying `rows` rows of `row_bytes` one by one into a buffer of their size;
-    the fastest of `repeats` passes (the core's capability, not the share a busy host
-    leaves it), GB/s."""
-    src = np.random.default_rng(0).integers(0, 255, size=(rows, row_bytes), dtype=np.uint8)
-    dst = np.empty_like(src)
-    order = np.random.default_rng(1).permutation(rows)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for i in order:
-            dst[i] = src[i]
-        times.append(time.perf_counter() - t)
-    return rows * row_bytes / float(np.min(times)) / 1e9
+def path_of(system: str) -> str:
+    """"direct" for shm-direct, else "single" (the one-worker path, ubep or bsp order)."""
+    return "direct" if SYSTEMS[system][1] else "single"
+
+
+def footprint_bytes(system: str, batch: int, hidden: int = HIDDEN,
+                    top_k: int = TOP_K) -> int:
+    """Bytes one rank's calls cycle through when the bench repeats dispatch+combine:
+    where its rows are read from and written to, and its fp32 sums.
+
+    Uniform routing over 2 ranks: a rank sends `batch * top_k` rows and receives as many.
+    One-worker path: its input, the dispatch windows it receives into (16-byte header + row
+    as tff blocks) and the combine windows, both twice (they alternate by call parity), the
+    received rows, the fp32 sums and the output. Direct: its input, its receive area (read
+    in place by combine), the meta words, the fp32 sums and the output.
+    """
+    rb = hidden * BYTES_PER_ELEMENT
+    rows = batch * top_k
+    sums, x, out = batch * hidden * 4, batch * rb, batch * rb
+    if path_of(system) == "direct":
+        return x + rows * (rb + 16) + sums + out
+    return (x + 2 * rows * record_wire_bytes(rb) + 2 * rows * record_wire_bytes(rb, 0)
+            + rows * rb + sums + out)
+
+
+def host_topology():
+    """Two ranks of this host, one worker each; stores are posted (the copy is the cost)."""
+    from ubep.plan.topology import Tier, Topology
+
+    return Topology(name="host", num_ranks=RANKS, workers_per_rank=1, atomic_block_bytes=512,
+                    flag_bytes=8, tiers=(Tier("host", RANKS, 100.0, 10.0),),
+                    local_latency_ns=100.0, local_bandwidth_GBps=10.0, staging_rows=64,
+                    description="this host, for --validate-host")
+
+
+def host_params(flag_rtt_us: float, send_ns_per_byte: float = 0.0,
+                recv_ns_per_byte: float = 0.0, *, row_bytes: int = HIDDEN * 2,
+                launch_us: float = 0.0):
+    """`CostParams` of the host model: a row costs its sender `send_ns_per_byte` and its
+    receiver `recv_ns_per_byte` per payload byte (0: free); a store is visible half a flag
+    round trip after it was written; nothing else costs (the receiver's flag checks are
+    part of its measured pass; the rest is `launch_us`)."""
+    from ubep.sim.fabric import wire_layout
+    from ubep.sim.params import CostParams
+
+    _, wire = wire_layout(row_bytes, "tff", 512, 8)     # the engine charges the wire bytes
+    return CostParams(stage_bw_GBps=_bw(send_ns_per_byte * row_bytes / wire),
+                      copy_bw_GBps=_bw(recv_ns_per_byte),
+                      port_bw_scale=math.inf,
+                      latency_scale=(flag_rtt_us / 2) / 0.1,   # topology hop: 100 ns
+                      launch_us=launch_us, phase_fixed_us=0.0, barrier_us=0.0,
+                      flag_issue_us=0.0, poll_us=0.0, scan_ns_per_entry=0.0,
+                      count_ns_per_pair=0.0, cumsum_ns_per_entry=0.0, signal_us=0.0,
+                      uplink_bw_scale=0.0, fence_us=0.0, detect_ns_per_block=0.0,
+                      checksum_ns_per_block=0.0, rearm_ns_per_block=0.0)
+
+
+def _bw(ns_per_byte: float) -> float:
+    return math.inf if ns_per_byte <= 0 else 1.0 / ns_per_byte
+
+
+def call_params(system: str, op: str, hidden: int, batch: int, table: CopyTable,
+                flag_rtt_us: float, call_us: float = 0.0, faults: float = 0.0):
+    """The host model's `CostParams` for one call: the row passes of `system`'s path priced
+    at this call's footprint; the passes over the fp32 sums, `faults` fresh pages and
+    `call_us` as its fixed part."""
+    fp = footprint_bytes(system, batch, hidden)
+    send, recv = ROW_PASSES[(path_of(system), op)]
+    ns = {p: table.cost_ns_per_byte(p, fp) for p in (send, recv) if p}
+    fixed = call_us + faults * PAGE * table.cost_ns_per_byte("first_touch", faults * PAGE) / 1e3
+    if op == "combine":
+        sums = batch * hidden * 4
+        fixed += sum(table.cost_ns_per_byte(p, fp) for p in SUM_PASSES) * sums / 1e3
+    return host_params(flag_rtt_us, ns[send], ns.get(recv, 0.0),
+                       row_bytes=hidden * BYTES_PER_ELEMENT, launch_us=fixed)
+
+
+def predict(system: str, op: str, hidden: int, batch: int, params) -> float:
+    """The model's latency of one call (the slower rank), us."""
+    from ubep.sim.api import SimConfig, execute, prepare
+
+    mode, direct = SYSTEMS[system]
+    cfg = SimConfig(tokens_per_rank=batch, hidden=hidden, top_k=TOP_K, num_experts=EXPERTS,
+                    bytes_per_element=BYTES_PER_ELEMENT, mode=mode, sync="tff",
+                    schedule="static" if mode == "bsp" else "hierarchical", op=op,
+                    direct=direct)
+    return execute(prepare(host_topology(), cfg, params=params), params).latency_us
+
+
+def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = None
+              ) -> HostConstants:
+    """Per-call overheads from the hidden-64 points of the bench run: at each batch, what
+    the call cost beyond the model's data movement for its 128-byte rows (never < 0).
+    `faults`: pages faulted per call at hidden 7168 (`count_faults`; none if omitted)."""
+    call = {}
+    for system in SYSTEMS:
+        for op in ("dispatch", "combine"):
+            for b in BATCHES:
+                m = med.get((system, TINY_HIDDEN, b, op))
+                if m is None:
+                    continue
+                p = call_params(system, op, TINY_HIDDEN, b, table, rtt)
+                call[(system, op, b)] = max(0.0, m - predict(system, op, TINY_HIDDEN, b, p))
+    return HostConstants(table=table, flag_rtt_us=rtt, call_us=call, faults=dict(faults or {}))
+
+
+def validate(med: dict, hc: HostConstants) -> list[dict]:
+    """Predicted vs measured for every system, batch and op at hidden 7168."""
+    rows = []
+    for system in SYSTEMS:
+        for batch in BATCHES:
+            for op in ("dispatch", "combine"):
+                call = hc.call_us.get((system, op, batch), 0.0)
+                faults = hc.faults.get((system, op, batch), 0.0)
+                p = call_params(system, op, HIDDEN, batch, hc.table, hc.flag_rtt_us, call,
+                                faults)
+                pred = predict(system, op, HIDDEN, batch, p)
+                meas = med.get((system, HIDDEN, batch, op))
+                rows.append({"system": system, "batch": batch, "op": op,
+                             "footprint_MB": footprint_bytes(system, batch) / 1e6,
+                             "call_us": call, "faults": faults, "predicted_us": pred,
+                             "measured_us": meas,
+                             "error": (pred - meas) / meas if meas else float("nan")})
+    return rows
+
+
+# -- measuring ------------------------------------------------------------------------------------
+@contextmanager
+def bench_lock(path: str = BENCH_LOCK):
+    """Hold the host's benchmark lock (`flock`): at most one benchmark runs at a time."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def run_bench(out: Path, iters: int = 30, python: str | None = None) -> Path:
     """Run `ubep bench` (P=2, hidden 64 and 7168 bf16, top-8, batches 1/8/16/128, the
-    three shm systems) under the bench lock; returns its output folder."""
-    cmd = ["flock", BENCH_LOCK, python or sys.executable, "-m", "ubep.cli", "bench",
+    three shm systems); returns its output folder. The caller holds the bench lock."""
+    cmd = [python or sys.executable, "-m", "ubep.cli", "bench",
            "--ranks", str(RANKS), "--hidden", str(TINY_HIDDEN), str(HIDDEN),
            "--tokens", *map(str, BATCHES), "--top-k", str(TOP_K), "--experts", str(EXPERTS),
            "--systems", *SYSTEMS, "--iters", str(iters), "--warmup", "5", "--out", str(out)]
@@ -91,65 +242,51 @@ def read_bench(out: Path) -> tuple[dict, float]:
     return med, rtt
 
 
-def host_topology():
-    """Two ranks of this host, one worker each, one row in flight per worker."""
-    from ubep.plan.topology import Tier, Topology
+def _fault_rank(rank: int, world: int, batches, calls: int) -> dict:
+    """One rank of `count_faults`: every system's Buffer, each batch, systems in turns of
+    `calls` calls as the bench runs them; minor faults around each call, per call."""
+    import resource
 
-    return Topology(name="host", num_ranks=RANKS, workers_per_rank=1, atomic_block_bytes=64,
-                    flag_bytes=8, tiers=(Tier("host", RANKS, 100.0, 10.0),),
-                    local_latency_ns=100.0, local_bandwidth_GBps=10.0, staging_rows=1,
-                    description="this host, for --validate-host")
+    import torch
 
+    import ubep
+    from ubep.testing import make_routing, make_tokens
 
-def host_params(copy_GBps: float, flag_rtt_us: float, launch_us: float = 0.0):
-    """`CostParams` of the host model (see the module docstring)."""
-    from ubep.sim.params import CostParams
+    def minflt() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-    return CostParams(stage_bw_GBps=copy_GBps, copy_bw_GBps=copy_GBps,
-                      port_bw_scale=math.inf,
-                      latency_scale=(flag_rtt_us / 2) / 0.1,   # topology hop: 100 ns
-                      launch_us=launch_us, phase_fixed_us=0.0, barrier_us=0.0,
-                      flag_issue_us=0.0, poll_us=0.0, scan_ns_per_entry=0.0,
-                      signal_us=0.0, uplink_bw_scale=0.0)
-
-
-def predict(system: str, op: str, hidden: int, batch: int, params) -> float:
-    """The model's latency of one call, us."""
-    from ubep.sim.api import SimConfig, execute, prepare
-
-    mode, direct = SYSTEMS[system]
-    cfg = SimConfig(tokens_per_rank=batch, hidden=hidden, top_k=TOP_K, num_experts=EXPERTS,
-                    bytes_per_element=2, mode=mode, sync="tff",
-                    schedule="static" if mode == "bsp" else "hierarchical", op=op,
-                    direct=direct)
-    return execute(prepare(host_topology(), cfg, params=params), params).latency_us
-
-
-def constants(med: dict, rtt: float, copy_GBps: float) -> HostConstants:
-    """Per-call overheads from the tiny points (hidden 64, every batch: a few KB): the least
-    a call costs beyond the model's data movement (the smallest of measured minus model,
-    since on a busy host single medians carry scheduler waits)."""
-    base = host_params(copy_GBps, rtt)
-    call = {}
-    for system in SYSTEMS:
-        for op in ("dispatch", "combine"):
-            call[(system, op)] = max(0.0, min(
-                med[(system, TINY_HIDDEN, b, op)] - predict(system, op, TINY_HIDDEN, b, base)
-                for b in BATCHES if (system, TINY_HIDDEN, b, op) in med))
-    return HostConstants(copy_GBps=copy_GBps, flag_rtt_us=rtt, call_us=call)
+    bufs = {s: ubep.Buffer(num_experts=EXPERTS, hidden=HIDDEN, max_tokens_per_rank=max(batches),
+                           backend="shm", mode=SYSTEMS[s][0], max_top_k=TOP_K,
+                           direct=SYSTEMS[s][1]) for s in SYSTEMS}
+    out: dict = {}
+    try:
+        for b in batches:
+            idx, w = make_routing(b, TOP_K, EXPERTS, seed=rank)
+            x = make_tokens(rank, b, HIDDEN, torch.bfloat16)
+            for turn in range(3):               # the first turn warms up, untimed
+                for s, buf in bufs.items():
+                    res = None
+                    for _ in range(calls):
+                        f0 = minflt()
+                        res = buf.dispatch(x, idx, w)   # the previous result lives till here
+                        f1 = minflt()
+                        buf.combine(res.recv_x, res.handle)
+                        f2 = minflt()
+                        if turn:
+                            out.setdefault((s, "dispatch", b), []).append(f1 - f0)
+                            out.setdefault((s, "combine", b), []).append(f2 - f1)
+    finally:
+        for buf in bufs.values():
+            buf.close()
+    return {k: float(sum(v)) / len(v) for k, v in out.items()}
 
 
-def validate(med: dict, hc: HostConstants) -> list[dict]:
-    """Predicted vs measured for every system, batch and op at hidden 7168."""
-    rows = []
-    for system in SYSTEMS:
-        for batch in BATCHES:
-            for op in ("dispatch", "combine"):
-                p = replace(host_params(hc.copy_GBps, hc.flag_rtt_us),
-                            launch_us=hc.call_us[(system, op)])
-                pred = predict(system, op, HIDDEN, batch, p)
-                meas = med.get((system, HIDDEN, batch, op))
-                rows.append({"system": system, "batch": batch, "op": op,
-                             "predicted_us": pred, "measured_us": meas,
-                             "error": (pred - meas) / meas if meas else float("nan")})
-    return rows
+def count_faults(batches=BATCHES, calls: int = 20) -> dict:
+    """Pages each system's calls fault at hidden 7168 (P=2, top-8), the mean per call, the
+    larger of the two ranks: the runtime run in the bench's pattern (systems taking turns of
+    `calls` calls, each call's result alive until the next dispatch replaces it). A count of
+    the runtime's allocations meeting fresh memory, not a timing."""
+    from ubep.testing import run_ranks
+
+    per_rank = run_ranks(_fault_rank, RANKS, tuple(batches), calls)
+    return {k: max(r[k] for r in per_rank) for k in per_rank[0]}

@@ -1,0 +1,295 @@
+"""Microbenchmarks of this host's memory system, for the host model (`ubep.sim.host`).
+
+What one byte of a row costs depends on where the bytes live: a call whose buffers stay in
+a core's L2 copies several times faster than one that streams from DRAM, and two ranks
+copying at once share the last-level cache and the memory bus. So every pass the shm
+runtime makes over rows is timed here with the runtime's own kernels, on a footprint of
+F bytes that the pass cycles through again and again (as `ubep bench` calls one operation
+back to back), for F from 64 KiB to 128 MiB: by one process alone, and by two processes on
+two cores at once (each with its own F), as the two ranks of a bench run do.
+
+Passes (`ubep.runtime.shm.kernels`), timed per payload byte:
+
+* copy: `copy_bytes` of a row into place (the direct path's dispatch);
+* record_write: `write_record` of a row as tff blocks (the one-worker path sends this way,
+  dispatch and combine);
+* record_read: `blocks_ready` + `read_record` (the one-worker dispatch's reorder);
+* accumulate: `accumulate` of a bf16 row into its token's fp32 sum, a row read whole (the
+  direct combine reads rows where they lie);
+* accumulate_blocks: the same over tff blocks (the one-worker combine's reduce);
+* to_bf16: `f32_to_bf16` of the fp32 sums (per byte of the sums);
+* fill: zeroing fp32 sums (the one-worker combine's scratch; per byte);
+* first_touch: writing fresh anonymous memory, one store per 4 KiB page (the page faults a
+  newly allocated tensor takes when the allocator maps it fresh; per byte mapped).
+
+Timings are medians; the whole grid is timed `rounds` times in shuffled order and each point
+keeps the median of its rounds, so a burst of other work on a shared host lands on few.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from numba import carray
+
+from ubep.runtime.shm.atomics import u8_ptr
+from ubep.runtime.shm.kernels import jit
+from ubep.runtime.shm.kernels.combine import ELEM_BF16, accumulate, f32_to_bf16
+from ubep.runtime.shm.kernels.records import (
+    FMT_TFF,
+    blocks_ready,
+    copy_bytes,
+    num_blocks,
+    read_record,
+    write_record,
+)
+
+PASSES = ("copy", "record_write", "record_read", "accumulate", "accumulate_blocks",
+          "to_bf16", "fill", "first_touch")
+#: footprints timed: 64 KiB .. 128 MiB, two per octave
+FOOTPRINTS = tuple(int(2 ** (k / 2)) for k in range(32, 55))
+BLOCK_BYTES, FLAG_BYTES, HEAD_BYTES, TOP_K = 512, 8, 16, 8
+PAGE = mmap.PAGESIZE
+_BF16_ONE = 0x3F80          # rows of ones: no denormals, sums stay finite
+
+
+@dataclass(frozen=True)
+class CopyTable:
+    """ns per payload byte of each pass at each footprint, one process alone ("1") and two
+    at once ("2"); `row_bytes` is the row they were timed with."""
+
+    row_bytes: int
+    footprints: tuple[int, ...]
+    ns_per_byte: dict            # (pass, procs) -> tuple of ns/B, one per footprint
+
+    def to_dict(self) -> dict:
+        return {"row_bytes": self.row_bytes, "footprints": list(self.footprints),
+                "ns_per_byte": {f"{p}:{n}": list(v) for (p, n), v in self.ns_per_byte.items()}}
+
+    @staticmethod
+    def from_dict(d: dict) -> CopyTable:
+        nb = {}
+        for k, v in d["ns_per_byte"].items():
+            p, n = k.rsplit(":", 1)
+            nb[(p, int(n))] = tuple(float(x) for x in v)
+        return CopyTable(int(d["row_bytes"]), tuple(int(f) for f in d["footprints"]), nb)
+
+    def cost_ns_per_byte(self, pass_: str, footprint: float, procs: int = 2) -> float:
+        """ns per byte of `pass_` for a call whose footprint is `footprint` bytes.
+
+        Linear in log(footprint) between the timed points, the end values beyond them, and
+        never cheaper than at a smaller footprint (a larger footprint cannot make a cache
+        faster; the running maximum removes timing noise that says otherwise).
+        """
+        y = np.maximum.accumulate(np.asarray(self.ns_per_byte[(pass_, procs)], dtype=float))
+        x = np.log(np.asarray(self.footprints, dtype=float))
+        return float(np.interp(np.log(max(float(footprint), 1.0)), x, y))
+
+    def GBps(self, pass_: str, footprint: float, procs: int = 2) -> float:
+        """The same as GB/s."""
+        return 1.0 / self.cost_ns_per_byte(pass_, footprint, procs)
+
+
+def record_wire_bytes(row_bytes: int, head_bytes: int = HEAD_BYTES) -> int:
+    """Bytes a tff record of `head_bytes` + `row_bytes` occupies (blocks of 512, 8-byte
+    flag each), as `write_record` lays it out."""
+    return num_blocks(head_bytes + row_bytes, BLOCK_BYTES - FLAG_BYTES) * BLOCK_BYTES
+
+
+# -- the timed passes: `reps` passes over `n` rows each, the runtime's kernels ----------------
+@jit
+def _copy(src, dst, reps):
+    n, rb = src.shape
+    d0 = dst.ctypes.data
+    for _ in range(reps):
+        for i in range(n):
+            copy_bytes(d0 + i * rb, src[i].ctypes.data, rb)
+
+
+@jit
+def _record_write(src, dst, wire, reps, epoch):
+    n, rb = src.shape
+    head = np.zeros(HEAD_BYTES, np.uint8)
+    ppb = BLOCK_BYTES - FLAG_BYTES
+    nb = num_blocks(HEAD_BYTES + rb, ppb)
+    d0 = dst.ctypes.data
+    for r in range(reps):
+        for i in range(n):
+            write_record(d0 + i * wire, BLOCK_BYTES, ppb, FMT_TFF, head, HEAD_BYTES, src[i],
+                         rb, epoch + r, i * nb)
+
+
+@jit
+def _record_read(src, out, wire, reps, epoch):
+    n, rb = out.shape
+    head = np.zeros(HEAD_BYTES, np.uint8)
+    ppb = BLOCK_BYTES - FLAG_BYTES
+    nb = num_blocks(HEAD_BYTES + rb, ppb)
+    s0 = src.ctypes.data
+    missing = 0
+    for _ in range(reps):
+        for i in range(n):
+            a = s0 + i * wire
+            if not blocks_ready(a, nb, BLOCK_BYTES, FMT_TFF, epoch):
+                missing += 1
+            read_record(a, BLOCK_BYTES, ppb, head, HEAD_BYTES, out[i], rb)
+    return missing
+
+
+@jit
+def _accumulate(src, stride, bb, ppb, rb, y, reps):
+    lut = np.zeros(1, np.float32)
+    s0 = src.ctypes.data
+    n = y.shape[0] * TOP_K
+    for _ in range(reps):
+        for i in range(n):
+            accumulate(s0 + i * stride, bb, ppb, rb, 2, ELEM_BF16, lut, np.float32(0.5),
+                       y[i // TOP_K])
+
+
+@jit
+def _to_bf16(y, out, reps):
+    for _ in range(reps):
+        f32_to_bf16(y, out)
+
+
+@jit
+def _fill(y, reps):
+    for _ in range(reps):
+        v = carray(u8_ptr(y.ctypes.data), y.size * 4)
+        for i in range(v.shape[0]):
+            v[i] = 0
+
+
+def _first_touch(nbytes: int, reps: int) -> None:
+    for _ in range(reps):
+        m = mmap.mmap(-1, nbytes)
+        a = np.frombuffer(m, np.uint8)
+        a[::PAGE] = 1
+        del a
+        m.close()
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """`nbytes` of uint8 at a 64-byte aligned address (rows and blocks as in the segments)."""
+    raw = np.zeros(nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + nbytes]
+
+
+def _setup(pass_: str, footprint: int, row_bytes: int):
+    """(run(reps), payload bytes per pass) of `pass_` on buffers totalling ~`footprint`."""
+    rb = row_bytes
+    wire = record_wire_bytes(rb)
+    hidden = rb // 2
+    if pass_ == "copy":
+        n = max(1, footprint // (2 * rb))
+        src, dst = _aligned(n * rb).reshape(n, rb), _aligned(n * rb)
+        src[:] = 1
+        return (lambda reps: _copy(src, dst, reps)), n * rb
+    if pass_ in ("record_write", "record_read"):
+        n = max(1, footprint // (rb + wire))
+        src, dst = _aligned(n * rb).reshape(n, rb), _aligned(n * wire)
+        src[:] = 1
+        _record_write(src, dst, wire, 1, 1)
+        if pass_ == "record_write":
+            return (lambda reps: _record_write(src, dst, wire, reps, 2)), n * rb
+        return (lambda reps: _record_read(dst, src, wire, reps, 1)), n * rb
+    if pass_ in ("accumulate", "accumulate_blocks"):
+        blocks = pass_ == "accumulate_blocks"
+        stride = num_blocks(rb, BLOCK_BYTES - FLAG_BYTES) * BLOCK_BYTES if blocks else rb
+        tokens = max(1, footprint // (TOP_K * stride + hidden * 4))
+        src = _aligned(tokens * TOP_K * stride)
+        src.view(np.uint16)[:] = _BF16_ONE
+        y = np.zeros((tokens, hidden), np.float32)
+        bb, ppb = (BLOCK_BYTES, BLOCK_BYTES - FLAG_BYTES) if blocks else (rb, rb)
+        return (lambda reps: _accumulate(src, stride, bb, ppb, rb, y, reps)), \
+            tokens * TOP_K * rb
+    if pass_ == "to_bf16":
+        m = max(1, footprint // (hidden * 6))
+        y, out = np.ones((m, hidden), np.float32), np.zeros((m, hidden), np.uint16)
+        return (lambda reps: _to_bf16(y, out, reps)), m * hidden * 4
+    if pass_ == "fill":
+        m = max(1, footprint // (hidden * 4))
+        y = np.ones((m, hidden), np.float32)
+        return (lambda reps: _fill(y, reps)), m * hidden * 4
+    if pass_ == "first_touch":
+        n = max(1, footprint // PAGE) * PAGE
+        return (lambda reps: _first_touch(n, reps)), n
+    raise ValueError(f"pass {pass_!r} is not one of {PASSES}")
+
+
+def time_pass(pass_: str, footprint: int, row_bytes: int, seconds: float,
+              barrier=None) -> float:
+    """ns per payload byte of `pass_` cycling through `footprint` bytes: the median of
+    timings of at least ~100 us each, taken for `seconds` (after one warm pass). With a
+    `barrier`, the timing starts when every process reached it."""
+    run, nbytes = _setup(pass_, footprint, row_bytes)
+    run(1)                                       # compiled, buffers touched
+    t = time.perf_counter()
+    run(1)
+    reps = max(1, int(100e-6 / max(time.perf_counter() - t, 1e-9)))
+    if barrier is not None:
+        barrier.wait()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        t = time.perf_counter_ns()
+        run(reps)
+        times.append((time.perf_counter_ns() - t) / reps)
+    return float(np.median(times)) / nbytes
+
+
+def _worker(core: int, points, row_bytes: int, seconds: float, barrier, queue) -> None:
+    try:
+        os.sched_setaffinity(0, {core})
+    except (AttributeError, OSError):
+        pass
+    out = [time_pass(p, f, row_bytes, seconds, barrier) for p, f in points]
+    queue.put((core, out))
+
+
+def measure(row_bytes: int = 7168 * 2, passes=PASSES, footprints=FOOTPRINTS,
+            seconds: float = 0.02, procs=(1, 2), rounds: int = 3, seed: int = 0) -> CopyTable:
+    """Time every pass at every footprint with 1 and 2 processes (cores 0 and 1) at once.
+
+    Two processes run the same passes in lockstep (a barrier before each point), each on
+    its own buffers; their median per point is the two-rank figure. The grid is timed
+    `rounds` times, each in its own shuffled order; a point keeps its median round. About
+    `rounds * len(passes) * len(footprints) * seconds` per process count, plus setup.
+    """
+    grid = [(p, f) for p in passes for f in footprints]
+    rng = random.Random(seed)
+    points = []
+    for _ in range(rounds):
+        points += rng.sample(grid, len(grid))
+    ctx = mp.get_context("spawn")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
+    table = {}
+    for n in procs:
+        if n > len(cores):
+            raise ValueError(f"procs={n}: this process may run on {len(cores)} core(s) only")
+        barrier, queue = ctx.Barrier(n), ctx.Queue()
+        ps = [ctx.Process(target=_worker, args=(cores[i], points, row_bytes, seconds, barrier,
+                                                 queue), daemon=True) for i in range(n)]
+        for p in ps:
+            p.start()
+        try:
+            got = [queue.get(timeout=900) for _ in ps]
+        finally:
+            for p in ps:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        per_point = np.median(np.array([g[1] for g in got]), axis=0)   # over processes
+        by = {}
+        for (p, f), v in zip(points, per_point):
+            by.setdefault((p, f), []).append(float(v))
+        for p in passes:
+            table[(p, n)] = tuple(float(np.median(by[(p, f)])) for f in footprints)
+    return CopyTable(row_bytes=row_bytes, footprints=tuple(footprints), ns_per_byte=table)
