@@ -55,3 +55,39 @@ def test_torch_backend_buffer_reuse():
     per_rank = run_ranks(_reuse, 2, cases)
     for i, case in enumerate(cases):
         check_case(case, [per_rank[r][i] for r in range(2)])
+
+
+def _bytes_per_peer(rank, world):
+    """One dispatch+combine; what the collectives carried, and the routing."""
+    import torch
+
+    import ubep
+    from ubep.testing import make_routing, make_tokens
+
+    idx, w = make_routing(7, 4, 4 * world, kind="uniform", seed=11 + rank)
+    x = make_tokens(rank, 7, 64, torch.bfloat16, seed=3)
+    with ubep.Buffer(num_experts=4 * world, hidden=64, max_tokens_per_rank=8,
+                     backend="torch") as buf:
+        res = buf.dispatch(x, idx, w)
+        buf.combine(res.recv_x, res.handle)
+        return idx, res.stats.extra["collectives"], buf.last_stats.extra["collectives"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_backend_sends_each_token_once_per_rank(world):
+    """A token crosses to a rank once (its row + routing words), however many of its
+    experts live there, and one partial row per (token, rank) comes back."""
+    out = run_ranks(_bytes_per_peer, world)
+    row_bytes, top_k = 64 * 2, 4
+    meta_bytes = 4 * (1 + 2 * top_k)
+    for rank, (idx, disp, comb) in enumerate(out):
+        (_, counts_send, _), (_, rows_send, rows_recv) = disp
+        [(_, back_send, back_recv)] = comb
+        assert counts_send == [8] * world
+        for d in range(world):
+            n = int(((idx // 4) == d).any(1).sum())     # tokens with an expert on rank d
+            want = 0 if d == rank or n == 0 else (-(-n * meta_bytes // row_bytes) + n) * row_bytes
+            assert rows_send[d] == want, (rank, d, rows_send, want)
+            assert back_recv[d] == (0 if d == rank else n * row_bytes)
+            assert out[d][2][0][1][rank] == back_recv[d]    # what d sends = what rank receives
+            assert out[d][1][1][2][rank] == rows_send[d]

@@ -2,24 +2,31 @@
 
 Works over any process group (gloo on CPU, NCCL, MPI): rows move with torch ops on the
 tensors' own device, so it is the path across hosts and the bulk-synchronous baseline
-everyone already has. Three collectives per dispatch+combine: per-(rank, expert) counts,
-then the rows, then the expert outputs back.
+everyone already has. Three collectives per dispatch+combine: tokens per destination, then
+the rows, then the partial sums back.
 
-What keeps it near the cost of those collectives (`ubep bench` times the same three calls on
-the same bytes, bare, as its "raw collectives" line):
+Bytes across ranks are what a cross-host user pays for, so each token crosses to a rank
+once, however many of its experts live there (DeepEP's layout; top-8 of 16 experts on 2
+ranks would otherwise send a token ~4 times to each):
 
-* the index bookkeeping (sorting pairs by expert, offsets, permutations) is a few small
-  numpy operations on the host: a torch op costs several µs of dispatch overhead, a numpy op
-  about one, and at batch 1 there are dozens of them;
-* each row moves by `index_select` on whole rows (one memcpy per row; advanced indexing on a
-  uint8 view gathers byte by byte, ~10x slower);
-* rows for this rank never enter the collective: dispatch gathers them from a copy of `x`
-  next to the received rows, combine from the expert outputs next to the returned rows, so
-  one `index_select` reads both;
-* a destination's (token, slot, weight) words travel in the same collective as its rows, as a
-  few whole rows in front of them, so nothing is concatenated to each row;
-* send and receive buffers are kept and grown, not allocated per call;
-* combine sums each token's slots as one small batched matrix product per chunk of tokens.
+* dispatch sends a token's row once to every rank hosting one of its experts, with its
+  routing (token index, top-k expert ids and weights) as a few whole rows in front of each
+  destination's rows; the receiver expands them into the expert-major per-(token, expert)
+  layout `Buffer.dispatch` returns with one gather (`index_select`) - the copy pass;
+* combine sums a token's slots on the expert side first (`embedding_bag`, fp32
+  accumulation) and returns one partial row per (token, rank); the source sums its <= P
+  partials. Partials travel in the expert output's dtype when that is fp32, bf16 or fp16
+  (as DeepEP's combine does) and in fp32 for 8-bit outputs. So y is the fp32 sum of the
+  slots in a different association than the oracle's slot order, and for 16-bit outputs
+  each partial is rounded once more: a few units in the last place of the output dtype at
+  most (the tests' tolerance), exact when a token's slots all live on one rank.
+
+The gating weights reach `embedding_bag` in the rows' dtype, split as `hi + lo` (two
+16-bit numbers, 16+ significant bits), so the 16-bit path keeps fp32-weight accuracy.
+Index bookkeeping is numpy on the host (a numpy op costs about a µs, a torch op several);
+send/receive scratch is kept and grown, not allocated per call. `Stats.extra["collectives"]`
+lists each collective's bytes to/from every peer: `ubep bench` replays exactly those calls,
+bare, as its "raw collectives" line.
 """
 
 from __future__ import annotations
@@ -29,20 +36,14 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from ubep.handle import (
-    CombineResult,
-    DispatchHandle,
-    DispatchResult,
-    new_dispatch_result,
-    new_handle,
-)
+from ubep.handle import CombineResult, DispatchHandle, new_dispatch_result, new_handle
 from ubep.options import BufferConfig
 from ubep.stats import Stats
 
-_META_WORDS = 3  # int32 token, int32 slot, float32 weight (its bits) per routed row
-_META_BYTES = 4 * _META_WORDS
-_REDUCE_CHUNK_BYTES = 4 << 20  # combine sums tokens in chunks of this many fp32 slot bytes
+#: partial sums travel in the output dtype for these; in fp32 for everything else
+_PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _now_us() -> float:
@@ -54,10 +55,18 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class _TorchState:
-    """What combine needs from a dispatch (private to this backend; kept on the handle)."""
+    """What combine needs from a dispatch (private to this backend; kept on the handle).
 
-    __slots__ = ("slot_row", "slot_weight", "rows_per_dest", "rows_per_src", "num_back",
-                 "num_own", "num_return", "to_source_major")
+    Expert side: `bag_rows`/`bag_offsets` gather each received token's slots (rows of
+    expert_out, in slot order), `bag_weights` their weights; the bags come remote sources
+    first (rank order), this rank's own tokens last. Source side: `final_rows`/
+    `final_offsets` pick each of this rank's tokens' partials from the combine work buffer
+    [partials returned by each remote rank, in rank order | own partials].
+    """
+
+    __slots__ = ("bag_rows", "bag_offsets", "bag_weights", "weights_by_dtype", "bag_rows2",
+                 "bag_offsets2", "final_rows", "final_offsets", "sent_per_rank", "recv_per_rank",
+                 "num_back", "num_own", "num_remote_bags")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -72,8 +81,6 @@ class TorchBackend:
         self.group = group
         self.buffer_id = buffer_id
         self._scratch: dict[str, torch.Tensor] = {}
-        #: the local expert of each (source rank, local expert) block, source-major
-        self._block_expert = np.tile(np.arange(config.experts_per_rank), config.world_size)
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device) -> torch.Tensor:
         """`[rows, row_bytes]` uint8 scratch, reused across calls (grown when too small)."""
@@ -92,179 +99,205 @@ class TorchBackend:
                      extra={"collectives": collectives})
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 call: int) -> DispatchResult:
+                 call: int):
         c = self.config
-        world, per_rank, me, num_experts = c.world_size, c.experts_per_rank, c.rank, c.num_experts
+        world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
         num_tokens, top_k = topk_idx.shape
         hidden = x.shape[1]
         row_bytes = hidden * x.element_size()
         device = x.device
         on_cpu = device.type == "cpu"
+        meta_words = 1 + 2 * top_k          # token index, top-k expert ids, top-k weight bits
+        meta_bytes = 4 * meta_words
 
         def dev(a: np.ndarray) -> torch.Tensor:   # a host index array where the rows are
             t = torch.from_numpy(a)
             return t if on_cpu else t.to(device)
 
         t0 = _now_us()
-        # routed (token, slot) pairs in send order: by expert (hence destination), then token
-        flat = topk_idx.reshape(-1).cpu().numpy()
-        key = np.where(flat >= 0, flat, num_experts)      # unrouted slots sort last
-        order = np.argsort(key, kind="stable")
-        send_counts = np.bincount(key, minlength=num_experts + 1)[:num_experts]
+        idx = topk_idx.numpy() if on_cpu else topk_idx.cpu().numpy()
+        weights = topk_weights.numpy() if on_cpu else topk_weights.cpu().numpy()
+        # hit[t, d]: token t has an expert on rank d (unrouted -1 lands in the extra column)
+        hit = np.zeros((num_tokens, world + 1), dtype=bool)
+        hit[np.arange(num_tokens)[:, None], idx // per_rank] = True
+        hit = hit[:, :world]
+        per_dest = np.count_nonzero(hit, axis=0)
         t1 = _now_us()
 
-        counts_out = dev(send_counts)
-        counts_in = torch.empty_like(counts_out)
-        dist.all_to_all_single(counts_in, counts_out, group=self.group)
-        recv_counts = counts_in.cpu().numpy().reshape(world, per_rank)  # [source, local expert]
+        counts_in = torch.empty(world, dtype=torch.int64, device=device)
+        dist.all_to_all_single(counts_in, dev(per_dest), group=self.group)
+        per_src = counts_in.cpu().numpy()
         t2 = _now_us()
 
-        per_dest = send_counts.reshape(world, per_rank).sum(1).tolist()
-        per_src = recv_counts.sum(1).tolist()
-        num_send = sum(per_dest)
-        pos = order[:num_send]
-        send_token, send_slot = pos // top_k, pos % top_k
-        weights = topk_weights.reshape(-1).cpu().numpy()
-        # each remote destination gets [its pairs' (token, slot, weight), padded to whole rows]
-        # then [its rows]; this rank's own pairs never enter the collective
-        meta = np.empty((num_send, _META_WORDS), dtype=np.int32)
-        meta[:, 0], meta[:, 1] = send_token, send_slot
-        meta[:, 2] = weights[pos].view(np.int32)
-        meta_bytes = meta.reshape(-1).view(np.uint8)
-        send_rows = [0 if d == me else _ceil_div(n * _META_BYTES, row_bytes) + n
+        # tokens by destination, then token; each remote destination gets
+        # [their routing words, padded to whole rows][their rows]
+        dest_of, token_of = np.nonzero(hit.T)
+        meta = np.empty((len(token_of), meta_words), dtype=np.int32)
+        meta[:, 0] = token_of
+        meta[:, 1:1 + top_k] = idx[token_of]
+        meta[:, 1 + top_k:] = weights[token_of].view(np.int32)
+        meta_u8 = meta.view(np.uint8).reshape(-1)
+        meta_rows = [_ceil_div(int(n) * meta_bytes, row_bytes) for n in per_dest]
+        send_rows = [0 if d == me or not n else meta_rows[d] + int(n)
                      for d, n in enumerate(per_dest)]
-        recv_rows = [0 if s == me else _ceil_div(n * _META_BYTES, row_bytes) + n
+        recv_rows = [0 if s == me or not n else _ceil_div(int(n) * meta_bytes, row_bytes) + int(n)
                      for s, n in enumerate(per_src)]
         xb = x.view(torch.uint8).view(num_tokens, row_bytes)
         send = self._buffer("send", sum(send_rows), row_bytes, device)
-        row = first = 0
+        first = np.concatenate(([0], np.cumsum(per_dest)))
+        row = 0
         for d in range(world):
-            n = per_dest[d]
-            if d != me and n:
-                m = send_rows[d] - n
-                send[row:row + m].view(-1)[:n * _META_BYTES].copy_(
-                    dev(meta_bytes[first * _META_BYTES:(first + n) * _META_BYTES]))
-                torch.index_select(xb, 0, dev(send_token[first:first + n]),
-                                   out=send[row + m:row + send_rows[d]])
+            if send_rows[d]:
+                f, n, m = int(first[d]), int(per_dest[d]), meta_rows[d]
+                send[row:row + m].view(-1)[:n * meta_bytes].copy_(
+                    dev(meta_u8[f * meta_bytes:(f + n) * meta_bytes]))
+                torch.index_select(xb, 0, dev(token_of[f:f + n]), out=send[row + m:row + m + n])
             row += send_rows[d]
-            first += n
         t3 = _now_us()
 
-        # received rows, then this rank's own tokens: one gather reads both
+        # received rows by source, then this rank's own tokens: one gather reads both
         num_remote = sum(recv_rows)
-        work = self._buffer("recv", num_remote + num_tokens, row_bytes, device)
+        n_me = int(per_dest[me])
+        own = token_of[first[me]:first[me + 1]]
+        work = self._buffer("recv", num_remote + n_me, row_bytes, device)
         dist.all_to_all_single(work[:num_remote], send, recv_rows, send_rows, group=self.group)
         t4 = _now_us()
+        if n_me:
+            torch.index_select(xb, 0, dev(own), out=work[num_remote:])
 
-        # pairs as received (source-major, then local expert, then token) -> expert-major
-        self_first = sum(per_dest[:me])
-        metas, row_of_pair = [], []
+        # received tokens ("bags"): remote sources in rank order, this rank's own last
+        metas, rows, srcs = [], [], []
         row = 0
         for s in range(world):
-            n = per_src[s]
-            if s == me:
-                if n:
-                    work[num_remote:].copy_(xb)
-                metas.append(meta[self_first:self_first + n])
-                row_of_pair.append(send_token[self_first:self_first + n] + num_remote)
-            elif n:
-                m = recv_rows[s] - n
-                words = work[row:row + m].view(-1)[:n * _META_BYTES].cpu().numpy()
-                metas.append(words.view(np.int32).reshape(n, _META_WORDS))
-                row_of_pair.append(np.arange(row + m, row + recv_rows[s]))
+            n = int(per_src[s])
+            if s == me or not n:
+                continue
+            m = recv_rows[s] - n
+            words = work[row:row + m].view(-1)[:n * meta_bytes]
+            words = words.numpy() if on_cpu else words.cpu().numpy()
+            metas.append(words.view(np.int32).reshape(n, meta_words))
+            rows.append(np.arange(row + m, row + m + n))
+            srcs.append(np.full(n, s))
             row += recv_rows[s]
-        meta_in = np.concatenate(metas)
-        to_expert_major = np.argsort(np.repeat(self._block_expert, recv_counts.reshape(-1)),
-                                     kind="stable")
-        num_recv = len(to_expert_major)
-        recv_x = torch.index_select(work, 0, dev(np.concatenate(row_of_pair)[to_expert_major]))
+        metas.append(meta[first[me]:first[me + 1]])
+        rows.append(np.arange(num_remote, num_remote + n_me))
+        srcs.append(np.full(n_me, me))
+        bag_meta = np.concatenate(metas) if len(metas) > 1 else metas[0]
+        bag_row = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        bag_src = np.concatenate(srcs) if len(srcs) > 1 else srcs[0]
+        local = bag_meta[:, 1:1 + top_k] - me * per_rank
+        bag_of, slot_of = np.nonzero((local >= 0) & (local < per_rank))  # pairs, bag-major
+        expert_of = local[bag_of, slot_of]
+        src_of = bag_src[bag_of]
+        # expert-major, then source rank; the stable sort keeps token (and slot) order
+        order = np.argsort(expert_of * world + src_of, kind="stable")
+        num_recv = len(order)
+        recv_x = torch.index_select(work, 0, dev(bag_row[bag_of[order]]))
         recv_x = recv_x.view(x.dtype).view(num_recv, hidden)
-        meta_in = meta_in[to_expert_major]
+        pair_weight = bag_meta[:, 1 + top_k:].view(np.float32)[bag_of, slot_of]
         origins = np.empty((3, num_recv), dtype=np.int64)
-        origins[0] = np.repeat(np.arange(world), per_src)[to_expert_major]
-        origins[1], origins[2] = meta_in[:, 0], meta_in[:, 1]
+        origins[0] = src_of[order]
+        origins[1] = bag_meta[:, 0][bag_of[order]]
+        origins[2] = slot_of[order]
         t5 = _now_us()
 
-        # combine: where each of this rank's slots finds its row in combine's work buffer
-        # (returned remote rows in destination order, then own pairs, then a zero row for
-        # unrouted slots), its weight (0 if unrouted), and the expert-major rows to send
-        # back, source by source with this rank's own last
-        n_own = per_dest[me]
-        num_back = num_send - n_own
-        back_row = np.arange(num_send)
-        back_row[self_first + n_own:] -= n_own
-        back_row[self_first:self_first + n_own] = np.arange(num_back, num_back + n_own)
-        slot_row = np.full(num_tokens * top_k, num_send, dtype=np.int64)
-        slot_row[pos] = back_row
-        slot_weight = np.zeros(num_tokens * top_k, dtype=np.float32)
-        slot_weight[pos] = weights[pos]
-        to_source_major = np.empty_like(to_expert_major)
-        to_source_major[to_expert_major] = np.arange(num_recv)
-        own = sum(per_src[:me])
-        to_source_major = np.concatenate([to_source_major[:own],
-                                          to_source_major[own + per_src[me]:],
-                                          to_source_major[own:own + per_src[me]]])
+        # combine: each bag's rows of expert_out in slot order; each own token's partials
+        # in the combine work buffer [returned by remote ranks in rank order | own]
+        row_of_pair = np.empty(num_recv, dtype=np.int64)
+        row_of_pair[order] = np.arange(num_recv)
+        num_bags = len(bag_row)
+        pairs_per_bag = np.bincount(bag_of, minlength=num_bags)
+        bag_offsets = np.zeros(num_bags, dtype=np.int64)
+        np.cumsum(pairs_per_bag[:-1], out=bag_offsets[1:])
+        num_back = int(per_dest.sum()) - n_me
+        base = np.concatenate(([0], np.cumsum(np.where(np.arange(world) == me, 0, per_dest))))
+        base[me] = num_back
+        tok_of, dst_of = np.nonzero(hit)                    # token-major, then rank
+        rank_in_dest = np.cumsum(hit, axis=0)[tok_of, dst_of] - 1
+        final_offsets = np.zeros(num_tokens, dtype=np.int64)
+        np.cumsum(np.count_nonzero(hit, axis=1)[:-1], out=final_offsets[1:])
         state = _TorchState(
-            slot_row=dev(slot_row.reshape(num_tokens, top_k)),
-            slot_weight=slot_weight.reshape(num_tokens, top_k),
-            rows_per_dest=[0 if d == me else n for d, n in enumerate(per_dest)],
-            rows_per_src=[0 if s == me else n for s, n in enumerate(per_src)],
-            num_back=num_back, num_own=n_own, num_return=num_recv - per_src[me],
-            to_source_major=dev(to_source_major))
+            bag_rows=dev(row_of_pair), bag_offsets=dev(bag_offsets),
+            bag_weights=pair_weight, weights_by_dtype={}, bag_rows2=None, bag_offsets2=None,
+            final_rows=dev(base[dst_of] + rank_in_dest), final_offsets=dev(final_offsets),
+            sent_per_rank=[0 if d == me else int(n) for d, n in enumerate(per_dest)],
+            recv_per_rank=[0 if s == me else int(n) for s, n in enumerate(per_src)],
+            num_back=num_back, num_own=n_me, num_remote_bags=num_bags - n_me)
         handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
                             topk_weights, origins, state)
         t6 = _now_us()
         phases = {"layout": t1 - t0 + t6 - t5, "count_exchange": t2 - t1, "pack": t3 - t2,
                   "token_exchange": t4 - t3, "reorder": t5 - t4}
-        collectives = [("counts", [8 * per_rank] * world, [8 * per_rank] * world),
+        collectives = [("counts", [8] * world, [8] * world),
                        ("rows", [r * row_bytes for r in send_rows],
                         [r * row_bytes for r in recv_rows])]
         stats = self._stats("dispatch", phases, sum(send_rows) * row_bytes,
                             num_remote * row_bytes, collectives)
-        tokens_per_expert = torch.from_numpy(recv_counts.sum(0)).to(device)
-        return new_dispatch_result(recv_x, meta_in[:, 2].copy().view(np.float32),
-                                   tokens_per_expert, handle, stats)
+        return new_dispatch_result(recv_x, pair_weight[order],
+                                   np.bincount(expert_of, minlength=per_rank), handle, stats)
+
+    def _bag_weights(self, st: _TorchState, dtype: torch.dtype, device) -> torch.Tensor:
+        """The slots' weights as `embedding_bag` takes them for rows of `dtype`.
+
+        fp32 rows: the weights. 16-bit rows: each weight as `hi, lo` in that dtype (every
+        slot row then appears twice in the bag), so the products keep ~16 significant bits
+        of the weight instead of 8 (bf16) or 11 (fp16).
+        """
+        w = st.weights_by_dtype.get(dtype)
+        if w is None:
+            w32 = torch.from_numpy(st.bag_weights).to(device)
+            if dtype == torch.float32:
+                w = w32
+            else:
+                hi = w32.to(dtype)
+                w = torch.stack([hi, (w32 - hi.float()).to(dtype)], 1).view(-1)
+                if st.bag_rows2 is None:
+                    st.bag_rows2 = st.bag_rows.repeat_interleave(2)
+                    st.bag_offsets2 = st.bag_offsets * 2
+            st.weights_by_dtype[dtype] = w
+        return w
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
                 weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
         st: _TorchState = handle.state
-        num_recv, hidden = expert_out.shape
         dtype, device = expert_out.dtype, expert_out.device
-        row_bytes = hidden * expert_out.element_size()
+        hidden = expert_out.shape[1]
         t0 = _now_us()
-        # work buffer: [rows returned to this rank | own rows | zero row | rows to send back]
-        back, own, nret = st.num_back, st.num_own, st.num_return
-        work = self._buffer("combine", back + own + 1 + nret, row_bytes, device)
-        raw = expert_out.view(torch.uint8).view(num_recv, row_bytes)
-        to_send = work[back + own + 1:]
-        torch.index_select(raw, 0, st.to_source_major[:nret], out=to_send)
-        torch.index_select(raw, 0, st.to_source_major[nret:], out=work[back:back + own])
-        work[back + own].zero_()
+        pdtype = dtype if dtype in _PARTIAL_DTYPES else torch.float32
+        rows = expert_out if pdtype == dtype else expert_out.to(pdtype)
+        # one partial per received token: the sum of its slots here, fp32 accumulation
+        if not weighted:
+            partial = F.embedding_bag(st.bag_rows, rows, st.bag_offsets, mode="sum")
+        elif pdtype == torch.float32:
+            partial = F.embedding_bag(st.bag_rows, rows, st.bag_offsets, mode="sum",
+                                      per_sample_weights=self._bag_weights(st, pdtype, device))
+        else:
+            w = self._bag_weights(st, pdtype, device)   # [hi, lo] per slot: each row twice
+            partial = F.embedding_bag(st.bag_rows2, rows, st.bag_offsets2, mode="sum",
+                                      per_sample_weights=w)
+        prow_bytes = hidden * partial.element_size()
+        back, own = st.num_back, st.num_own
+        work = self._buffer("combine", back + own, prow_bytes, device)
+        pb = partial.view(torch.uint8).view(-1, prow_bytes)
+        nret = st.num_remote_bags
+        if own:
+            work[back:].copy_(pb[nret:])
         t1 = _now_us()
-        dist.all_to_all_single(work[:back], to_send, st.rows_per_dest, st.rows_per_src,
+        dist.all_to_all_single(work[:back], pb[:nret], st.sent_per_rank, st.recv_per_rank,
                                group=self.group)
         t2 = _now_us()
-        # y[t] = sum over slots k of w[t, k] * row(t, k), in fp32: per chunk of tokens, one
-        # gather of their slots' rows and one batched [1, K] x [K, hidden] product (chunks of
-        # ~4 MiB of fp32 rows keep the operands in cache); unrouted slots read the zero row
-        # with weight 0 (their given weight may be NaN)
-        rows = work.view(dtype).view(-1, hidden)
-        w = st.slot_weight if weighted else (st.slot_row.cpu().numpy() < back + own)
-        w = torch.from_numpy(np.asarray(w, dtype=np.float32)).to(device)
-        num_tokens, top_k = st.slot_row.shape
-        y = out if out is not None else torch.empty(num_tokens, hidden, dtype=dtype,
-                                                    device=device)
-        chunk = max(1, _REDUCE_CHUNK_BYTES // (4 * top_k * hidden))
-        for t in range(0, num_tokens, chunk):
-            e = min(num_tokens, t + chunk)
-            slots = rows.index_select(0, st.slot_row[t:e].view(-1)).view(e - t, top_k, hidden)
-            y[t:e] = torch.bmm(w[t:e].unsqueeze(1), slots.float()).squeeze(1)
+        y = F.embedding_bag(st.final_rows, work.view(pdtype).view(-1, hidden), st.final_offsets,
+                            mode="sum")
+        if pdtype != dtype:
+            y = y.to(dtype)
+        if out is not None:
+            y = out.copy_(y)
         t3 = _now_us()
-        phases = {"pack": t1 - t0, "token_exchange": t2 - t1, "reduce": t3 - t2}
-        collectives = [("rows_back", [n * row_bytes for n in st.rows_per_src],
-                        [n * row_bytes for n in st.rows_per_dest])]
-        return CombineResult(y=y, stats=self._stats("combine", phases, nret * row_bytes,
-                                                    back * row_bytes, collectives))
+        phases = {"reduce": t1 - t0 + t3 - t2, "token_exchange": t2 - t1}
+        collectives = [("partials_back", [n * prow_bytes for n in st.recv_per_rank],
+                        [n * prow_bytes for n in st.sent_per_rank])]
+        return CombineResult(y=y, stats=self._stats("combine", phases, nret * prow_bytes,
+                                                    back * prow_bytes, collectives))
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""
