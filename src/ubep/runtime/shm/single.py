@@ -142,8 +142,7 @@ class SinglePath:
             out = into if into is not None else torch.empty(num_tokens, hidden, dtype=dtype)
             y_addr = out.data_ptr()
         bad = KS.combine_begin_at(ctx.bases, lay, ctx.rank, epoch, expert_out.data_ptr(),
-                                  n_recv, rb, ints, elem, self._cs, self._bsp,
-                                  hello, got, batch, y_addr, num_tokens, hidden)
+                                  n_recv, rb, ints, elem, self._cs, self._bsp, hello, got, batch)
         if bad < 0:
             raise sentinel_error("expert_out", -bad - 1)
         t1 = now_us()

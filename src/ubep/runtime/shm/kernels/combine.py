@@ -100,11 +100,68 @@ def accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y):
 
 
 @jit
+def sum_slots(srcs, wgts, m, blk, epb, es, elem, lut, acc, y, out16):
+    """One token's sum: `sum_j wgts[j] * row_j` over the m rows at `srcs[:m]`, in fp32.
+
+    A row's elements lie in blocks of `epb` elements, `blk` bytes apart (the wire format;
+    contiguous rows: `blk = epb * es`). Each block of the token is summed over all its rows
+    at once in `acc` (`[>= epb]` float32) and written once: into `y` (`[hidden]` float32)
+    if it has elements, rounded to bf16 bits into `out16` if that has. One pass over the
+    output instead of one per row, and no zeroing or rounding pass after. Per element the
+    arithmetic is the reference's: 0.0, then `+= w * row` in slot order.
+    """
+    hidden = max(y.shape[0], out16.shape[0])
+    for c0 in range(0, hidden, epb):
+        n = min(epb, hidden - c0)
+        a = acc[:n]                  # views from 0: indices provably >= 0, loops vectorize
+        for i in range(n):
+            a[i] = 0.0
+        off = (c0 // epb) * blk
+        for j in range(m):
+            src = srcs[j] + off
+            wgt = wgts[j]
+            if elem == ELEM_F32:
+                v = carray(f32_ptr(src), n)
+                for i in range(n):
+                    a[i] += wgt * v[i]
+            elif elem == ELEM_BF16:
+                v16 = carray(u16_ptr(src), n)
+                for i in range(n):
+                    a[i] += wgt * bits_to_f32(np.uint32(v16[i]) << np.uint32(16))
+            elif elem == ELEM_LUT16:
+                v16 = carray(u16_ptr(src), n)
+                for i in range(n):
+                    a[i] += wgt * lut[v16[i]]
+            else:
+                v8 = carray(u8_ptr(src), n)
+                for i in range(n):
+                    a[i] += wgt * lut[v8[i]]
+        if y.shape[0]:
+            yv = y[c0:c0 + n]
+            for i in range(n):
+                yv[i] = a[i]
+        if out16.shape[0]:
+            f32_to_bf16_row(a, out16[c0:c0 + n])
+
+
+@jit
 def reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello, tlo, thi,
                   done, batch, y, spins):
+    """Sum each token of [tlo, thi) once all its routed slots arrived into `y` `[T, hidden]`
+    float32; return tokens missing (`reduce_tokens_into` without bf16 output)."""
+    return reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut,
+                              hello, tlo, thi, done, batch, y, np.zeros((0, 0), np.uint16),
+                              spins)
+
+
+@jit
+def reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello,
+                       tlo, thi, done, batch, y, out16, spins):
     """Sum each token of [tlo, thi) once all its routed slots arrived; return tokens missing.
 
-    `y` `[T, hidden]` float32 (zeroed by the caller); slot order as the reference sums.
+    Slot order as the reference sums (`sum_slots`). Each finished token's fp32 sum goes to
+    `y[t]` (`[T, hidden]`), or, if `out16` has rows, only rounded to bf16 bits into
+    `out16[t]`. A token with no routed slot gets zeros.
     """
     el = lay[L_EL]
     world = lay[L_WORLD]
@@ -114,6 +171,13 @@ def reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, h
     nb = num_blocks(rb, ppb)
     win = base + lay[L_CWIN_OFF] + par * lay[L_CSLOTS] * stride
     t_n, k_n = idx.shape
+    epb = ppb // es
+    srcs = np.empty(k_n, np.int64)
+    wgts = np.empty(k_n, np.float32)
+    acc = np.empty(epb, np.float32)
+    to_bf16 = out16.shape[0] > 0
+    no_y = np.empty(0, np.float32)
+    no_out = np.empty(0, np.uint16)
     remaining = 0
     for _ in range(max(spins, 1)):
         if fmt == FMT_SW or fmt == FMT_DC:
@@ -153,23 +217,41 @@ def reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, h
             if not ready:
                 remaining += 1
                 continue
+            m = 0
             for k in range(k_n):
                 e = idx[t, k]
                 if e < 0:
                     continue
-                src = win + (t * kmax + k) * stride
+                srcs[m] = win + (t * kmax + k) * stride
                 # unweighted: a weight of 1.0 (x * 1.0 is exact, so the sum equals the
                 # reference's plain sum bit for bit)
-                wgt = weights[t, k] if weighted else np.float32(1.0)
-                accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y[t])
-                if fmt == FMT_SP:
-                    rearm(src, nb, bb)
+                wgts[m] = weights[t, k] if weighted else np.float32(1.0)
+                m += 1
+            if to_bf16:
+                sum_slots(srcs, wgts, m, bb, epb, es, elem, lut, acc, no_y, out16[t])
+            else:
+                sum_slots(srcs, wgts, m, bb, epb, es, elem, lut, acc, y[t], no_out)
+            if fmt == FMT_SP:
+                for j in range(m):
+                    rearm(srcs[j], nb, bb)
             done[t] = 1
         if remaining == 0:
             return 0
         cpu_pause()
     return remaining
 
+
+@jit
+def f32_to_bf16_row(y, out):
+    """`f32_to_bf16` of one row: fp32 `y` `[n]` rounded into the bf16 bits `out` `[n]`."""
+    yu = y.view(np.uint32)
+    for j in range(yu.shape[0]):
+        u = yu[j]
+        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            out[j] = np.uint16(0x7FC0)
+        else:
+            bias = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+            out[j] = np.uint16((u + bias) >> np.uint32(16))
 
 
 @jit

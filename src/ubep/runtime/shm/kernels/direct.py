@@ -19,7 +19,7 @@ from ubep.runtime.shm.atomics import (
     store_release,
 )
 from ubep.runtime.shm.kernels import jit
-from ubep.runtime.shm.kernels.combine import accumulate, f32_to_bf16
+from ubep.runtime.shm.kernels.combine import sum_slots
 from ubep.runtime.shm.kernels.records import copy_bytes
 from ubep.runtime.shm.kernels.slots import poll_slots
 from ubep.runtime.shm.region import (
@@ -39,6 +39,10 @@ from ubep.runtime.shm.region import (
 )
 
 _EPOCH_MASK = 0x7FFFFFFF
+
+
+#: elements of a token summed at once (`sum_slots`): 2 KiB of fp32, stays in L1
+SUM_CHUNK = 512
 
 
 @jit
@@ -180,15 +184,21 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
     """Sum tokens [t_lo, t_hi) from the expert outputs where they lie, each as soon as every
     rank holding one of its rows has published them; return tokens missing.
 
-    `y[t]` is zeroed here, then summed in slot order (as the reference). If `out16` has rows,
-    a finished token is also rounded to bf16 bits into `out16[t]`. `ready[r]`: -1 unknown,
+    Each token is summed in slot order (as the reference, `sum_slots`) into `y[t]`, or, if
+    `out16` has rows, only rounded to bf16 bits into `out16[t]`. `ready[r]`: -1 unknown,
     else the byte offset of rank r's outputs. `dtype_code` is my outputs' dtype (every rank
-    must agree), `ecode`/`lut` how to read it as fp32 (see `kernels.accumulate`). A rank that
+    must agree), `ecode`/`lut` how to read it as fp32 (see `kernels.sum_slots`). A rank that
     disagrees returns -(r + 1) (the caller names it).
     """
     world = bases.shape[0]
     k_n = idx.shape[1]
     to_bf16 = out16.shape[0] > 0
+    epb = SUM_CHUNK
+    srcs = np.empty(k_n, np.int64)
+    wgts = np.empty(k_n, np.float32)
+    acc = np.empty(epb, np.float32)
+    no_y = np.empty(0, np.float32)
+    no_out = np.empty(0, np.uint16)
     remaining = 0
     for _ in range(max(spins, 1)):
         for r in range(world):
@@ -212,18 +222,19 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
             if not ok:
                 remaining += 1
                 continue
-            yt = y[t]
-            yt[:] = 0.0
+            m = 0
             for k in range(k_n):
                 e = idx[t, k]
                 if e < 0:
                     continue
                 r = e // el
-                src = bases[r] + ready[r] + pos[t, k] * rb
-                wgt = weights[t, k] if weighted else np.float32(1.0)
-                accumulate(src, rb, rb, rb, es, ecode, lut, wgt, yt)
+                srcs[m] = bases[r] + ready[r] + pos[t, k] * rb
+                wgts[m] = weights[t, k] if weighted else np.float32(1.0)
+                m += 1
             if to_bf16:
-                f32_to_bf16(y[t:t + 1], out16[t:t + 1])
+                sum_slots(srcs, wgts, m, epb * es, epb, es, ecode, lut, acc, no_y, out16[t])
+            else:
+                sum_slots(srcs, wgts, m, epb * es, epb, es, ecode, lut, acc, y[t], no_out)
             done[t] = 1
         if remaining == 0:
             return 0

@@ -12,7 +12,7 @@ from numba import carray
 from ubep.plan.fastplan import count_experts, map_worker
 from ubep.runtime.shm.atomics import f32_ptr, i64_ptr, u8_ptr, u16_ptr
 from ubep.runtime.shm.kernels import jit
-from ubep.runtime.shm.kernels.combine import f32_to_bf16, reduce_tokens, send_back
+from ubep.runtime.shm.kernels.combine import reduce_tokens_into, send_back
 from ubep.runtime.shm.kernels.dispatch import offsets, recv_rows, send_rows
 from ubep.runtime.shm.kernels.records import FMT_DC, FMT_SP, FMT_SW
 from ubep.runtime.shm.kernels.sentinel import sp_check_dispatch, sp_check_rows
@@ -88,16 +88,18 @@ def combine_send_single(bases, lay, me, epoch, rows, src_rank, src_tok, src_slot
 
 @jit
 def combine_poll_single(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello, got,
-                        done, batch, y, spins, hellos_first):
+                        done, batch, y, out16, spins, hellos_first):
     """Collect hellos and sum the tokens whose rows arrived; returns what is still missing.
 
+    Sums go to `y`, or rounded to bf16 into `out16` if it has rows (`reduce_tokens_into`).
     `hellos_first` (bsp): no token is summed before every peer's hello (flag) arrived.
     """
     missing = poll_hello(base, lay, epoch, hello, got, spins if hellos_first else 1)
     if hellos_first and missing:
         return missing
-    return missing + reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut,
-                                   hello, 0, idx.shape[0], done, batch, y, spins)
+    return missing + reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem,
+                                        lut, hello, 0, idx.shape[0], done, batch, y, out16,
+                                        spins)
 
 
 # -- one worker, tensors by address: a call in as few kernel entries as the waits allow ------------
@@ -163,10 +165,10 @@ def recv_rows_at(base, lay, epoch, counts, meta, out_start, n, done, batch, x_ad
 
 @jit
 def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bsp,
-                     hello, got, batch, y_addr, num_tokens, hidden):
+                     hello, got, batch):
     """`combine_send_single` of the `[n, rb]` bytes at `rows_addr`, then the receive state
-    reset: `hello` -1, `got` and `batch` 0, the fp32 sums `[num_tokens, hidden]` at `y_addr`
-    zeroed (after the send: the peers need our rows first). Returns what the send returns."""
+    reset: `hello` -1, `got` and `batch` 0. Returns what the send returns. (The sums need no
+    zeroing: `sum_slots` writes every element of every token, zeros for an unrouted one.)"""
     rows = carray(u8_ptr(rows_addr), (n, rb))
     bad = combine_send_single(bases, lay, me, epoch, rows, ints[0], ints[1], ints[2], elem,
                               cs, bsp)
@@ -177,9 +179,6 @@ def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bs
         batch[s] = 0
         for i in range(hello.shape[1]):
             hello[s, i] = -1
-    y = carray(f32_ptr(y_addr), num_tokens * hidden)
-    for i in range(num_tokens * hidden):
-        y[i] = 0.0
     return 0
 
 
@@ -188,17 +187,23 @@ def combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weigh
                     ecode, lut, hello, got, done, batch, y_addr, hidden, spins, bsp, elem,
                     cast, out_addr, res):
     """`combine_poll_single` over the routing at `idx_addr`/`w_addr` into the sums at
-    `y_addr`; once complete, `check_meta` of the hellos into `res[RES_META]`, the routed slots
-    into `res[RES_ROUTED]` and (`cast` == CAST_BF16) the sums rounded into the bf16
-    `[num_tokens, hidden]` at `out_addr`.
+    `y_addr`, or (`cast` == CAST_BF16) rounded token by token into the bf16
+    `[num_tokens, hidden]` at `out_addr` (then `y_addr` is not written); once complete,
+    `check_meta` of the hellos into `res[RES_META]` and the routed slots into
+    `res[RES_ROUTED]`.
 
     Returns what is still missing (0: done).
     """
     idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
     w = carray(f32_ptr(w_addr), (num_tokens, top_k))
-    y = carray(f32_ptr(y_addr), (num_tokens, hidden))
+    if cast == CAST_BF16:
+        y = carray(f32_ptr(y_addr), (0, hidden))
+        out16 = carray(u16_ptr(out_addr), (num_tokens, hidden))
+    else:
+        y = carray(f32_ptr(y_addr), (num_tokens, hidden))
+        out16 = carray(u16_ptr(out_addr), (0, hidden))
     missing = combine_poll_single(base, lay, epoch, idx, w, weighted, rb, es, ecode, lut, hello,
-                                  got, done, batch, y, spins, bsp)
+                                  got, done, batch, y, out16, spins, bsp)
     if missing:
         return missing
     res[RES_META] = check_meta(hello, elem)
@@ -208,8 +213,6 @@ def combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weigh
             if idx[t, k] >= 0:
                 routed += 1
     res[RES_ROUTED] = routed
-    if cast == CAST_BF16:
-        f32_to_bf16(y, carray(u16_ptr(out_addr), (num_tokens, hidden)))
     return 0
 
 

@@ -88,7 +88,7 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     y = np.zeros((1, 2), np.float32)
     y16 = np.zeros((1, 2), np.uint16)
     combine_begin_at(bases, lay, 0, epoch, out.ctypes.data, n, 8, ints, 0, cs, bsp, hello,
-                     got, batch, y.ctypes.data, 1, 2)
+                     got, batch)
     combine_poll_at(base, lay, epoch, idx_addr, w_addr, 1, 1, True, 8, 4, ELEM_F32,
                     np.zeros(1, np.float32), hello, got, np.zeros(1, np.uint8), batch,
                     y.ctypes.data, 2, 1, bsp, 0, CAST_BF16, y16.ctypes.data, res)
@@ -131,7 +131,8 @@ def warm_up(lay_of, multi: bool) -> None:
         got[:] = 0
         combine_poll_single(base, lay, epoch, idx, w, True, 8, 4, ELEM_F32,
                             np.zeros(1, np.float32), hello, got, np.zeros(1, np.uint8),
-                            np.zeros(1, np.int64), np.zeros((1, 2), np.float32), 1, bsp)
+                            np.zeros(1, np.int64), np.zeros((1, 2), np.float32),
+                            np.zeros((0, 2), np.uint16), 1, bsp)
         _warm_up_at(bases, lay, bsp)
     if multi:
         counts = np.zeros(lay[L_EL], np.int64)
