@@ -22,8 +22,11 @@ def _cases(world: int) -> list[Case]:
     return cases
 
 
-def _run_cases(rank, world, cases):
+def _run_cases(rank, world, cases, host_moves_rows=True):
     import ubep
+    from ubep.runtime import torch_backend
+
+    torch_backend.HOST_MOVES_ROWS = host_moves_rows
 
     outs = []
     for case in cases:
@@ -39,6 +42,14 @@ def test_torch_backend_matches_reference(world):
     per_rank = run_ranks(_run_cases, world, cases, timeout_s=180)
     for i, case in enumerate(cases):
         check_case(case, [per_rank[r][i] for r in range(world)])
+
+
+def test_torch_backend_device_path_on_cpu():
+    """The torch ops a GPU group's rows take (index_select, copies to the device), run on CPU."""
+    cases = _cases(2)
+    per_rank = run_ranks(_run_cases, 2, cases, False, timeout_s=180)
+    for i, case in enumerate(cases):
+        check_case(case, [per_rank[r][i] for r in range(2)])
 
 
 def _reuse(rank, world, cases):
@@ -91,3 +102,23 @@ def test_torch_backend_sends_each_token_once_per_rank(world):
             assert back_recv[d] == (0 if d == rank else n * row_bytes)
             assert out[d][2][0][1][rank] == back_recv[d]    # what d sends = what rank receives
             assert out[d][1][1][2][rank] == rows_send[d]
+
+
+def test_bf16_weight_split_matches_torch():
+    """The compiled float32 -> bfloat16 rounding used for the combine weights' `hi, lo` split
+    agrees with torch's, and `hi + lo` keeps ~16 significant bits of the weight."""
+    import numpy as np
+    import torch
+
+    from ubep.runtime.torch_layout import _bf16_bits
+
+    rng = np.random.default_rng(0)
+    w = np.concatenate([rng.standard_normal(2000), rng.random(2000) * 1e-3,
+                        [0.0, -0.0, 1.0, -1.0, 0.5, 1 / 3]]).astype(np.float32)
+    want = torch.from_numpy(w).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    hi = np.array([_bf16_bits(b) for b in w.view(np.uint32)], dtype=np.uint16)
+    assert np.array_equal(hi, want)
+    hi_f = (hi.astype(np.uint32) << 16).view(np.float32)
+    lo = np.array([_bf16_bits(b) for b in (w - hi_f).view(np.uint32)], dtype=np.uint16)
+    lo_f = (lo.astype(np.uint32) << 16).view(np.float32)
+    assert np.all(np.abs(hi_f + lo_f - w) <= np.abs(w) * 2.0 ** -16)

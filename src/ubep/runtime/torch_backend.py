@@ -23,8 +23,11 @@ ranks would otherwise send a token ~4 times to each):
 
 The gating weights reach `embedding_bag` in the rows' dtype, split as `hi + lo` (two
 16-bit numbers, 16+ significant bits), so the 16-bit path keeps fp32-weight accuracy.
-Index bookkeeping is numpy on the host (a numpy op costs about a µs, a torch op several);
-send/receive scratch is kept and grown, not allocated per call. `Stats.extra["collectives"]`
+At batch 1 the host work around three small collectives is what costs, so the index
+bookkeeping is two compiled passes (`ubep.runtime.torch_layout`, one per side) instead of
+~80 numpy/torch calls, and on CPU the rows move with numpy (`np.take`: a numpy call costs
+about a µs, a torch op several; on other devices `index_select`). Send/receive scratch is
+kept and grown, not allocated per call. `Stats.extra["collectives"]`
 lists each collective's bytes to/from every peer: `ubep bench` replays exactly those calls,
 bare, as its "raw collectives" line.
 """
@@ -40,8 +43,11 @@ import torch.nn.functional as F
 
 from ubep.handle import CombineResult, DispatchHandle, new_dispatch_result, new_handle
 from ubep.options import BufferConfig
+from ubep.runtime.torch_layout import recv_plan, send_plan
 from ubep.stats import Stats
 
+#: on CPU, move rows with numpy (tests turn it off to run the device path's torch ops on CPU)
+HOST_MOVES_ROWS = True
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,21 +56,18 @@ def _now_us() -> float:
     return time.perf_counter_ns() / 1e3
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class _TorchState:
     """What combine needs from a dispatch (private to this backend; kept on the handle).
 
     Expert side: `bag_rows`/`bag_offsets` gather each received token's slots (rows of
-    expert_out, in slot order), `bag_weights` their weights; the bags come remote sources
+    expert_out, in slot order), `weights_by_dtype` their weights as embedding_bag takes
+    them (`recv_weights` is expert-major); the bags come remote sources
     first (rank order), this rank's own tokens last. Source side: `final_rows`/
     `final_offsets` pick each of this rank's tokens' partials from the combine work buffer
     [partials returned by each remote rank, in rank order | own partials].
     """
 
-    __slots__ = ("bag_rows", "bag_offsets", "bag_weights", "weights_by_dtype", "bag_rows2",
+    __slots__ = ("bag_rows", "bag_offsets", "recv_weights", "weights_by_dtype", "bag_rows2",
                  "bag_offsets2", "final_rows", "final_offsets", "sent_per_rank", "recv_per_rank",
                  "num_back", "num_own", "num_remote_bags")
 
@@ -107,8 +110,7 @@ class TorchBackend:
         row_bytes = hidden * x.element_size()
         device = x.device
         on_cpu = device.type == "cpu"
-        meta_words = 1 + 2 * top_k          # token index, top-k expert ids, top-k weight bits
-        meta_bytes = 4 * meta_words
+        meta_bytes = 4 * (1 + 2 * top_k)    # token index, top-k expert ids, top-k weight bits
 
         def dev(a: np.ndarray) -> torch.Tensor:   # a host index array where the rows are
             t = torch.from_numpy(a)
@@ -117,112 +119,84 @@ class TorchBackend:
         t0 = _now_us()
         idx = topk_idx.numpy() if on_cpu else topk_idx.cpu().numpy()
         weights = topk_weights.numpy() if on_cpu else topk_weights.cpu().numpy()
-        # hit[t, d]: token t has an expert on rank d (unrouted -1 lands in the extra column)
-        hit = np.zeros((num_tokens, world + 1), dtype=bool)
-        hit[np.arange(num_tokens)[:, None], idx // per_rank] = True
-        hit = hit[:, :world]
-        per_dest = np.count_nonzero(hit, axis=0)
+        per_dest, token_of, meta, final_rows, final_offsets, num_back = send_plan(
+            idx, weights, per_rank, world, me)
         t1 = _now_us()
 
         counts_in = torch.empty(world, dtype=torch.int64, device=device)
         dist.all_to_all_single(counts_in, dev(per_dest), group=self.group)
-        per_src = counts_in.cpu().numpy()
+        per_src = counts_in.numpy() if on_cpu else counts_in.cpu().numpy()
         t2 = _now_us()
 
-        # tokens by destination, then token; each remote destination gets
-        # [their routing words, padded to whole rows][their rows]
-        dest_of, token_of = np.nonzero(hit.T)
-        meta = np.empty((len(token_of), meta_words), dtype=np.int32)
-        meta[:, 0] = token_of
-        meta[:, 1:1 + top_k] = idx[token_of]
-        meta[:, 1 + top_k:] = weights[token_of].view(np.int32)
-        meta_u8 = meta.view(np.uint8).reshape(-1)
-        meta_rows = [_ceil_div(int(n) * meta_bytes, row_bytes) for n in per_dest]
-        send_rows = [0 if d == me or not n else meta_rows[d] + int(n)
-                     for d, n in enumerate(per_dest)]
-        recv_rows = [0 if s == me or not n else _ceil_div(int(n) * meta_bytes, row_bytes) + int(n)
-                     for s, n in enumerate(per_src)]
+        # each remote destination gets [its tokens' routing words, padded to whole rows]
+        # [its tokens' rows], tokens in index order
+        dests, srcs = per_dest.tolist(), per_src.tolist()
+        send_rows = [0 if d == me or not n else -(-n * meta_bytes // row_bytes) + n
+                     for d, n in enumerate(dests)]
+        recv_rows = [0 if s == me or not n else -(-n * meta_bytes // row_bytes) + n
+                     for s, n in enumerate(srcs)]
         xb = x.view(torch.uint8).view(num_tokens, row_bytes)
         send = self._buffer("send", sum(send_rows), row_bytes, device)
-        first = np.concatenate(([0], np.cumsum(per_dest)))
-        row = 0
+        meta_u8 = meta.reshape(-1).view(np.uint8)
+        host = on_cpu and HOST_MOVES_ROWS
+        if host:        # numpy moves the rows: a numpy call costs ~1 µs, a torch op several
+            xn, sendn = xb.numpy(), send.numpy()
+        row = first = 0
         for d in range(world):
+            n = dests[d]
             if send_rows[d]:
-                f, n, m = int(first[d]), int(per_dest[d]), meta_rows[d]
-                send[row:row + m].view(-1)[:n * meta_bytes].copy_(
-                    dev(meta_u8[f * meta_bytes:(f + n) * meta_bytes]))
-                torch.index_select(xb, 0, dev(token_of[f:f + n]), out=send[row + m:row + m + n])
+                m = send_rows[d] - n
+                words = meta_u8[first * meta_bytes:(first + n) * meta_bytes]
+                if host:
+                    sendn[row:row + m].reshape(-1)[:n * meta_bytes] = words
+                    np.take(xn, token_of[first:first + n], axis=0, mode="clip",
+                            out=sendn[row + m:row + send_rows[d]])
+                else:
+                    send[row:row + m].view(-1)[:n * meta_bytes].copy_(dev(words))
+                    torch.index_select(xb, 0, dev(token_of[first:first + n]),
+                                       out=send[row + m:row + send_rows[d]])
             row += send_rows[d]
+            first += n
         t3 = _now_us()
 
         # received rows by source, then this rank's own tokens: one gather reads both
         num_remote = sum(recv_rows)
-        n_me = int(per_dest[me])
-        own = token_of[first[me]:first[me + 1]]
+        n_me = dests[me]
         work = self._buffer("recv", num_remote + n_me, row_bytes, device)
         dist.all_to_all_single(work[:num_remote], send, recv_rows, send_rows, group=self.group)
         t4 = _now_us()
-        if n_me:
-            torch.index_select(xb, 0, dev(own), out=work[num_remote:])
-
-        # received tokens ("bags"): remote sources in rank order, this rank's own last
-        metas, rows, srcs = [], [], []
-        row = 0
-        for s in range(world):
-            n = int(per_src[s])
-            if s == me or not n:
-                continue
-            m = recv_rows[s] - n
-            words = work[row:row + m].view(-1)[:n * meta_bytes]
-            words = words.numpy() if on_cpu else words.cpu().numpy()
-            metas.append(words.view(np.int32).reshape(n, meta_words))
-            rows.append(np.arange(row + m, row + m + n))
-            srcs.append(np.full(n, s))
-            row += recv_rows[s]
-        metas.append(meta[first[me]:first[me + 1]])
-        rows.append(np.arange(num_remote, num_remote + n_me))
-        srcs.append(np.full(n_me, me))
-        bag_meta = np.concatenate(metas) if len(metas) > 1 else metas[0]
-        bag_row = np.concatenate(rows) if len(rows) > 1 else rows[0]
-        bag_src = np.concatenate(srcs) if len(srcs) > 1 else srcs[0]
-        local = bag_meta[:, 1:1 + top_k] - me * per_rank
-        bag_of, slot_of = np.nonzero((local >= 0) & (local < per_rank))  # pairs, bag-major
-        expert_of = local[bag_of, slot_of]
-        src_of = bag_src[bag_of]
-        # expert-major, then source rank; the stable sort keeps token (and slot) order
-        order = np.argsort(expert_of * world + src_of, kind="stable")
-        num_recv = len(order)
-        recv_x = torch.index_select(work, 0, dev(bag_row[bag_of[order]]))
+        own = slice(first := sum(dests[:me]), first + n_me)
+        if host:
+            workn = work.numpy()
+            if n_me:
+                np.take(xn, token_of[own], axis=0, mode="clip", out=workn[num_remote:])
+            head = workn[:num_remote].reshape(-1)
+        else:
+            if n_me:
+                torch.index_select(xb, 0, dev(token_of[own]), out=work[num_remote:])
+            head = work[:num_remote].view(-1).cpu().numpy()
+        bf16 = x.dtype == torch.bfloat16
+        (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
+         bag_offsets2, weights2, num_remote_bags) = recv_plan(
+            head, row_bytes, per_src, meta[own], me, per_rank, bf16)
+        num_recv = len(gather)
+        if host and num_recv:
+            recv_x = torch.from_numpy(np.take(workn, gather, axis=0, mode="clip"))
+        else:
+            recv_x = torch.index_select(work, 0, dev(gather))
         recv_x = recv_x.view(x.dtype).view(num_recv, hidden)
-        pair_weight = bag_meta[:, 1 + top_k:].view(np.float32)[bag_of, slot_of]
-        origins = np.empty((3, num_recv), dtype=np.int64)
-        origins[0] = src_of[order]
-        origins[1] = bag_meta[:, 0][bag_of[order]]
-        origins[2] = slot_of[order]
         t5 = _now_us()
 
-        # combine: each bag's rows of expert_out in slot order; each own token's partials
-        # in the combine work buffer [returned by remote ranks in rank order | own]
-        row_of_pair = np.empty(num_recv, dtype=np.int64)
-        row_of_pair[order] = np.arange(num_recv)
-        num_bags = len(bag_row)
-        pairs_per_bag = np.bincount(bag_of, minlength=num_bags)
-        bag_offsets = np.zeros(num_bags, dtype=np.int64)
-        np.cumsum(pairs_per_bag[:-1], out=bag_offsets[1:])
-        num_back = int(per_dest.sum()) - n_me
-        base = np.concatenate(([0], np.cumsum(np.where(np.arange(world) == me, 0, per_dest))))
-        base[me] = num_back
-        tok_of, dst_of = np.nonzero(hit)                    # token-major, then rank
-        rank_in_dest = np.cumsum(hit, axis=0)[tok_of, dst_of] - 1
-        final_offsets = np.zeros(num_tokens, dtype=np.int64)
-        np.cumsum(np.count_nonzero(hit, axis=1)[:-1], out=final_offsets[1:])
         state = _TorchState(
-            bag_rows=dev(row_of_pair), bag_offsets=dev(bag_offsets),
-            bag_weights=pair_weight, weights_by_dtype={}, bag_rows2=None, bag_offsets2=None,
-            final_rows=dev(base[dst_of] + rank_in_dest), final_offsets=dev(final_offsets),
-            sent_per_rank=[0 if d == me else int(n) for d, n in enumerate(per_dest)],
-            recv_per_rank=[0 if s == me else int(n) for s, n in enumerate(per_src)],
-            num_back=num_back, num_own=n_me, num_remote_bags=num_bags - n_me)
+            bag_rows=dev(bag_rows), bag_offsets=dev(bag_offsets), recv_weights=recv_weights,
+            weights_by_dtype=({torch.bfloat16: dev(weights2.view(np.int16)).view(torch.bfloat16)}
+                              if bf16 else {}),
+            bag_rows2=dev(bag_rows2) if bf16 else None,
+            bag_offsets2=dev(bag_offsets2) if bf16 else None,
+            final_rows=dev(final_rows), final_offsets=dev(final_offsets),
+            sent_per_rank=[0 if d == me else n for d, n in enumerate(dests)],
+            recv_per_rank=[0 if s == me else n for s, n in enumerate(srcs)],
+            num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags)
         handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
                             topk_weights, origins, state)
         t6 = _now_us()
@@ -233,8 +207,7 @@ class TorchBackend:
                         [r * row_bytes for r in recv_rows])]
         stats = self._stats("dispatch", phases, sum(send_rows) * row_bytes,
                             num_remote * row_bytes, collectives)
-        return new_dispatch_result(recv_x, pair_weight[order],
-                                   np.bincount(expert_of, minlength=per_rank), handle, stats)
+        return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
 
     def _bag_weights(self, st: _TorchState, dtype: torch.dtype, device) -> torch.Tensor:
         """The slots' weights as `embedding_bag` takes them for rows of `dtype`.
@@ -245,7 +218,8 @@ class TorchBackend:
         """
         w = st.weights_by_dtype.get(dtype)
         if w is None:
-            w32 = torch.from_numpy(st.bag_weights).to(device)
+            bag_rows = st.bag_rows.cpu().numpy()
+            w32 = torch.from_numpy(st.recv_weights[bag_rows]).to(device)
             if dtype == torch.float32:
                 w = w32
             else:
