@@ -106,7 +106,8 @@ def test_count_worker_choice_is_the_brute_force_optimum_of_the_simulators_formul
                     count_workers=1)
     prep = prepare("cm384", cfg, ranks=ranks)
     fab = Fabric.of(prep.topology, params)
-    cc = count_costs(params, fab, wire_bytes_of(7168, "ubep", "tff", fab)[1], 7168)
+    cc = count_costs(params, fab, wire_bytes_of(7168, "ubep", "tff", fab)[1], 7168,
+                     experts // ranks)
     kw = dict(num_experts=experts, top_k=8, num_tokens=batch)
     brute = [max(costmodel.t_count(c, ranks=ranks, costs=cc, **kw),
                  costmodel.t_token(48 - c, top_k=8, num_tokens=batch, costs=cc))

@@ -88,17 +88,25 @@ def schedule_balanced(by_expert: np.ndarray, num_experts: int, n: int) -> Schedu
                     offsets[:-1, None].copy(), np.diff(offsets)[:, None])
 
 
-def remap_experts(hop_of_expert: np.ndarray, first: int = 0) -> np.ndarray:
-    """The hierarchical expert order: hop-class-major, farthest class first; inside a class,
-    experts in id order rotated to start at expert `first`.
+def remap_experts(hop_of_expert: np.ndarray, first: int = 0,
+                  experts_per_rank: int = 1) -> np.ndarray:
+    """The hierarchical expert order: hop-class-major, farthest class first; inside a class
+    the experts' `[rank, local expert]` matrix read column-wise (the logical transposition:
+    local expert 0 of every rank, then local expert 1, ...), ranks in id order rotated to
+    start at the rank of expert `first`.
 
-    The planner passes the first expert after its own rank's, so that at the start of a
-    dispatch the ranks' workers aim at different destinations instead of all at the
-    lowest-numbered one (an incast at a single rank).
+    The transposition puts consecutive experts on different ranks, so a worker's
+    contiguous slice spreads over as many destinations as it has experts, instead of
+    sending its whole slice to one rank. The planner passes the first expert after its own
+    rank's, so that at the start of a dispatch the ranks' workers aim at different
+    destinations instead of all at the lowest-numbered one (an incast at a single rank).
     """
     num_experts = hop_of_expert.shape[0]
-    rotated = (np.arange(num_experts) - first) % max(num_experts, 1)
-    return np.lexsort((rotated, -hop_of_expert)).astype(np.int64)
+    epr = max(int(experts_per_rank), 1)
+    e = np.arange(num_experts)
+    ranks = max(num_experts // epr, 1)
+    rotated_rank = (e // epr - first // epr) % ranks
+    return np.lexsort((rotated_rank, e % epr, -hop_of_expert)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,8 @@ class ExpertLayout:
 def expert_layout(hop_of_rank: np.ndarray, experts_per_rank: int, rank: int = -1) -> ExpertLayout:
     """Remap the experts once for `rank`; the schedulers reuse it on every call."""
     hop_of_expert = np.repeat(hop_of_rank, experts_per_rank)
-    expert_order = remap_experts(hop_of_expert, first=(rank + 1) * experts_per_rank)
+    expert_order = remap_experts(hop_of_expert, first=(rank + 1) * experts_per_rank,
+                                 experts_per_rank=experts_per_rank)
     num_experts = expert_order.shape[0]
     rank_of_expert = np.empty(num_experts, dtype=_small_key(num_experts))
     rank_of_expert[expert_order] = np.arange(num_experts)

@@ -125,7 +125,8 @@ def model_count_workers(topology, config: SimConfig, num_experts: int, workers: 
     _, wire = engine.wire_bytes_of(row_bytes, "ubep", config.sync, fab)
     return choose_count_workers(workers, num_experts, config.top_k, config.tokens_per_rank,
                                 ranks=topology.num_ranks,
-                                costs=engine.count_costs(params, fab, wire, row_bytes))
+                                costs=engine.count_costs(params, fab, wire, row_bytes,
+                                                         num_experts // topology.num_ranks))
 
 
 def prepare(topology, config: SimConfig, *, ranks: int | None = None,

@@ -11,7 +11,8 @@ workers with numpy: phases, barriers, flags, counts and the reordering (a FIFO q
 worker, `queues`), per mode:
 
 * bsp: init | token_send | SyncAll | flag+count | flag verify | SyncAll | cumsum | reorder,
-  every worker of a rank in the same phase, ranks coupled through the flags;
+  every worker of a rank in the same phase, ranks coupled through the flags; the verify
+  reads its share of the sources' flags one after another (`flag_check_us` each);
 * ubep: count workers count, store one count word per destination (pipelined), wait for
   the last source's counts (polling overlaps the arrivals: one vector pass after the last),
   split the prefix sum (CalCumSum) among themselves and publish; token workers send, then
@@ -273,6 +274,22 @@ def _fan_out(P: int, senders: int, per_store_us: float, start: np.ndarray, fabri
     return start + math.ceil(P / senders) * per_store_us, arrival
 
 
+def _serial_checks(arrival: np.ndarray, start: np.ndarray, n: int, check_us: float
+                   ) -> np.ndarray:
+    """BSP flag verification as CANN's dispatch does it: worker w of rank d checks the flags
+    of sources w, w + n, ... one after another, each check one read of `check_us` (a flag
+    not there yet is read again until it is). `arrival[s, d]`: the flag from s lands on d;
+    `start` `[P * n]`: when each worker begins. Returns `[P]`: the rank's last check done."""
+    P = arrival.shape[0]
+    t = start.reshape(P, n).copy()
+    for k in range(-(-P // n)):
+        src = np.arange(n) + k * n
+        ok = src < P
+        got = arrival[src[ok]].T                                 # [P (dst), workers]
+        t[:, ok] = np.maximum(t[:, ok], got) + check_us
+    return t.max(axis=1)
+
+
 def wire_bytes_of(row_bytes: int, mode: str, sync: str, fabric: Fabric) -> tuple[int, int]:
     """`(blocks, wire_bytes)` of one row as `run` sends it (bsp sends plain rows)."""
     eff = "sw" if mode == "bsp" else sync
@@ -281,7 +298,7 @@ def wire_bytes_of(row_bytes: int, mode: str, sync: str, fabric: Fabric) -> tuple
 
 
 def count_costs(params: CostParams, fabric: Fabric, wire_bytes: int,
-                row_bytes: int | None = None) -> CountCosts:
+                row_bytes: int | None = None, experts_per_rank: int = 1) -> CountCosts:
     """The unit costs of Eq. 4 (`ubep.plan.costmodel`) implied by these constants on this
     fabric, for rows of `wire_bytes` under uniform routing: what the planner minimises and
     what `run` executes for the count path.
@@ -290,7 +307,10 @@ def count_costs(params: CostParams, fabric: Fabric, wire_bytes: int,
     serialization, averaged over destinations) divided by the staging depth, and never less
     than the staging copy itself; the rank's port passes its remote share of the rows; a
     received row costs a token worker its reorder copy (`row_bytes`, default the payload of
-    `wire_bytes`).
+    `wire_bytes`). CalCumSum reads every source's counts for this rank's `experts_per_rank`
+    experts from the window — one atomic block per source, as the counts were written —
+    through the core at `copy_bw_GBps`, and adds them up: per count entry, its share of
+    that block's read plus `cumsum_ns_per_entry`.
     """
     P = fabric.num_ranks
     hop = fabric.hop
@@ -307,7 +327,8 @@ def count_costs(params: CostParams, fabric: Fabric, wire_bytes: int,
     return CountCosts(pair_us=params.count_ns_per_pair * 1e-3, store_us=params.flag_issue_us,
                       flight_us=float(lat.max(initial=0.0)), scan_us=params.poll_us,
                       scan_entry_us=params.scan_ns_per_entry * 1e-3,
-                      cumsum_entry_us=params.cumsum_ns_per_entry * 1e-3,
+                      cumsum_entry_us=params.cumsum_ns_per_entry * 1e-3 + time_us(
+                          fabric.block_bytes / max(experts_per_rank, 1), params.copy_bw_GBps),
                       merge_us=params.signal_us, publish_us=params.signal_us,
                       row_us=row, port_row_us=port_row,
                       reorder_row_us=time_us(wire_bytes if row_bytes is None else row_bytes,
@@ -338,10 +359,10 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
     eff_sync = "sw" if mode == "bsp" else sync
     blocks, wire = wire_bytes_of(row_bytes, mode, sync, fabric)
     issue_us = time_us(wire, params.stage_bw_GBps)
-    cc = count_costs(params, fabric, wire, row_bytes)
+    e_local = max(1, num_experts // P)
+    cc = count_costs(params, fabric, wire, row_bytes, e_local)
     row_copy_us = time_us(row_bytes, params.copy_bw_GBps) + (
         blocks * params.rearm_ns_per_block * 1e-3 if eff_sync == "sp" and mode == "ubep" else 0)
-    e_local = max(1, num_experts // P)
     recv_rows = np.bincount(table.dst, minlength=P)
     t0 = params.launch_us + start_offsets(P, params.start_jitter_us, seed)
     phase: dict[str, np.ndarray] = {"launch": t0.copy()}
@@ -367,15 +388,15 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
         my_flags = (P - lane_worker + n - 1) // n      # destinations of worker w: w, w+n, ...
         ivs.add(lane_rank, lane_worker, "flag_count", t2[lane_rank],
                 fs[lane_rank] + my_flags * params.flag_issue_us, True)
-        got = arrival.max(axis=0)
-        t3 = np.maximum(local_done, got) + scan
-        ivs.add(lane_rank, lane_worker, "flag_verify",
-                fs[lane_rank] + my_flags * params.flag_issue_us, t3[lane_rank], False)
+        verify_start = fs[lane_rank] + my_flags * params.flag_issue_us
+        t3 = np.maximum(local_done, arrival.max(axis=0)) + scan
+        if params.flag_check_us > 0:
+            t3 = np.maximum(t3, _serial_checks(arrival, verify_start, n, params.flag_check_us))
+        ivs.add(lane_rank, lane_worker, "flag_verify", verify_start, t3[lane_rank], False)
         t4 = t3 + params.barrier_us
         ivs.add(lane_rank, lane_worker, "syncall", t3[lane_rank], t4[lane_rank], False)
         if op == "dispatch":
-            t5 = t4 + params.phase_fixed_us + \
-                P * e_local * params.cumsum_ns_per_entry * 1e-3 / n
+            t5 = t4 + params.phase_fixed_us + P * e_local * cc.cumsum_entry_us / n
             ivs.add(lane_rank, lane_worker, "cumsum", t4[lane_rank], t5[lane_rank], True)
         else:
             t5 = t4.copy()

@@ -42,6 +42,9 @@ class CostParams:
     barrier_us: float = _f(5.0, "one SyncAll (all-core barrier inside a rank), microseconds")
     flag_issue_us: float = _f(0.05, "issue cost of one flag or count store (pipelined: the "
                               "worker moves on), microseconds")
+    flag_check_us: float = _f(0.0, "BSP flag verification: one core reading one source's "
+                              "flag word (the baseline checks its share of the source ranks "
+                              "one after another, as CANN's dispatch does), us")
     poll_us: float = _f(0.05, "one vector pass over the arrived flag/count words after the "
                         "last one landed (polling overlaps the arrivals), microseconds")
     scan_ns_per_entry: float = _f(0.5, "that vector pass, per received count entry, ns")
