@@ -171,7 +171,7 @@ def _late_or_dead(rank, world, how, job):
         if rank == 1 and how == "dead":
             def die(*args):
                 os.kill(os.getpid(), signal.SIGKILL)   # counts are out, the rows never come
-            direct_kernels.dispatch_rows = die        # the one-worker entry after counts
+            direct_kernels.dispatch_rows_at = die     # the one-worker entry after counts
         t0 = time.monotonic()
         try:
             buf.dispatch(*_inputs(rank))

@@ -48,8 +48,9 @@ class ShmContext:
     pool: WorkerPool | None
 
     def deadline(self) -> float:
-        """The `time.monotonic()` deadline of a call that starts now."""
-        return time.monotonic() + self.config.timeout_s
+        """The deadline (`time.perf_counter()` seconds, as `waits.wait`) of a call that starts
+        now."""
+        return time.perf_counter() + self.config.timeout_s
 
     def wait(self, poll: Callable[[int], int], phase: str, peers_of: Callable[[], list[int]],
              detail_of: Callable[[], str] | None = None, *, deadline: float,

@@ -43,7 +43,7 @@ from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
 from ubep.runtime.shm.kernels import direct as DK
-from ubep.runtime.shm.kernels.local import poll_words_at_least, publish
+from ubep.runtime.shm.kernels.local import poll_words_at_least
 from ubep.runtime.shm.protocol import DTYPE_CODES, ShmProtocolError
 from ubep.runtime.shm.region import (
     D_AREA,
@@ -53,7 +53,7 @@ from ubep.runtime.shm.region import (
     D_META_OFF,
     D_RECV_OFF,
 )
-from ubep.runtime.shm.waits import SPINS, now_us
+from ubep.runtime.shm.waits import SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES
 
@@ -94,7 +94,7 @@ class DirectPath:
         self._done_off = int(dlay[D_DONE_OFF])
         self._done = region[self._done_off:][:8 * w].view(np.int64)
         # `_done_reading`'s addresses: my word on every rank, and every rank's word on mine
-        self._done_mine = [int(a) + self._done_off + 8 * ctx.rank for a in ctx.bases]
+        self._done_mine = ctx.bases + (self._done_off + 8 * ctx.rank)
         self._done_first = ctx.base + self._done_off
         self._recv_addr = backend.base + int(dlay[D_RECV_OFF])
         self._comb_addr = backend.base + int(dlay[D_COMB_OFF])
@@ -102,6 +102,12 @@ class DirectPath:
                        "comb": torch.from_numpy(region[int(dlay[D_COMB_OFF]):][:area])}
         self._views: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._y = np.zeros((c.max_tokens_per_rank, c.hidden), np.float32)  # bf16 sums
+        self._y_addr = self._y.ctypes.data
+        self._timeout_s = c.timeout_s
+        # one worker: kept scratch (only the latest dispatch can be combined)
+        self._pos = np.zeros(c.max_tokens_per_rank * c.max_top_k, np.int64)
+        self._pos_addr = self._pos.ctypes.data
+        self._done_t = np.zeros(c.max_tokens_per_rank, np.uint8)
         self._ready = np.full(w, -1, np.int64)
         self._epoch = 0
         self._c_epoch = 0
@@ -143,29 +149,28 @@ class DirectPath:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int, t0: float) -> DispatchResult:
         b = self.ctx
-        idx = topk_idx.numpy()
-        w = topk_weights.numpy()
         code = _CODES[x.dtype]
         self._epoch = epoch = self._epoch + 1
-        deadline = b.deadline()
+        deadline = deadline_after(t0, self._timeout_s)
         counts, elems, got, dlay, bases = self._counts, self._elems, self._got, self.dlay, b.bases
-        if DK.dispatch_begin(bases, dlay, b.rank, epoch, idx, self.num_experts, code, counts,
-                             elems, got, 8):
+        t_n, k_n = topk_idx.shape
+        idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
+        if DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
+                                self.num_experts, code, counts, elems, got, 8):
             b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, elems, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
                     deadline=deadline)
         t1 = now_us()
-        t_n = idx.shape[0]
-        pos = np.empty(idx.shape, np.int64)
         tpe = np.empty(self.el, np.int64)
         ints = np.empty((3, self.max_recv), np.int64)   # src rank, token, slot
         wts = np.empty(self.max_recv, np.float32)
         rb = x.shape[1] * x.element_size()
-        n = b.workers
-        if n == 1:
-            n_recv, missing = DK.dispatch_rows(bases, dlay, b.rank, epoch, code, elems, counts,
-                                               self.el, idx, w, pos, tpe, ints, wts,
-                                               x.data_ptr(), rb, 8)
+        if b.workers == 1:
+            # `pos` is kept scratch: only the latest dispatch can be combined
+            n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, elems,
+                                                  counts, self.el, idx_addr, w_addr, t_n, k_n,
+                                                  self._pos_addr, tpe, ints, wts, x.data_ptr(),
+                                                  rb, 8)
             if n_recv < 0:
                 raise self._dtype_error(x.dtype, missing)
             if missing:
@@ -173,15 +178,20 @@ class DirectPath:
                                                      ints[2], wts, s),
                         "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
                         deadline=deadline)
+            state = (idx_addr, w_addr, k_n, epoch)
             ivs = None
         else:
+            idx, w = topk_idx.numpy(), topk_weights.numpy()
+            pos = np.empty(idx.shape, np.int64)
             n_recv, ivs = self._dispatch_pool(x, idx, w, pos, tpe, ints, wts, rb, code, epoch,
                                               deadline)
+            state = (idx, w, pos, epoch)
         self._last_call, self._last_dtype = call, x.dtype
         t2 = now_us()
         handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
-                            ints[:, :n_recv], (idx, w, pos, epoch))
-        stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, idx, n_recv, rb, epoch)
+                            ints[:, :n_recv], state)
+        stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, topk_idx, n_recv, rb,
+                                 epoch)
         return new_dispatch_result(self._view("recv", n_recv, x.dtype), wts[:n_recv], tpe,
                                    handle, stats)
 
@@ -223,10 +233,10 @@ class DirectPath:
         return sorted({int(src_rank[i]) for i in range(lo, hi)
                        if int(self._meta[2 * i + 1]) >> 32 != ep})
 
-    def _dispatch_stats(self, ts, ivs, idx: np.ndarray, n_recv: int, rb: int,
+    def _dispatch_stats(self, ts, ivs, topk_idx: torch.Tensor, n_recv: int, rb: int,
                         epoch: int) -> Stats:
         t0, t1, t2 = ts
-        n_sent = int(np.count_nonzero(idx >= 0))
+        n_sent = int(np.count_nonzero(topk_idx.numpy() >= 0))
         r = self.ctx.rank
         intervals = self._intervals(Interval(r, 0, "counts", t0, t1, "wait"), "send_recv", t2,
                                     ivs)
@@ -253,37 +263,31 @@ class DirectPath:
             raise ValueError("handle is not from this Buffer's latest dispatch; with "
                              "direct=True only the latest dispatch can be combined (its rows "
                              "live in the Buffer until the next one)")
-        idx, w, pos, _ = handle.state
         dtype = expert_out.dtype
         code, ecode, lut = _elem(dtype)
-        rb = self.hidden * expert_out.element_size()
+        es = expert_out.element_size()
+        rb = self.hidden * es
         n_recv = handle.num_recv
         self._c_epoch = epoch = self._c_epoch + 1
-        deadline = b.deadline()
+        deadline = deadline_after(t0, self._timeout_s)
         ptr = expert_out.data_ptr()
         copied = n_recv > 0 and ptr not in (self._recv_addr, self._comb_addr)
         offset = (self._comb_addr if copied or not n_recv else ptr) - b.base
-        t_n = idx.shape[0]
-        if dtype == torch.bfloat16:               # sums in kept scratch, rounded in the kernel
-            y, out16 = self._y[:t_n], np.empty((t_n, self.hidden), np.uint16)
-        else:
-            y, out16 = np.empty((t_n, self.hidden), np.float32), _NO_BF16
-        done = np.zeros(t_n, np.uint8)
-        ready = self._ready
+        t_n = handle.num_tokens
         weighted = bool(weighted)
         if b.workers == 1:
-            left = DK.combine_begin(b.bases, self.dlay, b.rank, epoch, code, offset, ptr,
-                                    n_recv * rb if copied else 0, idx, w, weighted, pos, self.el,
-                                    rb, expert_out.element_size(), ecode, lut, ready, done, y,
-                                    out16, 8)
-            if left < 0:
-                raise self._combine_dtype_error(dtype, -left - 1)
-            t1 = now_us()
-            if left:
-                self._reduce(b, None, epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
-                             y, out16, 0, t_n, deadline)
+            out, t1 = self._combine_one(handle, expert_out, dest, epoch, code, ecode, lut, es, rb,
+                                        offset, ptr, n_recv * rb if copied else 0, weighted,
+                                        deadline)
             ivs = None
         else:
+            idx, w, pos, _ = handle.state
+            if dtype == torch.bfloat16:           # sums in kept scratch, rounded in the kernel
+                y, out16 = self._y[:t_n], np.empty((t_n, self.hidden), np.uint16)
+            else:
+                y, out16 = np.empty((t_n, self.hidden), np.float32), _NO_BF16
+            done = np.zeros(t_n, np.uint8)
+            ready = self._ready
             if copied:
                 DK.copy_local(self._comb_addr, ptr, n_recv * rb)
             DK.publish_ready(b.base, self.dlay, epoch, code, offset)
@@ -291,31 +295,82 @@ class DirectPath:
             t1 = now_us()
             ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
                                      y, out16, deadline)
+            if dtype == torch.bfloat16:
+                out = torch.from_numpy(out16).view(torch.bfloat16)
+            elif dtype == torch.float32:
+                out = torch.from_numpy(y)
+            else:
+                out = cast_rows(y, dtype)
         self._done_reading(epoch, deadline)
-        if dtype == torch.bfloat16:
-            out = torch.from_numpy(out16).view(torch.bfloat16)
-        elif dtype == torch.float32:
-            out = torch.from_numpy(y)
-        else:
-            out = cast_rows(y, dtype)
-        if dest is not None:
+        if dest is not None and out is not dest:
             out = dest.copy_(out)
         t2 = now_us()
-        stats = DeferredStats.of(self._combine_stats, (t0, t1, t2), ivs, copied, idx, rb, epoch)
+        stats = DeferredStats.of(self._combine_stats, (t0, t1, t2), ivs, copied,
+                                 handle.topk_idx, rb, epoch)
         return new_combine_result(out, stats)
+
+    def _combine_one(self, handle: DispatchHandle, expert_out: torch.Tensor,
+                     dest: torch.Tensor | None, epoch: int, code: int, ecode: int,
+                     lut: np.ndarray, es: int, rb: int, offset: int, ptr: int, copy_n: int,
+                     weighted: bool, deadline: float) -> tuple[torch.Tensor, float]:
+        """One worker: copy in, publish and sum in one kernel entry (bf16 and fp32 sums land
+        in the output itself, a caller's row-major `dest` included); `(y, time published)`."""
+        b = self.ctx
+        dtype = expert_out.dtype
+        idx_addr, w_addr, k_n, _ = handle.state
+        t_n, hidden = handle.num_tokens, self.hidden
+        y_addr, out_addr, out = self._y_addr, 0, None
+        if dtype is torch.bfloat16 or dtype is torch.float32:
+            out = (dest if dest is not None and dest.is_contiguous()
+                   else torch.empty(t_n, hidden, dtype=dtype))
+            if dtype is torch.bfloat16:
+                out_addr = out.data_ptr()
+            else:
+                y_addr = out.data_ptr()
+        ready, done = self._ready, self._done_t
+        left = DK.combine_begin_at(b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n,
+                                   idx_addr, w_addr, t_n, k_n, weighted, self._pos_addr, self.el,
+                                   rb, es, ecode, lut, ready, done, y_addr, out_addr, hidden, 8)
+        if left < 0:
+            raise self._combine_dtype_error(dtype, -left - 1)
+        t1 = now_us()
+        if left:
+            bad = [-1]                  # a rank that published another dtype
+
+            def poll(s: int) -> int:
+                r = DK.reduce_direct_at(b.bases, self.dlay, epoch, idx_addr, w_addr, t_n, k_n,
+                                        weighted, self._pos_addr, self.el, rb, es, code, ecode,
+                                        lut, ready, done, y_addr, out_addr, hidden, s)
+                if r < 0:
+                    bad[0] = -r - 1
+                    return 0
+                return r
+
+            b.wait(poll, "combine/rows",
+                   lambda: self._reduce_missing(handle.topk_idx.numpy(), ready, done, 0, t_n),
+                   deadline=deadline)
+            if bad[0] >= 0:
+                raise self._combine_dtype_error(dtype, bad[0])
+        if out is None:                                  # fp16, fp8: cast from the fp32 sums
+            out = cast_rows(self._y[:t_n], dtype)
+        return out, t1
 
     def _done_reading(self, epoch: int, deadline: float) -> None:
         """Tell every rank I read all I needed of combine `epoch`; wait until every rank has
         read all it needed of mine (my expert outputs are then the caller's again)."""
         b = self.ctx
-        for addr in self._done_mine:
-            publish(addr, epoch)
         first, world = self._done_first, b.world
-        if not poll_words_at_least(first, world, epoch, SPINS):   # first poll inline
+        if not DK.done_reading(self._done_mine, first, world, epoch, SPINS):  # first poll inline
             return
         b.wait(lambda s: poll_words_at_least(first, world, epoch, s), "combine/done",
                lambda: [r for r in range(world) if int(self._done[r]) < epoch],
                deadline=deadline)
+
+    def _reduce_missing(self, idx: np.ndarray, ready: np.ndarray, done: np.ndarray, lo: int,
+                        hi: int) -> list[int]:
+        """Ranks whose outputs tokens [lo, hi) still wait for (for the timeout message)."""
+        return sorted({int(e) // self.el for t in range(lo, hi) if not done[t]
+                       for e in idx[t] if e >= 0 and ready[int(e) // self.el] < 0})
 
     def _reduce(self, b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
                 lo, hi, deadline) -> None:
@@ -333,9 +388,7 @@ class DirectPath:
             return r
 
         self._wait(cl, poll, "combine/rows",
-                lambda: sorted({int(e) // self.el for t in range(lo, hi) if not done[t]
-                                for e in idx[t] if e >= 0 and ready[int(e) // self.el] < 0}),
-                deadline=deadline)
+                   lambda: self._reduce_missing(idx, ready, done, lo, hi), deadline=deadline)
         if bad[0] >= 0:
             raise self._combine_dtype_error(expert_out.dtype, bad[0])
 
@@ -360,10 +413,10 @@ class DirectPath:
             f"rank {self.ctx.rank} combines {dtype} rows but rank {rank} published another "
             f"dtype; every rank must pass the same dtype")
 
-    def _combine_stats(self, ts, ivs, copied: bool, idx: np.ndarray, rb: int,
+    def _combine_stats(self, ts, ivs, copied: bool, topk_idx: torch.Tensor, rb: int,
                        epoch: int) -> Stats:
         t0, t1, t2 = ts
-        n_recv = int(np.count_nonzero(idx >= 0))
+        n_recv = int(np.count_nonzero(topk_idx.numpy() >= 0))
         r = self.ctx.rank
         first = "copy_in" if copied else "publish"
         intervals = self._intervals(Interval(r, 0, first, t0, t1), "reduce", t2, ivs)

@@ -33,8 +33,8 @@ from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
 from ubep.runtime.shm.kernels import single as KS
 from ubep.runtime.shm.protocol import DTYPE_CODES, check_peers_meta, dc_detail, sentinel_error
-from ubep.runtime.shm.region import L_EL, META_BYTES
-from ubep.runtime.shm.waits import SPINS, now_us
+from ubep.runtime.shm.region import L_DROWS, L_EL, META_BYTES
+from ubep.runtime.shm.waits import SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 
 
@@ -60,6 +60,10 @@ class SinglePath:
         self._res = np.zeros(4, np.int64)             # kernel results (`KS.RES_*`)
         self._y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)   # fp32 sums
         self._y_addr = self._y.ctypes.data
+        self._timeout_s = c.timeout_s
+        # rows seen / tokens summed (kept; the kernels reset the part a call uses)
+        self._done_rows = np.zeros(max(w * int(ctx.lay[L_DROWS]), 1), np.uint8)
+        self._done_tokens = np.zeros(max(c.max_tokens_per_rank, 1), np.uint8)
 
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -75,20 +79,21 @@ class SinglePath:
         elem = DTYPE_CODES[x.dtype]
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
         self._d_epoch = epoch = self._d_epoch + 1
-        deadline = ctx.deadline()
+        deadline = deadline_after(t0, self._timeout_s)
         rc, meta, got, out_start, batch = (self._rc, self._meta, self._got, self._out_start,
                                            self._batch)
+        done = self._done_rows
         base, lay, world = ctx.base, ctx.lay, ctx.world
         tpe = np.empty(c.experts_per_rank, np.int64)
         missing = KS.dispatch_begin_at(ctx.bases, lay, ctx.rank, epoch, x.data_ptr(),
                                        num_tokens, rb, idx_addr, top_k, w_addr, m.rank_of_expert,
                                        m.hop_of_rank, m.kind, m.num_hop_classes, elem,
                                        self._cs, self._bsp, rc, meta, got,
-                                       out_start, tpe, batch, res)
+                                       out_start, tpe, batch, done, res)
         if missing:
             t1 = now_us()
             ctx.wait(lambda s: KS.dispatch_counts_at(base, lay, epoch, rc, meta, got, out_start,
-                                                     tpe, batch, elem, res, s),
+                                                     tpe, batch, done, elem, res, s),
                      "dispatch/counts", lambda: [s for s in range(world) if not got[s]],
                      deadline=deadline)
             t2 = now_us()
@@ -102,7 +107,6 @@ class SinglePath:
         recv_x = torch.empty(n_recv, hidden, dtype=x.dtype)
         ints = np.empty((3, n_recv), np.int64)
         wts = np.empty(n_recv, np.float32)
-        done = np.zeros(n_recv, np.uint8)
         x_addr = recv_x.data_ptr()
         # the first poll inline: when every row is already there (one rank, or peers ahead of
         # us) the bounded wait and its closures are not built at all
@@ -133,8 +137,9 @@ class SinglePath:
         es = expert_out.element_size()
         rb = hidden * es
         self._c_epoch = epoch = self._c_epoch + 1
-        deadline = ctx.deadline()
+        deadline = deadline_after(t0, self._timeout_s)
         hello, got, batch, base, lay = self._hello, self._got, self._batch, ctx.base, ctx.lay
+        done = self._done_tokens
         out = None
         # the kernels write by address: a caller's row-major `dest` takes the sums directly
         into = dest if dest is not None and dest.is_contiguous() else None
@@ -142,7 +147,8 @@ class SinglePath:
             out = into if into is not None else torch.empty(num_tokens, hidden, dtype=dtype)
             y_addr = out.data_ptr()
         bad = KS.combine_begin_at(ctx.bases, lay, ctx.rank, epoch, expert_out.data_ptr(),
-                                  n_recv, rb, ints, elem, self._cs, self._bsp, hello, got, batch)
+                                  n_recv, rb, ints, elem, self._cs, self._bsp, hello, got, batch,
+                                  done, num_tokens)
         if bad < 0:
             raise sentinel_error("expert_out", -bad - 1)
         t1 = now_us()
@@ -150,7 +156,6 @@ class SinglePath:
         if dtype is torch.bfloat16:                   # the poll rounds into it once complete
             out = into if into is not None else torch.empty(num_tokens, hidden, dtype=dtype)
             cast, out_addr = KS.CAST_BF16, out.data_ptr()
-        done = np.zeros(num_tokens, np.uint8)
         bsp, weighted = self._bsp, bool(weighted)
         if KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted,
                               rb, es, ecode, lut, hello, got, done, batch, y_addr, hidden, SPINS,

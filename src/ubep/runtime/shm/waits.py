@@ -31,8 +31,15 @@ class Cancelled(Exception):
 
 
 def now_us() -> float:
-    """A monotonic timestamp in microseconds (the unit of `ubep.stats`)."""
+    """A monotonic timestamp in microseconds (the unit of `ubep.stats`); `time.perf_counter`'s
+    clock, the one deadlines are on."""
     return time.perf_counter_ns() / 1e3
+
+
+def deadline_after(t0_us: float, timeout_s: float) -> float:
+    """The deadline (`time.perf_counter()` seconds) of a call that started at `now_us()` =
+    `t0_us`: a call reads the clock once for its stats and its deadline both."""
+    return t0_us * 1e-6 + timeout_s
 
 
 def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segment], phase: str,
@@ -44,12 +51,13 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
     Spins in the kernel first, then yields the core (for `YIELD_S`), then sleeps 20-100 us per
     round: with more busy threads than cores, backing off is what lets the peer progress.
     `peers_of()` names the ranks still missing and `detail_of()` adds to the timeout message;
-    `failed()` true (another worker of the call failed) raises `Cancelled`.
+    `failed()` true (another worker of the call failed) raises `Cancelled`. `deadline` is in
+    `time.perf_counter()` seconds (`deadline_after`).
     """
     if poll(SPINS) == 0:
         return
     n = 0
-    now = time.monotonic()
+    now = time.perf_counter()
     yield_until = now + YIELD_S
     next_live = now + LIVENESS_EVERY_S
     while True:
@@ -62,7 +70,7 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
             time.sleep(min(100e-6, 20e-6 * n))             # then short sleeps
         if poll(SPINS) == 0:
             return
-        now = time.monotonic()
+        now = time.perf_counter()
         if now >= next_live:
             next_live = now + LIVENESS_EVERY_S
             dead = [r for r, seg in enumerate(segs) if not seg.owner_alive()]

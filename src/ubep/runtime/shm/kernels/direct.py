@@ -14,12 +14,15 @@ from numba import carray
 
 from ubep.runtime.shm.atomics import (
     cpu_pause,
+    f32_ptr,
     i64_ptr,
     load_acquire,
     store_release,
+    u16_ptr,
 )
 from ubep.runtime.shm.kernels import jit
 from ubep.runtime.shm.kernels.combine import sum_slots
+from ubep.runtime.shm.kernels.local import poll_words_at_least
 from ubep.runtime.shm.kernels.records import copy_bytes
 from ubep.runtime.shm.kernels.slots import poll_slots
 from ubep.runtime.shm.region import (
@@ -286,3 +289,73 @@ def copy_local(dst_addr, src_addr, n):
     """n bytes by our own loop (never memcpy: its non-temporal stores are not ordered before
     the release store that publishes them)."""
     copy_bytes(dst_addr, src_addr, n)
+
+
+# -- one worker, routing and outputs by address ---------------------------------------------------
+# As the one-worker path of the two-copy protocol (`kernels/single.py`): per-call tensors reach
+# the kernels as raw addresses (`data_ptr()`, a fraction of a microsecond where a numpy view of a
+# tensor costs a microsecond or more); the caller keeps them alive for the call.
+@jit
+def dispatch_begin_at(bases, dlay, me, epoch, idx_addr, t_n, k_n, num_experts, elem, counts,
+                      elems, got, spins):
+    """`dispatch_begin` of the `[t_n, k_n]` int64 routing at `idx_addr`."""
+    idx = carray(i64_ptr(idx_addr), (t_n, k_n))
+    return dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems, got,
+                          spins)
+
+
+@jit
+def dispatch_rows_at(bases, dlay, me, epoch, elem, elems, counts, el, idx_addr, w_addr, t_n,
+                     k_n, pos_addr, tpe, ints, wts, x_addr, rb, spins):
+    """`dispatch_rows` of the routing at `idx_addr`/`w_addr`; `pos` `[t_n, k_n]` at
+    `pos_addr`."""
+    idx = carray(i64_ptr(idx_addr), (t_n, k_n))
+    w = carray(f32_ptr(w_addr), (t_n, k_n))
+    pos = carray(i64_ptr(pos_addr), (t_n, k_n))
+    return dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, w, pos, tpe, ints,
+                         wts, x_addr, rb, spins)
+
+
+@jit
+def reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, pos_addr, el,
+                     rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr, hidden,
+                     spins):
+    """`reduce_direct` of all `t_n` tokens, by address: sums into the fp32 `[t_n, hidden]` at
+    `y_addr`, or, if `out_addr` is not 0, rounded into the bf16 `[t_n, hidden]` there."""
+    idx = carray(i64_ptr(idx_addr), (t_n, k_n))
+    w = carray(f32_ptr(w_addr), (t_n, k_n))
+    pos = carray(i64_ptr(pos_addr), (t_n, k_n))
+    if out_addr != 0:
+        y = carray(f32_ptr(y_addr), (0, hidden))
+        out16 = carray(u16_ptr(out_addr), (t_n, hidden))
+    else:
+        y = carray(f32_ptr(y_addr), (t_n, hidden))
+        out16 = carray(u16_ptr(out_addr), (0, hidden))
+    return reduce_direct(bases, dlay, epoch, idx, w, weighted, pos, el, rb, es, dtype_code,
+                         ecode, lut, 0, t_n, ready, done, y, out16, spins)
+
+
+@jit
+def combine_begin_at(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, idx_addr,
+                     w_addr, t_n, k_n, weighted, pos_addr, el, rb, es, ecode, lut, ready, done,
+                     y_addr, out_addr, hidden, spins):
+    """`combine_begin` by address (see `reduce_direct_at`); `done[:t_n]` is reset here."""
+    if copy_n > 0:
+        copy_bytes(bases[me] + dlay[D_COMB_OFF], copy_src, copy_n)
+    publish_ready(bases[me], dlay, epoch, dtype_code, offset)
+    for r in range(ready.shape[0]):
+        ready[r] = -1
+    for t in range(t_n):
+        done[t] = 0
+    return reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
+                            el, rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr,
+                            hidden, spins)
+
+
+@jit
+def done_reading(mine, first, world, epoch, spins):
+    """Release `epoch` into my done word on every rank (`mine` `[world]` addresses), then look
+    at every rank's word on mine (`world` words at `first`); how many have not reached it."""
+    for r in range(mine.shape[0]):
+        store_release(mine[r], epoch)
+    return poll_words_at_least(first, world, epoch, spins)

@@ -115,7 +115,7 @@ CAST_NONE, CAST_BF16 = 0, 1
 @jit
 def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_addr,
                       rank_of_expert, hop_of_rank, kind, num_hop_classes, elem, cs,
-                      bsp, counts, meta, got, out_start, tpe, batch, res):
+                      bsp, counts, meta, got, out_start, tpe, batch, done, res):
     """`dispatch_send_single`, then one look at the counts (`dispatch_counts_at`).
 
     Sets `res[RES_SENDS]` to the send count, or to -(token + 1) after an sp sentinel abort (then
@@ -132,14 +132,15 @@ def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, t
     for s in range(got.shape[0]):
         got[s] = 0
     return dispatch_counts_at(bases[me], lay, epoch, counts, meta, got, out_start, tpe, batch,
-                              elem, res, 1)
+                              done, elem, res, 1)
 
 
 @jit
-def dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch, elem, res,
-                       spins):
+def dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch, done, elem,
+                       res, spins):
     """`poll_counts` of every source; once all arrived, `check_meta` into `res[RES_META]`,
-    the offsets and tokens per expert, N into `res[RES_RECV]`, and `batch` reset for the rows.
+    the offsets and tokens per expert, N into `res[RES_RECV]`, and `batch` and `done[:N]`
+    (kept scratch, as large as any N) reset for the rows.
 
     Returns the sources still missing (0: done).
     """
@@ -147,9 +148,12 @@ def dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batc
     if missing:
         return missing
     res[RES_META] = check_meta(meta, elem)
-    res[RES_RECV] = offsets(counts, out_start, tpe)
+    n = offsets(counts, out_start, tpe)
+    res[RES_RECV] = n
     for s in range(batch.shape[0]):
         batch[s] = 0
+    for i in range(n):
+        done[i] = 0
     return 0
 
 
@@ -165,10 +169,11 @@ def recv_rows_at(base, lay, epoch, counts, meta, out_start, n, done, batch, x_ad
 
 @jit
 def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bsp,
-                     hello, got, batch):
+                     hello, got, batch, done, num_tokens):
     """`combine_send_single` of the `[n, rb]` bytes at `rows_addr`, then the receive state
-    reset: `hello` -1, `got` and `batch` 0. Returns what the send returns. (The sums need no
-    zeroing: `sum_slots` writes every element of every token, zeros for an unrouted one.)"""
+    reset: `hello` -1, `got`, `batch` and `done[:num_tokens]` 0. Returns what the send
+    returns. (The sums need no zeroing: `sum_slots` writes every element of every token,
+    zeros for an unrouted one.)"""
     rows = carray(u8_ptr(rows_addr), (n, rb))
     bad = combine_send_single(bases, lay, me, epoch, rows, ints[0], ints[1], ints[2], elem,
                               cs, bsp)
@@ -179,6 +184,8 @@ def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bs
         batch[s] = 0
         for i in range(hello.shape[1]):
             hello[s, i] = -1
+    for t in range(num_tokens):
+        done[t] = 0
     return 0
 
 

@@ -22,14 +22,19 @@ from ubep.runtime.shm.kernels.direct import (
     copy_local,
     dispatch_begin,
     dispatch_rows,
+    dispatch_rows_at,
+    done_reading,
     gather_counts,
     place_rows,
     publish_counts,
     publish_ready,
     recv_meta,
     reduce_direct,
+    reduce_direct_at,
     send_rows_direct,
 )
+from ubep.runtime.shm.kernels.direct import combine_begin_at as direct_combine_begin_at
+from ubep.runtime.shm.kernels.direct import dispatch_begin_at as direct_dispatch_begin_at
 from ubep.runtime.shm.kernels.dispatch import offsets, offsets_range, recv_rows, send_rows
 from ubep.runtime.shm.kernels.local import (
     barrier_arrive,
@@ -59,7 +64,7 @@ from ubep.runtime.shm.kernels.slots import (
     send_hellos,
     write_batch_flags,
 )
-from ubep.runtime.shm.region import D_END, D_RECV_OFF, L_EL, L_SIZE, direct_layout
+from ubep.runtime.shm.region import D_DONE_OFF, D_END, D_RECV_OFF, L_EL, L_SIZE, direct_layout
 
 
 def _warm_up_at(bases, lay, bsp: bool) -> None:
@@ -77,8 +82,9 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     x_addr, idx_addr, w_addr = x.ctypes.data, idx.ctypes.data, w.ctypes.data
     dispatch_begin_at(bases, lay, 0, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, order,
                       np.zeros(1, np.int64), HIERARCHICAL, 1, 0, cs, bsp, counts, meta, got,
-                      out_start, tpe, batch, res)
-    dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch, 0, res, 1)
+                      out_start, tpe, batch, np.zeros(1, np.uint8), res)
+    dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch,
+                       np.zeros(1, np.uint8), 0, res, 1)
     n = int(res[RES_RECV])
     ints, wts = np.zeros((3, n), np.int64), np.zeros(n, np.float32)
     out = np.zeros((max(n, 1), 8), np.uint8)
@@ -88,7 +94,7 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     y = np.zeros((1, 2), np.float32)
     y16 = np.zeros((1, 2), np.uint16)
     combine_begin_at(bases, lay, 0, epoch, out.ctypes.data, n, 8, ints, 0, cs, bsp, hello,
-                     got, batch)
+                     got, batch, np.zeros(1, np.uint8), 1)
     combine_poll_at(base, lay, epoch, idx_addr, w_addr, 1, 1, True, 8, 4, ELEM_F32,
                     np.zeros(1, np.float32), hello, got, np.zeros(1, np.uint8), batch,
                     y.ctypes.data, 2, 1, bsp, 0, CAST_BF16, y16.ctypes.data, res)
@@ -193,15 +199,32 @@ def warm_up_direct() -> None:
                       8 * (epoch - 1), idx, w, True, pos, 2, 8, 4, ELEM_F32,
                       np.zeros(1, np.float32), ready, done, y, np.zeros((epoch - 1, 2), np.uint16),
                       1)
+    y16 = np.zeros((1, 2), np.uint16)
+    for epoch in (3, 4):     # the one-worker entries by address, fp32 then bf16 sums
+        out_addr = y16.ctypes.data if epoch == 4 else 0
+        direct_dispatch_begin_at(bases, dlay, 0, epoch, idx.ctypes.data, 1, 1, 2, 0, counts,
+                                 elems, got, 1)
+        dispatch_rows_at(bases, dlay, 0, epoch, 0, elems, counts, 2, idx.ctypes.data,
+                         w.ctypes.data, 1, 1, pos.ctypes.data, tpe, ints, wts, x.ctypes.data, 8,
+                         1)
+        direct_combine_begin_at(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
+                                0, idx.ctypes.data, w.ctypes.data, 1, 1, True, pos.ctypes.data,
+                                2, 8, 4, ELEM_F32, np.zeros(1, np.float32), ready, done,
+                                y.ctypes.data, out_addr, 2, 1)
+        reduce_direct_at(bases, dlay, epoch, idx.ctypes.data, w.ctypes.data, 1, 1, True,
+                         pos.ctypes.data, 2, 8, 4, 2, ELEM_F32, np.zeros(1, np.float32), ready,
+                         done, y.ctypes.data, out_addr, 2, 1)
+        done_at = base + int(dlay[D_DONE_OFF])
+        done_reading(np.array([done_at], np.int64), done_at, 1, epoch, 1)
     got[:] = 0
-    publish_counts(base, dlay, 3, idx, 2, 0)
-    gather_counts(bases, dlay, 3, counts, elems, got, 1)
+    publish_counts(base, dlay, 5, idx, 2, 0)
+    gather_counts(bases, dlay, 5, counts, elems, got, 1)
     n = place_rows(counts, 0, 2, idx, pos, tpe, ints[0])
-    send_rows_direct(bases, dlay, 3, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
-    recv_meta(base, dlay, 3, 0, n, ints[1], ints[2], wts, 1)
+    send_rows_direct(bases, dlay, 5, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
+    recv_meta(base, dlay, 5, 0, n, ints[1], ints[2], wts, 1)
     copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
-    publish_ready(base, dlay, 3, 2, int(dlay[D_RECV_OFF]))
-    reduce_direct(bases, dlay, 3, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
+    publish_ready(base, dlay, 5, 2, int(dlay[D_RECV_OFF]))
+    reduce_direct(bases, dlay, 5, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
                   np.zeros(1, np.float32), 0, 1, np.full(1, -1, np.int64),
                   np.zeros(1, np.uint8), y, np.zeros((0, 2), np.uint16), 1)
     poll_words_at_least(base, 1, 0, 1)
