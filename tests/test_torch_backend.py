@@ -22,11 +22,13 @@ def _cases(world: int) -> list[Case]:
     return cases
 
 
-def _run_cases(rank, world, cases, host_moves_rows=True):
+def _run_cases(rank, world, cases, host_moves_rows=True, inline_bytes=None):
     import ubep
     from ubep.runtime import torch_backend
 
     torch_backend.HOST_MOVES_ROWS = host_moves_rows
+    if inline_bytes is not None:
+        torch_backend._INLINE_BYTES = inline_bytes
 
     outs = []
     for case in cases:
@@ -44,6 +46,17 @@ def test_torch_backend_matches_reference(world):
         check_case(case, [per_rank[r][i] for r in range(world)])
 
 
+@pytest.mark.parametrize("inline_bytes", [0, 160])
+def test_torch_backend_two_phase_dispatch(inline_bytes):
+    """Tokens beyond what dispatch's first collective carries inline take the second:
+    0 = none inline (a count exchange, then everything); 160 bytes over 2 peers = 1 token
+    per peer inline for 32-byte rows (bf16), 4 for fp8, 9 for int8, none for fp32."""
+    cases = _cases(3)
+    per_rank = run_ranks(_run_cases, 3, cases, True, inline_bytes, timeout_s=180)
+    for i, case in enumerate(cases):
+        check_case(case, [per_rank[r][i] for r in range(3)])
+
+
 def test_torch_backend_device_path_on_cpu():
     """The torch ops a GPU group's rows take (index_select, copies to the device), run on CPU."""
     cases = _cases(2)
@@ -55,6 +68,9 @@ def test_torch_backend_device_path_on_cpu():
 def _reuse(rank, world, cases):
     """One Buffer, many calls with changing routing and batch sizes."""
     import ubep
+    from ubep.runtime import torch_backend
+
+    torch_backend._INLINE_BYTES = 3 * 8 * 2    # up to 3 tokens inline: batches over- and under
 
     with ubep.Buffer(num_experts=cases[0].num_experts, hidden=cases[0].hidden,
                      max_tokens_per_rank=16, backend="torch") as buf:
@@ -69,39 +85,60 @@ def test_torch_backend_buffer_reuse():
 
 
 def _bytes_per_peer(rank, world):
-    """One dispatch+combine; what the collectives carried, and the routing."""
+    """Two dispatch+combine calls; what the collectives carried, and the routings."""
     import torch
 
     import ubep
     from ubep.testing import make_routing, make_tokens
 
-    idx, w = make_routing(7, 4, 4 * world, kind="uniform", seed=11 + rank)
-    x = make_tokens(rank, 7, 64, torch.bfloat16, seed=3)
-    with ubep.Buffer(num_experts=4 * world, hidden=64, max_tokens_per_rank=8,
+    out = []
+    with ubep.Buffer(num_experts=4 * world, hidden=8192, max_tokens_per_rank=8,
                      backend="torch") as buf:
-        res = buf.dispatch(x, idx, w)
-        buf.combine(res.recv_x, res.handle)
-        return idx, res.stats.extra["collectives"], buf.last_stats.extra["collectives"]
+        for call, tokens in enumerate((7, 2)):
+            idx, w = make_routing(tokens, 4, 4 * world, kind="uniform", seed=11 + rank + call)
+            x = make_tokens(rank, tokens, 8192, torch.float32, seed=3)
+            res = buf.dispatch(x, idx, w)
+            buf.combine(res.recv_x, res.handle)
+            out.append((idx, res.stats.extra["collectives"], buf.last_stats.extra["collectives"]))
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_backend_sends_each_token_once_per_rank(world):
     """A token crosses to a rank once (its row + routing words), however many of its
-    experts live there, and one partial row per (token, rank) comes back."""
+    experts live there, and one partial row per (token, rank) comes back. Rows of 32 KiB:
+    on 2 ranks one token per peer rides inline in the first collective (64 KiB budget),
+    on 3 none (the first collective exchanges counts); the rest go in a second collective
+    that runs only when some rank has more for a peer."""
     out = run_ranks(_bytes_per_peer, world)
-    row_bytes, top_k = 64 * 2, 4
+    row_bytes, top_k = 8192 * 4, 4
     meta_bytes = 4 * (1 + 2 * top_k)
-    for rank, (idx, disp, comb) in enumerate(out):
-        (_, counts_send, _), (_, rows_send, rows_recv) = disp
-        [(_, back_send, back_recv)] = comb
-        assert counts_send == [8] * world
-        for d in range(world):
-            n = int(((idx // 4) == d).any(1).sum())     # tokens with an expert on rank d
-            want = 0 if d == rank or n == 0 else (-(-n * meta_bytes // row_bytes) + n) * row_bytes
-            assert rows_send[d] == want, (rank, d, rows_send, want)
-            assert back_recv[d] == (0 if d == rank else n * row_bytes)
-            assert out[d][2][0][1][rank] == back_recv[d]    # what d sends = what rank receives
-            assert out[d][1][1][2][rank] == rows_send[d]
+    counts = [[[int(((idx // 4) == d).any(1).sum()) for d in range(world)]
+               for idx, _, _ in per_rank] for per_rank in out]   # [rank][call][dest]
+    inline = max(0, (64 << 10) // ((world - 1) * row_bytes) - 1)
+    for call in range(2):
+        most = max(n for r in range(world) for d, n in enumerate(counts[r][call]) if d != r)
+        for rank in range(world):
+            disp, comb = out[rank][call][1], out[rank][call][2]
+            hrows = -(-(16 + inline * meta_bytes) // row_bytes)
+            (name, inl_send, inl_recv), *rest = disp
+            if inline:
+                assert name == "inline"
+                assert inl_send == [0 if d == rank else (hrows + inline) * row_bytes
+                                    for d in range(world)]
+            else:
+                assert (name, inl_send) == ("counts", [16] * world)
+            assert len(rest) == (1 if most > inline else 0)
+            [(_, back_send, back_recv)] = comb
+            for d in range(world):
+                n = counts[rank][call][d]
+                if rest:
+                    over = max(0, n - inline)
+                    want = 0 if d == rank or not over else (-(-over * meta_bytes // row_bytes)
+                                                           + over) * row_bytes
+                    assert rest[0][1][d] == want, (rank, d, rest[0][1], want)
+                assert back_recv[d] == (0 if d == rank else n * row_bytes)
+                assert out[d][call][2][0][1][rank] == back_recv[d]
 
 
 def test_bf16_weight_split_matches_torch():

@@ -2,8 +2,10 @@
 
 Works over any process group (gloo on CPU, NCCL, MPI): rows move with torch ops on the
 tensors' own device, so it is the path across hosts and the bulk-synchronous baseline
-everyone already has. Three collectives per dispatch+combine: tokens per destination, then
-the rows, then the partial sums back.
+everyone already has. Two or three collectives per dispatch+combine: dispatch's first
+carries each peer's token count and, while they fit a small budget (`_INLINE_BYTES`), the
+tokens themselves; a second carries the tokens that did not fit (every rank or none);
+combine's one brings the partial sums back.
 
 Bytes across ranks are what a cross-host user pays for, so each token crosses to a rank
 once, however many of its experts live there (DeepEP's layout; top-8 of 16 experts on 2
@@ -46,6 +48,11 @@ from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import recv_plan, send_plan
 from ubep.stats import Stats
 
+#: phase 1's header per peer: int32 token count, int32 the sender's largest count, padding
+_HEADER_BYTES = 16
+#: dispatch's first collective carries up to this many bytes of rows inline, all peers
+#: together (header rows included): a few tokens at hidden 7168 on 2 ranks, none on 64
+_INLINE_BYTES = 64 << 10
 #: on CPU, move rows with numpy (tests turn it off to run the device path's torch ops on CPU)
 HOST_MOVES_ROWS = True
 #: partial sums travel in the output dtype for these; in fp32 for everything else
@@ -84,15 +91,32 @@ class TorchBackend:
         self.group = group
         self.buffer_id = buffer_id
         self._scratch: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
+        #: tokens per peer that ride in dispatch's first collective; every rank computes the
+        #: same value from the same headers (starts at what max_tokens_per_rank could need)
+        self._inline = config.max_tokens_per_rank
 
-    def _buffer(self, name: str, rows: int, row_bytes: int, device) -> torch.Tensor:
-        """`[rows, row_bytes]` uint8 scratch, reused across calls (grown when too small)."""
+    def _buffer(self, name: str, rows: int, row_bytes: int, device,
+                keep: int = 0) -> torch.Tensor:
+        """`[rows, row_bytes]` uint8 scratch, reused across calls (grown when too small,
+        keeping the first `keep` rows). Views are cached: slicing a tensor costs µs."""
+        key = (name, rows, row_bytes)
+        view = self._views.get(key)
+        if view is not None and view.device == device:
+            return view
         need = rows * row_bytes
         buf = self._scratch.get(name)
         if buf is None or buf.numel() < need or buf.device != device:
+            old = buf
             buf = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
+            if keep:
+                buf[:keep * row_bytes].copy_(old[:keep * row_bytes])
             self._scratch[name] = buf
-        return buf[:need].view(rows, row_bytes)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}
+        if len(self._views) > 64:
+            self._views.clear()
+        view = self._views[key] = buf[:need].view(rows, row_bytes)
+        return view
 
     def _stats(self, op: str, phases: dict[str, float], sent: int, recv: int,
                collectives: list) -> Stats:
@@ -123,50 +147,100 @@ class TorchBackend:
             idx, weights, per_rank, world, me)
         t1 = _now_us()
 
-        # each remote destination gets [its tokens' routing words, padded to whole rows]
-        # [its tokens' rows], tokens in index order; packed before the first collective, so
-        # the two run back to back (host work between collectives lets gloo's threads go
-        # idle, and waking them costs more than the work: measured 50-80 µs per gap)
+        # Phase 1, one collective of fixed size: to each peer a block [header: its token
+        # count, this rank's largest count to any peer][routing words of its first C
+        # tokens][their rows]; C (`self._inline`, the same on every rank) is 0 (header
+        # alone: the count exchange) or a few tokens, so a small batch needs no second
+        # collective. Phase 2, only if some rank had more than C tokens for a peer (every
+        # header says so, so every rank agrees): [routing words of the rest][their rows].
+        # Everything is packed before the first collective, so the two run back to back:
+        # host work between collectives lets gloo's threads idle, and waking them costs
+        # more than the work (a 30/100 µs gap added 47/82 µs to two collectives here).
+        C = min(self._inline, max(0, _INLINE_BYTES // (max(1, world - 1) * row_bytes) - 1))
         dests = per_dest.tolist()
-        send_rows = [0 if d == me or not n else -(-n * meta_bytes // row_bytes) + n
-                     for d, n in enumerate(dests)]
+        n_me = dests[me]
+        my_max = max([n for d, n in enumerate(dests) if d != me], default=0)
+        hrows = -(-(_HEADER_BYTES + C * meta_bytes) // row_bytes) if C else 0
+        blk = hrows + C                                   # rows per peer in phase 1
+        n1 = [min(n, C) for n in dests]
+        send2 = [0 if d == me or n <= C else -(-(n - C) * meta_bytes // row_bytes) + n - C
+                 for d, n in enumerate(dests)]
         xb = x.view(torch.uint8).view(num_tokens, row_bytes)
-        send = self._buffer("send", sum(send_rows), row_bytes, device)
+        send1_rows = (world - 1) * blk
+        send = self._buffer("send", send1_rows + sum(send2), row_bytes, device)
         meta_u8 = meta.reshape(-1).view(np.uint8)
         host = on_cpu and HOST_MOVES_ROWS
-        if host:        # numpy moves the rows: a numpy call costs ~1 µs, a torch op several
-            xn, sendn = xb.numpy(), send.numpy()
-        row = first = 0
+        sendn = send.numpy() if on_cpu else None
+        xn = xb.numpy() if host else None
+
+        def put(row: int, first: int, n: int, meta_at: int, rows_at: int) -> None:
+            """Routing words of tokens first..first+n at byte `meta_at` of row `row`, their
+            rows from row `rows_at` on."""
+            words = meta_u8[first * meta_bytes:(first + n) * meta_bytes]
+            if host:
+                sendn[row:].reshape(-1)[meta_at:meta_at + len(words)] = words
+                np.take(xn, token_of[first:first + n], axis=0, mode="clip",
+                        out=sendn[rows_at:rows_at + n])
+            else:
+                send[row:].view(-1)[meta_at:meta_at + len(words)].copy_(dev(words))
+                torch.index_select(xb, 0, dev(token_of[first:first + n]),
+                                   out=send[rows_at:rows_at + n])
+
+        header = np.zeros((world, _HEADER_BYTES // 4), dtype=np.int32)
+        header[:, 0], header[:, 1] = per_dest, my_max
+        row2, first, slot = send1_rows, 0, 0
         for d in range(world):
             n = dests[d]
-            if send_rows[d]:
-                m = send_rows[d] - n
-                words = meta_u8[first * meta_bytes:(first + n) * meta_bytes]
-                if host:
-                    sendn[row:row + m].reshape(-1)[:n * meta_bytes] = words
-                    np.take(xn, token_of[first:first + n], axis=0, mode="clip",
-                            out=sendn[row + m:row + send_rows[d]])
+            if d == me:
+                first += n
+                continue
+            if C:
+                b0 = slot * blk
+                hb = header[d].view(np.uint8)
+                if on_cpu:
+                    sendn[b0:].reshape(-1)[:_HEADER_BYTES] = hb
                 else:
-                    send[row:row + m].view(-1)[:n * meta_bytes].copy_(dev(words))
-                    torch.index_select(xb, 0, dev(token_of[first:first + n]),
-                                       out=send[row + m:row + send_rows[d]])
-            row += send_rows[d]
+                    send[b0:].view(-1)[:_HEADER_BYTES].copy_(dev(hb))
+                if n1[d]:
+                    put(b0, first, n1[d], _HEADER_BYTES, b0 + hrows)
+                slot += 1
+            if send2[d]:
+                put(row2, first + n1[d], n - n1[d], 0, row2 + send2[d] - (n - n1[d]))
+            row2 += send2[d]
             first += n
         t2 = _now_us()
 
-        counts_in = torch.empty(world, dtype=torch.int64, device=device)
-        dist.all_to_all_single(counts_in, dev(per_dest), group=self.group)
-        per_src = counts_in.numpy() if on_cpu else counts_in.cpu().numpy()
-        srcs = per_src.tolist()
-        recv_rows = [0 if s == me or not n else -(-n * meta_bytes // row_bytes) + n
-                     for s, n in enumerate(srcs)]
+        # phase 1: the headers (and first C tokens) from every peer
+        recv1_rows = (world - 1) * blk
+        work = self._buffer("recv", recv1_rows, row_bytes, device)
+        if C:
+            split1 = [0 if r == me else blk for r in range(world)]
+            dist.all_to_all_single(work, send[:send1_rows], split1, split1, group=self.group)
+            hdr = work.view(-1)
+            hdr = hdr.numpy() if on_cpu else hdr.cpu().numpy()
+            heads = [hdr[(r - (r > me)) * blk * row_bytes:][:_HEADER_BYTES].view(np.int32)
+                     if r != me else header[me] for r in range(world)]
+            srcs = [int(h[0]) for h in heads]
+            global_max = max(int(h[1]) for h in heads)
+        else:
+            hdr_in = torch.empty(world * _HEADER_BYTES // 4, dtype=torch.int32, device=device)
+            dist.all_to_all_single(hdr_in, dev(header.reshape(-1)), group=self.group)
+            hdr_in = (hdr_in.numpy() if on_cpu else hdr_in.cpu().numpy()).reshape(world, -1)
+            srcs = hdr_in[:, 0].tolist()
+            srcs[me] = n_me
+            global_max = int(max(hdr_in[:, 1].max(), my_max))
         t3 = _now_us()
 
-        # received rows by source, then this rank's own tokens: one gather reads both
-        num_remote = sum(recv_rows)
-        n_me = dests[me]
-        work = self._buffer("recv", num_remote + n_me, row_bytes, device)
-        dist.all_to_all_single(work[:num_remote], send, recv_rows, send_rows, group=self.group)
+        # phase 2 (every rank or none), then this rank's own tokens: one gather reads all
+        recv2 = [0 if s == me or n <= C else -(-(n - C) * meta_bytes // row_bytes) + n - C
+                 for s, n in enumerate(srcs)]
+        num_remote = recv1_rows + sum(recv2)
+        work = self._buffer("recv", num_remote + n_me, row_bytes, device, keep=recv1_rows)
+        if global_max > C:
+            dist.all_to_all_single(work[recv1_rows:num_remote], send[send1_rows:], recv2, send2,
+                                   group=self.group)
+        # the next call's inline capacity: what this call needed, within the byte budget
+        self._inline = global_max
         t4 = _now_us()
         own = slice(first := sum(dests[:me]), first + n_me)
         if host:
@@ -178,10 +252,26 @@ class TorchBackend:
             if n_me:
                 torch.index_select(xb, 0, dev(token_of[own]), out=work[num_remote:])
             head = work[:num_remote].view(-1).cpu().numpy()
+        # segments of received tokens in bag order: (source, count, routing byte, first row)
+        segs = []
+        slot, row2 = 0, recv1_rows
+        for s in range(world):
+            if s == me:
+                continue
+            n = srcs[s]
+            if C:
+                b0 = slot * blk
+                segs.append((s, min(n, C), b0 * row_bytes + _HEADER_BYTES, b0 + hrows))
+                slot += 1
+            if recv2[s]:
+                segs.append((s, n - C if C else n, row2 * row_bytes,
+                             row2 + recv2[s] - (n - C if C else n)))
+            row2 += recv2[s]
         bf16 = x.dtype == torch.bfloat16
         (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
          bag_offsets2, weights2, num_remote_bags) = recv_plan(
-            head, row_bytes, per_src, meta[own], me, per_rank, bf16)
+            head, np.array(segs, dtype=np.int64).reshape(-1, 4), meta[own], num_remote, me,
+            per_rank, world, bf16)
         num_recv = len(gather)
         if host and num_recv:
             recv_x = torch.from_numpy(np.take(workn, gather, axis=0, mode="clip"))
@@ -205,11 +295,17 @@ class TorchBackend:
         t6 = _now_us()
         phases = {"layout": t1 - t0 + t6 - t5, "pack": t2 - t1, "count_exchange": t3 - t2,
                   "token_exchange": t4 - t3, "reorder": t5 - t4}
-        collectives = [("counts", [8] * world, [8] * world),
-                       ("rows", [r * row_bytes for r in send_rows],
-                        [r * row_bytes for r in recv_rows])]
-        stats = self._stats("dispatch", phases, sum(send_rows) * row_bytes,
-                            num_remote * row_bytes, collectives)
+        if C:
+            b1 = [0 if r == me else blk * row_bytes for r in range(world)]
+            collectives = [("inline", b1, b1)]
+        else:
+            collectives = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
+        if global_max > C:
+            collectives.append(("rows", [r * row_bytes for r in send2],
+                                [r * row_bytes for r in recv2]))
+        sent = sum(sum(b) for _, b, _ in collectives)
+        stats = self._stats("dispatch", phases, sent, sum(sum(b) for _, _, b in collectives),
+                            collectives)
         return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
 
     def _bag_weights(self, st: _TorchState, dtype: torch.dtype, device) -> torch.Tensor:
@@ -279,3 +375,4 @@ class TorchBackend:
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""
         self._scratch.clear()
+        self._views.clear()

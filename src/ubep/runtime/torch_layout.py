@@ -105,13 +105,14 @@ def _word(buf, off):
 
 
 @njit(nogil=True, cache=True)
-def recv_plan(work, row_bytes, per_src, own_meta, me, per_rank, bf16_weights):
+def recv_plan(work, segs, own_meta, own_row, me, per_rank, world, bf16_weights):
     """The expert-major layout of the received pairs and how combine sums them back.
 
-    Args: `work` the dispatch work buffer's bytes (flat uint8; only the routing rows are
-    read): per remote source with tokens, in rank order, `[routing words, padded to whole
-    rows][its rows]`, then this rank's own rows; `per_src` `[P]` tokens from each rank;
-    `own_meta` `[n_me, 1 + 2K]` int32, the routing words of this rank's own tokens.
+    Args: `work` the dispatch work buffer's bytes (flat uint8; only routing words are
+    read); `segs` `[S, 4]` the runs of received tokens in bag order (remote sources in rank
+    order, each source's tokens in index order): `(source, count, byte offset of their
+    routing words, row of the first)`; `own_meta` `[n_me, 1 + 2K]` int32, the routing words
+    of this rank's own tokens, whose rows start at row `own_row`.
     Returns `(gather [N], origins [3, N], recv_weights [N] float32, tokens_per_expert [R],
     bag_rows [N], bag_offsets [J], bag_rows2 [2N], bag_offsets2 [J], weights2 [2N] uint16,
     num_remote_bags)`: `gather` picks recv_x's rows from the work buffer;
@@ -119,40 +120,31 @@ def recv_plan(work, row_bytes, per_src, own_meta, me, per_rank, bf16_weights):
     `bf16_weights`, `weights2` holds each pair's weight as bfloat16 `hi, lo` and
     `bag_rows2`/`bag_offsets2` list each row twice (empty otherwise).
     """
-    world = per_src.shape[0]
     meta_words = own_meta.shape[1]
     top_k = (meta_words - 1) // 2
-    meta_bytes = 4 * meta_words
     n_me = own_meta.shape[0]
     num_bags = n_me
-    for s in range(world):
-        if s != me:
-            num_bags += per_src[s]
+    for i in range(segs.shape[0]):
+        num_bags += segs[i, 1]
     # the bags: remote sources in rank order, then this rank's own tokens
     meta = np.empty((num_bags, meta_words), dtype=np.int32)
     bag_src = np.empty(num_bags, dtype=np.int64)
     bag_row = np.empty(num_bags, dtype=np.int64)
     j = 0
-    row = 0
-    for s in range(world):
-        n = per_src[s]
-        if s == me or n == 0:
-            continue
-        m = (n * meta_bytes + row_bytes - 1) // row_bytes
-        off = row * row_bytes
-        for i in range(n):
+    for i in range(segs.shape[0]):
+        s, n, off, row = segs[i, 0], segs[i, 1], segs[i, 2], segs[i, 3]
+        for t in range(n):
             for w in range(meta_words):
                 meta[j, w] = _word(work, off + 4 * w)
-            off += meta_bytes
+            off += 4 * meta_words
             bag_src[j] = s
-            bag_row[j] = row + m + i
+            bag_row[j] = row + t
             j += 1
-        row += m + n
     num_remote_bags = j
     for i in range(n_me):
         meta[j] = own_meta[i]
         bag_src[j] = me
-        bag_row[j] = row + i
+        bag_row[j] = own_row + i
         j += 1
     lo_e = me * per_rank
     counts = np.zeros(per_rank * world, dtype=np.int64)     # pairs per (expert, source)
