@@ -182,6 +182,47 @@ def test_dispatch_round_trip_through_one_rank_region(sync, block):
     del mem
 
 
+def _dispatch_once(lay, base, bases, epoch, x, idx, w, send=True):
+    """One dispatch through a 1-rank region; returns rows still missing after one poll."""
+    sends, pos, counts = _plan_one_worker(idx, 2)
+    if send:
+        send_counts(bases, lay, 0, epoch, counts, 1, 0, 0, 0, 1)
+        cs = np.zeros(1, np.int64)
+        send_rows(bases, lay, 0, epoch, x, idx, w, sends, pos, counts, cs)
+        write_batch_flags(bases, lay, 0, 0, epoch, 0, cs)
+    rc = counts.reshape(1, 2)
+    out_start = np.zeros((1, 2), np.int64)
+    n = offsets(rc, out_start, np.zeros(2, np.int64))
+    out_x = np.zeros((n, x.shape[1]), np.uint8)
+    ints = np.zeros((3, n), np.int64)
+    left = recv_rows(base, lay, epoch, rc, np.array([[1, 0, 0]], np.int64), out_start, 0, n,
+                     np.zeros(n, np.uint8), np.zeros(1, np.int64), out_x, np.zeros(n, np.float32),
+                     ints[0], ints[1], ints[2], 1)
+    return left, out_x, ints
+
+
+@pytest.mark.parametrize("sync", ["tff", "sp"])
+@pytest.mark.parametrize("block", [16, 64, 512])
+def test_rows_packed_at_another_size_leave_no_flag_or_marker_for_the_next_call(sync, block):
+    """A parity's window is reused by calls of any row size, each packing its records at its
+    own size: after rows of one size whose every 8-byte word holds a later epoch, rows of
+    another size not yet sent must not look arrived (flags and markers sit on one block
+    grid), then arrive intact."""
+    mem, lay, base, bases = _region(sync, block, hidden=37)
+    idx = np.array([[0, 1], [1, 0], [0, 1], [1, 0]], np.int64)
+    w = np.ones((4, 2), np.float32)
+    sizes = (148, 74, 37, 148, 26, 74)
+    for k, size in enumerate(sizes):
+        e = 2 * k + 2                               # one parity: the same window every call
+        words = np.array([e, e + 2, e + 4], np.int64).view(np.uint8)
+        x = np.resize(words, (4, size)).copy()
+        assert _dispatch_once(lay, base, bases, e, x, idx, w, send=False)[0] == 8
+        left, out_x, ints = _dispatch_once(lay, base, bases, e, x, idx, w)
+        assert left == 0
+        np.testing.assert_array_equal(out_x, x[ints[1]])
+    del mem
+
+
 def test_dc_detects_a_changed_marker_word():
     mem, lay, base, bases = _region("dc", 64)
     idx = np.array([[0, 1]], np.int64)

@@ -40,13 +40,21 @@ from ubep.runtime.shm.kernels import combine as KC
 from ubep.runtime.shm.kernels import dispatch as KD
 from ubep.runtime.shm.kernels import sentinel as KP
 from ubep.runtime.shm.kernels import slots as KS
+from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.shm.protocol import (
     DTYPE_CODES,
     check_peers_meta,
     dc_detail,
     sentinel_error,
 )
-from ubep.runtime.shm.region import L_BB, L_EL, META_BYTES, STATUS_ABORT, STATUS_OK
+from ubep.runtime.shm.region import (
+    L_BB,
+    L_EL,
+    META_BYTES,
+    STATUS_ABORT,
+    STATUS_OK,
+    next_epoch,
+)
 from ubep.runtime.shm.single import missing_sources
 from ubep.runtime.shm.waits import now_us
 from ubep.stats import Interval, Stats
@@ -128,8 +136,12 @@ class PoolPath:
         self.rank_mapper = rank_mapper
         self._d_epoch = 0
         self._c_epoch = 0
+        self._last_dispatch = False        # the last call was a dispatch (`next_epoch`)
         self._n_count: dict[tuple[int, int], int] = {}
         self._tuned = tuned or {}
+        self._lend = OutputPool()           # recv_x and combine outputs: no page faults
+        c = ctx.config
+        self._y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)   # fp32 sums, kept
 
     def _count_workers(self, num_tokens: int, top_k: int) -> int:
         """Workers in the count role: `config.count_workers`, else the cost model's choice
@@ -190,8 +202,8 @@ class PoolPath:
         elem = DTYPE_CODES[x.dtype]
         n_count = self._count_workers(num_tokens, top_k)
         n_tw = n - n_count
-        self._d_epoch += 1
-        epoch = self._d_epoch
+        self._d_epoch = epoch = next_epoch(self._d_epoch, self._last_dispatch)
+        self._last_dispatch = True
         if c.sync == "sp":                     # before any worker sends: refuse, tell peers
             bad = KP.sp_check_routing(xb, idx, w, int(ctx.lay[L_BB]))
             if bad >= 0:
@@ -339,7 +351,7 @@ class PoolPath:
         cl.done = np.zeros(n_recv, np.uint8)
         cl.ints = np.empty((3, n_recv), np.int64)
         cl.recv_w = np.empty(n_recv, np.float32)
-        cl.recv_x = torch.empty((n_recv, cl.hidden), dtype=cl.dtype)
+        cl.recv_x = self._lend.empty(n_recv, cl.hidden, cl.dtype)
         cl.recv_xb = cl.recv_x.view(torch.uint8).reshape(n_recv, rb).numpy() \
             if n_recv and rb else np.zeros((n_recv, rb), np.uint8)
 
@@ -373,8 +385,8 @@ class PoolPath:
         rows = expert_out.view(torch.uint8).reshape(n_recv, -1).numpy() if expert_out.numel() \
             else np.zeros((n_recv, hidden * expert_out.element_size()), np.uint8)
         elem = DTYPE_CODES[dtype]
-        self._c_epoch += 1
-        epoch = self._c_epoch
+        self._c_epoch = epoch = next_epoch(self._c_epoch, not self._last_dispatch)
+        self._last_dispatch = False
         n = ctx.workers
         if c.sync == "sp":
             bad = KP.sp_check_rows(rows, int(ctx.lay[L_BB]))
@@ -384,17 +396,30 @@ class PoolPath:
         ecode, lut = combine_elem(dtype)
         num_tokens, top_k = idx.shape
         n_count = self._count_workers(num_tokens, top_k)
+        # fp32 rows are summed in the output itself, others in kept scratch (rounded after)
+        y32 = self._lend.empty(num_tokens, hidden, dtype) if dtype == torch.float32 \
+            else None
+        sums = y32.numpy() if y32 is not None else \
+            self._y[:num_tokens * hidden].reshape(num_tokens, hidden)
+        sums.fill(0.0)
         cl = self.runner.start(CombineCall(
             epoch=epoch, deadline=ctx.deadline(), n=n, rows=rows, ints=ints, idx=idx, w=w,
             elem=elem, ecode=ecode, lut=lut, weighted=bool(weighted),
-            es=expert_out.element_size(), y=np.zeros((num_tokens, hidden), np.float32),
+            es=expert_out.element_size(), y=sums,
             done=np.zeros(num_tokens, np.uint8), n_tw=n - n_count, n_count=n_count,
             cs=[np.zeros(world, np.int64) for _ in range(n)]))
         if c.mode == "bsp":
             self.runner.run(cl, lambda j: self._combine_bsp(cl, j))
         else:
             self.runner.run(cl, lambda j: self._combine_ubep(cl, j))
-        y = cast_rows(cl.y, dtype)
+        if y32 is not None:
+            y = y32
+        elif dtype == torch.bfloat16:
+            y = self._lend.empty(num_tokens, hidden, dtype)
+            if y.numel():
+                KC.f32_to_bf16(cl.y, y.view(torch.int16).numpy().view(np.uint16))
+        else:                                      # fp16, fp8: rare, cast by numpy/torch
+            y = cast_rows(cl.y, dtype)
         if out is not None:
             y = out.copy_(y)
         t1 = now_us()

@@ -14,6 +14,22 @@ never taken for call e.
     dwin    [2][world][DROWS]      dispatch rows from each source (a record per row)
     cwin    [2][CSLOTS]            combine rows back to my tokens, slot t*KMAX + k
 
+Epochs step so that the usual sequence (dispatch, combine, dispatch, ...) stays on one
+parity: a dispatch after a combine, or a combine after a dispatch, adds 2 to its epoch;
+back-to-back calls of one kind add 1 (see `next_epoch`). Every rank runs the same sequence
+of calls, so all agree. Reusing a parity is safe after the other kind of call: a rank
+writes a peer's dispatch window for e+2 only after its combine in between, which returns
+once every peer's hello came, sent after that peer read all its dispatch rows of e; a
+combine window likewise once the dispatch in between got every peer's counts, sent after
+that peer summed its combine rows. So consecutive calls reuse the same windows, which stay
+in cache and in the TLB, instead of alternating between two.
+
+A call packs its records at its own row size (`DSTRIDE`/`CSTRIDE` are the widest, 4-byte
+elements, and size each parity's half): bf16 rows take half the bytes and pages rather than
+every other half row. Every stride is a multiple of the block size, so records of any size
+sit on one block grid: tff flag words and sp markers are always at the same addresses,
+whatever the row size of the call before (sp re-arms each block it read).
+
 The layout is packed into one int64 array (`L_*` indices) that every kernel takes.
 """
 
@@ -42,6 +58,16 @@ _PAGE = 4096
 
 def _align(n: int, a: int) -> int:
     return -(-n // a) * a
+
+
+def next_epoch(epoch: int, same_kind_last: bool) -> int:
+    """The epoch of a rank's next dispatch (or combine) after `epoch`, its last one.
+
+    `same_kind_last`: the call right before was of the same kind (no combine between two
+    dispatches, or no dispatch between two combines). Then the parity flips (+1); else it
+    stays (+2), so the windows of the last such call are reused (see the module doc).
+    """
+    return epoch + (1 if same_kind_last else 2)
 
 
 def region_layout(*, world: int, experts_per_rank: int, max_workers: int, hidden: int,

@@ -32,8 +32,9 @@ from ubep.plan.blocks import BlockFormat
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
 from ubep.runtime.shm.kernels import single as KS
+from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.shm.protocol import DTYPE_CODES, check_peers_meta, dc_detail, sentinel_error
-from ubep.runtime.shm.region import L_DROWS, L_EL, META_BYTES
+from ubep.runtime.shm.region import L_DROWS, L_EL, META_BYTES, next_epoch
 from ubep.runtime.shm.waits import SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 
@@ -49,6 +50,7 @@ class SinglePath:
         self._bsp = c.mode == "bsp"
         self._d_epoch = 0
         self._c_epoch = 0
+        self._last_dispatch = False        # the last call was a dispatch (`next_epoch`)
         # scratch, kept: the path allocates nothing it can reuse
         self._cs = np.zeros(w, np.int64)
         self._rc = np.zeros((w, el), np.int64)
@@ -64,6 +66,7 @@ class SinglePath:
         # rows seen / tokens summed (kept; the kernels reset the part a call uses)
         self._done_rows = np.zeros(max(w * int(ctx.lay[L_DROWS]), 1), np.uint8)
         self._done_tokens = np.zeros(max(c.max_tokens_per_rank, 1), np.uint8)
+        self._lend = OutputPool()          # recv_x and combine outputs: no page faults
 
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -78,7 +81,8 @@ class SinglePath:
         rb = hidden * x.element_size()
         elem = DTYPE_CODES[x.dtype]
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
-        self._d_epoch = epoch = self._d_epoch + 1
+        self._d_epoch = epoch = next_epoch(self._d_epoch, self._last_dispatch)
+        self._last_dispatch = True
         deadline = deadline_after(t0, self._timeout_s)
         rc, meta, got, out_start, batch = (self._rc, self._meta, self._got, self._out_start,
                                            self._batch)
@@ -104,7 +108,7 @@ class SinglePath:
             raise sentinel_error("x", -n_sends - 1)
         if code:
             check_peers_meta(meta, elem, ctx.rank, "dispatch")
-        recv_x = torch.empty(n_recv, hidden, dtype=x.dtype)
+        recv_x = self._lend.empty(n_recv, hidden, x.dtype)
         ints = np.empty((3, n_recv), np.int64)
         wts = np.empty(n_recv, np.float32)
         x_addr = recv_x.data_ptr()
@@ -136,7 +140,8 @@ class SinglePath:
         elem, ecode, lut = _combine_elem(dtype)
         es = expert_out.element_size()
         rb = hidden * es
-        self._c_epoch = epoch = self._c_epoch + 1
+        self._c_epoch = epoch = next_epoch(self._c_epoch, not self._last_dispatch)
+        self._last_dispatch = False
         deadline = deadline_after(t0, self._timeout_s)
         hello, got, batch, base, lay = self._hello, self._got, self._batch, ctx.base, ctx.lay
         done = self._done_tokens
@@ -144,7 +149,7 @@ class SinglePath:
         # the kernels write by address: a caller's row-major `dest` takes the sums directly
         into = dest if dest is not None and dest.is_contiguous() else None
         if dtype is torch.float32:                     # sum in place, no cast
-            out = into if into is not None else torch.empty(num_tokens, hidden, dtype=dtype)
+            out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
             y_addr = out.data_ptr()
         bad = KS.combine_begin_at(ctx.bases, lay, ctx.rank, epoch, expert_out.data_ptr(),
                                   n_recv, rb, ints, elem, self._cs, self._bsp, hello, got, batch,
@@ -154,7 +159,7 @@ class SinglePath:
         t1 = now_us()
         cast, out_addr = KS.CAST_NONE, 0
         if dtype is torch.bfloat16:                   # the poll rounds into it once complete
-            out = into if into is not None else torch.empty(num_tokens, hidden, dtype=dtype)
+            out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
             cast, out_addr = KS.CAST_BF16, out.data_ptr()
         bsp, weighted = self._bsp, bool(weighted)
         if KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted,

@@ -18,7 +18,10 @@ Rules:
   and each block's marker word is written last with `store_release`;
 * waits are bounded: a poll kernel spins at most `spins` rounds with `cpu_pause` and returns
   what is still missing; the Python side (`waits.py`) backs off, checks deadline and
-  liveness, and re-enters.
+  liveness, and re-enters;
+* Numba's disk cache checks only a kernel's own source file: a module whose kernels call
+  another module's (`single`, `warmup`) must be edited too when those change what they
+  write where, or a stale cached copy keeps the old layout.
 """
 
 from numba import njit

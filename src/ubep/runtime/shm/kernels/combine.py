@@ -42,13 +42,14 @@ ELEM_F32, ELEM_BF16, ELEM_LUT16, ELEM_LUT8 = 0, 1, 2, 3
 def _send_back_row(bases, lay, epoch, rows, src_rank, src_tok, src_slot, i, head, cs):
     """Write expert-output row i to its source's window at slot token*KMAX + k."""
     bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
-    kmax, stride = lay[L_KMAX], lay[L_CSTRIDE]
-    win = lay[L_CWIN_OFF] + (epoch & 1) * lay[L_CSLOTS] * stride
     rb = rows.shape[1]
+    nb = num_blocks(rb, ppb)
+    stride = nb * bb                         # this call's rows, packed (see `region`)
     s = src_rank[i]
-    slot = src_tok[i] * kmax + src_slot[i]
+    slot = src_tok[i] * lay[L_KMAX] + src_slot[i]
+    win = lay[L_CWIN_OFF] + (epoch & 1) * lay[L_CSLOTS] * lay[L_CSTRIDE]
     cs[s] += write_record(bases[s] + win + slot * stride, bb, ppb, fmt, head, 0, rows[i], rb,
-                          epoch, slot * num_blocks(rb, ppb))
+                          epoch, slot * nb)
 
 
 @jit
@@ -166,10 +167,10 @@ def reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
     el = lay[L_EL]
     world = lay[L_WORLD]
     bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
-    kmax, stride = lay[L_KMAX], lay[L_CSTRIDE]
-    par = epoch & 1
+    kmax = lay[L_KMAX]
     nb = num_blocks(rb, ppb)
-    win = base + lay[L_CWIN_OFF] + par * lay[L_CSLOTS] * stride
+    stride = nb * bb                         # as the senders packed them
+    win = base + lay[L_CWIN_OFF] + (epoch & 1) * lay[L_CSLOTS] * lay[L_CSTRIDE]
     t_n, k_n = idx.shape
     epb = ppb // es
     srcs = np.empty(k_n, np.int64)

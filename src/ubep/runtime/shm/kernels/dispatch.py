@@ -40,6 +40,15 @@ MAX_MISSES = 8
 
 
 @jit
+def window(lay, epoch, src, stride):
+    """Byte offset of source `src`'s dispatch window in a region for `epoch`: one fixed
+    half per epoch parity (sized for the widest rows), the call's records packed at `stride`
+    within it (see `region`)."""
+    half = (epoch & 1) * lay[L_WORLD] * lay[L_DROWS] * lay[L_DSTRIDE]
+    return lay[L_DWIN_OFF] + half + src * lay[L_DROWS] * stride
+
+
+@jit
 def send_rows(bases, lay, me, epoch, x, idx, weights, sends, window_pos, counts, cs):
     """Write each send's record (meta + row) into its destination's window for me.
 
@@ -48,7 +57,6 @@ def send_rows(bases, lay, me, epoch, x, idx, weights, sends, window_pos, counts,
     """
     world, el = lay[L_WORLD], lay[L_EL]
     bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
-    par = epoch & 1
     first = np.empty(world * el, np.int64)   # first window row of each expert at its dest
     for d in range(world):
         acc = 0
@@ -60,14 +68,15 @@ def send_rows(bases, lay, me, epoch, x, idx, weights, sends, window_pos, counts,
     head_f = head.view(np.float32)
     rb = x.shape[1]
     nb = num_blocks(16 + rb, ppb)
-    win = lay[L_DWIN_OFF] + (par * world + me) * lay[L_DROWS] * lay[L_DSTRIDE]
+    stride = nb * bb                         # this call's records, packed (see `region`)
+    win = window(lay, epoch, me, stride)
     for i in range(sends.shape[0]):
         t, k, d = sends[i, 0], sends[i, 1], sends[i, 2]
         row = first[idx[t, k]] + window_pos[i]
         head_i[0] = t
         head_i[1] = k
         head_f[2] = weights[t, k]
-        dst = bases[d] + win + row * lay[L_DSTRIDE]
+        dst = bases[d] + win + row * stride
         cs[d] += write_record(dst, bb, ppb, fmt, head, 16, x[t], rb, epoch, row * nb)
 
 
@@ -123,10 +132,9 @@ def recv_rows(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, ou
     """
     world, el = lay[L_WORLD], lay[L_EL]
     bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
-    stride = lay[L_DSTRIDE]
-    par = epoch & 1
     rb = out_x.shape[1]
     nb = num_blocks(16 + rb, ppb)
+    stride = nb * bb                         # as the senders packed them
     head = np.zeros(16, np.uint8)
     head_i = head.view(np.int32)
     head_f = head.view(np.float32)
@@ -141,7 +149,7 @@ def recv_rows(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, ou
             if g + r_s <= lo or g >= hi or r_s == 0:
                 g += r_s
                 continue
-            win = base + lay[L_DWIN_OFF] + (par * world + s) * lay[L_DROWS] * stride
+            win = base + window(lay, epoch, s, stride)
             if fmt == FMT_SW or fmt == FMT_DC:
                 if batch[s] != 1:
                     ok, total = batch_complete(base, lay, False, epoch, s, meta[s, 0])

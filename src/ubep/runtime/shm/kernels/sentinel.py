@@ -28,14 +28,12 @@ from ubep.runtime.shm.region import (
 def arm_sentinels(base, lay):
     """sp: fill every marker word of this region's windows with the sentinel."""
     bb = lay[L_BB]
-    world = lay[L_WORLD]
-    for start, rows, stride in ((lay[L_DWIN_OFF], 2 * world * lay[L_DROWS], lay[L_DSTRIDE]),
-                                (lay[L_CWIN_OFF], 2 * lay[L_CSLOTS], lay[L_CSTRIDE])):
-        nb = stride // bb
-        for r in range(rows):
-            row = base + start + r * stride
-            for b in range(nb):
-                carray(i64_ptr(row + b * bb + bb - 8), 1)[0] = SENT
+    # every block of the windows: a call packs its records on this block grid at its own
+    # row size, and reading a record re-arms its blocks, so between calls all stay armed
+    for start, nbytes in ((lay[L_DWIN_OFF], 2 * lay[L_WORLD] * lay[L_DROWS] * lay[L_DSTRIDE]),
+                          (lay[L_CWIN_OFF], 2 * lay[L_CSLOTS] * lay[L_CSTRIDE])):
+        for b in range(nbytes // bb):
+            carray(i64_ptr(base + start + b * bb + bb - 8), 1)[0] = SENT
 
 
 @jit
