@@ -59,6 +59,8 @@ from ubep.runtime.shm.single import missing_sources
 from ubep.runtime.shm.waits import now_us
 from ubep.stats import Interval, Stats
 
+_NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_tokens_into: "do not round to bf16 here"
+
 
 @dataclass(eq=False, kw_only=True)
 class DispatchCall(Call):
@@ -116,6 +118,8 @@ class CombineCall(Call):
     weighted: bool
     es: int                         # element size, bytes
     y: np.ndarray                   # [T, hidden] float32 sums
+    out16: np.ndarray               # [T, hidden] bf16 bits the sums are rounded into, or
+                                    # no rows (the sums stay in `y`)
     done: np.ndarray                # [T] uint8: token summed
     n_tw: int                       # workers that send rows back (batch flags per rank)
     n_count: int                    # workers that send the hellos (mode "ubep")
@@ -396,29 +400,25 @@ class PoolPath:
         ecode, lut = combine_elem(dtype)
         num_tokens, top_k = idx.shape
         n_count = self._count_workers(num_tokens, top_k)
-        # fp32 rows are summed in the output itself, others in kept scratch (rounded after)
-        y32 = self._lend.empty(num_tokens, hidden, dtype) if dtype == torch.float32 \
-            else None
-        sums = y32.numpy() if y32 is not None else \
+        # fp32 sums land in the output itself, bf16 ones rounded straight into it; others
+        # in kept scratch, cast after
+        y = self._lend.empty(num_tokens, hidden, dtype) \
+            if dtype in (torch.float32, torch.bfloat16) else None
+        sums = y.numpy() if dtype == torch.float32 else \
             self._y[:num_tokens * hidden].reshape(num_tokens, hidden)
-        sums.fill(0.0)
+        out16 = y.view(torch.int16).numpy().view(np.uint16) if dtype == torch.bfloat16 \
+            else _NO_BF16
         cl = self.runner.start(CombineCall(
             epoch=epoch, deadline=ctx.deadline(), n=n, rows=rows, ints=ints, idx=idx, w=w,
             elem=elem, ecode=ecode, lut=lut, weighted=bool(weighted),
-            es=expert_out.element_size(), y=sums,
+            es=expert_out.element_size(), y=sums, out16=out16,
             done=np.zeros(num_tokens, np.uint8), n_tw=n - n_count, n_count=n_count,
             cs=[np.zeros(world, np.int64) for _ in range(n)]))
         if c.mode == "bsp":
             self.runner.run(cl, lambda j: self._combine_bsp(cl, j))
         else:
             self.runner.run(cl, lambda j: self._combine_ubep(cl, j))
-        if y32 is not None:
-            y = y32
-        elif dtype == torch.bfloat16:
-            y = self._lend.empty(num_tokens, hidden, dtype)
-            if y.numel():
-                KC.f32_to_bf16(cl.y, y.view(torch.int16).numpy().view(np.uint16))
-        else:                                      # fp16, fp8: rare, cast by numpy/torch
+        if y is None:                              # fp16, fp8: rare, cast by numpy/torch
             y = cast_rows(cl.y, dtype)
         if out is not None:
             y = out.copy_(y)
@@ -481,9 +481,9 @@ class PoolPath:
             if missing == 0 and not checked[0]:
                 check_peers_meta(hello, cl.elem, ctx.rank, "combine")
                 checked[0] = True
-            rem = KC.reduce_tokens(ctx.base, ctx.lay, cl.epoch, cl.idx, cl.w, cl.weighted,
-                                   cl.rows.shape[1], cl.es, cl.ecode, cl.lut, hello, tlo, thi,
-                                   cl.done, batch, cl.y, s)
+            rem = KC.reduce_tokens_into(ctx.base, ctx.lay, cl.epoch, cl.idx, cl.w, cl.weighted,
+                                        cl.rows.shape[1], cl.es, cl.ecode, cl.lut, hello, tlo,
+                                        thi, cl.done, batch, cl.y, cl.out16, s)
             return rem + (missing if need_all_hellos else 0)
 
         def peers() -> list[int]:

@@ -16,7 +16,12 @@ from ubep.plan.fastplan import (
     count_experts,
     worker_sends,
 )
-from ubep.runtime.shm.kernels.combine import ELEM_F32, reduce_tokens, send_back, send_back_list
+from ubep.runtime.shm.kernels.combine import (
+    ELEM_F32,
+    reduce_tokens_into,
+    send_back,
+    send_back_list,
+)
 from ubep.runtime.shm.kernels.direct import (
     combine_begin,
     copy_local,
@@ -160,9 +165,9 @@ def warm_up(lay_of, multi: bool) -> None:
         _, rows, _ = worker_sends(labels, 1, 1, hop, np.zeros(1, np.int64), HIERARCHICAL, 2, 1,
                                   0)
         send_back_list(bases, lay, 3, x, ints[0], ints[1], ints[2], rows[:, 0].copy(), cs)
-        reduce_tokens(base, lay, 3, idx, w, True, 8, 4, ELEM_F32, np.zeros(1, np.float32),
-                      meta, 0, 0, np.zeros(1, np.uint8), np.zeros(1, np.int64),
-                      np.zeros((1, 2), np.float32), 1)
+        reduce_tokens_into(base, lay, 3, idx, w, True, 8, 4, ELEM_F32, np.zeros(1, np.float32),
+                           meta, 0, 0, np.zeros(1, np.uint8), np.zeros(1, np.int64),
+                           np.zeros((1, 2), np.float32), np.zeros((0, 0), np.uint16), 1)
         counter = np.zeros(1, np.int64)
         barrier_arrive(counter.ctypes.data)
         poll_at_least(counter.ctypes.data, 1, 1)
