@@ -5,7 +5,7 @@ loop calls one layer again and again); run 2 interleaves every iteration (`--blo
 call starts on caches another system evicted). Every figure written is a median or a ratio
 of medians of one run, with the bounds measured in the same run beside each system: the
 copy bound (the bytes each rank must move, memcpy'd once, plus a flag round trip) and the
-torch backend's raw collectives (its three `all_to_all_single` calls, bare, same bytes).
+torch backend's raw collectives (its `all_to_all_single` calls, bare, same bytes).
 """
 
 from __future__ import annotations
@@ -100,10 +100,10 @@ _SYSTEM_ROWS = (
      '`ubep.Buffer(backend="shm", mode="bsp")`: the paper\'s barrier-separated baseline on '
      'the same runtime'),
     ('`torch`',
-     '`ubep.Buffer(backend="torch")` (what `backend="auto"` gives across hosts): three '
-     '`all_to_all_single` over gloo'),
+     '`ubep.Buffer(backend="torch")` (what `backend="auto"` gives across hosts): two or '
+     'three `all_to_all_single` over gloo'),
     ('raw collectives',
-     "the torch backend's three `all_to_all_single` calls alone, on preallocated buffers, "
+     "the torch backend's `all_to_all_single` calls alone, on preallocated buffers, "
      'with the byte counts it sent to and received from each peer in this run '
      '(`Stats.extra["collectives"]`)'),
     ('`mpi`',
@@ -147,11 +147,15 @@ group, 3,000 calls, median), a dispatch+combine pair takes ~29 µs with `direct=
 ~42 µs without. On a loaded host the wait for the peer dominates: when the peer is not
 running, a waiter spins, then yields, then sleeps 20-100 µs per round.
 
-*torch.* Three `all_to_all_single` per dispatch+combine (counts, rows, rows back) are the
-floor; gloo spends ~0.2-0.3 ms on each even for a few KB. What the backend adds is a few
-dozen small host operations at batch 1 (index bookkeeping in numpy, about 20 torch ops) and,
-at batch 128, two gathers of the rows (send side, expert-major side) and the reduction.
-Rows for the rank itself never enter a collective.
+*torch.* Each token crosses to a rank once (however many of its experts live there) and one
+partial sum per (token, rank) comes back. Dispatch's first `all_to_all_single` carries the
+counts and, up to 64 KiB in all, the tokens themselves (batch 1: one collective); the rest
+take a second; combine takes one. gloo spends ~0.1-0.3 ms on each even for a few KB. What
+the backend adds: two compiled index passes and ~20 small numpy/torch ops at batch 1; at
+batch 128, the expert-major expansion of the received rows (one gather) and the partial
+sums (`embedding_bag`). On this 2-core host the same collectives take longer inside the
+backend than bare (two ranks spinning 30-100 µs before or between two collectives made
+them 50-80 µs slower); why is not pinned down.
 
 *AgRs.* vLLM's path moves every token to every rank whatever the routing (one all-gather)
 and reduce-scatters a `[all tokens, hidden]` tensor of partial sums: fewer rows than a

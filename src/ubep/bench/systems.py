@@ -156,11 +156,13 @@ class CopyBound:
 class RawCollectives:
     """The torch backend's collectives alone: the same calls on the same bytes, nothing else.
 
-    `prepare` runs one dispatch and combine of a torch-backend Buffer (untimed) and reads
-    from its stats which collectives it issued with how many bytes to and from each peer
-    (`Stats.extra["collectives"]`); `dispatch()` and `combine()` then replay exactly those
-    `all_to_all_single` calls on preallocated buffers. The torch backend's time over this
-    line is what its own packing, reordering and reduction cost.
+    `prepare` runs dispatch and combine of a torch-backend Buffer (untimed) and reads from
+    the stats of the last call which collectives it issued with how many bytes to and from
+    each peer (`Stats.extra["collectives"]`); `dispatch()` and `combine()` then replay
+    exactly those `all_to_all_single` calls on preallocated buffers. Two calls, because the
+    backend sizes dispatch's first collective from the previous call (how many tokens ride
+    inline): the second is the steady state the timed Buffer runs in. The torch backend's
+    time over this line is what its own packing, reordering and reduction cost.
     """
 
     def __init__(self, name: str, cfg: BenchConfig, hidden: int):
@@ -173,8 +175,9 @@ class RawCollectives:
         self._calls: dict[str, list] = {"dispatch": [], "combine": []}
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
-        res = self.buf.dispatch(x, topk_idx, topk_weights)
-        self.buf.combine(res.recv_x, res.handle)
+        for _ in range(2):
+            res = self.buf.dispatch(x, topk_idx, topk_weights)
+            self.buf.combine(res.recv_x, res.handle)
         for op, st in (("dispatch", res.stats), ("combine", self.buf.last_stats)):
             self._calls[op] = [
                 (torch.empty(sum(recv), dtype=torch.uint8),

@@ -205,3 +205,4 @@ def recv_plan(work, segs, own_meta, own_row, me, per_rank, world, bf16_weights):
             q += 1
     return (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
             bag_offsets2, weights2, num_remote_bags)
+
