@@ -126,7 +126,7 @@ def test_more_latency_or_cost_is_never_faster(params, mode, sync):
     base = lat()
     for ch in ({"latency_scale": 2.0}, {"latency_scale": 8.0}, {"barrier_us": 20.0},
                {"launch_us": 9.0}, {"stage_bw_GBps": 3.0}, {"flag_issue_us": 0.5},
-               {"flag_check_us": 2.0}, {"copy_bw_GBps": 5.0}):
+               {"status_count_us": 2.0}, {"copy_bw_GBps": 5.0}):
         assert lat(**ch) >= base - 1e-9, ch
     scales = [0.0, 0.5, 1.0, 2.0, 4.0]
     lats = [lat(latency_scale=s) for s in scales]
@@ -199,18 +199,20 @@ def test_start_jitter_is_seeded_and_bsp_waits_for_the_slowest_rank(params):
     assert np.all(e.ready_us >= sent.max() + params.barrier_us - 1e-9)
 
 
-@pytest.mark.parametrize("ranks,workers", [(8, 4), (8, 8), (32, 4), (32, 48)])
-def test_bsp_checks_its_share_of_the_flags_one_after_another(ranks, workers):
-    """On a free fabric, flags land at once; each worker then reads ceil(P / n) of them,
-    one read each: the verify phase takes exactly that many reads. UBEP has no such loop
-    (one vector pass over the counts), so it does not pay it."""
-    check = 1.5
-    p = CostParams.zero().with_(flag_check_us=check)
-    kw = dict(SMALL, ranks=ranks, num_experts=ranks, workers=workers)
+@pytest.mark.parametrize("ranks,experts,workers", [(8, 8, 4), (8, 8, 8), (32, 32, 4),
+                                                   (32, 32, 48), (8, 24, 5)])
+def test_bsp_counts_its_share_of_the_experts_one_after_another(ranks, experts, workers):
+    """As CANN's dispatch kernel: each core counts the pairs of its share of the experts
+    (ceil(E / n) for the busiest) before the SyncAll; on a free fabric that is the whole
+    dispatch. UBEP has no such step (its count workers count in one pass)."""
+    cost = 1.5
+    p = CostParams.zero().with_(status_count_us=cost)
+    kw = dict(SMALL, ranks=ranks, num_experts=experts, workers=workers)
     bsp = simulate("cm384", mode="bsp", params=p, **kw)
-    assert bsp.phases_us["flag_verify"] == pytest.approx(-(-ranks // workers) * check)
-    assert bsp.latency_us == pytest.approx(-(-ranks // workers) * check)
+    assert bsp.phases_us["status_count"] == pytest.approx(-(-experts // workers) * cost)
+    assert bsp.latency_us == pytest.approx(-(-experts // workers) * cost)
     assert simulate("cm384", mode="ubep", params=p, **kw).latency_us == 0.0
+    assert simulate("cm384", mode="bsp", op="combine", params=p, **kw).latency_us == 0.0
 
 
 @pytest.mark.parametrize("op", ["dispatch", "combine"])

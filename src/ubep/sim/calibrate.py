@@ -33,7 +33,7 @@ FREE = {  # name: (initial, lower, upper); the initial point is where the shippe
     "stage_bw_GBps": (58.0, 1.0, 400.0),
     "launch_us": (9.5, 0.2, 60.0),
     "barrier_us": (9.4, 0.2, 60.0),
-    "flag_check_us": (1.8, 0.01, 10.0),
+    "status_count_us": (1.8, 0.01, 10.0),
     "copy_bw_GBps": (6.0, 1.0, 1000.0),
     "uplink_bw_scale": (0.5, 0.05, 4.0),
 }

@@ -10,9 +10,11 @@ together are no faster than the ports. Everything else is vectorised over ranks 
 workers with numpy: phases, barriers, flags, counts and the reordering (a FIFO queue per
 worker, `queues`), per mode:
 
-* bsp: init | token_send | SyncAll | flag+count | flag verify | SyncAll | cumsum | reorder,
-  every worker of a rank in the same phase, ranks coupled through the flags; the verify
-  reads its share of the sources' flags one after another (`flag_check_us` each);
+* bsp: init | token_send | status count | SyncAll | flag+count | flag verify | SyncAll |
+  cumsum | reorder, every worker of a rank in the same phase, ranks coupled through the
+  flags. As CANN's dispatch kernel: each core counts the rank's pairs for its share of the
+  experts, one expert after another (`status_count_us` each), before the SyncAll; the
+  flags are then verified with one vector pass after the last arrives;
 * ubep: count workers count, store one count word per destination (pipelined), wait for
   the last source's counts (polling overlaps the arrivals: one vector pass after the last),
   split the prefix sum (CalCumSum) among themselves and publish; token workers send, then
@@ -274,22 +276,6 @@ def _fan_out(P: int, senders: int, per_store_us: float, start: np.ndarray, fabri
     return start + math.ceil(P / senders) * per_store_us, arrival
 
 
-def _serial_checks(arrival: np.ndarray, start: np.ndarray, n: int, check_us: float
-                   ) -> np.ndarray:
-    """BSP flag verification as CANN's dispatch does it: worker w of rank d checks the flags
-    of sources w, w + n, ... one after another, each check one read of `check_us` (a flag
-    not there yet is read again until it is). `arrival[s, d]`: the flag from s lands on d;
-    `start` `[P * n]`: when each worker begins. Returns `[P]`: the rank's last check done."""
-    P = arrival.shape[0]
-    t = start.reshape(P, n).copy()
-    for k in range(-(-P // n)):
-        src = np.arange(n) + k * n
-        ok = src < P
-        got = arrival[src[ok]].T                                 # [P (dst), workers]
-        t[:, ok] = np.maximum(t[:, ok], got) + check_us
-    return t.max(axis=1)
-
-
 def wire_bytes_of(row_bytes: int, mode: str, sync: str, fabric: Fabric) -> tuple[int, int]:
     """`(blocks, wire_bytes)` of one row as `run` sends it (bsp sends plain rows)."""
     eff = "sw" if mode == "bsp" else sync
@@ -377,10 +363,18 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
         ss = send_stage(table, fabric, params, lane_start=t1[lane_rank], issue_us=issue_us,
                         wire_bytes=wire, sync="tff", blocks=blocks, exact=exact, cache=cache)
         lane_done = ss["complete_done"]                   # BSP waits for completion (fence)
+        tok_end = t1.copy()
+        np.maximum.at(tok_end, lane_rank, lane_done)
+        # each core counts its share of the experts' pairs (CANN: a contiguous split of the
+        # experts over the cores, one vector pass each), then the SyncAll
+        my_experts = num_experts // n + (lane_worker < num_experts % n)
+        status_end = lane_done + (my_experts * params.status_count_us if op == "dispatch"
+                                  else 0.0)
         send_end = t1.copy()
-        np.maximum.at(send_end, lane_rank, lane_done)
+        np.maximum.at(send_end, lane_rank, status_end)
         ivs.add(lane_rank, lane_worker, "token_send", t1[lane_rank], lane_done, True)
-        ivs.add(lane_rank, lane_worker, "barrier_wait", lane_done, send_end[lane_rank], False)
+        ivs.add(lane_rank, lane_worker, "status_count", lane_done, status_end, True)
+        ivs.add(lane_rank, lane_worker, "barrier_wait", status_end, send_end[lane_rank], False)
         t2 = send_end + params.barrier_us
         ivs.add(lane_rank, lane_worker, "syncall", send_end[lane_rank], t2[lane_rank], False)
         fs = t2 + params.phase_fixed_us
@@ -390,8 +384,6 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
                 fs[lane_rank] + my_flags * params.flag_issue_us, True)
         verify_start = fs[lane_rank] + my_flags * params.flag_issue_us
         t3 = np.maximum(local_done, arrival.max(axis=0)) + scan
-        if params.flag_check_us > 0:
-            t3 = np.maximum(t3, _serial_checks(arrival, verify_start, n, params.flag_check_us))
         ivs.add(lane_rank, lane_worker, "flag_verify", verify_start, t3[lane_rank], False)
         t4 = t3 + params.barrier_us
         ivs.add(lane_rank, lane_worker, "syncall", t3[lane_rank], t4[lane_rank], False)
@@ -413,10 +405,10 @@ def run(op: str, mode: str, sync: str, table: SendTable, fabric: Fabric, params:
         p_lane = table.dst * n + k % n
         p_start = t5[table.dst] + (k // n) * row_copy_us
         p_end = p_start + row_copy_us
-        phase.update(init=t1 - t0, token_send=send_end - t1, syncall=t2 - send_end + t4 - t3,
+        phase.update(init=t1 - t0, token_send=tok_end - t1, syncall=t2 - send_end + t4 - t3,
                      flag_count=local_done - t2, flag_verify=t3 - local_done)
         if op == "dispatch":
-            phase.update(cumsum=t5 - t4)
+            phase.update(status_count=send_end - tok_end, cumsum=t5 - t4)
         phase[name] = rank_end - t5
         ready, sync_arr = t4, arrival
         ss_vis = ss["complete"]

@@ -42,9 +42,11 @@ class CostParams:
     barrier_us: float = _f(5.0, "one SyncAll (all-core barrier inside a rank), microseconds")
     flag_issue_us: float = _f(0.05, "issue cost of one flag or count store (pipelined: the "
                               "worker moves on), microseconds")
-    flag_check_us: float = _f(0.0, "BSP flag verification: one core reading one source's "
-                              "flag word (the baseline checks its share of the source ranks "
-                              "one after another, as CANN's dispatch does), us")
+    status_count_us: float = _f(0.0, "BSP, as CANN's dispatch kernel: one core counting the "
+                                "rank's (token, k) pairs of one expert before writing its "
+                                "status (a vector pass over the pairs and a vector-to-scalar "
+                                "sync); each core counts its share of the experts one after "
+                                "another, before the SyncAll; us")
     poll_us: float = _f(0.05, "one vector pass over the arrived flag/count words after the "
                         "last one landed (polling overlaps the arrivals), microseconds")
     scan_ns_per_entry: float = _f(0.5, "that vector pass, per received count entry, ns")
