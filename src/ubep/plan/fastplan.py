@@ -167,23 +167,33 @@ def interleave(sizes, j):  # pragma: no cover - compiled
     """Worker j's send order: `perm[i]` = where the i-th send of its slices (concatenated
     row by row, farthest class first) goes. The slices are merged by
     `(2q + 1) / (2 size)` (the q-th of a slice's `size` sends), ties to the farther class:
-    `ubep.plan.schedule.interleave_keys`, the documented reference."""
+    `ubep.plan.schedule.interleave_keys`, the documented reference (compared here exactly,
+    by cross-multiplying, so the order equals the reference's float keys)."""
     h_n = sizes.shape[1]
-    m = 0
+    act = np.empty(h_n, np.int64)          # the non-empty slices, farthest first
+    start = np.empty(h_n, np.int64)
+    a_n, m = 0, 0
     for r in range(h_n):
+        if sizes[j, r] > 0:
+            act[a_n] = r
+            start[a_n] = m
+            a_n += 1
         m += sizes[j, r]
     perm = np.empty(m, np.int64)
-    used = np.zeros(h_n, np.int64)
-    start = np.zeros(h_n, np.int64)
-    for r in range(1, h_n):
-        start[r] = start[r - 1] + sizes[j, r - 1]
+    if a_n == 1:
+        for i in range(m):
+            perm[i] = i
+        return perm
+    used = np.zeros(a_n, np.int64)
     for step in range(m):
-        best, key = -1, 0.0
-        for r in range(h_n):
-            if used[r] < sizes[j, r]:
-                k = (2 * used[r] + 1) / (2 * sizes[j, r])
-                if best < 0 or k < key:
-                    best, key = r, k
+        best = -1
+        for a in range(a_n):
+            size = sizes[j, act[a]]
+            if used[a] < size:
+                # key(a) < key(best)  <=>  (2u_a + 1) * size_best < (2u_best + 1) * size_a
+                if best < 0 or ((2 * used[a] + 1) * sizes[j, act[best]]
+                                < (2 * used[best] + 1) * size):
+                    best = a
         perm[start[best] + used[best]] = step
         used[best] += 1
     return perm
