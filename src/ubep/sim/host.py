@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import functools
 import json
 import math
 import subprocess
@@ -57,9 +58,9 @@ HIDDEN, TINY_HIDDEN, TOP_K, EXPERTS, RANKS = 7168, 64, 8, 16, 2
 BYTES_PER_ELEMENT = 2
 BENCH_LOCK = "/tmp/ubep-bench.lock"
 #: the passes over rows of each path and op: (the sender's, the receiver's per row)
-ROW_PASSES = {("single", "dispatch"): ("record_write", "record_read"),
+ROW_PASSES = {("single", "dispatch"): ("record_write_fanout", "record_read"),
               ("single", "combine"): ("record_write", "accumulate_blocks"),
-              ("direct", "dispatch"): ("copy", None),
+              ("direct", "dispatch"): ("copy_fanout", None),
               ("direct", "combine"): ("accumulate", None)}
 #: the passes over each token's fp32 sum in a combine (zero it, round it to bf16)
 SUM_PASSES = ("fill", "to_bf16")
@@ -92,17 +93,39 @@ def footprint_bytes(system: str, batch: int, hidden: int = HIDDEN,
 
     Uniform routing over 2 ranks: a rank sends `batch * top_k` rows and receives as many.
     One-worker path: its input, the dispatch windows it receives into (16-byte header + row
-    as tff blocks) and the combine windows, both twice (they alternate by call parity), the
-    received rows, the fp32 sums and the output. Direct: its input, its receive area (read
-    in place by combine), the meta words, the fp32 sums and the output.
+    as tff blocks) and the combine windows (as many copies as the runtime's layout has:
+    `window_copies`), the received rows twice (the bench keeps a dispatch's result until the
+    next dispatch returned, so two `recv_x` are alive and take turns), the fp32 sums and the
+    output. Direct: its input, its receive area (read in place by combine), the meta words,
+    the fp32 sums and the output.
     """
     rb = hidden * BYTES_PER_ELEMENT
     rows = batch * top_k
     sums, x, out = batch * hidden * 4, batch * rb, batch * rb
     if path_of(system) == "direct":
         return x + rows * (rb + 16) + sums + out
-    return (x + 2 * rows * record_wire_bytes(rb) + 2 * rows * record_wire_bytes(rb, 0)
-            + rows * rb + sums + out)
+    wins = window_copies() * rows * (record_wire_bytes(rb) + record_wire_bytes(rb, 0))
+    return x + wins + 2 * rows * rb + sums + out
+
+
+@functools.cache
+def window_copies() -> int:
+    """Copies of its windows a one-worker rank cycles through, read from the runtime's
+    region layout: 2 while windows alternate by call parity, 1 where one set is reused."""
+    from ubep.plan.blocks import BlockFormat
+    from ubep.runtime.shm.region import (
+        L_CWIN_OFF,
+        L_DROWS,
+        L_DSTRIDE,
+        L_DWIN_OFF,
+        region_layout,
+    )
+
+    lay = region_layout(world=RANKS, experts_per_rank=EXPERTS // RANKS, max_workers=1,
+                        hidden=HIDDEN, max_tokens=128, max_top_k=TOP_K,
+                        fmt=BlockFormat("tff", 512))
+    one = RANKS * int(lay[L_DROWS]) * int(lay[L_DSTRIDE])
+    return max(1, round((int(lay[L_CWIN_OFF]) - int(lay[L_DWIN_OFF])) / one))
 
 
 def host_topology():

@@ -8,11 +8,16 @@ F bytes that the pass cycles through again and again (as `ubep bench` calls one 
 back to back), for F from 64 KiB to 128 MiB: by one process alone, and by two processes on
 two cores at once (each with its own F), as the two ranks of a bench run do.
 
-Passes (`ubep.runtime.shm.kernels`), timed per payload byte:
+Passes (`ubep.runtime.shm.kernels`), timed per payload byte. Which side of a pass is small
+matters: a dispatch sends each token row to top-k places, so its source (the batch) is an
+eighth of what it writes and stays in cache, while the other passes stream both sides.
 
-* copy: `copy_bytes` of a row into place (the direct path's dispatch);
-* record_write: `write_record` of a row as tff blocks (the one-worker path sends this way,
-  dispatch and combine);
+* copy_fanout: `copy_bytes` of rows into place, each source row to 8 places in turn (the
+  direct path's dispatch);
+* record_write_fanout: `write_record` of rows as tff blocks, each source row to 8 places
+  (the one-worker path's dispatch send);
+* record_write: `write_record` of rows as tff blocks, one place per row (the one-worker
+  combine sends its expert outputs back);
 * record_read: `blocks_ready` + `read_record` (the one-worker dispatch's reorder);
 * accumulate: `accumulate` of a bf16 row into its token's fp32 sum, a row read whole (the
   direct combine reads rows where they lie);
@@ -50,10 +55,12 @@ from ubep.runtime.shm.kernels.records import (
     write_record,
 )
 
-PASSES = ("copy", "record_write", "record_read", "accumulate", "accumulate_blocks",
-          "to_bf16", "fill", "first_touch")
-#: footprints timed: 64 KiB .. 128 MiB, two per octave
-FOOTPRINTS = tuple(int(2 ** (k / 2)) for k in range(32, 55))
+PASSES = ("copy_fanout", "record_write_fanout", "record_write", "record_read", "accumulate",
+          "accumulate_blocks", "to_bf16", "fill", "first_touch")
+#: footprints timed: 256 KiB .. 128 MiB, two per octave
+FOOTPRINTS = tuple(int(2 ** (k / 2)) for k in range(36, 55))
+#: fan-out passes: places each source row is written to (a token row goes to top-k experts)
+FAN = 8
 BLOCK_BYTES, FLAG_BYTES, HEAD_BYTES, TOP_K = 512, 8, 16, 8
 PAGE = mmap.PAGESIZE
 _BF16_ONE = 0x3F80          # rows of ones: no denormals, sums stay finite
@@ -104,25 +111,25 @@ def record_wire_bytes(row_bytes: int, head_bytes: int = HEAD_BYTES) -> int:
 
 # -- the timed passes: `reps` passes over `n` rows each, the runtime's kernels ----------------
 @jit
-def _copy(src, dst, reps):
-    n, rb = src.shape
+def _copy(src, dst, n, reps):
+    m, rb = src.shape
     d0 = dst.ctypes.data
     for _ in range(reps):
         for i in range(n):
-            copy_bytes(d0 + i * rb, src[i].ctypes.data, rb)
+            copy_bytes(d0 + i * rb, src[i % m].ctypes.data, rb)
 
 
 @jit
-def _record_write(src, dst, wire, reps, epoch):
-    n, rb = src.shape
+def _record_write(src, dst, n, wire, reps, epoch):
+    m, rb = src.shape
     head = np.zeros(HEAD_BYTES, np.uint8)
     ppb = BLOCK_BYTES - FLAG_BYTES
     nb = num_blocks(HEAD_BYTES + rb, ppb)
     d0 = dst.ctypes.data
     for r in range(reps):
         for i in range(n):
-            write_record(d0 + i * wire, BLOCK_BYTES, ppb, FMT_TFF, head, HEAD_BYTES, src[i],
-                         rb, epoch + r, i * nb)
+            write_record(d0 + i * wire, BLOCK_BYTES, ppb, FMT_TFF, head, HEAD_BYTES,
+                         src[i % m], rb, epoch + r, i * nb)
 
 
 @jit
@@ -188,18 +195,23 @@ def _setup(pass_: str, footprint: int, row_bytes: int):
     rb = row_bytes
     wire = record_wire_bytes(rb)
     hidden = rb // 2
-    if pass_ == "copy":
-        n = max(1, footprint // (2 * rb))
-        src, dst = _aligned(n * rb).reshape(n, rb), _aligned(n * rb)
+    if pass_ == "copy_fanout":
+        n = max(FAN, footprint // (rb + rb // FAN) // FAN * FAN)
+        src, dst = _aligned(n // FAN * rb).reshape(n // FAN, rb), _aligned(n * rb)
         src[:] = 1
-        return (lambda reps: _copy(src, dst, reps)), n * rb
+        return (lambda reps: _copy(src, dst, n, reps)), n * rb
+    if pass_ == "record_write_fanout":
+        n = max(FAN, footprint // (wire + rb // FAN) // FAN * FAN)
+        src, dst = _aligned(n // FAN * rb).reshape(n // FAN, rb), _aligned(n * wire)
+        src[:] = 1
+        return (lambda reps: _record_write(src, dst, n, wire, reps, 2)), n * rb
     if pass_ in ("record_write", "record_read"):
         n = max(1, footprint // (rb + wire))
         src, dst = _aligned(n * rb).reshape(n, rb), _aligned(n * wire)
         src[:] = 1
-        _record_write(src, dst, wire, 1, 1)
+        _record_write(src, dst, n, wire, 1, 1)
         if pass_ == "record_write":
-            return (lambda reps: _record_write(src, dst, wire, reps, 2)), n * rb
+            return (lambda reps: _record_write(src, dst, n, wire, reps, 2)), n * rb
         return (lambda reps: _record_read(dst, src, wire, reps, 1)), n * rb
     if pass_ in ("accumulate", "accumulate_blocks"):
         blocks = pass_ == "accumulate_blocks"
