@@ -1,6 +1,7 @@
 """The torch.distributed backend against the oracle: bit-exact dispatch, P = 2, 3, 4."""
 
 import pytest
+import torch
 
 from ubep.testing import Case, check_case, run_case, run_ranks
 
@@ -93,7 +94,7 @@ def _bytes_per_peer(rank, world):
 
     out = []
     with ubep.Buffer(num_experts=4 * world, hidden=8192, max_tokens_per_rank=8,
-                     backend="torch") as buf:
+                     max_top_k=4, backend="torch") as buf:
         for call, tokens in enumerate((7, 2)):
             idx, w = make_routing(tokens, 4, 4 * world, kind="uniform", seed=11 + rank + call)
             x = make_tokens(rank, tokens, 8192, torch.float32, seed=3)
@@ -139,6 +140,37 @@ def test_torch_backend_sends_each_token_once_per_rank(world):
                     assert rest[0][1][d] == want, (rank, d, rest[0][1], want)
                 assert back_recv[d] == (0 if d == rank else n * row_bytes)
                 assert out[d][call][2][0][1][rank] == back_recv[d]
+
+
+def _mixed_k(rank, world):
+    import ubep
+    from ubep.testing import expert_fn, make_routing, make_tokens
+
+    idx, w = make_routing(5, 2 + rank, 4 * world, kind="uniform", seed=21 + rank)
+    x = make_tokens(rank, 5, 16, torch.bfloat16, seed=4)
+    with ubep.Buffer(num_experts=4 * world, hidden=16, max_tokens_per_rank=8, max_top_k=4,
+                     backend="torch") as buf:
+        res = buf.dispatch(x, idx, w)
+        y = buf.combine(expert_fn(res.recv_x), res.handle)
+    return x, idx, w, res.recv_x, res.recv_src_rank, res.recv_src_token, res.recv_src_slot, y
+
+
+def test_torch_backend_ranks_with_different_top_k():
+    """Ranks may pass different K in one call (each <= max_top_k): the routing words keep
+    max_top_k slots, so they line up on every receiver."""
+    from ubep import reference
+    from ubep.testing import expert_fn
+
+    out = run_ranks(_mixed_k, 3)
+    xs, idxs, ws = [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
+    ref = reference.dispatch(xs, idxs, ws, 12)
+    ref_y = reference.combine([expert_fn(d.recv_x) for d in ref], ref, idxs, ws)
+    for r, o in enumerate(out):
+        assert torch.equal(o[3].view(torch.int16), ref[r].recv_x.view(torch.int16))
+        assert torch.equal(o[4], ref[r].recv_src_rank)
+        assert torch.equal(o[5], ref[r].recv_src_token)
+        assert torch.equal(o[6], ref[r].recv_src_slot)
+        assert torch.allclose(o[7].float(), ref_y[r].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_bf16_weight_split_matches_torch():

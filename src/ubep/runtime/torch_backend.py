@@ -134,7 +134,8 @@ class TorchBackend:
         row_bytes = hidden * x.element_size()
         device = x.device
         on_cpu = device.type == "cpu"
-        meta_bytes = 4 * (1 + 2 * top_k)    # token index, top-k expert ids, top-k weight bits
+        meta_k = max(c.max_top_k, top_k)
+        meta_bytes = 4 * (1 + 2 * meta_k)   # token index, top-k expert ids, top-k weight bits
 
         def dev(a: np.ndarray) -> torch.Tensor:   # a host index array where the rows are
             t = torch.from_numpy(a)
@@ -144,7 +145,7 @@ class TorchBackend:
         idx = topk_idx.numpy() if on_cpu else topk_idx.cpu().numpy()
         weights = topk_weights.numpy() if on_cpu else topk_weights.cpu().numpy()
         per_dest, token_of, meta, final_rows, final_offsets, num_back = send_plan(
-            idx, weights, per_rank, world, me)
+            idx, weights, per_rank, world, me, meta_k)
         t1 = _now_us()
 
         # Phase 1, one collective of fixed size: to each peer a block [header: its token

@@ -21,11 +21,13 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def send_plan(idx, weights, per_rank, world, me):
+def send_plan(idx, weights, per_rank, world, me, meta_k):
     """Where each of this rank's tokens goes, and where its partial sums come back.
 
-    Args: `idx` `[T, K]` int64 (-1 = unrouted), `weights` `[T, K]` float32.
-    Returns `(per_dest [P], token_of [S], meta [S, 1 + 2K] int32, final_rows [H],
+    Args: `idx` `[T, K]` int64 (-1 = unrouted), `weights` `[T, K]` float32; `meta_k` >= K,
+    the slots every rank's routing words hold (the Buffer's max_top_k: ranks may call
+    with different K, their words must still line up).
+    Returns `(per_dest [P], token_of [S], meta [S, 1 + 2 meta_k] int32, final_rows [H],
     final_offsets [T], num_back)`: `token_of`/`meta` list the (destination, token) sends,
     destination-major then token; `final_rows[final_offsets[t]:...]` are token t's partial
     rows in the combine work buffer `[partials returned by remote ranks, in rank order |
@@ -67,7 +69,7 @@ def send_plan(idx, weights, per_rank, world, me):
     base[me] = num_back
     total = start[world]
     token_of = np.empty(total, dtype=np.int64)
-    meta = np.empty((total, 1 + 2 * top_k), dtype=np.int32)
+    meta = np.empty((total, 1 + 2 * meta_k), dtype=np.int32)
     wbits = weights.view(np.int32)
     final_rows = np.empty(total, dtype=np.int64)
     final_offsets = np.empty(num_tokens, dtype=np.int64)
@@ -81,9 +83,9 @@ def send_plan(idx, weights, per_rank, world, me):
             cursor[d] += 1
             token_of[p] = t
             meta[p, 0] = t
-            for k in range(top_k):
-                meta[p, 1 + k] = idx[t, k]
-                meta[p, 1 + top_k + k] = wbits[t, k]
+            for k in range(meta_k):
+                meta[p, 1 + k] = idx[t, k] if k < top_k else -1
+                meta[p, 1 + meta_k + k] = wbits[t, k] if k < top_k else 0
             final_rows[h] = base[d] + p - start[d]
             h += 1
     return per_dest, token_of, meta, final_rows, final_offsets, num_back
