@@ -173,6 +173,32 @@ def test_torch_backend_ranks_with_different_top_k():
         assert torch.allclose(o[7].float(), ref_y[r].float(), rtol=2e-2, atol=2e-2)
 
 
+def _held_results(rank, world):
+    """Results kept across later dispatches stay intact; dropped ones' memory is reused."""
+    import ubep
+    from ubep.testing import make_routing, make_tokens
+
+    with ubep.Buffer(num_experts=8, hidden=32, max_tokens_per_rank=16, backend="torch") as buf:
+        held, ptrs = [], []
+        for call in range(6):
+            idx, w = make_routing(16, 4, 8, kind="uniform", seed=call * 7 + rank)
+            res = buf.dispatch(make_tokens(rank, 16, 32, torch.bfloat16, seed=call), idx, w)
+            buf.combine(res.recv_x, res.handle)
+            ptrs.append(res.recv_x.data_ptr())
+            if call % 2 == 0:
+                held.append((res.recv_x, res.recv_x.clone(), res.recv_x[1:]))
+        intact = all(torch.equal(a, b) and torch.equal(v, b[1:]) for a, b, v in held)
+        return intact, ptrs
+
+
+def test_torch_backend_reuses_only_dropped_results():
+    for intact, ptrs in run_ranks(_held_results, 2):
+        assert intact
+        held = set(ptrs[0::2])
+        assert len(held) == 3 and not held & set(ptrs[1::2])   # never handed out twice
+        assert len(set(ptrs[1::2])) < 3                          # dropped ones came back
+
+
 def test_bf16_weight_split_matches_torch():
     """The compiled float32 -> bfloat16 rounding used for the combine weights' `hi, lo` split
     agrees with torch's, and `hi + lo` keeps ~16 significant bits of the weight."""

@@ -36,6 +36,7 @@ bare, as its "raw collectives" line.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -92,6 +93,7 @@ class TorchBackend:
         self.buffer_id = buffer_id
         self._scratch: dict[str, torch.Tensor] = {}
         self._views: dict[tuple, torch.Tensor] = {}
+        self._owned: list[np.ndarray] = []
         #: tokens per peer that ride in dispatch's first collective; every rank computes the
         #: same value from the same headers (starts at what max_tokens_per_rank could need)
         self._inline = config.max_tokens_per_rank
@@ -115,8 +117,29 @@ class TorchBackend:
             self._views = {k: v for k, v in self._views.items() if k[0] != name}
         if len(self._views) > 64:
             self._views.clear()
+        self._owned.clear()
         view = self._views[key] = buf[:need].view(rows, row_bytes)
         return view
+
+    def _owned_rows(self, rows: int, row_bytes: int) -> np.ndarray:
+        """`[rows, row_bytes]` uint8 for a result the caller will own: an array of an
+        earlier result that nothing references any more (no tensor, view or storage of it is
+        alive), else a new one. Writing into fresh memory costs a page fault per 4 KiB
+        (measured: 14.7 MB of rows 1.0 ms fresh against 0.6 ms reused); torch's CUDA caching
+        allocator does the same for GPU tensors."""
+        pool = self._owned
+        for i in range(len(pool)):
+            a = pool[i]
+            # references: the pool, `a`, getrefcount's argument; more = still in use
+            if a.shape[1] == row_bytes and sys.getrefcount(a) == 3:
+                if a.shape[0] >= rows:
+                    return a[:rows]
+                pool[i] = a = np.empty((rows + rows // 8, row_bytes), dtype=np.uint8)
+                return a[:rows]
+        a = np.empty((rows + rows // 8, row_bytes), dtype=np.uint8)
+        if len(pool) < 3:
+            pool.append(a)
+        return a[:rows]
 
     def _stats(self, op: str, phases: dict[str, float], sent: int, recv: int,
                collectives: list) -> Stats:
@@ -275,7 +298,8 @@ class TorchBackend:
             per_rank, world, bf16)
         num_recv = len(gather)
         if host and num_recv:
-            recv_x = torch.from_numpy(np.take(workn, gather, axis=0, mode="clip"))
+            recv_x = torch.from_numpy(np.take(workn, gather, axis=0, mode="clip",
+                                              out=self._owned_rows(num_recv, row_bytes)))
         else:
             recv_x = torch.index_select(work, 0, dev(gather))
         recv_x = recv_x.view(x.dtype).view(num_recv, hidden)
@@ -377,3 +401,4 @@ class TorchBackend:
         """Drop the scratch buffers; the process group belongs to the caller."""
         self._scratch.clear()
         self._views.clear()
+        self._owned.clear()
