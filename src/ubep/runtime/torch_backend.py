@@ -121,6 +121,16 @@ class TorchBackend:
         view = self._views[key] = buf[:need].view(rows, row_bytes)
         return view
 
+    def _flat(self, name: str, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes `start:start + nbytes` of scratch `name` (sized by `_buffer` first) as a
+        flat tensor, cached: gloo's all_to_all_single takes a flat tensor with byte splits
+        ~15 µs faster than a `[rows, row_bytes]` view with row splits (measured, 2 ranks)."""
+        key = (name, "flat", start, nbytes)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._scratch[name][start:start + nbytes]
+        return view
+
     def _owned_rows(self, rows: int, row_bytes: int) -> np.ndarray:
         """`[rows, row_bytes]` uint8 for a result the caller will own: an array of an
         earlier result that nothing references any more (no tensor, view or storage of it is
@@ -238,8 +248,10 @@ class TorchBackend:
         recv1_rows = (world - 1) * blk
         work = self._buffer("recv", recv1_rows, row_bytes, device)
         if C:
-            split1 = [0 if r == me else blk for r in range(world)]
-            dist.all_to_all_single(work, send[:send1_rows], split1, split1, group=self.group)
+            split1 = [0 if r == me else blk * row_bytes for r in range(world)]
+            dist.all_to_all_single(self._flat("recv", 0, recv1_rows * row_bytes),
+                                   self._flat("send", 0, send1_rows * row_bytes), split1, split1,
+                                   group=self.group)
             hdr = work.view(-1)
             hdr = hdr.numpy() if on_cpu else hdr.cpu().numpy()
             heads = [hdr[(r - (r > me)) * blk * row_bytes:][:_HEADER_BYTES].view(np.int32)
@@ -261,8 +273,10 @@ class TorchBackend:
         num_remote = recv1_rows + sum(recv2)
         work = self._buffer("recv", num_remote + n_me, row_bytes, device, keep=recv1_rows)
         if global_max > C:
-            dist.all_to_all_single(work[recv1_rows:num_remote], send[send1_rows:], recv2, send2,
-                                   group=self.group)
+            dist.all_to_all_single(
+                self._flat("recv", recv1_rows * row_bytes, (num_remote - recv1_rows) * row_bytes),
+                self._flat("send", send1_rows * row_bytes, sum(send2) * row_bytes),
+                [r * row_bytes for r in recv2], [r * row_bytes for r in send2], group=self.group)
         # the next call's inline capacity: what this call needed, within the byte budget
         self._inline = global_max
         t4 = _now_us()
@@ -381,8 +395,10 @@ class TorchBackend:
         if own:
             work[back:].copy_(pb[nret:])
         t1 = _now_us()
-        dist.all_to_all_single(work[:back], pb[:nret], st.sent_per_rank, st.recv_per_rank,
-                               group=self.group)
+        dist.all_to_all_single(self._flat("combine", 0, back * prow_bytes),
+                               partial.view(-1).view(torch.uint8)[:nret * prow_bytes],
+                               [n * prow_bytes for n in st.sent_per_rank],
+                               [n * prow_bytes for n in st.recv_per_rank], group=self.group)
         t2 = _now_us()
         y = F.embedding_bag(st.final_rows, work.view(pdtype).view(-1, hidden), st.final_offsets,
                             mode="sum")
