@@ -50,11 +50,16 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
 
     Spins in the kernel first, then yields the core (for `YIELD_S`), then sleeps 20-100 us per
     round: with more busy threads than cores, backing off is what lets the peer progress.
+    While `poll` reports less missing than before (rows are arriving: the peer runs and
+    writes), the yield window starts over: a receiver that sleeps while a peer streams rows
+    to it wakes up to ~100 us after the last one arrived, which at batch 32 is as long as
+    the copy itself. Only a wait that sees nothing move for `YIELD_S` sleeps.
     `peers_of()` names the ranks still missing and `detail_of()` adds to the timeout message;
     `failed()` true (another worker of the call failed) raises `Cancelled`. `deadline` is in
     `time.perf_counter()` seconds (`deadline_after`).
     """
-    if poll(SPINS) == 0:
+    left = poll(SPINS)
+    if left == 0:
         return
     n = 0
     now = time.perf_counter()
@@ -68,9 +73,13 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
         else:
             n += 1
             time.sleep(min(100e-6, 20e-6 * n))             # then short sleeps
-        if poll(SPINS) == 0:
+        still = poll(SPINS)
+        if still == 0:
             return
         now = time.perf_counter()
+        if still < left:                                   # progress: the peer is running
+            yield_until, n = now + YIELD_S, 0
+        left = still
         if now >= next_live:
             next_live = now + LIVENESS_EVERY_S
             dead = [r for r, seg in enumerate(segs) if not seg.owner_alive()]
