@@ -34,7 +34,7 @@ from ubep.runtime.shm.elements import cast_rows, combine_elem
 from ubep.runtime.shm.kernels import single as KS
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.shm.protocol import DTYPE_CODES, check_peers_meta, dc_detail, sentinel_error
-from ubep.runtime.shm.region import L_DROWS, L_EL, META_BYTES, next_epoch
+from ubep.runtime.shm.region import L_DROWS, L_EL, L_KMAX, META_BYTES, next_epoch
 from ubep.runtime.shm.waits import SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 
@@ -67,6 +67,11 @@ class SinglePath:
         self._done_rows = np.zeros(max(w * int(ctx.lay[L_DROWS]), 1), np.uint8)
         self._done_tokens = np.zeros(max(c.max_tokens_per_rank, 1), np.uint8)
         self._lend = OutputPool()          # recv_x and combine outputs: no page faults
+        # my rows for myself skip my window: which (t, k) each of my window rows is (dispatch),
+        # which received row each of my slots is (combine)
+        self._mine = np.zeros(max(int(ctx.lay[L_DROWS]), 1), np.int64)
+        self._row_of_slot = np.zeros(max(c.max_tokens_per_rank * int(ctx.lay[L_KMAX]), 1),
+                                     np.int64)
 
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -93,7 +98,7 @@ class SinglePath:
                                        num_tokens, rb, idx_addr, top_k, w_addr, m.rank_of_expert,
                                        m.hop_of_rank, m.kind, m.num_hop_classes, elem,
                                        self._cs, self._bsp, rc, meta, got,
-                                       out_start, tpe, batch, done, res)
+                                       out_start, tpe, batch, done, self._mine, res)
         if missing:
             t1 = now_us()
             ctx.wait(lambda s: KS.dispatch_counts_at(base, lay, epoch, rc, meta, got, out_start,
@@ -111,13 +116,14 @@ class SinglePath:
         recv_x = self._lend.empty(n_recv, hidden, x.dtype)
         ints = np.empty((3, n_recv), np.int64)
         wts = np.empty(n_recv, np.float32)
-        x_addr = recv_x.data_ptr()
+        x_addr, me, mine, src_addr = recv_x.data_ptr(), ctx.rank, self._mine, x.data_ptr()
         # the first poll inline: when every row is already there (one rank, or peers ahead of
         # us) the bounded wait and its closures are not built at all
         if KS.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv, done, batch, x_addr,
-                           rb, wts, ints, SPINS):
+                           rb, wts, ints, me, mine, src_addr, num_tokens, w_addr, top_k, SPINS):
             ctx.wait(lambda s: KS.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv,
-                                               done, batch, x_addr, rb, wts, ints, s),
+                                               done, batch, x_addr, rb, wts, ints, me, mine,
+                                               src_addr, num_tokens, w_addr, top_k, s),
                      "dispatch/rows", lambda: missing_sources(rc, done, 0, n_recv),
                      lambda: dc_detail(batch), deadline=deadline)
         t3 = now_us()
@@ -151,9 +157,10 @@ class SinglePath:
         if dtype is torch.float32:                     # sum in place, no cast
             out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
             y_addr = out.data_ptr()
-        bad = KS.combine_begin_at(ctx.bases, lay, ctx.rank, epoch, expert_out.data_ptr(),
-                                  n_recv, rb, ints, elem, self._cs, self._bsp, hello, got, batch,
-                                  done, num_tokens)
+        me, row_of_slot, rows_addr = ctx.rank, self._row_of_slot, expert_out.data_ptr()
+        bad = KS.combine_begin_at(ctx.bases, lay, me, epoch, rows_addr, n_recv, rb, ints, elem,
+                                  self._cs, self._bsp, hello, got, batch, done, num_tokens,
+                                  row_of_slot)
         if bad < 0:
             raise sentinel_error("expert_out", -bad - 1)
         t1 = now_us()
@@ -164,11 +171,13 @@ class SinglePath:
         bsp, weighted = self._bsp, bool(weighted)
         if KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted,
                               rb, es, ecode, lut, hello, got, done, batch, y_addr, hidden, SPINS,
-                              bsp, elem, cast, out_addr, res):     # first poll inline, as above
+                              bsp, elem, cast, out_addr, me, row_of_slot, rows_addr,
+                              res):     # first poll inline, as above
             ctx.wait(lambda s: KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens,
                                                   top_k, weighted, rb, es, ecode, lut, hello,
                                                   got, done, batch, y_addr, hidden, s, bsp, elem,
-                                                  cast, out_addr, res),
+                                                  cast, out_addr, me, row_of_slot, rows_addr,
+                                                  res),
                      "combine/rows", lambda: self._combine_missing(handle, done),
                      lambda: dc_detail(batch), deadline=deadline)
         _, code, _, routed = res.tolist()

@@ -55,9 +55,17 @@ def _send_back_row(bases, lay, epoch, rows, src_rank, src_tok, src_slot, i, head
 @jit
 def send_back(bases, lay, epoch, rows, src_rank, src_tok, src_slot, lo, hi, cs):
     """Write expert-output rows [lo, hi) to their sources' windows."""
+    send_back_except(bases, lay, epoch, rows, src_rank, src_tok, src_slot, lo, hi, cs, -1)
+
+
+@jit
+def send_back_except(bases, lay, epoch, rows, src_rank, src_tok, src_slot, lo, hi, cs, keep):
+    """`send_back` of the rows whose source is not rank `keep` (-1: none kept): those the
+    source reads where they lie (`reduce_tokens_mine`)."""
     head = np.zeros(1, np.uint8)
     for i in range(lo, hi):
-        _send_back_row(bases, lay, epoch, rows, src_rank, src_tok, src_slot, i, head, cs)
+        if src_rank[i] != keep:
+            _send_back_row(bases, lay, epoch, rows, src_rank, src_tok, src_slot, i, head, cs)
 
 
 @jit
@@ -101,11 +109,11 @@ def accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y):
 
 
 @jit
-def sum_slots(srcs, wgts, m, blk, epb, es, elem, lut, acc, y, out16):
+def sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, y, out16):
     """One token's sum: `sum_j wgts[j] * row_j` over the m rows at `srcs[:m]`, in fp32.
 
-    A row's elements lie in blocks of `epb` elements, `blk` bytes apart (the wire format;
-    contiguous rows: `blk = epb * es`). Each block of the token is summed over all its rows
+    Row j's elements lie in blocks of `epb` elements, `blks[j]` bytes apart (the wire
+    format; a contiguous row: `epb * es`). Each block of the token is summed over all its rows
     at once in `acc` (`[>= epb]` float32) and written once: into `y` (`[hidden]` float32)
     if it has elements, rounded to bf16 bits into `out16` if that has. One pass over the
     output instead of one per row, and no zeroing or rounding pass after. Per element the
@@ -117,9 +125,9 @@ def sum_slots(srcs, wgts, m, blk, epb, es, elem, lut, acc, y, out16):
         a = acc[:n]                  # views from 0: indices provably >= 0, loops vectorize
         for i in range(n):
             a[i] = 0.0
-        off = (c0 // epb) * blk
+        b = c0 // epb
         for j in range(m):
-            src = srcs[j] + off
+            src = srcs[j] + b * blks[j]
             wgt = wgts[j]
             if elem == ELEM_F32:
                 v = carray(f32_ptr(src), n)
@@ -164,6 +172,18 @@ def reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
     `y[t]` (`[T, hidden]`), or, if `out16` has rows, only rounded to bf16 bits into
     `out16[t]`. A token with no routed slot gets zeros.
     """
+    return reduce_tokens_mine(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello,
+                              tlo, thi, done, batch, y, out16, -1, np.zeros(0, np.int64), 0,
+                              spins)
+
+
+@jit
+def reduce_tokens_mine(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello,
+                       tlo, thi, done, batch, y, out16, me, row_of_slot, rows_addr, spins):
+    """`reduce_tokens_into`, where `me` >= 0 kept its own experts' rows
+    (`send_back_except`): slot t*KMAX + k of mine is row `row_of_slot[t*KMAX + k]` of the
+    contiguous expert outputs at `rows_addr`, read there (no window, flags or checksum).
+    """
     el = lay[L_EL]
     world = lay[L_WORLD]
     bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
@@ -174,6 +194,8 @@ def reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
     t_n, k_n = idx.shape
     epb = ppb // es
     srcs = np.empty(k_n, np.int64)
+    blks = np.empty(k_n, np.int64)
+    in_win = np.empty(k_n, np.bool_)
     wgts = np.empty(k_n, np.float32)
     acc = np.empty(epb, np.float32)
     to_bf16 = out16.shape[0] > 0
@@ -184,6 +206,9 @@ def reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
         if fmt == FMT_SW or fmt == FMT_DC:
             for r in range(world):
                 if batch[r] == 1 or hello[r, 0] < 0:
+                    continue
+                if r == me:                 # nothing of mine went through my window
+                    batch[r] = 1
                     continue
                 ok, total = batch_complete(base, lay, True, epoch, r, hello[r, 0])
                 if ok and fmt == FMT_DC:
@@ -206,7 +231,7 @@ def reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
             ready = True
             for k in range(k_n):
                 e = idx[t, k]
-                if e < 0:
+                if e < 0 or e // el == me:
                     continue
                 if fmt == FMT_SW or fmt == FMT_DC:
                     if batch[e // el] != 1:
@@ -223,18 +248,25 @@ def reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
                 e = idx[t, k]
                 if e < 0:
                     continue
-                srcs[m] = win + (t * kmax + k) * stride
+                in_win[m] = e // el != me
+                if in_win[m]:
+                    srcs[m] = win + (t * kmax + k) * stride
+                    blks[m] = bb
+                else:
+                    srcs[m] = rows_addr + row_of_slot[t * kmax + k] * rb
+                    blks[m] = epb * es
                 # unweighted: a weight of 1.0 (x * 1.0 is exact, so the sum equals the
                 # reference's plain sum bit for bit)
                 wgts[m] = weights[t, k] if weighted else np.float32(1.0)
                 m += 1
             if to_bf16:
-                sum_slots(srcs, wgts, m, bb, epb, es, elem, lut, acc, no_y, out16[t])
+                sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, no_y, out16[t])
             else:
-                sum_slots(srcs, wgts, m, bb, epb, es, elem, lut, acc, y[t], no_out)
+                sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, y[t], no_out)
             if fmt == FMT_SP:
                 for j in range(m):
-                    rearm(srcs[j], nb, bb)
+                    if in_win[j]:
+                        rearm(srcs[j], nb, bb)
             done[t] = 1
         if remaining == 0:
             return 0

@@ -198,6 +198,7 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
     to_bf16 = out16.shape[0] > 0
     epb = SUM_CHUNK
     srcs = np.empty(k_n, np.int64)
+    blks = np.full(k_n, epb * es, np.int64)      # rows lie contiguous
     wgts = np.empty(k_n, np.float32)
     acc = np.empty(epb, np.float32)
     no_y = np.empty(0, np.float32)
@@ -235,9 +236,9 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
                 wgts[m] = weights[t, k] if weighted else np.float32(1.0)
                 m += 1
             if to_bf16:
-                sum_slots(srcs, wgts, m, epb * es, epb, es, ecode, lut, acc, no_y, out16[t])
+                sum_slots(srcs, blks, wgts, m, epb, es, ecode, lut, acc, no_y, out16[t])
             else:
-                sum_slots(srcs, wgts, m, epb * es, epb, es, ecode, lut, acc, y[t], no_out)
+                sum_slots(srcs, blks, wgts, m, epb, es, ecode, lut, acc, y[t], no_out)
             done[t] = 1
         if remaining == 0:
             return 0

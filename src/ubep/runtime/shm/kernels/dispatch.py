@@ -17,6 +17,7 @@ from ubep.runtime.shm.kernels.records import (
     FMT_SW,
     FMT_TFF,
     blocks_ready,
+    copy_bytes,
     markers_checksum,
     num_blocks,
     read_record,
@@ -55,6 +56,18 @@ def send_rows(bases, lay, me, epoch, x, idx, weights, sends, window_pos, counts,
     `window_pos` is the row among my rows for that expert; rows of one destination are laid
     out expert by expert. Adds each destination's checksum term to `cs[d]`.
     """
+    send_rows_keep_mine(bases, lay, me, epoch, x, idx, weights, sends, window_pos, counts, cs,
+                        np.empty(0, np.int64))
+
+
+@jit
+def send_rows_keep_mine(bases, lay, me, epoch, x, idx, weights, sends, window_pos, counts, cs,
+                        mine):
+    """`send_rows`, except, if `mine` has room, the rows I send to myself: for those only
+    `mine[row] = t * K + k` is noted for each of my window rows (the receive side copies
+    them from `x` in place: `recv_rows_mine`), a copy and flags saved per row."""
+    keep = mine.shape[0] > 0
+    k_n = idx.shape[1]
     world, el = lay[L_WORLD], lay[L_EL]
     bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
     first = np.empty(world * el, np.int64)   # first window row of each expert at its dest
@@ -73,6 +86,9 @@ def send_rows(bases, lay, me, epoch, x, idx, weights, sends, window_pos, counts,
     for i in range(sends.shape[0]):
         t, k, d = sends[i, 0], sends[i, 1], sends[i, 2]
         row = first[idx[t, k]] + window_pos[i]
+        if keep and d == me:
+            mine[row] = t * k_n + k
+            continue
         head_i[0] = t
         head_i[1] = k
         head_f[2] = weights[t, k]
@@ -130,6 +146,18 @@ def recv_rows(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, ou
     batch is complete (sw) and verified (dc). `batch[s]`: 0 unknown, 1 complete, -1 dc
     checksum mismatch seen (retried). Returns the rows of [lo, hi) still missing.
     """
+    return recv_rows_mine(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, out_x,
+                          out_w, out_rank, out_tok, out_slot, spins, -1,
+                          np.empty(0, np.int64), out_x[:0], out_w[:0].reshape((0, 1)))
+
+
+@jit
+def recv_rows_mine(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, out_x, out_w,
+                   out_rank, out_tok, out_slot, spins, me, mine, x, weights):
+    """`recv_rows`; the rows of source `me` (>= 0) were not written to my window
+    (`send_rows_keep_mine`): window row q of mine is my (t, k) = divmod(mine[q], K), copied
+    from `x` `[T, rb]` with its weight from `weights` `[T, K]`, no flags to wait for."""
+    k_n = weights.shape[1]
     world, el = lay[L_WORLD], lay[L_EL]
     bb, ppb, fmt = lay[L_BB], lay[L_PPB], lay[L_FMT]
     rb = out_x.shape[1]
@@ -149,15 +177,33 @@ def recv_rows(base, lay, epoch, counts, meta, out_start, lo, hi, done, batch, ou
             if g + r_s <= lo or g >= hi or r_s == 0:
                 g += r_s
                 continue
+            if s == me:
+                q = 0
+                for e in range(el):
+                    for r in range(counts[s, e]):
+                        gi = g + q
+                        if lo <= gi < hi and not done[gi]:
+                            t = mine[q] // k_n
+                            k = mine[q] - t * k_n
+                            o = out_start[s, e] + r
+                            copy_bytes(out_x.ctypes.data + o * rb, x.ctypes.data + t * rb, rb)
+                            out_tok[o] = t
+                            out_slot[o] = k
+                            out_w[o] = weights[t, k]
+                            out_rank[o] = s
+                            done[gi] = 1
+                        q += 1
+                g += r_s
+                continue
             win = base + window(lay, epoch, s, stride)
             if fmt == FMT_SW or fmt == FMT_DC:
                 if batch[s] != 1:
                     ok, total = batch_complete(base, lay, False, epoch, s, meta[s, 0])
                     if ok and fmt == FMT_DC:
-                        mine = np.int64(0)
+                        got_cs = np.int64(0)
                         for q in range(r_s):
-                            mine += markers_checksum(win + q * stride, nb, bb, q * nb)
-                        ok = mine == total
+                            got_cs += markers_checksum(win + q * stride, nb, bb, q * nb)
+                        ok = got_cs == total
                         if not ok:
                             batch[s] = -1
                     if ok:

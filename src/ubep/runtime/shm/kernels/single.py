@@ -14,8 +14,8 @@ from numba import carray
 from ubep.plan.fastplan import count_experts, map_worker
 from ubep.runtime.shm.atomics import f32_ptr, i64_ptr, u8_ptr, u16_ptr
 from ubep.runtime.shm.kernels import jit
-from ubep.runtime.shm.kernels.combine import reduce_tokens_into, send_back
-from ubep.runtime.shm.kernels.dispatch import offsets, recv_rows, send_rows
+from ubep.runtime.shm.kernels.combine import reduce_tokens_mine, send_back_except
+from ubep.runtime.shm.kernels.dispatch import offsets, recv_rows_mine, send_rows_keep_mine
 from ubep.runtime.shm.kernels.records import FMT_DC, FMT_SP, FMT_SW
 from ubep.runtime.shm.kernels.sentinel import sp_check_dispatch, sp_check_rows
 from ubep.runtime.shm.kernels.slots import (
@@ -26,14 +26,17 @@ from ubep.runtime.shm.kernels.slots import (
     send_hello,
     write_batch_flags,
 )
-from ubep.runtime.shm.region import L_BB, L_EL, L_FMT, L_WORLD
+from ubep.runtime.shm.region import L_BB, L_EL, L_FMT, L_KMAX, L_WORLD
 
 
 # -- one worker: a call's sending side in one kernel ----------------------------------------------
 @jit
 def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, rank_of_expert, hop_of_rank,
-                         kind, num_hop_classes, elem, cs, bsp):
+                         kind, num_hop_classes, elem, cs, bsp, mine):
     """Plan, counts, rows and batch flags of a one-worker dispatch in one call.
+
+    My rows for myself are not written to my window: `mine` notes them
+    (`send_rows_keep_mine`) and the receive side copies them from `x`.
 
     ubep order: counts first, then rows (+ sw/dc batch flags); bsp order: rows, flags, then
     counts (the Send-Flag-and-Count phase). sp: rows are checked for the sentinel first; a
@@ -54,7 +57,7 @@ def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, rank_of_expert,
         send_counts(bases, lay, me, epoch, counts, 1, elem, 0, 0, world)
     for d in range(world):
         cs[d] = 0
-    send_rows(bases, lay, me, epoch, x, idx, weights, sends, pos, counts, cs)
+    send_rows_keep_mine(bases, lay, me, epoch, x, idx, weights, sends, pos, counts, cs, mine)
     if fmt == FMT_SW or fmt == FMT_DC:
         write_batch_flags(bases, lay, 0, me, epoch, 0, cs)
     if bsp:
@@ -65,7 +68,8 @@ def dispatch_send_single(bases, lay, me, epoch, x, idx, weights, rank_of_expert,
 @jit
 def combine_send_single(bases, lay, me, epoch, rows, src_rank, src_tok, src_slot, elem, cs,
                         bsp):
-    """Hello, rows back and batch flags of a one-worker combine (bsp: hello last).
+    """Hello, rows back and batch flags of a one-worker combine (bsp: hello last). Rows
+    whose source is me stay where they are (my reduce reads them in place).
 
     sp: a row holding the sentinel sends an abort hello and returns -(row + 1); else 0.
     """
@@ -80,7 +84,8 @@ def combine_send_single(bases, lay, me, epoch, rows, src_rank, src_tok, src_slot
         send_hello(bases, lay, me, epoch, 1, elem, 0)
     for d in range(world):
         cs[d] = 0
-    send_back(bases, lay, epoch, rows, src_rank, src_tok, src_slot, 0, rows.shape[0], cs)
+    send_back_except(bases, lay, epoch, rows, src_rank, src_tok, src_slot, 0, rows.shape[0],
+                     cs, me)
     if fmt == FMT_SW or fmt == FMT_DC:
         write_batch_flags(bases, lay, 1, me, epoch, 0, cs)
     if bsp:
@@ -90,18 +95,19 @@ def combine_send_single(bases, lay, me, epoch, rows, src_rank, src_tok, src_slot
 
 @jit
 def combine_poll_single(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello, got,
-                        done, batch, y, out16, spins, hellos_first):
+                        done, batch, y, out16, me, row_of_slot, rows_addr, spins, hellos_first):
     """Collect hellos and sum the tokens whose rows arrived; returns what is still missing.
 
-    Sums go to `y`, or rounded to bf16 into `out16` if it has rows (`reduce_tokens_into`).
+    Sums go to `y`, or rounded to bf16 into `out16` if it has rows (`reduce_tokens_mine`;
+    my own experts' rows are read in place at `rows_addr`, `row_of_slot` says which).
     `hellos_first` (bsp): no token is summed before every peer's hello (flag) arrived.
     """
     missing = poll_hello(base, lay, epoch, hello, got, spins if hellos_first else 1)
     if hellos_first and missing:
         return missing
-    return missing + reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem,
+    return missing + reduce_tokens_mine(base, lay, epoch, idx, weights, weighted, rb, es, elem,
                                         lut, hello, 0, idx.shape[0], done, batch, y, out16,
-                                        spins)
+                                        me, row_of_slot, rows_addr, spins)
 
 
 # -- one worker, tensors by address: a call in as few kernel entries as the waits allow ------------
@@ -117,7 +123,7 @@ CAST_NONE, CAST_BF16 = 0, 1
 @jit
 def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_addr,
                       rank_of_expert, hop_of_rank, kind, num_hop_classes, elem, cs,
-                      bsp, counts, meta, got, out_start, tpe, batch, done, res):
+                      bsp, counts, meta, got, out_start, tpe, batch, done, mine, res):
     """`dispatch_send_single`, then one look at the counts (`dispatch_counts_at`).
 
     Sets `res[RES_SENDS]` to the send count, or to -(token + 1) after an sp sentinel abort (then
@@ -127,7 +133,7 @@ def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, t
     idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
     w = carray(f32_ptr(w_addr), (num_tokens, top_k))
     n = dispatch_send_single(bases, lay, me, epoch, x, idx, w, rank_of_expert, hop_of_rank, kind,
-                             num_hop_classes, elem, cs, bsp)
+                             num_hop_classes, elem, cs, bsp, mine)
     res[RES_SENDS] = n
     if n < 0:
         return 0
@@ -161,21 +167,26 @@ def dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batc
 
 @jit
 def recv_rows_at(base, lay, epoch, counts, meta, out_start, n, done, batch, x_addr, rb, out_w,
-                 ints, spins):
-    """`recv_rows` of all `n` rows into the `[n, rb]` bytes at `x_addr`; `ints` `[3, n]` gets
-    (source rank, token, slot). Returns the rows still missing."""
+                 ints, me, mine, src_addr, num_tokens, w_addr, top_k, spins):
+    """`recv_rows_mine` of all `n` rows into the `[n, rb]` bytes at `x_addr`; `ints` `[3, n]`
+    gets (source rank, token, slot). My rows for myself come from the dispatch's `[num_tokens,
+    rb]` rows at `src_addr` and `[num_tokens, top_k]` weights at `w_addr`. Returns the rows
+    still missing."""
     out_x = carray(u8_ptr(x_addr), (n, rb))
-    return recv_rows(base, lay, epoch, counts, meta, out_start, 0, n, done, batch, out_x, out_w,
-                     ints[0], ints[1], ints[2], spins)
+    x = carray(u8_ptr(src_addr), (num_tokens, rb))
+    w = carray(f32_ptr(w_addr), (num_tokens, top_k))
+    return recv_rows_mine(base, lay, epoch, counts, meta, out_start, 0, n, done, batch, out_x,
+                          out_w, ints[0], ints[1], ints[2], spins, me, mine, x, w)
 
 
 @jit
 def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bsp,
-                     hello, got, batch, done, num_tokens):
+                     hello, got, batch, done, num_tokens, row_of_slot):
     """`combine_send_single` of the `[n, rb]` bytes at `rows_addr`, then the receive state
-    reset: `hello` -1, `got`, `batch` and `done[:num_tokens]` 0. Returns what the send
-    returns. (The sums need no zeroing: `sum_slots` writes every element of every token,
-    zeros for an unrouted one.)"""
+    reset: `hello` -1, `got`, `batch` and `done[:num_tokens]` 0, and `row_of_slot[t*KMAX+k]`
+    set to the row of each (t, k) of mine that I received from myself (read in place by the
+    reduce). Returns what the send returns. (The sums need no zeroing: `sum_slots` writes
+    every element of every token, zeros for an unrouted one.)"""
     rows = carray(u8_ptr(rows_addr), (n, rb))
     bad = combine_send_single(bases, lay, me, epoch, rows, ints[0], ints[1], ints[2], elem,
                               cs, bsp)
@@ -188,13 +199,17 @@ def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bs
             hello[s, i] = -1
     for t in range(num_tokens):
         done[t] = 0
+    kmax = lay[L_KMAX]
+    for i in range(n):
+        if ints[0, i] == me:
+            row_of_slot[ints[1, i] * kmax + ints[2, i]] = i
     return 0
 
 
 @jit
 def combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted, rb, es,
                     ecode, lut, hello, got, done, batch, y_addr, hidden, spins, bsp, elem,
-                    cast, out_addr, res):
+                    cast, out_addr, me, row_of_slot, rows_addr, res):
     """`combine_poll_single` over the routing at `idx_addr`/`w_addr` into the sums at
     `y_addr`, or (`cast` == CAST_BF16) rounded token by token into the bf16
     `[num_tokens, hidden]` at `out_addr` (then `y_addr` is not written); once complete,
@@ -212,7 +227,8 @@ def combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weigh
         y = carray(f32_ptr(y_addr), (num_tokens, hidden))
         out16 = carray(u16_ptr(out_addr), (0, hidden))
     missing = combine_poll_single(base, lay, epoch, idx, w, weighted, rb, es, ecode, lut, hello,
-                                  got, done, batch, y, out16, spins, bsp)
+                                  got, done, batch, y, out16, me, row_of_slot, rows_addr, spins,
+                                  bsp)
     if missing:
         return missing
     res[RES_META] = check_meta(hello, elem)

@@ -87,22 +87,24 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     x_addr, idx_addr, w_addr = x.ctypes.data, idx.ctypes.data, w.ctypes.data
     dispatch_begin_at(bases, lay, 0, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, order,
                       np.zeros(1, np.int64), HIERARCHICAL, 1, 0, cs, bsp, counts, meta, got,
-                      out_start, tpe, batch, np.zeros(1, np.uint8), res)
+                      out_start, tpe, batch, np.zeros(1, np.uint8), np.zeros(1, np.int64), res)
     dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch,
                        np.zeros(1, np.uint8), 0, res, 1)
     n = int(res[RES_RECV])
     ints, wts = np.zeros((3, n), np.int64), np.zeros(n, np.float32)
     out = np.zeros((max(n, 1), 8), np.uint8)
     recv_rows_at(base, lay, epoch, counts, meta, out_start, n, np.zeros(n, np.uint8), batch,
-                 out.ctypes.data, 8, wts, ints, 1)
+                 out.ctypes.data, 8, wts, ints, 0, np.zeros(1, np.int64), x_addr, 1, w_addr, 1,
+                 1)
     hello = np.zeros((1, 3), np.int64)
     y = np.zeros((1, 2), np.float32)
     y16 = np.zeros((1, 2), np.uint16)
     combine_begin_at(bases, lay, 0, epoch, out.ctypes.data, n, 8, ints, 0, cs, bsp, hello,
-                     got, batch, np.zeros(1, np.uint8), 1)
+                     got, batch, np.zeros(1, np.uint8), 1, np.zeros(1, np.int64))
     combine_poll_at(base, lay, epoch, idx_addr, w_addr, 1, 1, True, 8, 4, ELEM_F32,
                     np.zeros(1, np.float32), hello, got, np.zeros(1, np.uint8), batch,
-                    y.ctypes.data, 2, 1, bsp, 0, CAST_BF16, y16.ctypes.data, res)
+                    y.ctypes.data, 2, 1, bsp, 0, CAST_BF16, y16.ctypes.data, 0,
+                    np.zeros(1, np.int64), out.ctypes.data, res)
 
 
 def warm_up(lay_of, multi: bool) -> None:
@@ -127,7 +129,7 @@ def warm_up(lay_of, multi: bool) -> None:
     tpe = np.zeros(lay[L_EL], np.int64)
     for epoch, bsp in ((1, False), (2, True)):
         dispatch_send_single(bases, lay, 0, epoch, x, idx, w, order, np.zeros(1, np.int64),
-                             HIERARCHICAL, 1, 0, cs, bsp)
+                             HIERARCHICAL, 1, 0, cs, bsp, np.zeros(1, np.int64))
         got[:] = 0
         poll_counts(base, lay, epoch, 0, 1, rc, meta, got, 1)
         check_meta(meta, 0)
@@ -143,7 +145,7 @@ def warm_up(lay_of, multi: bool) -> None:
         combine_poll_single(base, lay, epoch, idx, w, True, 8, 4, ELEM_F32,
                             np.zeros(1, np.float32), hello, got, np.zeros(1, np.uint8),
                             np.zeros(1, np.int64), np.zeros((1, 2), np.float32),
-                            np.zeros((0, 2), np.uint16), 1, bsp)
+                            np.zeros((0, 2), np.uint16), -1, np.zeros(1, np.int64), 0, 1, bsp)
         _warm_up_at(bases, lay, bsp)
     if multi:
         counts = np.zeros(lay[L_EL], np.int64)
