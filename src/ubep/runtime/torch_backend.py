@@ -183,14 +183,16 @@ class TorchBackend:
 
         # Phase 1, one collective of fixed size: to each peer a block [header: its token
         # count, this rank's largest count to any peer][routing words of its first C
-        # tokens][their rows]; C (`self._inline`, the same on every rank) is 0 (header
-        # alone: the count exchange) or a few tokens, so a small batch needs no second
-        # collective. Phase 2, only if some rank had more than C tokens for a peer (every
-        # header says so, so every rank agrees): [routing words of the rest][their rows].
+        # tokens][their rows]; C (`self._inline`, the same on every rank: the last call's
+        # largest count if it fit the budget, else 0 = header alone, a count exchange), so
+        # a small batch needs no second collective. Phase 2, only if some rank had more than
+        # C tokens for a peer (every header says so, so every rank agrees): [routing words
+        # of the rest][their rows].
         # Everything is packed before the first collective, so the two run back to back:
-        # host work between collectives lets gloo's threads idle, and waking them costs
-        # more than the work (a 30/100 µs gap added 47/82 µs to two collectives here).
-        C = min(self._inline, max(0, _INLINE_BYTES // (max(1, world - 1) * row_bytes) - 1))
+        # host work right before a gloo collective makes it slower, by more than the work
+        # on this 2-core host (a 30/100 µs gap added 47/82 µs to two collectives).
+        cap = max(0, _INLINE_BYTES // (max(1, world - 1) * row_bytes) - 1)
+        C = min(self._inline, cap)
         dests = per_dest.tolist()
         n_me = dests[me]
         my_max = max([n for d, n in enumerate(dests) if d != me], default=0)
@@ -277,8 +279,10 @@ class TorchBackend:
                 self._flat("recv", recv1_rows * row_bytes, (num_remote - recv1_rows) * row_bytes),
                 self._flat("send", send1_rows * row_bytes, sum(send2) * row_bytes),
                 [r * row_bytes for r in recv2], [r * row_bytes for r in send2], group=self.group)
-        # the next call's inline capacity: what this call needed, within the byte budget
-        self._inline = global_max
+        # the next call's inline capacity: what this call needed if that fit the budget;
+        # else none (a batch that overflowed will likely overflow again: then the first
+        # collective is a 16-byte count exchange, not rows that save nothing)
+        self._inline = global_max if global_max <= cap else 0
         t4 = _now_us()
         own = slice(first := sum(dests[:me]), first + n_me)
         if host:
