@@ -84,6 +84,35 @@ def test_hierarchical_spreads_every_hop_class_evenly(case):
 
 
 @SETTINGS
+@given(case=planning_cases(), chunk=st.sampled_from([2, 3]))
+def test_hierarchical_chunks_keep_runs_of_one_class(case, chunk):
+    """With send_chunk c, a worker's list is its classes' runs of c sends (a class's last
+    run may be shorter), merged in proportion; the multiset of sends is the chunk-1 plan's."""
+    topo, rank, num_experts, idx, workers = case
+    kw = dict(topology=topo, rank=rank, num_experts=num_experts, workers=workers,
+              schedule="hierarchical")
+    one, plan = make_plan(idx, **kw), make_plan(idx, send_chunk=chunk, **kw)
+    H = topo.num_hop_classes
+    for j, hops in enumerate(plan.worker_hops):
+        assert sorted(map(tuple, plan.worker_sends[j])) == sorted(map(tuple, one.worker_sends[j]))
+        if hops.shape[0] == 0:
+            continue
+        cut = np.flatnonzero(np.diff(hops)) + 1
+        runs = np.split(hops, cut)
+        total = np.bincount(hops, minlength=H)
+        seen = np.zeros(H, np.int64)
+        for r in runs:
+            h = int(r[0])
+            # a run is whole chunks of its class, ending short only at the class's end
+            assert len(r) % chunk == 0 or seen[h] + len(r) == total[h], (j, hops)
+            seen[h] += len(r)
+        # proportional in chunks: any prefix within chunk * (H + 1) / 2 of its share
+        cum = np.cumsum(hops[:, None] == np.arange(H)[None, :], axis=0)
+        want = np.arange(1, hops.shape[0] + 1)[:, None] * total[None, :] / hops.shape[0]
+        assert np.abs(cum - want).max() <= chunk * (H + 1) / 2 + 1e-9
+
+
+@SETTINGS
 @given(case=planning_cases())
 def test_static_workers_own_fixed_token_ranges(case):
     topo, rank, num_experts, idx, workers = case
@@ -122,11 +151,11 @@ def test_slice_starts_found_by_quaternary_search_match_the_slices(case, schedule
 
 @SETTINGS
 @given(case=planning_cases(), schedule=st.sampled_from(SCHEDULES),
-       mode=st.sampled_from(["ubep", "bsp"]))
-def test_numba_and_numpy_paths_give_the_same_plan(case, schedule, mode):
+       mode=st.sampled_from(["ubep", "bsp"]), chunk=st.sampled_from([1, 2, 3]))
+def test_numba_and_numpy_paths_give_the_same_plan(case, schedule, mode, chunk):
     topo, rank, num_experts, idx, workers = case
     kw = dict(topology=topo, rank=rank, num_experts=num_experts, workers=workers,
-              schedule=schedule, mode=mode)
+              schedule=schedule, mode=mode, send_chunk=chunk)
     a, b = make_plan(idx, engine="numba", **kw), make_plan(idx, engine="numpy", **kw)
     for f in FIELDS:
         x, y = getattr(a, f), getattr(b, f)

@@ -18,14 +18,16 @@ SETTINGS = settings(max_examples=120, deadline=None,
 
 
 @SETTINGS
-@given(case=planning_cases(), schedule=st.sampled_from(SCHEDULES))
-def test_every_workers_own_slice_equals_its_part_of_the_central_plan(case, schedule):
+@given(case=planning_cases(), schedule=st.sampled_from(SCHEDULES),
+       chunk=st.sampled_from([1, 2, 3]))
+def test_every_workers_own_slice_equals_its_part_of_the_central_plan(case, schedule, chunk):
     topo, rank, num_experts, idx, workers = case
     kw = dict(topology=topo, rank=rank, num_experts=num_experts, workers=workers,
-              schedule=schedule, mode="bsp")     # bsp: every worker is a token worker
+              schedule=schedule, mode="bsp",     # bsp: every worker is a token worker
+              send_chunk=chunk)
     central = make_plan(idx, engine="numpy", **kw)
     assert central.token_workers == workers
-    mapper = WorkerMapper.of(topo, rank, num_experts, schedule)
+    mapper = WorkerMapper.of(topo, rank, num_experts, schedule, send_chunk=chunk)
     idx = np.ascontiguousarray(idx, np.int64)
     for j in range(workers):
         sends, experts, window_pos, hops = mapper.map(idx, workers, j)

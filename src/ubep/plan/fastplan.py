@@ -163,20 +163,22 @@ def class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
 
 
 @_jit
-def interleave(sizes, j):  # pragma: no cover - compiled
+def interleave(sizes, j, chunk=1):  # pragma: no cover - compiled
     """Worker j's send order: `perm[i]` = where the i-th send of its slices (concatenated
-    row by row, farthest class first) goes. The slices are merged by
-    `(2q + 1) / (2 size)` (the q-th of a slice's `size` sends), ties to the farther class:
+    row by row, farthest class first) goes. The slices are merged `chunk` sends at a time,
+    chunk c of a slice's C chunks at `(2c + 1) / (2 C)`, ties to the farther class:
     `ubep.plan.schedule.interleave_keys`, the documented reference (compared here exactly,
     by cross-multiplying, so the order equals the reference's float keys)."""
     h_n = sizes.shape[1]
     act = np.empty(h_n, np.int64)          # the non-empty slices, farthest first
     start = np.empty(h_n, np.int64)
+    nch = np.empty(h_n, np.int64)          # their chunks
     a_n, m = 0, 0
     for r in range(h_n):
         if sizes[j, r] > 0:
             act[a_n] = r
             start[a_n] = m
+            nch[a_n] = (sizes[j, r] + chunk - 1) // chunk
             a_n += 1
         m += sizes[j, r]
     perm = np.empty(m, np.int64)
@@ -184,24 +186,27 @@ def interleave(sizes, j):  # pragma: no cover - compiled
         for i in range(m):
             perm[i] = i
         return perm
-    used = np.zeros(a_n, np.int64)
-    for step in range(m):
+    used = np.zeros(a_n, np.int64)         # chunks sent per slice
+    step = 0
+    while step < m:
         best = -1
         for a in range(a_n):
-            size = sizes[j, act[a]]
-            if used[a] < size:
-                # key(a) < key(best)  <=>  (2u_a + 1) * size_best < (2u_best + 1) * size_a
-                if best < 0 or ((2 * used[a] + 1) * sizes[j, act[best]]
-                                < (2 * used[best] + 1) * size):
+            if used[a] < nch[a]:
+                # key(a) < key(best)  <=>  (2u_a + 1) * C_best < (2u_best + 1) * C_a
+                if best < 0 or ((2 * used[a] + 1) * nch[best] < (2 * used[best] + 1) * nch[a]):
                     best = a
-        perm[start[best] + used[best]] = step
+        first = used[best] * chunk
+        last = min(first + chunk, sizes[j, act[best]])
+        for q in range(first, last):
+            perm[start[best] + q] = step
+            step += 1
         used[best] += 1
     return perm
 
 
 @_jit
 def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind, n,
-               num_hop_classes, j):  # pragma: no cover - compiled
+               num_hop_classes, j, chunk=1):  # pragma: no cover - compiled
     """Worker j's sends, in its send order: `(sends [m, 3] (token, slot, destination rank),
     experts [m], window_pos [m], hops [m])`.
 
@@ -255,7 +260,7 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
                     lo_e[e], hi_e[e], land[e] = a, b, m
                     m += b - a
             if kind == HIERARCHICAL:
-                perm = interleave(sizes, j)
+                perm = interleave(sizes, j, chunk)
     sends = np.empty((m, 3), np.int64)
     experts = np.empty(m, np.int64)
     window_pos = np.empty(m, np.int64)
@@ -291,19 +296,19 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
 
 @_jit
 def worker_sends(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert, kind, n,
-                 num_hop_classes, j):  # pragma: no cover - compiled
+                 num_hop_classes, j, chunk=1):  # pragma: no cover - compiled
     """What a runtime worker needs, in one entry: `(counts [E], sends [m, 3], window_pos
     [m])` of `count_experts` and `map_worker`."""
     counts = np.empty(num_experts, np.int64)
     count_experts(idx, counts)
     sends, _, window_pos, _ = map_worker(idx, counts, experts_per_rank, hop_of_rank,
-                                         rank_of_expert, kind, n, num_hop_classes, j)
+                                         rank_of_expert, kind, n, num_hop_classes, j, chunk)
     return counts, sends, window_pos
 
 
 @_jit
 def plan_kernel(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
-                n, num_hop_classes):  # pragma: no cover - compiled
+                n, num_hop_classes, chunk=1):  # pragma: no cover - compiled
     """Every worker's sends at once: (sends [N,3], experts, window_pos, hops, offsets,
     send_counts, targets, sizes, bad). `bad` is an out-of-range expert id found in `idx`
     (then the rest is empty), or -1.
@@ -354,7 +359,8 @@ def plan_kernel(idx, num_experts, experts_per_rank, hop_of_rank, rank_of_expert,
         shift = np.empty(n_sends, np.int64)      # S position -> final position
         for j in range(n):
             land = offsets[j]
-            perm = interleave(sizes, j) if kind == HIERARCHICAL else np.empty(0, np.int64)
+            perm = (interleave(sizes, j, chunk) if kind == HIERARCHICAL
+                    else np.empty(0, np.int64))
             for r in range(targets.shape[1]):
                 for q in range(sizes[j, r]):
                     i = land - offsets[j] + q

@@ -199,6 +199,7 @@ class WorkerMapper:
         rank_of_expert: `[E]` int64, each expert's position in the hierarchical order.
         kind: `fastplan.STATIC | BALANCED | HIERARCHICAL`.
         num_hop_classes: hop classes of the topology.
+        send_chunk: hierarchical: sends per interleaving step (see `make_plan`).
     """
 
     num_experts: int
@@ -207,10 +208,11 @@ class WorkerMapper:
     rank_of_expert: np.ndarray = field(repr=False)
     kind: int
     num_hop_classes: int
+    send_chunk: int = 1
 
     @classmethod
     def of(cls, topology: Topology, rank: int, num_experts: int,
-           schedule: str = "hierarchical") -> WorkerMapper:
+           schedule: str = "hierarchical", send_chunk: int = 1) -> WorkerMapper:
         """The mapper of `rank`'s dispatch sends; `num_experts = P` with one "expert" per
         rank maps combine's rows back (by source rank) with the same schedule."""
         if schedule not in SCHEDULES:
@@ -220,7 +222,7 @@ class WorkerMapper:
         layout = _expert_layout(topology, rank, epr)
         return cls(num_experts, epr, np.array(layout.hop_of_rank, np.int64),
                    np.array(layout.rank_of_expert, np.int64), SCHEDULES.index(schedule),
-                   topology.num_hop_classes)
+                   topology.num_hop_classes, _check_int("send_chunk", send_chunk, 1))
 
     def map(self, idx: np.ndarray, workers: int, j: int):
         """Worker j of `workers`: `(sends [m, 3], experts [m], window_pos [m], hops [m])`
@@ -230,7 +232,8 @@ class WorkerMapper:
         counts = np.zeros(self.num_experts, np.int64)
         count_experts(idx, counts)
         return map_worker(idx, counts, self.experts_per_rank, self.hop_of_rank,
-                          self.rank_of_expert, self.kind, workers, self.num_hop_classes, j)
+                          self.rank_of_expert, self.kind, workers, self.num_hop_classes, j,
+                          self.send_chunk)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -243,7 +246,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, workers: int,
               count_workers: int | None = None, schedule: str = "hierarchical",
-              mode: str = "ubep", engine: str = "numba") -> Plan:
+              mode: str = "ubep", engine: str = "numba", send_chunk: int = 1) -> Plan:
     """Plan one rank's dispatch: roles of its workers and each token worker's ordered sends.
 
     Experts are placed contiguously: rank r owns experts `[r*E/P, (r+1)*E/P)` with
@@ -262,6 +265,11 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
         mode: "ubep" (count and token roles) | "bsp" (every worker does every phase).
         engine: "numba" (one compiled pass, the default) or "numpy" (the vectorized
             reference); both give the same plan.
+        send_chunk: hierarchical: each worker interleaves its hop classes this many sends at
+            a time (`schedule.interleave_keys`): 1 (default) spreads every tier's load evenly
+            over time, for port-bound sending; the topology's `staging_rows` keeps each
+            round of a worker's staging ring to one class, for latency-bound sending
+            (`ubep.sim` picks it from its cost model).
 
     Returns:
         A `Plan`.
@@ -284,6 +292,7 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
         raise ValueError(f"num_experts={num_experts} must be divisible by topology.num_ranks="
                          f"{num_ranks}")
     workers = _check_int("workers", workers, 1)
+    send_chunk = _check_int("send_chunk", send_chunk, 1)
     idx = _as_numpy_idx(topk_idx, num_experts, check_range=engine != "numba")
     num_tokens, top_k = idx.shape
 
@@ -307,13 +316,13 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
         sends, send_experts, window_pos, hops, offsets, send_counts, targets, sizes, bad = \
             plan_kernel(np.ascontiguousarray(idx), num_experts, experts_per_rank,
                         layout.hop_of_rank, layout.rank_of_expert, kind, n_token,
-                        topology.num_hop_classes)
+                        topology.num_hop_classes, send_chunk)
         if bad != -1:
             _bad_expert(int(bad), num_experts)
         expert_order = layout.expert_order if schedule == "hierarchical" else layout.identity
     else:
         sched = _numpy_schedule(idx, num_experts, experts_per_rank, layout, schedule, n_token,
-                                topology.num_hop_classes)
+                                topology.num_hop_classes, send_chunk)
         sends, send_experts, window_pos, hops, send_counts = sched[:5]
         offsets, expert_order, targets, sizes = sched[5:]
     cuts = (np.arange(n_count + 1) * num_ranks) // max(n_count, 1)
@@ -329,7 +338,8 @@ def make_plan(topk_idx, *, topology: Topology, rank: int, num_experts: int, work
 
 
 def _numpy_schedule(idx: np.ndarray, num_experts: int, experts_per_rank: int,
-                    layout: ExpertLayout, schedule: str, n_token: int, num_hop_classes: int):
+                    layout: ExpertLayout, schedule: str, n_token: int, num_hop_classes: int,
+                    send_chunk: int = 1):
     """The vectorized reference path of `make_plan` (see `ubep.plan.schedule`)."""
     num_tokens, top_k = idx.shape
     # the sends, row-major (ascending token, then slot)
@@ -353,7 +363,7 @@ def _numpy_schedule(idx: np.ndarray, num_experts: int, experts_per_rank: int,
     elif schedule == "balanced":
         sched = schedule_balanced(by_expert, num_experts, n_token)
     else:
-        sched = schedule_hierarchical(expert, layout, n_token, num_hop_classes)
+        sched = schedule_hierarchical(expert, layout, n_token, num_hop_classes, send_chunk)
     o = sched.order
     sends = np.stack((token[o], slot[o], dest[o]), axis=1)
     return (sends, expert[o], window_pos[o], hops[o], send_counts, sched.offsets,

@@ -135,19 +135,25 @@ def expert_layout(hop_of_rank: np.ndarray, experts_per_rank: int, rank: int = -1
     return layout
 
 
-def interleave_keys(q: np.ndarray, size: np.ndarray) -> np.ndarray:
+def interleave_keys(q: np.ndarray, size: np.ndarray, chunk: int = 1) -> np.ndarray:
     """Where the q-th of `size` sends of one slice falls in its worker's send order, as a
-    fraction: the middle of its share, `(2q + 1) / (2 size)`. A worker sends its slices
-    merged by this key (ties: the farther class first), so each hop class is spread over
-    the whole list in proportion to its size. Exact for equal fractions (IEEE division is
-    correctly rounded), so `fastplan` computes the same order."""
-    return (2 * q + 1) / (2 * size)
+    fraction: the middle of its chunk's share, `(2c + 1) / (2 C)` for chunk `c = q // chunk`
+    of `C = ceil(size / chunk)`. A worker sends its slices merged by this key (ties: the
+    farther class first, then in order), so each hop class is spread over the whole list in
+    proportion to its size, `chunk` sends at a time. Exact for equal fractions (IEEE
+    division is correctly rounded), so `fastplan` computes the same order.
+
+    `chunk` 1 spreads every tier's load evenly over time (right when the ports are the
+    bound); a chunk of the staging depth keeps each round of the staging ring to one class,
+    so near rows are not held up by far rows sharing their round (right when each worker's
+    hop latency is the bound)."""
+    return (2 * (q // chunk) + 1) / (2 * -(-size // chunk))
 
 
 def schedule_hierarchical(expert: np.ndarray, layout: ExpertLayout, n: int,
-                          num_hop_classes: int) -> Schedule:
+                          num_hop_classes: int, chunk: int = 1) -> Schedule:
     """Per hop class, equal token-level slices; worker j takes slice j of every class and
-    sends them interleaved in proportion (`interleave_keys`)."""
+    sends them interleaved in proportion, `chunk` sends at a time (`interleave_keys`)."""
     hop_of_expert, expert_order = layout.hop_of_expert, layout.expert_order
     # class-major, then expert, then token (small int keys: numpy radix-sorts them)
     by_class = np.argsort(layout.rank_of_expert[expert], kind="stable")
@@ -169,7 +175,7 @@ def schedule_hierarchical(expert: np.ndarray, layout: ExpertLayout, n: int,
     row = np.repeat(np.repeat(np.arange(H), n), flat)
     worker = np.repeat(np.tile(j, H), flat)
     q = np.arange(by_class.shape[0]) - np.repeat(targets.ravel(), flat)
-    merged = np.lexsort((row, interleave_keys(q, np.repeat(flat, flat)), worker))
+    merged = np.lexsort((q, row, interleave_keys(q, np.repeat(flat, flat), chunk), worker))
     return Schedule(by_class[merged], offsets, expert_order, targets.T.astype(np.int64),
                     sizes.T.astype(np.int64))
 

@@ -38,6 +38,10 @@ class SimConfig:
     workers: int = field(default=0, metadata={"help": "workers per rank (0: the topology's)"})
     count_workers: int = field(default=0, metadata={
         "help": "count workers (0: the cost model's choice, Eq. 4 on these constants)"})
+    send_chunk: int = field(default=0, metadata={
+        "help": "hierarchical: sends per interleaving step of a worker's hop classes (0: the "
+                "cost model's choice: the staging depth when a worker's latency bounds the "
+                "sending, else 1)"})
     op: str = field(default="dispatch", metadata={"help": "dispatch | combine"})
     direct: bool = field(default=False, metadata={
         "help": "ubep: the one-copy variant (counts first, rows straight to place)"})
@@ -50,7 +54,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         for name in ("tokens_per_rank", "hidden", "top_k", "bytes_per_element"):
             check_positive_int(name, getattr(self, name))
-        for name in ("num_experts", "workers", "count_workers", "hot_experts", "seed"):
+        for name in ("num_experts", "workers", "count_workers", "send_chunk", "hot_experts",
+                     "seed"):
             check_positive_int(name, getattr(self, name), minimum=0)
         check_choice("mode", self.mode, MODES)
         check_choice("sync", self.sync, SYNCS)
@@ -129,10 +134,27 @@ def model_count_workers(topology, config: SimConfig, num_experts: int, workers: 
                                                          num_experts // topology.num_ranks))
 
 
+def model_send_chunk(topology, config: SimConfig, num_experts: int, token_workers: int,
+                     params: CostParams | None = None) -> int:
+    """The hierarchical schedule's interleaving step on this fabric, from the terms of
+    Eq. 4's `t_token` on these constants: the topology's staging depth when the token
+    workers' staging pace (hop latency) bounds the sending — keep each round of a worker's
+    staging ring to one hop class — else 1, when the rank's port does — spread every tier's
+    load evenly over time."""
+    params = params or calibrated(topology.name)
+    fab = Fabric.of(topology, params)
+    row_bytes = config.hidden * config.bytes_per_element
+    _, wire = engine.wire_bytes_of(row_bytes, config.mode, config.sync, fab)
+    cc = engine.count_costs(params, fab, wire, row_bytes, num_experts // topology.num_ranks)
+    latency_bound = cc.row_us / max(token_workers, 1) > cc.port_row_us
+    return int(topology.staging_rows) if latency_bound else 1
+
+
 def prepare(topology, config: SimConfig, *, ranks: int | None = None,
             params: CostParams | None = None) -> Prepared:
-    """Route and plan every rank. Only the count-worker choice (when `config.count_workers`
-    is 0) depends on the cost constants `params` (default: the calibrated ones)."""
+    """Route and plan every rank. Only the count-worker choice and the hierarchical send
+    chunk (when `config.count_workers` / `config.send_chunk` is 0) depend on the cost
+    constants `params` (default: the calibrated ones)."""
     topo = resolve_topology(topology, ranks)
     P = topo.num_ranks
     workers = config.workers or topo.workers_per_rank
@@ -150,10 +172,14 @@ def prepare(topology, config: SimConfig, *, ranks: int | None = None,
     nc = config.count_workers
     if config.mode == "ubep" and nc == 0:
         nc = model_count_workers(topo, config, E, workers, params)
+    chunk = config.send_chunk
+    if chunk == 0:
+        chunk = 1 if config.schedule != "hierarchical" else model_send_chunk(
+            topo, config, E, workers - (nc if config.mode == "ubep" else 0), params)
     t = time.perf_counter()
     plans = [make_plan(topk[r], topology=topo, rank=r, num_experts=E, workers=workers,
                        count_workers=(nc or None) if config.mode == "ubep" else None,
-                       schedule=config.schedule, mode=config.mode)
+                       schedule=config.schedule, mode=config.mode, send_chunk=chunk)
              for r in range(P)]
     plan_s = time.perf_counter() - t
     nc = int(plans[0].count_workers) if config.mode == "ubep" else 0

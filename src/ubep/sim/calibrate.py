@@ -25,7 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ubep.sim.api import Prepared, SimConfig, execute, model_count_workers, prepare
+from ubep.sim.api import (
+    Prepared,
+    SimConfig,
+    execute,
+    model_count_workers,
+    model_send_chunk,
+    prepare,
+)
 from ubep.sim.params import CALIBRATION_FILE, CostParams
 
 POINTS_FILE = "paper_public.toml"
@@ -84,17 +91,21 @@ class Problem:
 
     def _prep(self, ranks: int, mode: str, workers: int, params: CostParams) -> Prepared:
         cfg = self.config(ranks, mode, workers)
+        base = self.preps.get((ranks, mode, workers, 0, 0))
+        if base is None:
+            base = self.preps[(ranks, mode, workers, 0, 0)] = prepare(
+                "cm384", replace(cfg, count_workers=1 if mode == "ubep" else 0, send_chunk=1),
+                ranks=ranks)
         nc = 0
-        if mode == "ubep":   # the model's own choice for these constants
-            base = self.preps.get((ranks, mode, workers, 0))
-            if base is None:
-                base = self.preps[(ranks, mode, workers, 0)] = prepare(
-                    "cm384", replace(cfg, count_workers=1), ranks=ranks)
+        if mode == "ubep":   # the model's own choices for these constants
             nc = model_count_workers(base.topology, cfg, base.num_experts, base.workers,
                                      params)
-        key = (ranks, mode, workers, nc)
+        chunk = 1 if cfg.schedule != "hierarchical" else model_send_chunk(
+            base.topology, cfg, base.num_experts, base.workers - nc, params)
+        key = (ranks, mode, workers, nc, chunk)
         if key not in self.preps:
-            self.preps[key] = prepare("cm384", replace(cfg, count_workers=nc), ranks=ranks)
+            self.preps[key] = prepare("cm384", replace(cfg, count_workers=nc, send_chunk=chunk),
+                                      ranks=ranks)
         return self.preps[key]
 
     def model(self, params: CostParams) -> np.ndarray:
