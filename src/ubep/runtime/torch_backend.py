@@ -121,7 +121,6 @@ class TorchBackend:
             self._views = {k: v for k, v in self._views.items() if k[0] != name}
         if len(self._views) > 64:
             self._views.clear()
-        self._owned.clear()
         view = self._views[key] = buf[:need].view(rows, row_bytes)
         return view
 
