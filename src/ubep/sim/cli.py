@@ -187,9 +187,24 @@ def _validate_host(args: argparse.Namespace, console) -> int:
         tab.add_row(r["system"], str(r["batch"]), r["op"], f"{r['footprint_MB']:.1f}",
                     f"{r['faults']:.0f}", f"{r['call_us']:.1f}", f"{r['predicted_us']:.1f}",
                     f"{r['measured_us']:.1f}", f"{r['error']:+.2f}")
+    if console.width < 112:              # a pipe or a narrow terminal: do not truncate
+        console.width = 112
     console.print(tab)
     ok = sum(abs(r["error"]) <= 0.25 for r in rows)
     console.print(f"within +-25%: {ok} of {len(rows)}")
+    t = hc.table
+    console.print("passes over rows, two ranks at once, GB/s at "
+                  + ", ".join(f"{f / 2**20:g}" for f in (t.footprints[0], 8 << 20, 32 << 20,
+                                                          t.footprints[-1])) + " MiB: "
+                  + "; ".join(f"{p} " + "/".join(f"{t.GBps(p, f):.0f}" for f in (
+                      t.footprints[0], 8 << 20, 32 << 20, t.footprints[-1]))
+                      for p in hostbench.PASSES if p != "first_touch")
+                  + f"; a fresh page {4096 * t.cost_ns_per_byte('first_touch', 1 << 22) / 1e3:.1f}"
+                  " us")
+    if load is not None and load > 1.0:
+        console.print(f"[yellow]the host was not quiet (load {load:.2f}): medians carry "
+                      "scheduler waits (spinning ranks sharing 2 cores with other work) "
+                      "that the model does not have[/yellow]")
     (out / "validate_host.json").write_text(json.dumps(
         {"constants": hc.to_dict(), "rows": rows}, indent=2))
     return 0
