@@ -397,16 +397,17 @@ class TorchBackend:
         prow_bytes = hidden * partial.element_size()
         back, own = st.num_back, st.num_own
         work = self._buffer("combine", back + own, prow_bytes, device)
-        pb = partial.view(torch.uint8).view(-1, prow_bytes)
         nret = st.num_remote_bags
-        if own:
-            work[back:].copy_(pb[nret:])
         t1 = _now_us()
+        flat = partial.view(-1).view(torch.uint8)
         dist.all_to_all_single(self._flat("combine", 0, back * prow_bytes),
-                               partial.view(-1).view(torch.uint8)[:nret * prow_bytes],
+                               flat[:nret * prow_bytes],
                                [n * prow_bytes for n in st.sent_per_rank],
                                [n * prow_bytes for n in st.recv_per_rank], group=self.group)
         t2 = _now_us()
+        if own:         # after the collective: work before one slows it more than it costs
+            self._flat("combine", back * prow_bytes, own * prow_bytes).copy_(
+                flat[nret * prow_bytes:])
         y = F.embedding_bag(st.final_rows, work.view(pdtype).view(-1, hidden), st.final_offsets,
                             mode="sum")
         if pdtype != dtype:
