@@ -111,3 +111,77 @@ def test_results_held_across_calls_match_the_oracle(workers):
     for k, case in enumerate(CASES):
         check_case(case, [o[0][k] for o in outs])
     assert not any(o[1] for o in outs)
+
+
+# -- call sequences the window parity follows (`region.next_epoch`) ------------------------------
+def _seq_cases(sync):
+    """Five cases, rows of 80, 160, 40 (int8/uint8) bytes; sp carries floats only."""
+    third = "fp16" if sync == "sp" else "uint8"
+    return [Case(num_experts=8, hidden=40, top_k=3, tokens=(12, 9), seed=s, dtype=d)
+            for s, d in ((11, "bf16"), (12, "fp32"), (13, third), (14, "bf16"), (15, "fp16"))]
+
+
+def _sequences(rank, world, kw):
+    """Dispatches and combines in orders other than strict alternation: two dispatches
+    outstanding then both combined, a handle combined twice, dispatch-only runs; rows of a
+    different size on every call. Every result kept and returned for the oracle."""
+    import ubep
+
+    cases = _seq_cases(kw["sync"])
+    outs = []
+    with ubep.Buffer(num_experts=8, hidden=40, max_tokens_per_rank=12, backend="shm",
+                     max_top_k=3, timeout_s=30, **kw) as buf:
+        epochs = []
+
+        def dispatch(k):
+            x, idx, w = cases[k].inputs(rank)
+            res = buf.dispatch(x, idx, w)
+            epochs.append(("d", res.stats.extra["epoch"]))
+            return res
+
+        def combine(k, res):
+            y = buf.combine(expert_fn(res.recv_x), res.handle, weighted=cases[k].weighted)
+            epochs.append(("c", buf.last_stats.extra["epoch"]))
+            return y
+
+        def keep(k, res, y):
+            outs.append((k, {"recv_x": res.recv_x, "recv_weights": res.recv_weights,
+                             "tokens_per_expert": res.tokens_per_expert,
+                             "recv_src_rank": res.recv_src_rank,
+                             "recv_src_token": res.recv_src_token,
+                             "recv_src_slot": res.recv_src_slot, "y": y}))
+
+        a, b = dispatch(0), dispatch(1)                 # D D C C
+        keep(0, a, combine(0, a))
+        keep(1, b, combine(1, b))
+        c = dispatch(2)                                 # D C C(again) D C
+        keep(2, c, combine(2, c))
+        keep(2, c, combine(2, c))
+        d = dispatch(3)
+        dispatch(4)                                     # D D D C (the last two dropped)
+        dispatch(0)
+        keep(3, d, combine(3, d))
+        e = dispatch(4)                                 # and back to alternation
+        keep(4, e, combine(4, e))
+        a = dispatch(0)
+        keep(0, a, combine(0, a))
+    # a call after one of the other kind keeps its kind's parity, back-to-back ones flip it
+    last = {}
+    for i, (kind, epoch) in enumerate(epochs):
+        if kind in last:
+            flip = i > 0 and epochs[i - 1][0] == kind
+            assert epoch == last[kind] + (1 if flip else 2), epochs
+        last[kind] = epoch
+    return outs
+
+
+@pytest.mark.parametrize("kw", [dict(workers=1, sync="tff"), dict(workers=1, sync="sp"),
+                                dict(workers=1, sync="dc", mode="bsp"),
+                                dict(workers=2, sync="sw")])
+def test_calls_out_of_alternation_match_the_oracle(kw):
+    outs = run_ranks(_sequences, 2, kw, timeout_s=120)
+    assert len(outs[0]) == len(outs[1]) == 7
+    cases = _seq_cases(kw["sync"])
+    for (k, o0), (k1, o1) in zip(outs[0], outs[1]):
+        assert k == k1
+        check_case(cases[k], [o0, o1])
