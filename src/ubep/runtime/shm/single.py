@@ -51,15 +51,12 @@ class SinglePath:
         self._d_epoch = 0
         self._c_epoch = 0
         self._last_dispatch = False        # the last call was a dispatch (`next_epoch`)
-        # scratch, kept: the path allocates nothing it can reuse
-        self._cs = np.zeros(w, np.int64)
-        self._rc = np.zeros((w, el), np.int64)
-        self._meta = np.zeros((w, 3), np.int64)
-        self._got = np.zeros(w, np.int8)
-        self._batch = np.zeros(w, np.int64)
-        self._out_start = np.zeros((w, el), np.int64)
-        self._hello = np.zeros((w, 3), np.int64)
-        self._res = np.zeros(4, np.int64)             # kernel results (`KS.RES_*`)
+        # scratch, kept: the path allocates nothing it can reuse. The small state is one
+        # array the kernels take by address (`KS.state_views`); these are views of it.
+        self._state = np.zeros(KS.state_words(w, el), np.int64)
+        self._state_addr = self._state.ctypes.data
+        (self._cs, self._rc, self._meta, self._got, self._out_start, self._batch, self._hello,
+         self._res) = KS.state_views(self._state_addr, w, el)   # res: `KS.RES_*`
         self._y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)   # fp32 sums
         self._y_addr = self._y.ctypes.data
         self._timeout_s = c.timeout_s
@@ -72,6 +69,10 @@ class SinglePath:
         self._mine = np.zeros(max(int(ctx.lay[L_DROWS]), 1), np.int64)
         self._row_of_slot = np.zeros(max(c.max_tokens_per_rank * int(ctx.lay[L_KMAX]), 1),
                                      np.int64)
+        self._done_rows_addr = self._done_rows.ctypes.data
+        self._done_tokens_addr = self._done_tokens.ctypes.data
+        self._mine_addr = self._mine.ctypes.data
+        self._row_of_slot_addr = self._row_of_slot.ctypes.data
 
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -89,20 +90,18 @@ class SinglePath:
         self._d_epoch = epoch = next_epoch(self._d_epoch, self._last_dispatch)
         self._last_dispatch = True
         deadline = deadline_after(t0, self._timeout_s)
-        rc, meta, got, out_start, batch = (self._rc, self._meta, self._got, self._out_start,
-                                           self._batch)
-        done = self._done_rows
+        rc, meta, got, batch, state = self._rc, self._meta, self._got, self._batch, self._state_addr
+        done, done_addr = self._done_rows, self._done_rows_addr
         base, lay, world = ctx.base, ctx.lay, ctx.world
         tpe = np.empty(c.experts_per_rank, np.int64)
         missing = KS.dispatch_begin_at(ctx.bases, lay, ctx.rank, epoch, x.data_ptr(),
                                        num_tokens, rb, idx_addr, top_k, w_addr, m.rank_of_expert,
                                        m.hop_of_rank, m.kind, m.num_hop_classes, elem,
-                                       self._cs, self._bsp, rc, meta, got,
-                                       out_start, tpe, batch, done, self._mine, res)
+                                       self._bsp, state, tpe, done_addr, self._mine_addr)
         if missing:
             t1 = now_us()
-            ctx.wait(lambda s: KS.dispatch_counts_at(base, lay, epoch, rc, meta, got, out_start,
-                                                     tpe, batch, done, elem, res, s),
+            ctx.wait(lambda s: KS.dispatch_counts_at(base, lay, epoch, state, tpe, done_addr,
+                                                     elem, s),
                      "dispatch/counts", lambda: [s for s in range(world) if not got[s]],
                      deadline=deadline)
             t2 = now_us()
@@ -116,14 +115,14 @@ class SinglePath:
         recv_x = self._lend.empty(n_recv, hidden, x.dtype)
         ints = np.empty((3, n_recv), np.int64)
         wts = np.empty(n_recv, np.float32)
-        x_addr, me, mine, src_addr = recv_x.data_ptr(), ctx.rank, self._mine, x.data_ptr()
+        x_addr, me, mine, src_addr = recv_x.data_ptr(), ctx.rank, self._mine_addr, x.data_ptr()
         # the first poll inline: when every row is already there (one rank, or peers ahead of
         # us) the bounded wait and its closures are not built at all
-        if KS.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv, done, batch, x_addr,
-                           rb, wts, ints, me, mine, src_addr, num_tokens, w_addr, top_k, SPINS):
-            ctx.wait(lambda s: KS.recv_rows_at(base, lay, epoch, rc, meta, out_start, n_recv,
-                                               done, batch, x_addr, rb, wts, ints, me, mine,
-                                               src_addr, num_tokens, w_addr, top_k, s),
+        if KS.recv_rows_at(base, lay, epoch, state, n_recv, done_addr, x_addr, rb, wts, ints, me,
+                           mine, src_addr, num_tokens, w_addr, top_k, SPINS):
+            ctx.wait(lambda s: KS.recv_rows_at(base, lay, epoch, state, n_recv, done_addr,
+                                               x_addr, rb, wts, ints, me, mine, src_addr,
+                                               num_tokens, w_addr, top_k, s),
                      "dispatch/rows", lambda: missing_sources(rc, done, 0, n_recv),
                      lambda: dc_detail(batch), deadline=deadline)
         t3 = now_us()
@@ -149,18 +148,17 @@ class SinglePath:
         self._c_epoch = epoch = next_epoch(self._c_epoch, not self._last_dispatch)
         self._last_dispatch = False
         deadline = deadline_after(t0, self._timeout_s)
-        hello, got, batch, base, lay = self._hello, self._got, self._batch, ctx.base, ctx.lay
-        done = self._done_tokens
+        hello, batch, base, lay = self._hello, self._batch, ctx.base, ctx.lay
+        done, done_addr, state = self._done_tokens, self._done_tokens_addr, self._state_addr
         out = None
         # the kernels write by address: a caller's row-major `dest` takes the sums directly
         into = dest if dest is not None and dest.is_contiguous() else None
         if dtype is torch.float32:                     # sum in place, no cast
             out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
             y_addr = out.data_ptr()
-        me, row_of_slot, rows_addr = ctx.rank, self._row_of_slot, expert_out.data_ptr()
+        me, row_addr, rows_addr = ctx.rank, self._row_of_slot_addr, expert_out.data_ptr()
         bad = KS.combine_begin_at(ctx.bases, lay, me, epoch, rows_addr, n_recv, rb, ints, elem,
-                                  self._cs, self._bsp, hello, got, batch, done, num_tokens,
-                                  row_of_slot)
+                                  self._bsp, state, done_addr, num_tokens, row_addr)
         if bad < 0:
             raise sentinel_error("expert_out", -bad - 1)
         t1 = now_us()
@@ -170,14 +168,13 @@ class SinglePath:
             cast, out_addr = KS.CAST_BF16, out.data_ptr()
         bsp, weighted = self._bsp, bool(weighted)
         if KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted,
-                              rb, es, ecode, lut, hello, got, done, batch, y_addr, hidden, SPINS,
-                              bsp, elem, cast, out_addr, me, row_of_slot, rows_addr,
-                              res):     # first poll inline, as above
+                              rb, es, ecode, lut, state, done_addr, y_addr, hidden, SPINS, bsp,
+                              elem, cast, out_addr, me, row_addr,
+                              rows_addr):     # first poll inline, as above
             ctx.wait(lambda s: KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens,
-                                                  top_k, weighted, rb, es, ecode, lut, hello,
-                                                  got, done, batch, y_addr, hidden, s, bsp, elem,
-                                                  cast, out_addr, me, row_of_slot, rows_addr,
-                                                  res),
+                                                  top_k, weighted, rb, es, ecode, lut, state,
+                                                  done_addr, y_addr, hidden, s, bsp, elem, cast,
+                                                  out_addr, me, row_addr, rows_addr),
                      "combine/rows", lambda: self._combine_missing(handle, done),
                      lambda: dc_detail(batch), deadline=deadline)
         _, code, _, routed = res.tolist()

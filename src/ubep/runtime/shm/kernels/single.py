@@ -26,7 +26,7 @@ from ubep.runtime.shm.kernels.slots import (
     send_hello,
     write_batch_flags,
 )
-from ubep.runtime.shm.region import L_BB, L_EL, L_FMT, L_KMAX, L_WORLD
+from ubep.runtime.shm.region import L_BB, L_DROWS, L_EL, L_FMT, L_KMAX, L_WORLD
 
 
 # -- one worker: a call's sending side in one kernel ----------------------------------------------
@@ -118,17 +118,55 @@ def combine_poll_single(base, lay, epoch, idx, weights, weighted, rb, es, elem, 
 RES_SENDS, RES_META, RES_RECV, RES_ROUTED = 0, 1, 2, 3
 #: combine_poll_at: how the fp32 sums reach the output (in place; bf16 rounding; by the caller)
 CAST_NONE, CAST_BF16 = 0, 1
+# The path's kept state is one int64 array (`state_words` long) that the kernels take by
+# address and view with `state_views`: every array argument costs a Numba call ~70 ns to
+# unbox, and these entries took 14-28 arguments (~1 us a call before any work).
+
+
+def state_words(world: int, el: int) -> int:
+    """Length of the one-worker state array (see `state_views`)."""
+    return world * (9 + 2 * el) + 4
+
+
+@jit
+def state_views(addr, world, el):
+    """The one-worker path's kept state at `addr` (int64 words, `state_words` of them):
+    `(cs [W], counts [W, E/P], meta [W, 3], got [W], out_start [W, E/P], batch [W],
+    hello [W, 3], res [4])`."""
+    p = addr
+    cs = carray(i64_ptr(p), world)
+    p += 8 * world
+    counts = carray(i64_ptr(p), (world, el))
+    p += 8 * world * el
+    meta = carray(i64_ptr(p), (world, 3))
+    p += 24 * world
+    got = carray(i64_ptr(p), world)
+    p += 8 * world
+    out_start = carray(i64_ptr(p), (world, el))
+    p += 8 * world * el
+    batch = carray(i64_ptr(p), world)
+    p += 8 * world
+    hello = carray(i64_ptr(p), (world, 3))
+    p += 24 * world
+    res = carray(i64_ptr(p), 4)
+    return cs, counts, meta, got, out_start, batch, hello, res
 
 
 @jit
 def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_addr,
-                      rank_of_expert, hop_of_rank, kind, num_hop_classes, elem, cs,
-                      bsp, counts, meta, got, out_start, tpe, batch, done, mine, res):
+                      rank_of_expert, hop_of_rank, kind, num_hop_classes, elem, bsp, state,
+                      tpe, done_addr, mine_addr):
     """`dispatch_send_single`, then one look at the counts (`dispatch_counts_at`).
 
     Sets `res[RES_SENDS]` to the send count, or to -(token + 1) after an sp sentinel abort (then
     returns 0 and does nothing more). Returns the sources whose counts are still missing.
+    `state` is the address of the kept state (`state_views`), `done_addr` of the rows' done
+    flags (uint8, as many as any N), `mine_addr` of `send_rows_keep_mine`'s int64 notes (a
+    window's rows).
     """
+    world, el = lay[L_WORLD], lay[L_EL]
+    cs, _, _, got, _, _, _, res = state_views(state, world, el)
+    mine = carray(i64_ptr(mine_addr), lay[L_DROWS])
     x = carray(u8_ptr(x_addr), (num_tokens, rb))
     idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
     w = carray(f32_ptr(w_addr), (num_tokens, top_k))
@@ -139,19 +177,18 @@ def dispatch_begin_at(bases, lay, me, epoch, x_addr, num_tokens, rb, idx_addr, t
         return 0
     for s in range(got.shape[0]):
         got[s] = 0
-    return dispatch_counts_at(bases[me], lay, epoch, counts, meta, got, out_start, tpe, batch,
-                              done, elem, res, 1)
+    return dispatch_counts_at(bases[me], lay, epoch, state, tpe, done_addr, elem, 1)
 
 
 @jit
-def dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batch, done, elem,
-                       res, spins):
+def dispatch_counts_at(base, lay, epoch, state, tpe, done_addr, elem, spins):
     """`poll_counts` of every source; once all arrived, `check_meta` into `res[RES_META]`,
-    the offsets and tokens per expert, N into `res[RES_RECV]`, and `batch` and `done[:N]`
-    (kept scratch, as large as any N) reset for the rows.
+    the offsets and tokens per expert, N into `res[RES_RECV]`, and `batch` and the N done
+    flags at `done_addr` (kept scratch, as many as any N) reset for the rows.
 
     Returns the sources still missing (0: done).
     """
+    _, counts, meta, got, out_start, batch, _, res = state_views(state, lay[L_WORLD], lay[L_EL])
     missing = poll_counts(base, lay, epoch, 0, lay[L_WORLD], counts, meta, got, spins)
     if missing:
         return missing
@@ -160,18 +197,22 @@ def dispatch_counts_at(base, lay, epoch, counts, meta, got, out_start, tpe, batc
     res[RES_RECV] = n
     for s in range(batch.shape[0]):
         batch[s] = 0
+    done = carray(u8_ptr(done_addr), n)
     for i in range(n):
         done[i] = 0
     return 0
 
 
 @jit
-def recv_rows_at(base, lay, epoch, counts, meta, out_start, n, done, batch, x_addr, rb, out_w,
-                 ints, me, mine, src_addr, num_tokens, w_addr, top_k, spins):
+def recv_rows_at(base, lay, epoch, state, n, done_addr, x_addr, rb, out_w, ints, me, mine_addr,
+                 src_addr, num_tokens, w_addr, top_k, spins):
     """`recv_rows_mine` of all `n` rows into the `[n, rb]` bytes at `x_addr`; `ints` `[3, n]`
     gets (source rank, token, slot). My rows for myself come from the dispatch's `[num_tokens,
     rb]` rows at `src_addr` and `[num_tokens, top_k]` weights at `w_addr`. Returns the rows
     still missing."""
+    _, counts, meta, _, out_start, batch, _, _ = state_views(state, lay[L_WORLD], lay[L_EL])
+    done = carray(u8_ptr(done_addr), n)
+    mine = carray(i64_ptr(mine_addr), lay[L_DROWS])
     out_x = carray(u8_ptr(x_addr), (n, rb))
     x = carray(u8_ptr(src_addr), (num_tokens, rb))
     w = carray(f32_ptr(w_addr), (num_tokens, top_k))
@@ -180,13 +221,17 @@ def recv_rows_at(base, lay, epoch, counts, meta, out_start, n, done, batch, x_ad
 
 
 @jit
-def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bsp,
-                     hello, got, batch, done, num_tokens, row_of_slot):
+def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, bsp, state, done_addr,
+                     num_tokens, row_addr):
     """`combine_send_single` of the `[n, rb]` bytes at `rows_addr`, then the receive state
     reset: `hello` -1, `got`, `batch` and `done[:num_tokens]` 0, and `row_of_slot[t*KMAX+k]`
     set to the row of each (t, k) of mine that I received from myself (read in place by the
     reduce). Returns what the send returns. (The sums need no zeroing: `sum_slots` writes
     every element of every token, zeros for an unrouted one.)"""
+    kmax = lay[L_KMAX]
+    cs, _, _, got, _, batch, hello, _ = state_views(state, lay[L_WORLD], lay[L_EL])
+    done = carray(u8_ptr(done_addr), num_tokens)
+    row_of_slot = carray(i64_ptr(row_addr), num_tokens * kmax)
     rows = carray(u8_ptr(rows_addr), (n, rb))
     bad = combine_send_single(bases, lay, me, epoch, rows, ints[0], ints[1], ints[2], elem,
                               cs, bsp)
@@ -199,7 +244,6 @@ def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bs
             hello[s, i] = -1
     for t in range(num_tokens):
         done[t] = 0
-    kmax = lay[L_KMAX]
     for i in range(n):
         if ints[0, i] == me:
             row_of_slot[ints[1, i] * kmax + ints[2, i]] = i
@@ -208,8 +252,8 @@ def combine_begin_at(bases, lay, me, epoch, rows_addr, n, rb, ints, elem, cs, bs
 
 @jit
 def combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted, rb, es,
-                    ecode, lut, hello, got, done, batch, y_addr, hidden, spins, bsp, elem,
-                    cast, out_addr, me, row_of_slot, rows_addr, res):
+                    ecode, lut, state, done_addr, y_addr, hidden, spins, bsp, elem, cast, out_addr,
+                    me, row_addr, rows_addr):
     """`combine_poll_single` over the routing at `idx_addr`/`w_addr` into the sums at
     `y_addr`, or (`cast` == CAST_BF16) rounded token by token into the bf16
     `[num_tokens, hidden]` at `out_addr` (then `y_addr` is not written); once complete,
@@ -218,6 +262,9 @@ def combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weigh
 
     Returns what is still missing (0: done).
     """
+    _, _, _, got, _, batch, hello, res = state_views(state, lay[L_WORLD], lay[L_EL])
+    done = carray(u8_ptr(done_addr), num_tokens)
+    row_of_slot = carray(i64_ptr(row_addr), num_tokens * lay[L_KMAX])
     idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
     w = carray(f32_ptr(w_addr), (num_tokens, top_k))
     if cast == CAST_BF16:
