@@ -5,10 +5,12 @@ the same window (no reset pass between epochs). Every block has two words: a pay
 and a last word that is the flag (tff), the marker (dc, sp) or a second payload word (sw).
 After consuming an epoch the receiver releases the window with an ack (a release store);
 the sender waits for the ack before it reuses the window. In the shm runtime windows are
-double-buffered by epoch parity, and a sender can only start call e+2 after every receiver
-has sent its counts of call e+1 (a release store), which it does after finishing call e: that
-counts message is the ack. The model uses one window and an explicit ack, a stricter reuse,
-so that re-arming (sp) is checked against a sender that reuses the window at once.
+double-buffered by epoch parity and a sender reuses a half only after a release-stored
+message every receiver sends once it finished with that half: the counts or hellos of the
+next call of the same kind (back-to-back calls), or the hellos of the combine / counts of
+the dispatch in between (alternating calls, which stay in one half; `docs/sync.md`). That
+message is the ack. The model uses one window and an explicit ack, a stricter reuse, so that
+re-arming (sp) is checked against a sender that reuses the window at once.
 
 As in the runtime (`ubep.plan.blocks`), each block's last word is written last: the tff flag,
 or the marker word (a payload word) of sw, dc and sp.
