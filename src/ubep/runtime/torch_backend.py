@@ -169,7 +169,7 @@ class TorchBackend:
         hidden = x.shape[1]
         row_bytes = hidden * x.element_size()
         device = x.device
-        on_cpu = device.type == "cpu"
+        on_cpu = x.is_cpu
         meta_k = max(c.max_top_k, top_k)
         meta_bytes = 4 * (1 + 2 * meta_k)   # token index, top-k expert ids, top-k weight bits
 
@@ -204,7 +204,7 @@ class TorchBackend:
         n1 = [min(n, C) for n in dests]
         send2 = [0 if d == me or n <= C else -(-(n - C) * meta_bytes // row_bytes) + n - C
                  for d, n in enumerate(dests)]
-        xb = x.view(torch.uint8).view(num_tokens, row_bytes)
+        xb = x.view(torch.uint8)                     # [T, row_bytes]
         send1_rows = (world - 1) * blk
         send = self._buffer("send", send1_rows + sum(send2), row_bytes, device)
         meta_u8 = meta.reshape(-1).view(np.uint8)
@@ -323,7 +323,7 @@ class TorchBackend:
                                               out=self._owned_rows(num_recv, row_bytes)))
         else:
             recv_x = torch.index_select(work, 0, dev(gather))
-        recv_x = recv_x.view(x.dtype).view(num_recv, hidden)
+        recv_x = recv_x.view(x.dtype)                # [N, row_bytes] bytes -> [N, hidden]
         t5 = _now_us()
 
         state = _TorchState(
@@ -408,7 +408,7 @@ class TorchBackend:
         if own:         # after the collective: work before one slows it more than it costs
             self._flat("combine", back * prow_bytes, own * prow_bytes).copy_(
                 flat[nret * prow_bytes:])
-        y = F.embedding_bag(st.final_rows, work.view(pdtype).view(-1, hidden), st.final_offsets,
+        y = F.embedding_bag(st.final_rows, work.view(pdtype), st.final_offsets,
                             mode="sum")
         if pdtype != dtype:
             y = y.to(dtype)
