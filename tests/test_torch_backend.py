@@ -58,10 +58,12 @@ def test_torch_backend_two_phase_dispatch(inline_bytes):
         check_case(case, [per_rank[r][i] for r in range(3)])
 
 
-def test_torch_backend_device_path_on_cpu():
-    """The torch ops a GPU group's rows take (index_select, copies to the device), run on CPU."""
+@pytest.mark.parametrize("inline_bytes", [None, 0])
+def test_torch_backend_device_path_on_cpu(inline_bytes):
+    """The torch ops a GPU group's rows take (index_select, copies to the device, only the
+    routing words to the host), run on CPU; tokens inline and in a second collective."""
     cases = _cases(2)
-    per_rank = run_ranks(_run_cases, 2, cases, False, timeout_s=180)
+    per_rank = run_ranks(_run_cases, 2, cases, False, inline_bytes, timeout_s=180)
     for i, case in enumerate(cases):
         check_case(case, [per_rank[r][i] for r in range(2)])
 

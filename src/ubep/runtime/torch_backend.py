@@ -293,10 +293,8 @@ class TorchBackend:
             if n_me:
                 np.take(xn, token_of[own], axis=0, mode="clip", out=workn[num_remote:])
             head = workn[:num_remote].reshape(-1)
-        else:
-            if n_me:
-                torch.index_select(xb, 0, dev(token_of[own]), out=work[num_remote:])
-            head = work[:num_remote].view(-1).cpu().numpy()
+        elif n_me:
+            torch.index_select(xb, 0, dev(token_of[own]), out=work[num_remote:])
         # segments of received tokens in bag order: (source, count, routing byte, first row)
         segs = []
         slot, row2 = 0, recv1_rows
@@ -312,6 +310,12 @@ class TorchBackend:
                 segs.append((s, n - C if C else n, row2 * row_bytes,
                              row2 + recv2[s] - (n - C if C else n)))
             row2 += recv2[s]
+        if not host:    # only the routing words come to the host, not the rows
+            flat = work.view(-1)
+            head = np.empty(num_remote * row_bytes, dtype=np.uint8)
+            for _, n, off, _ in segs:
+                if n:
+                    head[off:off + n * meta_bytes] = flat[off:off + n * meta_bytes].cpu().numpy()
         bf16 = x.dtype == torch.bfloat16
         (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
          bag_offsets2, weights2, num_remote_bags) = recv_plan(
