@@ -9,14 +9,15 @@ is what the runtime does to it (`ubep.runtime.shm`), priced by microbenchmarks o
 runtime's own kernels on this host (`ubep.sim.hostbench`), not fitted to the points
 predicted:
 
-* the passes over rows: the one-worker path (shm-ubep, shm-bsp) writes each row as a tff
-  record into its destination's window and the receiver reads it out into place (dispatch);
-  combine writes each row back the same way and the source sums it into its token
-  (`accumulate` over blocks), after zeroing the sums, and rounds them to bf16 at the end.
+* the passes over rows (`ROW_PASSES`): the one-worker path (shm-ubep, shm-bsp) writes each
+  row for the peer as a tff record into the peer's window and the peer reads it out into
+  place; a rank's rows for itself skip the window (copied from `x` on receive). Combine
+  sends the peer's expert outputs back the same way and sums each token's rows into its
+  bf16 output (`sum_slots`: from the window's blocks, or in place for its own experts).
   The direct path copies each row once into its final place (dispatch) and sums the rows
-  where they lie (combine), each token's sum zeroed before and rounded after;
+  where they lie (combine). Rows for the peer vs for itself: `remote_share` of the routing;
 * a pass's cost per byte depends on the call's footprint: the bytes a rank's calls cycle
-  through (its input, windows of both parities or its receive area, outputs, fp32 sums),
+  through (its input, windows or its receive area, outputs),
   looked up in the microbenchmark's table of the same pass timed on that footprint with
   two processes copying at once (both ranks move rows at the same time, sharing the last
   level cache and the memory bus);
@@ -49,6 +50,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ubep.sim.hostbench import PAGE, CopyTable, record_wire_bytes
 
 SYSTEMS = {"shm-bsp": ("bsp", False), "shm-ubep": ("ubep", False),
@@ -57,13 +60,16 @@ BATCHES = (1, 8, 16, 128)
 HIDDEN, TINY_HIDDEN, TOP_K, EXPERTS, RANKS = 7168, 64, 8, 16, 2
 BYTES_PER_ELEMENT = 2
 BENCH_LOCK = "/tmp/ubep-bench.lock"
-#: the passes over rows of each path and op: (the sender's, the receiver's per row)
-ROW_PASSES = {("single", "dispatch"): ("record_write_fanout", "record_read"),
-              ("single", "combine"): ("record_write", "accumulate_blocks"),
-              ("direct", "dispatch"): ("copy_fanout", None),
-              ("direct", "combine"): ("accumulate", None)}
-#: the passes over each token's fp32 sum in a combine (zero it, round it to bf16)
-SUM_PASSES = ("fill", "to_bf16")
+#: the passes over rows of each path and op: {side: ((pass, rows it applies to), ...)}, the
+#: sender's and the receiver's; "remote" rows go to / come from the peer, "all" every row
+ROW_PASSES = {
+    ("single", "dispatch"): {"send": (("record_write_fanout", "remote"),),
+                             "recv": (("record_read", "remote"), ("copy_fanout", "local"))},
+    ("single", "combine"): {"send": (("record_write", "remote"),),
+                            "recv": (("reduce_blocks", "remote"), ("reduce", "local"))},
+    ("direct", "dispatch"): {"send": (("copy_fanout", "all"),), "recv": ()},
+    ("direct", "combine"): {"send": (("reduce", "all"),), "recv": ()},
+}
 
 
 @dataclass(frozen=True)
@@ -86,46 +92,53 @@ def path_of(system: str) -> str:
     return "direct" if SYSTEMS[system][1] else "single"
 
 
+def remote_share(batch: int, top_k: int = TOP_K) -> float:
+    """Share of a rank's (token, expert) rows whose expert lives on the other rank, in the
+    routing the engine simulates (uniform, seed 0)."""
+    from ubep.sim.workload import make_topk
+
+    topk = make_topk(RANKS, batch, top_k, EXPERTS)
+    owner = topk // (EXPERTS // RANKS)
+    return float((owner != np.arange(RANKS)[:, None, None]).mean())
+
+
 def footprint_bytes(system: str, batch: int, hidden: int = HIDDEN,
                     top_k: int = TOP_K) -> int:
     """Bytes one rank's calls cycle through when the bench repeats dispatch+combine:
-    where its rows are read from and written to, and its fp32 sums.
+    where its rows are read from and written to.
 
-    Uniform routing over 2 ranks: a rank sends `batch * top_k` rows and receives as many.
-    One-worker path: its input, the dispatch windows it receives into (16-byte header + row
-    as tff blocks) and the combine windows (as many copies as the runtime's layout has:
-    `window_copies`), the received rows twice (the bench keeps a dispatch's result until the
-    next dispatch returned, so two `recv_x` are alive and take turns), the fp32 sums and the
-    output. Direct: its input, its receive area (read in place by combine), the meta words,
-    the fp32 sums and the output.
+    Uniform routing over 2 ranks: a rank sends `batch * top_k` rows and receives as many,
+    `remote_share` of them through a window. One-worker path: its input, the dispatch
+    window rows it receives from the peer (16-byte header + row as tff blocks) and the
+    combine window rows, times `window_copies`, the received rows twice (the bench keeps a
+    dispatch's result until the next dispatch returned, so two `recv_x` take turns) and the
+    output. Direct: its input, its receive area (read in place by combine) with its meta
+    words, and the output.
     """
     rb = hidden * BYTES_PER_ELEMENT
     rows = batch * top_k
-    sums, x, out = batch * hidden * 4, batch * rb, batch * rb
+    x, out = batch * rb, batch * rb
     if path_of(system) == "direct":
-        return x + rows * (rb + 16) + sums + out
-    wins = window_copies() * rows * (record_wire_bytes(rb) + record_wire_bytes(rb, 0))
-    return x + wins + 2 * rows * rb + sums + out
+        return x + rows * (rb + 16) + out
+    remote = round(rows * remote_share(batch, top_k))
+    wins = window_copies() * remote * (record_wire_bytes(rb) + record_wire_bytes(rb, 0))
+    return x + wins + 2 * rows * rb + out
 
 
 @functools.cache
 def window_copies() -> int:
-    """Copies of its windows a one-worker rank cycles through, read from the runtime's
-    region layout: 2 while windows alternate by call parity, 1 where one set is reused."""
-    from ubep.plan.blocks import BlockFormat
-    from ubep.runtime.shm.region import (
-        L_CWIN_OFF,
-        L_DROWS,
-        L_DSTRIDE,
-        L_DWIN_OFF,
-        region_layout,
-    )
-
-    lay = region_layout(world=RANKS, experts_per_rank=EXPERTS // RANKS, max_workers=1,
-                        hidden=HIDDEN, max_tokens=128, max_top_k=TOP_K,
-                        fmt=BlockFormat("tff", 512))
-    one = RANKS * int(lay[L_DROWS]) * int(lay[L_DSTRIDE])
-    return max(1, round((int(lay[L_CWIN_OFF]) - int(lay[L_DWIN_OFF])) / one))
+    """Window sets a one-worker rank cycles through when dispatch and combine alternate,
+    from the runtime's epoch rule (`region.next_epoch`: the parity a call's windows use);
+    2 for a runtime that alternates parities every call (no such rule)."""
+    try:
+        from ubep.runtime.shm.region import next_epoch
+    except ImportError:
+        return 2
+    e, parities = 0, set()
+    for _ in range(4):                       # dispatch, combine, dispatch, ...
+        e = next_epoch(e, same_kind_last=False)
+        parities.add(e % 2)
+    return len(parities)
 
 
 def host_topology():
@@ -164,20 +177,26 @@ def _bw(ns_per_byte: float) -> float:
     return math.inf if ns_per_byte <= 0 else 1.0 / ns_per_byte
 
 
+def pass_ns_per_byte(system: str, op: str, side: str, batch: int, table: CopyTable,
+                     footprint: float) -> float:
+    """ns per payload byte of a row on `side` ("send"/"recv") of `system`'s `op`: the path's
+    passes priced at `footprint`, weighted by the share of rows each applies to."""
+    share = remote_share(batch)
+    weight = {"remote": share, "local": 1.0 - share, "all": 1.0}
+    return sum(weight[rows] * table.cost_ns_per_byte(p, footprint)
+               for p, rows in ROW_PASSES[(path_of(system), op)][side])
+
+
 def call_params(system: str, op: str, hidden: int, batch: int, table: CopyTable,
                 flag_rtt_us: float, call_us: float = 0.0, faults: float = 0.0):
     """The host model's `CostParams` for one call: the row passes of `system`'s path priced
-    at this call's footprint; the passes over the fp32 sums, `faults` fresh pages and
-    `call_us` as its fixed part."""
+    at this call's footprint; `faults` fresh pages and `call_us` as its fixed part."""
     fp = footprint_bytes(system, batch, hidden)
-    send, recv = ROW_PASSES[(path_of(system), op)]
-    ns = {p: table.cost_ns_per_byte(p, fp) for p in (send, recv) if p}
+    send, recv = (pass_ns_per_byte(system, op, side, batch, table, fp)
+                  for side in ("send", "recv"))
     fixed = call_us + faults * PAGE * table.cost_ns_per_byte("first_touch", faults * PAGE) / 1e3
-    if op == "combine":
-        sums = batch * hidden * 4
-        fixed += sum(table.cost_ns_per_byte(p, fp) for p in SUM_PASSES) * sums / 1e3
-    return host_params(flag_rtt_us, ns[send], ns.get(recv, 0.0),
-                       row_bytes=hidden * BYTES_PER_ELEMENT, launch_us=fixed)
+    return host_params(flag_rtt_us, send, recv, row_bytes=hidden * BYTES_PER_ELEMENT,
+                       launch_us=fixed)
 
 
 def predict(system: str, op: str, hidden: int, batch: int, params) -> float:

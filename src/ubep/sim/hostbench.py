@@ -13,17 +13,16 @@ matters: a dispatch sends each token row to top-k places, so its source (the bat
 eighth of what it writes and stays in cache, while the other passes stream both sides.
 
 * copy_fanout: `copy_bytes` of rows into place, each source row to 8 places in turn (the
-  direct path's dispatch);
+  direct path's dispatch; the one-worker receive of a rank's rows for itself, from `x`);
 * record_write_fanout: `write_record` of rows as tff blocks, each source row to 8 places
-  (the one-worker path's dispatch send);
+  (the one-worker path's dispatch send to a peer);
 * record_write: `write_record` of rows as tff blocks, one place per row (the one-worker
-  combine sends its expert outputs back);
-* record_read: `blocks_ready` + `read_record` (the one-worker dispatch's reorder);
-* accumulate: `accumulate` of a bf16 row into its token's fp32 sum, a row read whole (the
-  direct combine reads rows where they lie);
-* accumulate_blocks: the same over tff blocks (the one-worker combine's reduce);
-* to_bf16: `f32_to_bf16` of the fp32 sums (per byte of the sums);
-* fill: zeroing fp32 sums (the one-worker combine's scratch; per byte);
+  combine sends a peer's expert outputs back);
+* record_read: `blocks_ready` + `read_record` (the one-worker dispatch's receive from a peer);
+* reduce: `sum_slots` of a token's 8 rows lying contiguous into its bf16 output (the direct
+  combine; the one-worker combine's rows of its own experts, read in place);
+* reduce_blocks: the same over rows in tff blocks (the one-worker combine's rows from a
+  peer's window);
 * first_touch: writing fresh anonymous memory, one store per 4 KiB page (the page faults a
   newly allocated tensor takes when the allocator maps it fresh; per byte mapped).
 
@@ -41,11 +40,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from numba import carray
 
-from ubep.runtime.shm.atomics import u8_ptr
 from ubep.runtime.shm.kernels import jit
-from ubep.runtime.shm.kernels.combine import ELEM_BF16, accumulate, f32_to_bf16
+from ubep.runtime.shm.kernels.combine import ELEM_BF16, sum_slots
+from ubep.runtime.shm.kernels.direct import SUM_CHUNK
 from ubep.runtime.shm.kernels.records import (
     FMT_TFF,
     blocks_ready,
@@ -55,8 +53,8 @@ from ubep.runtime.shm.kernels.records import (
     write_record,
 )
 
-PASSES = ("copy_fanout", "record_write_fanout", "record_write", "record_read", "accumulate",
-          "accumulate_blocks", "to_bf16", "fill", "first_touch")
+PASSES = ("copy_fanout", "record_write_fanout", "record_write", "record_read", "reduce",
+          "reduce_blocks", "first_touch")
 #: footprints timed: 256 KiB .. 128 MiB, two per octave
 FOOTPRINTS = tuple(int(2 ** (k / 2)) for k in range(36, 55))
 #: fan-out passes: places each source row is written to (a token row goes to top-k experts)
@@ -150,28 +148,21 @@ def _record_read(src, out, wire, reps, epoch):
 
 
 @jit
-def _accumulate(src, stride, bb, ppb, rb, y, reps):
+def _reduce(src, stride, blk, epb, out16, reps):
+    """Each token's 8 rows (`stride` bytes apart, blocks of `epb` elements `blk` bytes
+    apart) summed into its bf16 output row, as the runtime's reduce calls `sum_slots`."""
     lut = np.zeros(1, np.float32)
     s0 = src.ctypes.data
-    n = y.shape[0] * TOP_K
+    srcs = np.empty(TOP_K, np.int64)
+    blks = np.full(TOP_K, blk, np.int64)
+    wgts = np.full(TOP_K, 0.5, np.float32)
+    acc = np.empty(epb, np.float32)
+    no_y = np.zeros(0, np.float32)
     for _ in range(reps):
-        for i in range(n):
-            accumulate(s0 + i * stride, bb, ppb, rb, 2, ELEM_BF16, lut, np.float32(0.5),
-                       y[i // TOP_K])
-
-
-@jit
-def _to_bf16(y, out, reps):
-    for _ in range(reps):
-        f32_to_bf16(y, out)
-
-
-@jit
-def _fill(y, reps):
-    for _ in range(reps):
-        v = carray(u8_ptr(y.ctypes.data), y.size * 4)
-        for i in range(v.shape[0]):
-            v[i] = 0
+        for t in range(out16.shape[0]):
+            for j in range(TOP_K):
+                srcs[j] = s0 + (t * TOP_K + j) * stride
+            sum_slots(srcs, blks, wgts, TOP_K, epb, 2, ELEM_BF16, lut, acc, no_y, out16[t])
 
 
 def _first_touch(nbytes: int, reps: int) -> None:
@@ -213,24 +204,16 @@ def _setup(pass_: str, footprint: int, row_bytes: int):
         if pass_ == "record_write":
             return (lambda reps: _record_write(src, dst, n, wire, reps, 2)), n * rb
         return (lambda reps: _record_read(dst, src, wire, reps, 1)), n * rb
-    if pass_ in ("accumulate", "accumulate_blocks"):
-        blocks = pass_ == "accumulate_blocks"
-        stride = num_blocks(rb, BLOCK_BYTES - FLAG_BYTES) * BLOCK_BYTES if blocks else rb
-        tokens = max(1, footprint // (TOP_K * stride + hidden * 4))
+    if pass_ in ("reduce", "reduce_blocks"):
+        blocks = pass_ == "reduce_blocks"
+        ppb = BLOCK_BYTES - FLAG_BYTES
+        stride = num_blocks(rb, ppb) * BLOCK_BYTES if blocks else rb
+        epb, blk = (ppb // 2, BLOCK_BYTES) if blocks else (SUM_CHUNK, SUM_CHUNK * 2)
+        tokens = max(1, footprint // (TOP_K * stride + rb))
         src = _aligned(tokens * TOP_K * stride)
         src.view(np.uint16)[:] = _BF16_ONE
-        y = np.zeros((tokens, hidden), np.float32)
-        bb, ppb = (BLOCK_BYTES, BLOCK_BYTES - FLAG_BYTES) if blocks else (rb, rb)
-        return (lambda reps: _accumulate(src, stride, bb, ppb, rb, y, reps)), \
-            tokens * TOP_K * rb
-    if pass_ == "to_bf16":
-        m = max(1, footprint // (hidden * 6))
-        y, out = np.ones((m, hidden), np.float32), np.zeros((m, hidden), np.uint16)
-        return (lambda reps: _to_bf16(y, out, reps)), m * hidden * 4
-    if pass_ == "fill":
-        m = max(1, footprint // (hidden * 4))
-        y = np.ones((m, hidden), np.float32)
-        return (lambda reps: _fill(y, reps)), m * hidden * 4
+        out16 = np.zeros((tokens, hidden), np.uint16)
+        return (lambda reps: _reduce(src, stride, blk, epb, out16, reps)), tokens * TOP_K * rb
     if pass_ == "first_touch":
         n = max(1, footprint // PAGE) * PAGE
         return (lambda reps: _first_touch(n, reps)), n
