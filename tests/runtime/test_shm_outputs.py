@@ -102,6 +102,9 @@ def _held(rank, world, workers):
         again = buf.dispatch(x, idx, w)
         reused = again.recv_x.data_ptr() in ptrs
         buf.combine(again.recv_x, again.handle)
+        lend = buf._backend._path._lend
+        assert lend._blocks                          # blocks kept while open
+    assert lend._blocks == []                        # close drops them; outs stay valid
     return outs, reused
 
 

@@ -250,8 +250,12 @@ class ShmBackend:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop workers, unmap and release every segment (idempotent)."""
+        """Stop workers, unmap and release every segment, drop kept output memory
+        (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self._finalizer()
+        release = getattr(self._path, "release_outputs", None)
+        if release is not None:
+            release()

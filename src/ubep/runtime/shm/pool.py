@@ -147,6 +147,10 @@ class PoolPath:
         c = ctx.config
         self._y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)   # fp32 sums, kept
 
+    def release_outputs(self) -> None:
+        """Drop the output pool's kept blocks (at close; tensors lent out stay valid)."""
+        self._lend.close()
+
     def _count_workers(self, num_tokens: int, top_k: int) -> int:
         """Workers in the count role: `config.count_workers`, else the cost model's choice
         for this batch (`ubep.plan.costmodel`: the tuned choice for this batch if `ubep tune`

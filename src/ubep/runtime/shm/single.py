@@ -74,6 +74,10 @@ class SinglePath:
         self._mine_addr = self._mine.ctypes.data
         self._row_of_slot_addr = self._row_of_slot.ctypes.data
 
+    def release_outputs(self) -> None:
+        """Drop the output pool's kept blocks (at close; tensors lent out stay valid)."""
+        self._lend.close()
+
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int, t0: float) -> DispatchResult:
