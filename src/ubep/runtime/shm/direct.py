@@ -155,15 +155,17 @@ class DirectPath:
         counts, elems, got, dlay, bases = self._counts, self._elems, self._got, self.dlay, b.bases
         t_n, k_n = topk_idx.shape
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
-        if DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
-                                self.num_experts, code, counts, elems, got, 8):
+        left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
+                                            self.num_experts, code, counts, elems, got, 8)
+        if left:
             b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, elems, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
                     deadline=deadline)
+            n_recv = DK.rows_for(counts, b.rank)
         t1 = now_us()
         tpe = np.empty(self.el, np.int64)
-        ints = np.empty((3, self.max_recv), np.int64)   # src rank, token, slot
-        wts = np.empty(self.max_recv, np.float32)
+        ints = np.empty((3, n_recv), np.int64)   # src rank, token, slot: exactly N each
+        wts = np.empty(n_recv, np.float32)
         rb = x.shape[1] * x.element_size()
         if b.workers == 1:
             # `pos` is kept scratch: only the latest dispatch can be combined
@@ -189,11 +191,10 @@ class DirectPath:
         self._last_call, self._last_dtype = call, x.dtype
         t2 = now_us()
         handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
-                            ints[:, :n_recv], state)
+                            ints, state)
         stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, topk_idx, n_recv, rb,
                                  epoch)
-        return new_dispatch_result(self._view("recv", n_recv, x.dtype), wts[:n_recv], tpe,
-                                   handle, stats)
+        return new_dispatch_result(self._view("recv", n_recv, x.dtype), wts, tpe, handle, stats)
 
     def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, deadline):
         """`workers` > 1: the workers send a token range each, then wait for a row range."""

@@ -299,10 +299,24 @@ def copy_local(dst_addr, src_addr, n):
 @jit
 def dispatch_begin_at(bases, dlay, me, epoch, idx_addr, t_n, k_n, num_experts, elem, counts,
                       elems, got, spins):
-    """`dispatch_begin` of the `[t_n, k_n]` int64 routing at `idx_addr`."""
+    """`dispatch_begin` of the `[t_n, k_n]` int64 routing at `idx_addr`; returns (ranks whose
+    counts lack, N = `rows_for(counts, me)` once none lacks, else -1)."""
     idx = carray(i64_ptr(idx_addr), (t_n, k_n))
-    return dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems, got,
+    left = dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems, got,
                           spins)
+    return left, (-1 if left else rows_for(counts, me))
+
+
+@jit
+def rows_for(counts, me):
+    """N, the rows rank `me` receives: every rank's count for each of my experts."""
+    world, e_n = counts.shape
+    el = e_n // world
+    n = 0
+    for s in range(world):
+        for e in range(me * el, (me + 1) * el):
+            n += counts[s, e]
+    return n
 
 
 @jit

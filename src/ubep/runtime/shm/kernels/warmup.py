@@ -36,6 +36,7 @@ from ubep.runtime.shm.kernels.direct import (
     recv_meta,
     reduce_direct,
     reduce_direct_at,
+    rows_for,
     send_rows_direct,
 )
 from ubep.runtime.shm.kernels.direct import combine_begin_at as direct_combine_begin_at
@@ -240,6 +241,7 @@ def warm_up_direct() -> None:
     n = place_rows(counts, 0, 2, idx, pos, tpe, ints[0])
     send_rows_direct(bases, dlay, 5, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
     recv_meta(base, dlay, 5, 0, n, ints[1], ints[2], wts, 1)
+    rows_for(counts, 0)
     copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
     publish_ready(base, dlay, 5, 2, int(dlay[D_RECV_OFF]))
     reduce_direct(bases, dlay, 5, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
