@@ -96,3 +96,38 @@ def test_combine_out_rejects_bad_out_and_stays_usable(buf, bad, exc, match):
     out = torch.empty(4, 8)
     y = buf.combine(res.recv_x, res.handle, out=out)   # the same handle still combines
     assert y is out and torch.equal(out, buf.combine(res.recv_x, res.handle))
+
+
+def _combine_into_expert_out(rank, world, kw, cases):
+    """`out` on the memory of `expert_out` itself (one workspace for both, as vLLM's modular
+    kernel can hand them): y must still be the sum of the rows as they were."""
+    outs = []
+    for case in cases:
+        with ubep.Buffer(num_experts=case.num_experts, hidden=case.hidden,
+                         max_tokens_per_rank=max(case.tokens), **kw) as buf:
+            x, idx, w = case.inputs(rank)
+            res = buf.dispatch(x, idx, w)
+            rows = expert_fn(res.recv_x)
+            T, N = case.tokens[rank], rows.shape[0]
+            work = torch.empty(max(T, N), case.hidden, dtype=rows.dtype)
+            work[:N] = rows
+            out = work[:T]
+            got = buf.combine(work[:N], res.handle, weighted=case.weighted, out=out)
+            if got is not out:
+                raise AssertionError("combine(out=) must return out itself")
+            outs.append({"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
+                         "tokens_per_expert": res.tokens_per_expert,
+                         "recv_src_rank": res.recv_src_rank,
+                         "recv_src_token": res.recv_src_token,
+                         "recv_src_slot": res.recv_src_slot, "y": out.clone()})
+    return outs
+
+
+@pytest.mark.parametrize("kw", [dict(backend="torch"), dict(backend="shm", workers=1),
+                                dict(backend="shm", workers=2),
+                                dict(backend="shm", direct=True)],
+                         ids=["torch", "shm-1", "shm-2", "shm-direct"])
+def test_out_sharing_memory_with_expert_out(kw):
+    per_rank = run_ranks(_combine_into_expert_out, 2, kw, _CASES, timeout_s=180)
+    for i, case in enumerate(_CASES):
+        check_case(case, [per_rank[r][i] for r in range(2)])

@@ -316,13 +316,18 @@ class Buffer:
             if out is not None:
                 check_combine_out(out, num_tokens=handle.num_tokens, hidden=handle.hidden,
                                   dtype=rows.dtype, device=rows.device)
+            # a framework may hand `out` on the very memory of `expert_out` (one workspace for
+            # both, as vLLM's modular kernel can): backends that sum into `out` while still
+            # reading rows would read their own sums, so such an `out` is filled afterwards
+            alias = out is not None and _overlap(out, rows)
             try:
-                res = self._backend.combine(rows, handle, bool(weighted), out)
+                res = self._backend.combine(rows, handle, bool(weighted),
+                                            None if alias else out)
             except BaseException as e:
                 self._failed(e)
                 raise
             self.last_stats = res.stats
-            return res.y
+            return out.copy_(res.y) if alias else res.y
 
     def get_combine_buffer(self, handle: DispatchHandle,
                            dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -348,3 +353,16 @@ class Buffer:
         return (f"Buffer(rank={c.rank}/{c.world_size}, num_experts={c.num_experts}, "
                 f"hidden={c.hidden}, backend={c.backend!r}, mode={c.mode!r}, sync={c.sync!r}, "
                 f"{state})")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges `a` and `b` span on one device intersect (strides included)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:       # torch strides are never negative
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
