@@ -14,6 +14,14 @@ _CASES = [
 ]
 
 
+def _for_oracle(res, y: torch.Tensor) -> dict:
+    """What `check_case` compares of one rank's dispatch result and combine output."""
+    return {"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
+            "tokens_per_expert": res.tokens_per_expert, "recv_src_rank": res.recv_src_rank,
+            "recv_src_token": res.recv_src_token, "recv_src_slot": res.recv_src_slot,
+            "y": y.clone()}
+
+
 def _combine_into_out(rank, world, backend, cases):
     outs = []
     for case in cases:
@@ -31,11 +39,7 @@ def _combine_into_out(rank, world, backend, cases):
                 raise AssertionError("combine(out=) must return out itself")
             if not torch.all(store[:, 1::2] == 7.0):
                 raise AssertionError("combine(out=) wrote outside out")
-            outs.append({"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
-                         "tokens_per_expert": res.tokens_per_expert,
-                         "recv_src_rank": res.recv_src_rank,
-                         "recv_src_token": res.recv_src_token,
-                         "recv_src_slot": res.recv_src_slot, "y": out.clone()})
+            outs.append(_for_oracle(res, out))
     return outs
 
 
@@ -58,11 +62,7 @@ def _combine_into_contiguous_out(rank, world, kw, cases):
             got = buf.combine(expert_fn(res.recv_x), res.handle, weighted=case.weighted, out=out)
             if got is not out:
                 raise AssertionError("combine(out=) must return out itself")
-            outs.append({"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
-                         "tokens_per_expert": res.tokens_per_expert,
-                         "recv_src_rank": res.recv_src_rank,
-                         "recv_src_token": res.recv_src_token,
-                         "recv_src_slot": res.recv_src_slot, "y": out.clone()})
+            outs.append(_for_oracle(res, out))
     return outs
 
 
@@ -115,11 +115,7 @@ def _combine_into_expert_out(rank, world, kw, cases):
             got = buf.combine(work[:N], res.handle, weighted=case.weighted, out=out)
             if got is not out:
                 raise AssertionError("combine(out=) must return out itself")
-            outs.append({"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
-                         "tokens_per_expert": res.tokens_per_expert,
-                         "recv_src_rank": res.recv_src_rank,
-                         "recv_src_token": res.recv_src_token,
-                         "recv_src_slot": res.recv_src_slot, "y": out.clone()})
+            outs.append(_for_oracle(res, out))
     return outs
 
 
