@@ -54,6 +54,7 @@ def _interrupted(rank, world, kw):
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_an_interrupt_mid_dispatch_breaks_the_buffer(path):
     out = run_ranks(_interrupted, 2, PATHS[path], timeout_s=120, return_exceptions=True)
+    assert isinstance(out[0], tuple) and len(out[0]) == 4, out     # what each rank saw
     what, state, took, msg = out[0]
     assert what == "broken" and "broken" in state and "KeyboardInterrupt" in msg
     assert took < 0.5                      # refused at once, no wait on the peers
