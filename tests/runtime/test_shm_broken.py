@@ -36,6 +36,9 @@ def _interrupted(rank, world, kw):
             except ubep.UbepError as e:
                 return type(e).__name__, e.peers
             return "peer completed"
+        # a process started with SIGINT ignored (a CI job run in the background: bash ignores
+        # SIGINT for asynchronous commands) gets no KeyboardInterrupt: install Python's own
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
         try:
             buf.dispatch(*_inputs(rank, 1))
