@@ -163,44 +163,62 @@ def class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
 
 
 @_jit
+def _odd_upto(r, c, inv):  # pragma: no cover - compiled
+    """How many odd o >= 1 have `o * c <= r` (r >= 0, c >= 1, `inv` = 1.0 / c): `(L + 1) // 2`
+    for `L = floor(r / c)`, taken in float64 (off by at most one) and corrected exactly."""
+    lim = np.int64(r * inv)
+    lim += 1 if (lim + 1) * c <= r else 0
+    lim -= 1 if lim * c > r else 0
+    return (lim + 1) // 2
+
+
+@_jit
 def interleave(sizes, j, chunk=1):  # pragma: no cover - compiled
     """Worker j's send order: `perm[i]` = where the i-th send of its slices (concatenated
     row by row, farthest class first) goes. The slices are merged `chunk` sends at a time,
     chunk c of a slice's C chunks at `(2c + 1) / (2 C)`, ties to the farther class:
-    `ubep.plan.schedule.interleave_keys`, the documented reference (compared here exactly,
-    by cross-multiplying, so the order equals the reference's float keys)."""
+    `ubep.plan.schedule.interleave_keys`, the documented reference, compared exactly.
+
+    Each send's place is computed on its own, not by running the merge (whose picks follow
+    the routing, a chain of dependent steps with a mispredicted branch about once per
+    send): chunk c of slice a lands after the chunks u of every other slice b with
+    `(2u + 1) C_a < (2c + 1) C_b` (`<=` when b is the farther one, which wins ties) —
+    the odd numbers `2u + 1 <= (2c + 1) C_b / C_a` (less one for strict; `_odd_upto`), at
+    most C_b of them."""
     h_n = sizes.shape[1]
-    act = np.empty(h_n, np.int64)          # the non-empty slices, farthest first
+    size = np.empty(h_n, np.int64)         # the non-empty slices, farthest first
     start = np.empty(h_n, np.int64)
     nch = np.empty(h_n, np.int64)          # their chunks
     a_n, m = 0, 0
     for r in range(h_n):
         if sizes[j, r] > 0:
-            act[a_n] = r
+            size[a_n] = sizes[j, r]
             start[a_n] = m
             nch[a_n] = (sizes[j, r] + chunk - 1) // chunk
             a_n += 1
         m += sizes[j, r]
     perm = np.empty(m, np.int64)
-    if a_n == 1:
-        for i in range(m):
-            perm[i] = i
-        return perm
-    used = np.zeros(a_n, np.int64)         # chunks sent per slice
-    step = 0
-    while step < m:
-        best = -1
-        for a in range(a_n):
-            if used[a] < nch[a]:
-                # key(a) < key(best)  <=>  (2u_a + 1) * C_best < (2u_best + 1) * C_a
-                if best < 0 or ((2 * used[a] + 1) * nch[best] < (2 * used[best] + 1) * nch[a]):
-                    best = a
-        first = used[best] * chunk
-        last = min(first + chunk, sizes[j, act[best]])
-        for q in range(first, last):
-            perm[start[best] + q] = step
-            step += 1
-        used[best] += 1
+    for a in range(a_n):
+        s_a, n_a, c_a = start[a], size[a], nch[a]
+        inv = 1.0 / c_a
+        first = True                       # the first other slice sets, the rest add
+        for b in range(a_n):               # b's sends ahead of each of a's (loops of scalars)
+            if b == a:
+                continue
+            n_b, c_b, strict = size[b], nch[b], 1 if b > a else 0
+            if chunk == 1:                 # (no integer division in the per-send loop)
+                for q in range(n_a):
+                    ahead = min(_odd_upto((2 * q + 1) * c_b - strict, c_a, inv), n_b)
+                    perm[s_a + q] = (q if first else perm[s_a + q]) + ahead
+            else:
+                for c in range(c_a):
+                    ahead = min(_odd_upto((2 * c + 1) * c_b - strict, c_a, inv) * chunk, n_b)
+                    for q in range(c * chunk, min(c * chunk + chunk, n_a)):
+                        perm[s_a + q] = (q if first else perm[s_a + q]) + ahead
+            first = False
+        if first:                          # the only slice: its own order
+            for q in range(n_a):
+                perm[s_a + q] = q
     return perm
 
 
