@@ -244,3 +244,21 @@ def test_ingress_bytes_and_floor_are_reported(params):
     port_GBps = 392 * params.port_bw_scale
     assert r.ingress_floor_us == pytest.approx(r.ingress_bytes.max() / (port_GBps * 1e3))
     assert r.summary()["ingress_floor_us"] == pytest.approx(r.ingress_floor_us, abs=1e-3)
+
+
+def test_uplink_floor_counts_the_rows_through_each_groups_up_and_downlink(params):
+    """Two boards of 16 ranks: every row to the other board passes its board's uplink and the
+    other's downlink; the floor is the busier of the two at the uplink's bandwidth."""
+    kw = dict(SMALL, ranks=32, num_experts=64)
+    r = simulate("cm384", params=params, routing="hot", hot_experts=2, **kw)
+    src, dst = r.engine.extra["src"], r.engine.extra["dst"]
+    board_s, board_d = src // 16, dst // 16
+    cross = board_s != board_d
+    rows = max(np.bincount(board_s[cross], minlength=2).max(),
+               np.bincount(board_d[cross], minlength=2).max())
+    uplink_GBps = params.uplink_bw_scale * 16 * 392 * params.port_bw_scale
+    assert r.uplink_floor_us == pytest.approx(
+        rows * r.engine.wire_bytes_per_row / (uplink_GBps * 1e3))
+    assert r.summary()["uplink_floor_us"] == pytest.approx(r.uplink_floor_us, abs=1e-3)
+    # one board: no row crosses the second tier
+    assert simulate("cm384", params=params, **SMALL).uplink_floor_us == 0.0

@@ -210,6 +210,17 @@ def execute(prep: Prepared, params: CostParams | None = None, *, exact: bool = F
     out.extra.update(ingress_bytes=ingress,
                      ingress_floor_us=ingress / (port * 1e3) if np.isfinite(port)
                      else np.zeros(fab.num_ranks))
+    # the same for the second switch tier: what each group's uplink sends and its downlink
+    # takes in (rows of the outermost hop class), and the time that takes at best
+    up_floor = np.zeros(0)
+    if fab.uplink_hop >= 0 and np.isfinite(fab.uplink_bw_GBps):
+        far = table.hop == fab.uplink_hop
+        groups = int(fab.group_of_rank.max()) + 1
+        row_us = out.wire_bytes_per_row / (fab.uplink_bw_GBps * 1e3)
+        up_floor = np.maximum(
+            np.bincount(fab.group_of_rank[table.src[far]], minlength=groups),
+            np.bincount(fab.group_of_rank[table.dst[far]], minlength=groups)) * row_us
+    out.extra.update(uplink_floor_us=up_floor)
     P = fab.num_ranks
     payload = int(table.src.size) * row_bytes
     wire = int(table.src.size) * out.wire_bytes_per_row

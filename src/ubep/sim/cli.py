@@ -132,6 +132,9 @@ def _simulate(args: argparse.Namespace) -> int:
         tab.add_row("ingress per rank (max / mean)",
                     f"{ib.max() / 1e6:.3f} / {ib.mean() / 1e6:.3f} MB")
         tab.add_row("ingress floor (max bytes / port)", f"{res.ingress_floor_us:.2f} us")
+        if res.uplink_floor_us > 0:
+            tab.add_row("uplink floor (max rows through a group's up/downlink)",
+                        f"{res.uplink_floor_us:.2f} us")
         for k, v in res.phases_us.items():
             tab.add_row(f"phase {k} (slowest rank)", f"{v:.2f} us")
         tab.add_row("simulation time", f"{res.plan_s + res.engine_s:.2f} s")

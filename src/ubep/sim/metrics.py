@@ -60,6 +60,14 @@ class SimResult:
         can finish the dispatch's sending sooner (a skewed routing raises it)."""
         return float(np.max(self.engine.extra["ingress_floor_us"], initial=0.0))
 
+    @property
+    def uplink_floor_us(self) -> float:
+        """The second switch tier's floor: the largest number of rows a group's uplink sends
+        or its downlink takes in (outermost hop class) times a row's time there (0 when the
+        fabric models no uplink). Like the ingress floor, no schedule finishes sooner."""
+        return float(np.max(self.engine.extra.get("uplink_floor_us", np.zeros(0)),
+                            initial=0.0))
+
     def worker_intervals(self, rank: int) -> list[Interval]:
         """Busy/wait intervals of every worker of `rank`, by worker then start time."""
         e = self.engine
@@ -111,4 +119,5 @@ class SimResult:
                 "payload_efficiency": round(self.payload_efficiency, 4),
                 "max_ingress_bytes": int(np.max(self.ingress_bytes, initial=0)),
                 "ingress_floor_us": round(self.ingress_floor_us, 3),
+                "uplink_floor_us": round(self.uplink_floor_us, 3),
                 **{f"phase_{k}_us": round(v, 3) for k, v in self.phases_us.items()}}
