@@ -66,8 +66,9 @@ def _combine_into_contiguous_out(rank, world, kw, cases):
     return outs
 
 
-@pytest.mark.parametrize("kw", [dict(workers=1), dict(workers=2), dict(direct=True)],
-                         ids=["one-worker", "pool", "direct"])
+@pytest.mark.parametrize("kw", [dict(workers=1), dict(workers=2), dict(direct=True),
+                                dict(direct="owned")],
+                         ids=["one-worker", "pool", "direct", "owned"])
 def test_contiguous_out_on_every_shm_path(kw):
     per_rank = run_ranks(_combine_into_contiguous_out, 2, kw, _CASES, timeout_s=180)
     for i, case in enumerate(_CASES):
@@ -121,8 +122,11 @@ def _combine_into_expert_out(rank, world, kw, cases):
 
 @pytest.mark.parametrize("kw", [dict(backend="torch"), dict(backend="shm", workers=1),
                                 dict(backend="shm", workers=2),
-                                dict(backend="shm", direct=True)],
-                         ids=["torch", "shm-1", "shm-2", "shm-direct"])
+                                dict(backend="shm", direct=True),
+                                dict(backend="shm", direct="owned"),
+                                dict(backend="shm", direct="owned", workers=2)],
+                         ids=["torch", "shm-1", "shm-2", "shm-direct", "shm-owned",
+                              "shm-owned-2"])
 def test_out_sharing_memory_with_expert_out(kw):
     per_rank = run_ranks(_combine_into_expert_out, 2, kw, _CASES, timeout_s=180)
     for i, case in enumerate(_CASES):

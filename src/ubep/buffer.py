@@ -93,7 +93,7 @@ class Buffer:
                  backend: str = "auto", mode: str = "ubep", sync: str = "tff",
                  schedule: str = "hierarchical", workers: int | None = None,
                  count_workers: int | None = None, topology=None, timeout_s: float = 30.0,
-                 max_top_k: int = 8, block_bytes: int = 512, direct: bool = False):
+                 max_top_k: int = 8, block_bytes: int = 512, direct: bool | str = False):
         check_choice("backend", backend, BACKENDS)
         check_choice("mode", mode, MODES)
         check_choice("sync", sync, SYNCS)
@@ -110,18 +110,18 @@ class Buffer:
             if workers is not None and workers >= 2 and count_workers >= workers:
                 raise ValueError(f"count_workers={count_workers} must be < workers={workers} "
                                  f"(token workers need at least one core)")
-        if not isinstance(direct, bool):
-            raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
+        if not isinstance(direct, bool) and direct != "owned":
+            raise ValueError(f"direct={direct!r} is not one of False, True, 'owned'")
         if direct:
             if backend not in ("shm", "auto"):
-                raise ValueError(f"direct=True needs backend='shm' (rows are written into the "
-                                 f"receivers' shared memory), got backend={backend!r}")
+                raise ValueError(f"direct={direct!r} needs backend='shm' (rows are written into "
+                                 f"the receivers' shared memory), got backend={backend!r}")
             if mode != "ubep":
-                raise ValueError("direct=True needs mode='ubep': the counts go first, so there "
-                                 "are no barrier-separated phases to run")
+                raise ValueError(f"direct={direct!r} needs mode='ubep': the counts go first, so "
+                                 f"there are no barrier-separated phases to run")
             if sync not in ("tff", "sw"):
-                raise ValueError(f"direct=True flags each row with one word written after it; "
-                                 f"sync={sync!r} does not apply: use 'tff' or 'sw'")
+                raise ValueError(f"direct={direct!r} flags each row with one word written after "
+                                 f"it; sync={sync!r} does not apply: use 'tff' or 'sw'")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         if not dist.is_initialized():
@@ -147,8 +147,8 @@ class Buffer:
         if backend == "auto":
             chosen, why = choose_backend(self.config, group)
             if direct and chosen != "shm":
-                raise ValueError(f"direct=True needs the shm backend, which this group cannot "
-                                 f"use: {why}")
+                raise ValueError(f"direct={direct!r} needs the shm backend, which this group "
+                                 f"cannot use: {why}")
             self.config = dataclasses.replace(self.config, backend=chosen, backend_reason=why)
         self.group = group
         self.rank, self.world_size = rank, world_size

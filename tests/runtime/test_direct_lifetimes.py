@@ -1,4 +1,4 @@
-"""direct=True: what the caller may do once combine returned (items the review found).
+"""direct=True and "owned": what the caller may do once combine returned (items the review found).
 
 * combining the latest dispatch twice (weighted, then not) works as without direct;
 * writing into `recv_x` or the combine buffer after combine returned cannot change a
@@ -36,11 +36,11 @@ def _reference(weighted: bool):
                              [i[2] for i in ins], weighted=weighted)
 
 
-def _twice(rank, world, workers):
+def _twice(rank, world, workers, direct):
     import ubep
 
     with ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=8, max_top_k=2,
-                     backend="shm", direct=True, workers=workers, timeout_s=10) as buf:
+                     backend="shm", direct=direct, workers=workers, timeout_s=10) as buf:
         res = buf.dispatch(*_inputs(rank))
         out = expert_fn(res.recv_x)
         y1 = buf.combine(out, res.handle, weighted=True)
@@ -51,9 +51,10 @@ def _twice(rank, world, workers):
         return y1, y2, y3
 
 
+@pytest.mark.parametrize("direct", [True, "owned"])
 @pytest.mark.parametrize("workers", [1, 2])
-def test_combining_the_latest_dispatch_twice_works(workers):
-    out = run_ranks(_twice, 2, workers, timeout_s=120)
+def test_combining_the_latest_dispatch_twice_works(workers, direct):
+    out = run_ranks(_twice, 2, workers, direct, timeout_s=120)
     yw, yu = _reference(True), _reference(False)
     for r in range(2):
         y1, y2, y3 = out[r]
@@ -62,11 +63,11 @@ def test_combining_the_latest_dispatch_twice_works(workers):
         assert torch.allclose(y3, yw[r], rtol=1e-5, atol=1e-5)
 
 
-def _scribble_after_combine(rank, world, workers, where):
+def _scribble_after_combine(rank, world, workers, where, direct):
     import ubep
 
     with ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=8, max_top_k=2,
-                     backend="shm", direct=True, workers=workers, timeout_s=10) as buf:
+                     backend="shm", direct=direct, workers=workers, timeout_s=10) as buf:
         res = buf.dispatch(*_inputs(rank))
         out = expert_fn(res.recv_x)
         if where == "combine_buffer":
@@ -83,10 +84,12 @@ def _scribble_after_combine(rank, world, workers, where):
         return y
 
 
+@pytest.mark.parametrize("direct", [True, "owned"])
 @pytest.mark.parametrize("where", ["combine_buffer", "recv_x"])
 @pytest.mark.parametrize("workers", [1, 2])
-def test_writing_the_combined_rows_after_combine_returned_leaves_peers_correct(workers, where):
-    out = run_ranks(_scribble_after_combine, 2, workers, where, timeout_s=120)
+def test_writing_the_combined_rows_after_combine_returned_leaves_peers_correct(workers, where,
+                                                                                direct):
+    out = run_ranks(_scribble_after_combine, 2, workers, where, direct, timeout_s=120)
     ref = _reference(True)
     for r in range(2):
         assert torch.allclose(out[r], ref[r], rtol=1e-5, atol=1e-5), f"rank {r}"

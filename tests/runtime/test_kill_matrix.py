@@ -21,7 +21,7 @@ import torch
 from ubep.testing import RankFailure, make_routing, make_tokens, run_ranks
 
 PATHS = {"one-worker": dict(workers=1), "multi-worker": dict(workers=2),
-         "direct": dict(workers=2, direct=True)}
+         "direct": dict(workers=2, direct=True), "owned": dict(workers=1, direct="owned")}
 TRIALS = 20
 CONCURRENT = 4
 DEADLINE_S = 4.0

@@ -13,7 +13,7 @@ import torch
 from ubep.testing import RankFailure, make_routing, make_tokens, run_ranks
 
 PATHS = {"one-worker": dict(workers=1), "pool": dict(workers=2),
-         "direct": dict(workers=1, direct=True)}
+         "direct": dict(workers=1, direct=True), "owned": dict(workers=1, direct="owned")}
 
 
 def _inputs(rank, seed=0):

@@ -11,9 +11,12 @@ from ubep.testing import ROUTINGS
 #: the systems a run can compare; "bound" (the copy bound) is measured in every run
 #: Buffer systems: name -> (backend, mode, direct). "shm-direct" is ubep mode with rows written
 #: straight to their final place (`Buffer(direct=True)`); its combine reads the expert outputs
-#: in place (the stand-in expert is the identity, as for every system here).
+#: in place (the stand-in expert is the identity, as for every system here). "shm-owned" is
+#: the same exchange with results the caller owns (`Buffer(direct="owned")`): recv_x copied out
+#: of shared memory as rows arrive, and combine copies the (private) expert outputs in once.
 BUFFER_SYSTEMS = {"shm-ubep": ("shm", "ubep", False), "shm-direct": ("shm", "ubep", True),
-                  "shm-bsp": ("shm", "bsp", False), "torch": ("torch", "ubep", False)}
+                  "shm-owned": ("shm", "ubep", "owned"), "shm-bsp": ("shm", "bsp", False),
+                  "torch": ("torch", "ubep", False)}
 #: peers: "mpi" (`ubep.bench.mpi_peer`, under mpiexec) and "agrs" (`ubep.bench.agrs_peer`:
 #: all-gather + reduce-scatter, as vLLM's CPU expert parallelism does it)
 SYSTEMS = (*BUFFER_SYSTEMS, "mpi", "agrs")

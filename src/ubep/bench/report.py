@@ -12,7 +12,7 @@ from rich.table import Table
 from ubep.bench.config import BOUND, RAW
 from ubep.bench.run import BenchResult
 
-_ORDER = ("shm-ubep", "shm-direct", "shm-bsp", "torch", RAW, "mpi", "agrs", BOUND)
+_ORDER = ("shm-ubep", "shm-direct", "shm-owned", "shm-bsp", "torch", RAW, "mpi", "agrs", BOUND)
 _LABELS = {BOUND: "copy bound", RAW: "raw collectives"}
 
 

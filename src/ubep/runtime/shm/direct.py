@@ -18,6 +18,16 @@ So dispatch copies each row once and combine reads it once. The price: `recv_x` 
 this Buffer's shared memory, valid until its next dispatch (as DeepEP's low-latency mode),
 and each rank needs room for the rows it could receive.
 
+`direct="owned"` keeps the one cross-core copy and gives the caller what any EP library
+gives: the receiver copies each row out of its area into a private `recv_x` (lent by the
+output pool, `outputs.py`) as soon as the row's meta word arrives, inside the wait for the
+rows; everything combine needs (each row's place `pos`) lives in the handle, not in kept
+scratch, so any handle can be combined, in any order, as often as wanted. Combine publishes
+the expert outputs by one local copy into the combine area (a private `expert_out` is not
+readable by the peers), then sums as above. Reuse stays safe: a rank publishes its counts of
+dispatch e+1 only after its dispatch e returned, i.e. after it copied out every row of e, so
+nobody overwrites rows it still needs; combine areas are guarded by the done words as above.
+
 Why reuse is safe with one buffer per area: a rank publishes its counts of call e+1 only after
 its combine of call e returned, and nobody writes rows, metas or ready words of e+1 before it
 has every rank's counts of e+1. Count slots alternate by epoch parity (a rank can be one
@@ -44,6 +54,7 @@ from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
 from ubep.runtime.shm.kernels import direct as DK
 from ubep.runtime.shm.kernels.local import poll_words_at_least
+from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.shm.protocol import DTYPE_CODES, ShmProtocolError
 from ubep.runtime.shm.region import (
     D_AREA,
@@ -104,7 +115,11 @@ class DirectPath:
         self._y = np.zeros((c.max_tokens_per_rank, c.hidden), np.float32)  # bf16 sums
         self._y_addr = self._y.ctypes.data
         self._timeout_s = c.timeout_s
-        # one worker: kept scratch (only the latest dispatch can be combined)
+        #: direct="owned": recv_x copied out, `pos` in each handle, any handle combinable
+        self.owned = c.direct == "owned"
+        self._lend = OutputPool()       # owned recv_x and combine outputs: no page faults
+        self._lent_comb = 0             # the dispatch whose combine buffer was lent (owned)
+        # one worker, direct=True: kept scratch (only the latest dispatch can be combined)
         self._pos = np.zeros(c.max_tokens_per_rank * c.max_top_k, np.int64)
         self._pos_addr = self._pos.ctypes.data
         self._done_t = np.zeros(c.max_tokens_per_rank, np.uint8)
@@ -113,6 +128,10 @@ class DirectPath:
         self._c_epoch = 0
         self._last_call = 0
         self._last_dtype = torch.bfloat16
+
+    def release_outputs(self) -> None:
+        """Drop the output pool's kept blocks (`ShmBackend.close`)."""
+        self._lend.close()
 
     def _wait(self, cl: Call | None, poll, phase: str, peers_of,
               deadline: float | None = None) -> None:
@@ -135,14 +154,17 @@ class DirectPath:
     def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
         """`[N, hidden]` of `dtype` (None: the dispatched rows' dtype) in my shared memory:
         expert outputs written here are read in place by combine. Valid until the next
-        dispatch."""
+        dispatch (direct=True) or the next combine or get_combine_buffer (direct="owned": one
+        combine area serves every handle)."""
         dtype = dtype or self._last_dtype
-        if handle.call != self._last_call:
+        if handle.call != self._last_call and not self.owned:
             raise ValueError("get_combine_buffer: the handle is not from this Buffer's latest "
                              "dispatch; with direct=True only the latest one can be combined")
         if dtype not in MOVABLE_DTYPES or not dtype.is_floating_point:
             raise TypeError(f"dtype {dtype} cannot be combined; use a floating dtype of at "
                             f"most 4 bytes")
+        if self.owned:
+            self._lent_comb = handle.call
         return self._view("comb", handle.num_recv, dtype)
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -167,42 +189,52 @@ class DirectPath:
         ints = np.empty((3, n_recv), np.int64)   # src rank, token, slot: exactly N each
         wts = np.empty(n_recv, np.float32)
         rb = x.shape[1] * x.element_size()
+        if self.owned:                  # rows copied out here as they arrive
+            recv_x = self._lend.empty(n_recv, x.shape[1], x.dtype)
+            dst = recv_x.data_ptr() if n_recv else 0
+        else:
+            recv_x, dst = self._view("recv", n_recv, x.dtype), 0
         if b.workers == 1:
-            # `pos` is kept scratch: only the latest dispatch can be combined
+            if self.owned:              # `pos` goes with the handle: any handle combinable
+                keep = torch.empty(t_n * k_n, dtype=torch.int64)
+                pos_addr = keep.data_ptr()
+            else:                       # kept scratch: only the latest dispatch combinable
+                keep, pos_addr = None, self._pos_addr
             n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, elems,
                                                   counts, self.el, idx_addr, w_addr, t_n, k_n,
-                                                  self._pos_addr, tpe, ints, wts, x.data_ptr(),
-                                                  rb, 8)
+                                                  pos_addr, tpe, ints, wts, x.data_ptr(), rb,
+                                                  dst, 8)
             if n_recv < 0:
                 raise self._dtype_error(x.dtype, missing)
             if missing:
                 b.wait(lambda s: DK.recv_meta(b.base, dlay, epoch, 0, n_recv, ints[1],
-                                                     ints[2], wts, s),
+                                                     ints[2], wts, dst, rb, s),
                         "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
                         deadline=deadline)
-            state = (idx_addr, w_addr, k_n, epoch)
+            state = (idx_addr, w_addr, k_n, epoch, pos_addr, keep, ints[0])
             ivs = None
         else:
             idx, w = topk_idx.numpy(), topk_weights.numpy()
             pos = np.empty(idx.shape, np.int64)
             n_recv, ivs = self._dispatch_pool(x, idx, w, pos, tpe, ints, wts, rb, code, epoch,
-                                              deadline)
-            state = (idx, w, pos, epoch)
+                                              dst, deadline)
+            state = (idx, w, pos, epoch, ints[0])
         self._last_call, self._last_dtype = call, x.dtype
         t2 = now_us()
         handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
                             ints, state)
         stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, topk_idx, n_recv, rb,
                                  epoch)
-        return new_dispatch_result(self._view("recv", n_recv, x.dtype), wts, tpe, handle, stats)
+        return new_dispatch_result(recv_x, wts, tpe, handle, stats)
 
-    def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, deadline):
+    def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, dst, deadline):
         """`workers` > 1: the workers send a token range each, then wait for a row range."""
         b = self.ctx
         bad = [s for s in range(b.world) if self._elems[s] != code]
         if bad:
             raise self._dtype_error(x.dtype, bad[0])
         n_recv = int(DK.place_rows(self._counts, b.rank, self.el, idx, pos, tpe, ints[0]))
+        ints[1, :n_recv] = -1                        # no row decoded yet (`recv_meta`)
         n = b.workers
         cl = self.runner.start(Call(epoch=epoch, deadline=deadline, n=n))
         xa = x.data_ptr()
@@ -211,11 +243,12 @@ class DirectPath:
         def work(j: int) -> None:
             a = now_us()
             DK.send_rows_direct(b.bases, self.dlay, epoch, xa, rb, idx, w, pos, self.el,
-                                j * t_n // n, (j + 1) * t_n // n)
+                                j * t_n // n, (j + 1) * t_n // n, b.rank, dst, ints[1],
+                                ints[2], wts)
             m = now_us()
             lo, hi = j * n_recv // n, (j + 1) * n_recv // n
             self._wait(cl, lambda s: DK.recv_meta(b.base, self.dlay, epoch, lo, hi, ints[1],
-                                               ints[2], wts, s),
+                                               ints[2], wts, dst, rb, s),
                     "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], lo, hi))
             cl.iv[j].append(("send", a, m, "busy"))
             cl.iv[j].append(("wait_rows", m, now_us(), "wait"))
@@ -246,7 +279,8 @@ class DirectPath:
                      phases_us={"counts": t1 - t0, "send_recv": t2 - t1}, intervals=intervals,
                      bytes_sent=n_sent * (rb + 16), bytes_recv=n_recv * (rb + 16),
                      payload_efficiency=rb / (rb + 16),
-                     extra={"epoch": epoch, "workers": self.ctx.workers, "direct": True})
+                     extra={"epoch": epoch, "workers": self.ctx.workers,
+                            "direct": self.ctx.config.direct})
 
     def _intervals(self, first: Interval, rest: str, end: float, ivs) -> list[Interval]:
         """`first`, then the workers' intervals of the pool path (`ivs`), or one interval
@@ -260,10 +294,11 @@ class DirectPath:
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
                 t0: float, dest: torch.Tensor | None = None) -> CombineResult:
         b = self.ctx
-        if handle.call != self._last_call:
+        if handle.call != self._last_call and not self.owned:
             raise ValueError("handle is not from this Buffer's latest dispatch; with "
                              "direct=True only the latest dispatch can be combined (its rows "
-                             "live in the Buffer until the next one)")
+                             "live in the Buffer until the next one); direct='owned' combines "
+                             "any handle")
         dtype = expert_out.dtype
         code, ecode, lut = _elem(dtype)
         es = expert_out.element_size()
@@ -272,30 +307,39 @@ class DirectPath:
         self._c_epoch = epoch = self._c_epoch + 1
         deadline = deadline_after(t0, self._timeout_s)
         ptr = expert_out.data_ptr()
-        copied = n_recv > 0 and ptr not in (self._recv_addr, self._comb_addr)
+        if self.owned:      # recv_x is private; the combine area holds what was written last
+            if ptr == self._comb_addr and n_recv and handle.call != self._lent_comb:
+                raise ValueError(
+                    "expert_out is the combine buffer of another dispatch (or one a later "
+                    "combine overwrote): with direct='owned' get_combine_buffer's tensor is "
+                    "valid until the next combine or get_combine_buffer")
+            copied = n_recv > 0 and ptr != self._comb_addr
+            self._lent_comb = 0
+        else:
+            copied = n_recv > 0 and ptr not in (self._recv_addr, self._comb_addr)
         offset = (self._comb_addr if copied or not n_recv else ptr) - b.base
         t_n = handle.num_tokens
         weighted = bool(weighted)
         if b.workers == 1:
             out, t1 = self._combine_one(handle, expert_out, dest, epoch, code, ecode, lut, es, rb,
-                                        offset, ptr, n_recv * rb if copied else 0, weighted,
+                                        offset, ptr, n_recv if copied else 0, weighted,
                                         deadline)
             ivs = None
         else:
-            idx, w, pos, _ = handle.state
+            idx, w, pos, _, src_rank = handle.state
             if dtype == torch.bfloat16:           # sums in kept scratch, rounded in the kernel
                 y, out16 = self._y[:t_n], np.empty((t_n, self.hidden), np.uint16)
             else:
                 y, out16 = np.empty((t_n, self.hidden), np.float32), _NO_BF16
             done = np.zeros(t_n, np.uint8)
             ready = self._ready
-            if copied:
-                DK.copy_local(self._comb_addr, ptr, n_recv * rb)
+            if copied:          # only the rows peers read; mine are summed where they lie
+                DK.copy_rows_for_peers(self._comb_addr, ptr, rb, src_rank, b.rank, n_recv)
             DK.publish_ready(b.base, self.dlay, epoch, code, offset)
             ready[:] = -1
             t1 = now_us()
             ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
-                                     y, out16, deadline)
+                                     y, out16, ptr if copied else 0, deadline)
             if dtype == torch.bfloat16:
                 out = torch.from_numpy(out16).view(torch.bfloat16)
             elif dtype == torch.float32:
@@ -314,24 +358,28 @@ class DirectPath:
                      dest: torch.Tensor | None, epoch: int, code: int, ecode: int,
                      lut: np.ndarray, es: int, rb: int, offset: int, ptr: int, copy_n: int,
                      weighted: bool, deadline: float) -> tuple[torch.Tensor, float]:
-        """One worker: copy in, publish and sum in one kernel entry (bf16 and fp32 sums land
-        in the output itself, a caller's row-major `dest` included); `(y, time published)`."""
+        """One worker: copy in (`copy_n` rows: those peers read), publish and sum in one
+        kernel entry (bf16 and fp32 sums land in the output itself, a caller's row-major `dest`
+        included); `(y, time published)`."""
         b = self.ctx
         dtype = expert_out.dtype
-        idx_addr, w_addr, k_n, _ = handle.state
+        idx_addr, w_addr, k_n, _, pos_addr, _, src_rank = handle.state
         t_n, hidden = handle.num_tokens, self.hidden
         y_addr, out_addr, out = self._y_addr, 0, None
         if dtype is torch.bfloat16 or dtype is torch.float32:
             out = (dest if dest is not None and dest.is_contiguous()
+                   else self._lend.empty(t_n, hidden, dtype) if self.owned
                    else torch.empty(t_n, hidden, dtype=dtype))
             if dtype is torch.bfloat16:
                 out_addr = out.data_ptr()
             else:
                 y_addr = out.data_ptr()
         ready, done = self._ready, self._done_t
+        own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
         left = DK.combine_begin_at(b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n,
-                                   idx_addr, w_addr, t_n, k_n, weighted, self._pos_addr, self.el,
-                                   rb, es, ecode, lut, ready, done, y_addr, out_addr, hidden, 8)
+                                   src_rank, idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
+                                   self.el, rb, es, ecode, lut, ready, done, y_addr, out_addr,
+                                   hidden, 8)
         if left < 0:
             raise self._combine_dtype_error(dtype, -left - 1)
         t1 = now_us()
@@ -340,8 +388,9 @@ class DirectPath:
 
             def poll(s: int) -> int:
                 r = DK.reduce_direct_at(b.bases, self.dlay, epoch, idx_addr, w_addr, t_n, k_n,
-                                        weighted, self._pos_addr, self.el, rb, es, code, ecode,
-                                        lut, ready, done, y_addr, out_addr, hidden, s)
+                                        weighted, pos_addr, self.el, rb, es, code, ecode,
+                                        lut, ready, done, y_addr, out_addr, hidden, b.rank,
+                                        own, s)
                 if r < 0:
                     bad[0] = -r - 1
                     return 0
@@ -374,7 +423,7 @@ class DirectPath:
                        for e in idx[t] if e >= 0 and ready[int(e) // self.el] < 0})
 
     def _reduce(self, b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
-                lo, hi, deadline) -> None:
+                own, lo, hi, deadline) -> None:
         """Sum tokens [lo, hi) as their ranks publish; bounded wait naming the ranks."""
         code, ecode, lut = _elem(expert_out.dtype)
         es = expert_out.element_size()
@@ -382,7 +431,8 @@ class DirectPath:
 
         def poll(s: int) -> int:
             r = DK.reduce_direct(b.bases, self.dlay, epoch, idx, w, weighted, pos, self.el, rb,
-                                 es, code, ecode, lut, lo, hi, ready, done, y, out16, s)
+                                 es, code, ecode, lut, lo, hi, ready, done, y, out16, b.rank,
+                                 own, s)
             if r < 0:
                 bad[0] = -r - 1
                 return 0
@@ -394,7 +444,7 @@ class DirectPath:
             raise self._combine_dtype_error(expert_out.dtype, bad[0])
 
     def _combine_pool(self, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
-                      deadline):
+                      own, deadline):
         b = self.ctx
         n = b.workers
         cl = self.runner.start(Call(epoch=epoch, deadline=deadline, n=n))
@@ -403,7 +453,7 @@ class DirectPath:
         def work(j: int) -> None:
             a = now_us()
             self._reduce(b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y,
-                         out16, j * t_n // n, (j + 1) * t_n // n, deadline)
+                         out16, own, j * t_n // n, (j + 1) * t_n // n, deadline)
             cl.iv[j].append(("reduce", a, now_us(), "busy"))
 
         self.runner.run(cl, work)
@@ -425,5 +475,5 @@ class DirectPath:
                      schedule="static", rank=r, total_us=t2 - t0,
                      phases_us={first: t1 - t0, "reduce": t2 - t1}, intervals=intervals,
                      bytes_sent=0, bytes_recv=n_recv * rb, payload_efficiency=1.0,
-                     extra={"epoch": epoch, "workers": self.ctx.workers, "direct": True,
-                            "in_place": not copied})
+                     extra={"epoch": epoch, "workers": self.ctx.workers,
+                            "direct": self.ctx.config.direct, "in_place": not copied})

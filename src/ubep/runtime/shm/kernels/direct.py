@@ -120,8 +120,14 @@ def place_rows(counts, me, el, idx, pos, tokens_per_expert, src_rank):
 
 
 @jit
-def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo, t_hi):
-    """Copy my rows of tokens [t_lo, t_hi) to their final place; then each row's meta word."""
+def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo, t_hi, me,
+                     dst, src_tok, src_slot, wts):
+    """Copy my rows of tokens [t_lo, t_hi) to their final place; then each row's meta word.
+
+    If `dst` is not 0 (`direct="owned"`: my received rows go to the private `[N, rb]` bytes
+    at `dst`), a row for my own experts is copied there straight from `x` and its origin
+    written into `src_tok`/`src_slot`/`wts` (no meta word: `recv_meta` skips it).
+    """
     meta_off, recv_off = dlay[D_META_OFF], dlay[D_RECV_OFF]
     k_n = idx.shape[1]
     ep = np.int64(epoch & _EPOCH_MASK) << np.int64(32)
@@ -132,8 +138,15 @@ def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo
             e = idx[t, k]
             if e < 0:
                 continue
-            base = bases[e // el]
+            d = e // el
             row = pos[t, k]
+            if dst != 0 and d == me:
+                copy_bytes(dst + row * rb, src, rb)
+                src_slot[row] = k
+                wts[row] = weights[t, k]
+                src_tok[row] = t
+                continue
+            base = bases[d]
             copy_bytes(base + recv_off + row * rb, src, rb)
             m = base + meta_off + row * 16
             carray(i64_ptr(m), 1)[0] = np.int64(t) | (np.int64(k) << np.int64(32))
@@ -141,12 +154,17 @@ def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo
 
 
 @jit
-def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, spins):
-    """Wait for received rows [lo, hi) (their meta words hold `epoch`); decode their metas.
+def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, dst, rb, spins):
+    """Wait for received rows [lo, hi) (their meta words hold `epoch`); decode their metas,
+    and, if `dst` is not 0, copy each row out to row i of the `[N, rb]` bytes at `dst` as soon
+    as its meta word is seen (`direct="owned"`: the copy out overlaps the rows still coming).
 
-    Returns how many rows are still missing (0: all arrived and decoded).
+    `src_tok[lo:hi]` must hold -1 on the first call of a dispatch: a decoded row holds its
+    token (>= 0) and is neither decoded nor copied again. Returns how many rows are still
+    missing (0: all arrived, decoded and copied).
     """
     meta = base + dlay[D_META_OFF]
+    area = base + dlay[D_RECV_OFF]
     ep = np.int64(epoch & _EPOCH_MASK)
     wv = wts.view(np.uint32)
     missing = 0
@@ -154,16 +172,22 @@ def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, spins):
     for _ in range(max(spins, 1)):
         missing = 0
         for i in range(first, hi):
+            if src_tok[i] >= 0:
+                if missing == 0:
+                    first = i + 1
+                continue
             v = load_acquire(meta + i * 16 + 8)
             if (v >> np.int64(32)) != ep:
                 missing += 1
                 continue
             if missing == 0:
                 first = i + 1
+            if dst != 0:
+                copy_bytes(dst + i * rb, area + i * rb, rb)
             ts = carray(i64_ptr(meta + i * 16), 1)[0]
-            src_tok[i] = ts & np.int64(0xFFFFFFFF)
             src_slot[i] = ts >> np.int64(32)
             wv[i] = np.uint32(v & np.int64(0xFFFFFFFF))
+            src_tok[i] = ts & np.int64(0xFFFFFFFF)
         if missing == 0:
             return 0
         cpu_pause()
@@ -183,7 +207,7 @@ def publish_ready(base, dlay, epoch, elem, offset):
 
 @jit
 def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, dtype_code,
-                  ecode, lut, t_lo, t_hi, ready, done, y, out16, spins):
+                  ecode, lut, t_lo, t_hi, ready, done, y, out16, me, own, spins):
     """Sum tokens [t_lo, t_hi) from the expert outputs where they lie, each as soon as every
     rank holding one of its rows has published them; return tokens missing.
 
@@ -191,7 +215,9 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
     `out16` has rows, only rounded to bf16 bits into `out16[t]`. `ready[r]`: -1 unknown,
     else the byte offset of rank r's outputs. `dtype_code` is my outputs' dtype (every rank
     must agree), `ecode`/`lut` how to read it as fp32 (see `kernels.sum_slots`). A rank that
-    disagrees returns -(r + 1) (the caller names it).
+    disagrees returns -(r + 1) (the caller names it). If `own` is not 0, rows of my own
+    experts (rank `me`) are read from my expert outputs at `own` (they were not copied into
+    the combine area: only peers need that).
     """
     world = bases.shape[0]
     k_n = idx.shape[1]
@@ -232,7 +258,10 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
                 if e < 0:
                     continue
                 r = e // el
-                srcs[m] = bases[r] + ready[r] + pos[t, k] * rb
+                if r == me and own != 0:
+                    srcs[m] = own + pos[t, k] * rb
+                else:
+                    srcs[m] = bases[r] + ready[r] + pos[t, k] * rb
                 wgts[m] = weights[t, k] if weighted else np.float32(1.0)
                 m += 1
             if to_bf16:
@@ -258,8 +287,9 @@ def dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems
 
 @jit
 def dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, weights, pos, tpe, ints,
-                  wts, x_addr, rb, spins):
-    """With every rank's counts: place, send all my rows, a first look for the rows I receive.
+                  wts, x_addr, rb, dst, spins):
+    """With every rank's counts: place, send all my rows, a first look for the rows I receive
+    (copied out to `dst` as they arrive if `dst` is not 0, see `recv_meta`).
 
     Returns (N, rows still missing), or (-1, rank) if that rank dispatches another dtype.
     `ints[0]` gets each received row's source rank, `ints[1:]` (token, slot) as they arrive.
@@ -268,21 +298,43 @@ def dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, weights,
         if elems[s] != elem:
             return -1, s
     n = place_rows(counts, me, el, idx, pos, tpe, ints[0])
-    send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, 0, idx.shape[0])
-    return n, recv_meta(bases[me], dlay, epoch, 0, n, ints[1], ints[2], wts, spins)
+    for i in range(n):
+        ints[1, i] = -1
+    send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, 0, idx.shape[0], me,
+                     dst, ints[1], ints[2], wts)
+    return n, recv_meta(bases[me], dlay, epoch, 0, n, ints[1], ints[2], wts, dst, rb, spins)
 
 
 @jit
-def combine_begin(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, idx, weights,
-                  weighted, pos, el, rb, es, ecode, lut, ready, done, y, out16, spins):
-    """Copy my expert outputs in (if `copy_n`), publish them, a first round of sums."""
+def combine_begin(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, src_rank, idx,
+                  weights, weighted, pos, el, rb, es, ecode, lut, ready, done, y, out16, spins):
+    """Copy my expert outputs in (if `copy_n` rows: those peers read), publish them, a first
+    round of sums (my own rows read at `copy_src`)."""
     if copy_n > 0:
-        copy_bytes(bases[me] + dlay[D_COMB_OFF], copy_src, copy_n)
+        copy_rows_for_peers(bases[me] + dlay[D_COMB_OFF], copy_src, rb, src_rank, me, copy_n)
     publish_ready(bases[me], dlay, epoch, dtype_code, offset)
     for r in range(ready.shape[0]):
         ready[r] = -1
     return reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es,
-                         dtype_code, ecode, lut, 0, idx.shape[0], ready, done, y, out16, spins)
+                         dtype_code, ecode, lut, 0, idx.shape[0], ready, done, y, out16, me,
+                         copy_src if copy_n > 0 else 0, spins)
+
+
+@jit
+def copy_rows_for_peers(dst_addr, src_addr, rb, src_rank, me, n):
+    """Rows i < n of `rb` bytes from `src_addr` to `dst_addr` whose source rank is not `me`
+    (a rank's own rows are summed where they lie; only peers read the combine area).
+    Rows of one source lie together within an expert, so runs are copied whole."""
+    i = 0
+    while i < n:
+        if src_rank[i] == me:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and src_rank[j] != me:
+            j += 1
+        copy_bytes(dst_addr + i * rb, src_addr + i * rb, (j - i) * rb)
+        i = j
 
 
 @jit
@@ -321,20 +373,20 @@ def rows_for(counts, me):
 
 @jit
 def dispatch_rows_at(bases, dlay, me, epoch, elem, elems, counts, el, idx_addr, w_addr, t_n,
-                     k_n, pos_addr, tpe, ints, wts, x_addr, rb, spins):
+                     k_n, pos_addr, tpe, ints, wts, x_addr, rb, dst, spins):
     """`dispatch_rows` of the routing at `idx_addr`/`w_addr`; `pos` `[t_n, k_n]` at
-    `pos_addr`."""
+    `pos_addr`; received rows go to `dst` unless it is 0."""
     idx = carray(i64_ptr(idx_addr), (t_n, k_n))
     w = carray(f32_ptr(w_addr), (t_n, k_n))
     pos = carray(i64_ptr(pos_addr), (t_n, k_n))
     return dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, w, pos, tpe, ints,
-                         wts, x_addr, rb, spins)
+                         wts, x_addr, rb, dst, spins)
 
 
 @jit
 def reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, pos_addr, el,
-                     rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr, hidden,
-                     spins):
+                     rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr, hidden, me,
+                     own, spins):
     """`reduce_direct` of all `t_n` tokens, by address: sums into the fp32 `[t_n, hidden]` at
     `y_addr`, or, if `out_addr` is not 0, rounded into the bf16 `[t_n, hidden]` there."""
     idx = carray(i64_ptr(idx_addr), (t_n, k_n))
@@ -347,16 +399,16 @@ def reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, p
         y = carray(f32_ptr(y_addr), (t_n, hidden))
         out16 = carray(u16_ptr(out_addr), (0, hidden))
     return reduce_direct(bases, dlay, epoch, idx, w, weighted, pos, el, rb, es, dtype_code,
-                         ecode, lut, 0, t_n, ready, done, y, out16, spins)
+                         ecode, lut, 0, t_n, ready, done, y, out16, me, own, spins)
 
 
 @jit
-def combine_begin_at(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, idx_addr,
-                     w_addr, t_n, k_n, weighted, pos_addr, el, rb, es, ecode, lut, ready, done,
-                     y_addr, out_addr, hidden, spins):
+def combine_begin_at(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, src_rank,
+                     idx_addr, w_addr, t_n, k_n, weighted, pos_addr, el, rb, es, ecode, lut,
+                     ready, done, y_addr, out_addr, hidden, spins):
     """`combine_begin` by address (see `reduce_direct_at`); `done[:t_n]` is reset here."""
     if copy_n > 0:
-        copy_bytes(bases[me] + dlay[D_COMB_OFF], copy_src, copy_n)
+        copy_rows_for_peers(bases[me] + dlay[D_COMB_OFF], copy_src, rb, src_rank, me, copy_n)
     publish_ready(bases[me], dlay, epoch, dtype_code, offset)
     for r in range(ready.shape[0]):
         ready[r] = -1
@@ -364,7 +416,7 @@ def combine_begin_at(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_
         done[t] = 0
     return reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
                             el, rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr,
-                            hidden, spins)
+                            hidden, me, copy_src if copy_n > 0 else 0, spins)
 
 
 @jit

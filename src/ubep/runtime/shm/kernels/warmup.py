@@ -25,6 +25,7 @@ from ubep.runtime.shm.kernels.combine import (
 from ubep.runtime.shm.kernels.direct import (
     combine_begin,
     copy_local,
+    copy_rows_for_peers,
     dispatch_begin,
     dispatch_rows,
     dispatch_rows_at,
@@ -212,10 +213,10 @@ def warm_up_direct() -> None:
     for epoch in (1, 2):     # the one-worker entries, then the pieces the pool path calls
         dispatch_begin(bases, dlay, 0, epoch, idx, 2, 0, counts, elems, got, 1)
         dispatch_rows(bases, dlay, 0, epoch, 0, elems, counts, 2, idx, w, pos, tpe, ints, wts,
-                      x.ctypes.data, 8, 1)
+                      x.ctypes.data, 8, 0 if epoch == 1 else y.ctypes.data, 1)
         done[:] = 0
         combine_begin(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
-                      8 * (epoch - 1), idx, w, True, pos, 2, 8, 4, ELEM_F32,
+                      epoch - 1, ints[0], idx, w, True, pos, 2, 8, 4, ELEM_F32,
                       np.zeros(1, np.float32), ready, done, y, np.zeros((epoch - 1, 2), np.uint16),
                       1)
     y16 = np.zeros((1, 2), np.uint16)
@@ -225,27 +226,30 @@ def warm_up_direct() -> None:
                                  elems, got, 1)
         dispatch_rows_at(bases, dlay, 0, epoch, 0, elems, counts, 2, idx.ctypes.data,
                          w.ctypes.data, 1, 1, pos.ctypes.data, tpe, ints, wts, x.ctypes.data, 8,
-                         1)
+                         0 if epoch == 3 else y.ctypes.data, 1)
         direct_combine_begin_at(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
-                                0, idx.ctypes.data, w.ctypes.data, 1, 1, True, pos.ctypes.data,
-                                2, 8, 4, ELEM_F32, np.zeros(1, np.float32), ready, done,
-                                y.ctypes.data, out_addr, 2, 1)
+                                0, ints[0], idx.ctypes.data, w.ctypes.data, 1, 1, True,
+                                pos.ctypes.data, 2, 8, 4, ELEM_F32, np.zeros(1, np.float32),
+                                ready, done, y.ctypes.data, out_addr, 2, 1)
         reduce_direct_at(bases, dlay, epoch, idx.ctypes.data, w.ctypes.data, 1, 1, True,
                          pos.ctypes.data, 2, 8, 4, 2, ELEM_F32, np.zeros(1, np.float32), ready,
-                         done, y.ctypes.data, out_addr, 2, 1)
+                         done, y.ctypes.data, out_addr, 2, 0, 0, 1)
         done_at = base + int(dlay[D_DONE_OFF])
         done_reading(np.array([done_at], np.int64), done_at, 1, epoch, 1)
     got[:] = 0
     publish_counts(base, dlay, 5, idx, 2, 0)
     gather_counts(bases, dlay, 5, counts, elems, got, 1)
     n = place_rows(counts, 0, 2, idx, pos, tpe, ints[0])
-    send_rows_direct(bases, dlay, 5, x.ctypes.data, 8, idx, w, pos, 2, 0, 1)
-    recv_meta(base, dlay, 5, 0, n, ints[1], ints[2], wts, 1)
+    ints[1] = -1
+    send_rows_direct(bases, dlay, 5, x.ctypes.data, 8, idx, w, pos, 2, 0, 1, 0, y.ctypes.data,
+                     ints[1], ints[2], wts)
+    recv_meta(base, dlay, 5, 0, n, ints[1], ints[2], wts, y.ctypes.data, 8, 1)
     rows_for(counts, 0)
     copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
+    copy_rows_for_peers(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8, ints[0], 1, 1)
     publish_ready(base, dlay, 5, 2, int(dlay[D_RECV_OFF]))
     reduce_direct(bases, dlay, 5, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
                   np.zeros(1, np.float32), 0, 1, np.full(1, -1, np.int64),
-                  np.zeros(1, np.uint8), y, np.zeros((0, 2), np.uint16), 1)
+                  np.zeros(1, np.uint8), y, np.zeros((0, 2), np.uint16), 0, 0, 1)
     poll_words_at_least(base, 1, 0, 1)
     del mem
