@@ -255,11 +255,17 @@ def map_worker(idx, counts, experts_per_rank, hop_of_rank, rank_of_expert, kind,
         for q in range(num_experts):           # inclusive prefix sums in the schedule's order
             acc += counts[order[q]]
             prefix[q] = acc
-        if n == 1 and kind != HIERARCHICAL:    # one worker: every slice is its own
+        if n == 1:                             # one worker: every slice is its own
             for q in range(num_experts):
                 e = order[q]
                 hi_e[e], land[e] = counts[e], prefix[q] - counts[e]
             m = acc
+            if kind == HIERARCHICAL:           # its slices are the whole hop classes
+                sizes = np.zeros((1, num_hop_classes), np.int64)   # farthest first
+                for e in range(num_experts):
+                    sizes[0, num_hop_classes - 1 - hop_of_rank[e // experts_per_rank]] += (
+                        counts[e])
+                perm = interleave(sizes, 0, chunk)
         else:
             _, targets, sizes = class_slices(counts, experts_per_rank, hop_of_rank, kind, n,
                                              num_hop_classes)
