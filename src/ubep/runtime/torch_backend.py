@@ -50,7 +50,14 @@ import torch.nn.functional as F
 
 from ubep.handle import CombineResult, DispatchHandle, new_dispatch_result, new_handle
 from ubep.options import BufferConfig
-from ubep.runtime.torch_layout import recv_plan, send_plan
+from ubep.runtime.torch_layout import (
+    gather_rows,
+    pack_send,
+    read_headers,
+    recv_plan,
+    recv_plan_cpu,
+    send_plan,
+)
 from ubep.stats import Stats
 
 #: phase 1's header per peer: int32 token count, int32 the sender's largest count, padding
@@ -60,6 +67,9 @@ _HEADER_BYTES = 16
 _INLINE_BYTES = 64 << 10
 #: on CPU, move rows with numpy (tests turn it off to run the device path's torch ops on CPU)
 HOST_MOVES_ROWS = True
+#: numpy word type by size: the CPU path copies rows as the widest word dividing a row
+_WORDS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
+          8: np.dtype(np.uint64)}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -176,6 +186,9 @@ class TorchBackend:
         def dev(a: np.ndarray) -> torch.Tensor:   # a host index array where the rows are
             t = torch.from_numpy(a)
             return t if on_cpu else t.to(device)
+
+        if on_cpu and HOST_MOVES_ROWS:
+            return self._dispatch_cpu(x, topk_idx, topk_weights, call)
 
         t0 = _now_us()
         idx = topk_idx.numpy() if on_cpu else topk_idx.cpu().numpy()
@@ -353,6 +366,118 @@ class TorchBackend:
         if global_max > C:
             collectives.append(("rows", [r * row_bytes for r in send2],
                                 [r * row_bytes for r in recv2]))
+        sent = sum(sum(b) for _, b, _ in collectives)
+        stats = self._stats("dispatch", phases, sent, sum(sum(b) for _, _, b in collectives),
+                            collectives)
+        return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
+
+    def _dispatch_cpu(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                      topk_weights: torch.Tensor, call: int):
+        """`dispatch` for host memory: the same bytes on the wire as the device path below,
+        every pass over rows and indices compiled (`torch_layout.pack_send` before the first
+        collective; `read_headers`, `recv_plan_cpu`, `gather_rows` after), this rank's own
+        rows read straight from x into recv_x (no staging copy)."""
+        c = self.config
+        world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
+        num_tokens, top_k = topk_idx.shape
+        hidden = x.shape[1]
+        row_bytes = hidden * x.element_size()
+        meta_k = max(c.max_top_k, top_k)
+        meta_bytes = 4 * (1 + 2 * meta_k)
+        cap = max(0, _INLINE_BYTES // (max(1, world - 1) * row_bytes) - 1)
+        C = min(self._inline, cap)
+        hrows = -(-(_HEADER_BYTES + C * meta_bytes) // row_bytes) if C else 0
+        blk = hrows + C
+        send1_rows = (world - 1) * blk
+        # room for phase 1 and for every peer's phase 2 (at most all tokens to each peer)
+        most = send1_rows + (world - 1) * (num_tokens + -(-num_tokens * meta_bytes // row_bytes))
+
+        t0 = _now_us()
+        word = _WORDS[row_bytes & -row_bytes if row_bytes & 7 else 8]
+        xw = x.view(torch.uint8).numpy().reshape(-1).view(word)
+        sendn = self._buffer("send", most, row_bytes, x.device).numpy().reshape(-1)
+        (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
+         num_back) = pack_send(topk_idx.numpy(), topk_weights.numpy(), xw, sendn,
+                               sendn.view(word), row_bytes, per_rank, world, me, meta_k, C,
+                               hrows)
+        t1 = _now_us()
+
+        recv1_rows = send1_rows
+        if C:
+            split1 = [0 if r == me else blk * row_bytes for r in range(world)]
+            work = self._buffer("recv", recv1_rows, row_bytes, x.device)
+            dist.all_to_all_single(self._flat("recv", 0, recv1_rows * row_bytes),
+                                   self._flat("send", 0, send1_rows * row_bytes), split1, split1,
+                                   group=self.group)
+            srcs, global_max = read_headers(work.numpy().reshape(-1), blk * row_bytes, me,
+                                            world, header[me])
+        else:
+            hdr_in = torch.empty((world, _HEADER_BYTES // 4), dtype=torch.int32)
+            dist.all_to_all_single(hdr_in, torch.from_numpy(header), group=self.group)
+            h = hdr_in.numpy()
+            srcs, global_max = h[:, 0].astype(np.int64), int(h[:, 1].max())
+            srcs[me] = per_dest[me]
+        t2 = _now_us()
+
+        if global_max > C:
+            recv2 = [0 if s == me or n <= C else -(-(n - C) * meta_bytes // row_bytes) + n - C
+                     for s, n in enumerate(srcs.tolist())]
+            s2 = send2.tolist()
+            num_remote = recv1_rows + sum(recv2)
+            work = self._buffer("recv", num_remote, row_bytes, x.device, keep=recv1_rows)
+            dist.all_to_all_single(
+                self._flat("recv", recv1_rows * row_bytes, (num_remote - recv1_rows) * row_bytes),
+                self._flat("send", send1_rows * row_bytes, sum(s2) * row_bytes),
+                [r * row_bytes for r in recv2], [r * row_bytes for r in s2], group=self.group)
+            recv2 = np.array(recv2, dtype=np.int64)
+        else:
+            recv2 = np.zeros(world, dtype=np.int64)
+            work = self._buffer("recv", recv1_rows, row_bytes, x.device)
+        self._inline = global_max if global_max <= cap else 0
+        t3 = _now_us()
+
+        first = int(per_dest[:me].sum())
+        n_me = int(per_dest[me])
+        bf16 = x.dtype == torch.bfloat16
+        workn = work.numpy().reshape(-1)
+        (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
+         bag_offsets2, weights2, num_remote_bags, num_remote) = recv_plan_cpu(
+            workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me],
+            me, per_rank, world, bf16)
+        num_recv = len(gather)
+        if num_recv:
+            recv_x = self._owned_rows(num_recv, row_bytes)
+            gather_rows(workn.view(word), xw, gather, num_remote, token_of[first:first + n_me],
+                        recv_x.reshape(-1).view(word), row_bytes // word.itemsize)
+            recv_x = torch.from_numpy(recv_x).view(x.dtype)
+        else:       # torch reads an empty array's strides as 0 and refuses the view
+            recv_x = x.new_empty((0, hidden))
+        t4 = _now_us()
+
+        frm = torch.from_numpy
+        state = _TorchState(
+            bag_rows=frm(bag_rows), bag_offsets=frm(bag_offsets), recv_weights=recv_weights,
+            weights_by_dtype=({torch.bfloat16: frm(weights2.view(np.int16)).view(torch.bfloat16)}
+                              if bf16 else {}),
+            bag_rows2=frm(bag_rows2) if bf16 else None,
+            bag_offsets2=frm(bag_offsets2) if bf16 else None,
+            final_rows=frm(final_rows), final_offsets=frm(final_offsets),
+            sent_per_rank=[0 if d == me else n for d, n in enumerate(per_dest.tolist())],
+            recv_per_rank=[0 if s == me else n for s, n in enumerate(srcs.tolist())],
+            num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags)
+        handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
+                            topk_weights, origins, state)
+        t5 = _now_us()
+        phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
+                  "token_exchange": t3 - t2, "reorder": t4 - t3}
+        if C:
+            b1 = [0 if r == me else blk * row_bytes for r in range(world)]
+            collectives = [("inline", b1, b1)]
+        else:
+            collectives = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
+        if global_max > C:
+            collectives.append(("rows", [r * row_bytes for r in s2],
+                                [r * row_bytes for r in recv2.tolist()]))
         sent = sum(sum(b) for _, b, _ in collectives)
         stats = self._stats("dispatch", phases, sent, sum(sum(b) for _, _, b in collectives),
                             collectives)

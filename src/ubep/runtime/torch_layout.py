@@ -208,3 +208,151 @@ def recv_plan(work, segs, own_meta, own_row, me, per_rank, world, bf16_weights):
     return (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
             bag_offsets2, weights2, num_remote_bags)
 
+
+
+# -- the CPU path: the bytes moved by the same compiled calls ---------------------------------
+# On CPU the rows are host memory, so the passes that lay out the send buffer and the one
+# that gathers recv_x are compiled too: a dispatch is then two calls before its first
+# collective's bytes are ready (`pack_send`) and three after (`read_headers`,
+# `recv_plan_cpu`, `gather_rows`), instead of ~40 numpy/torch calls with their Python glue.
+# The layout written is the one the device path writes with torch ops (see TorchBackend).
+
+@njit(nogil=True, cache=True)
+def _put_bytes(dst, off, src):
+    """Bytes of uint8 `src` into flat uint8 `dst` at byte `off`."""
+    for i in range(src.shape[0]):
+        dst[off + i] = src[i]
+
+
+@njit(nogil=True, cache=True)
+def _put_rows(send, row, x, token_of, first, n, rw):
+    """Rows `x[token_of[first:first + n]]` into rows `row..row + n` of `send`: flat arrays of
+    one word type, `rw` words a row (numba copies a uint8 slice ~5x slower than a uint64 one;
+    the caller views the bytes as the widest word that divides a row)."""
+    for i in range(n):
+        a, b = (row + i) * rw, token_of[first + i] * rw
+        send[a:a + rw] = x[b:b + rw]
+
+
+@njit(nogil=True, cache=True)
+def pack_send(idx, weights, x, flat, send, row_bytes, per_rank, world, me, meta_k, inline,
+              hrows):
+    """`send_plan`, then the send buffer written: phase 1 and phase 2 of every peer.
+
+    `x` the rows, flat, viewed as words of some width (`row_bytes` bytes a row); `flat` the
+    send buffer's bytes (uint8) and `send` the same memory as `x`'s word type, with room for
+    `(world - 1) * (hrows + inline)` phase-1 rows and every peer's phase-2 rows. Phase 1
+    (only when `inline` > 0): to each peer, in rank order, `hrows + inline` rows = [16-byte
+    header: its token count, this rank's largest count to any peer][routing words of its
+    first `inline` tokens][their rows]. Phase 2, from row `(world - 1) * (hrows + inline)`:
+    to each peer with more than `inline` tokens, [routing words of the rest][their rows].
+    Returns `(per_dest, send2 [P] rows of phase 2 per peer, header [P, 4] int32 (what the
+    header block to each peer holds), meta, token_of, final_rows, final_offsets, num_back)`.
+    """
+    per_dest, token_of, meta, final_rows, final_offsets, num_back = send_plan(
+        idx, weights, per_rank, world, me, meta_k)
+    rw = row_bytes // x.itemsize
+    meta_bytes = 4 * meta.shape[1]
+    my_max = 0
+    for d in range(world):
+        if d != me and per_dest[d] > my_max:
+            my_max = per_dest[d]
+    header = np.zeros((world, 4), dtype=np.int32)
+    for d in range(world):
+        header[d, 0] = per_dest[d]
+        header[d, 1] = my_max
+    meta_u8 = meta.reshape(-1).view(np.uint8)
+    head_u8 = header.reshape(-1).view(np.uint8)
+    blk = hrows + inline
+    send2 = np.zeros(world, dtype=np.int64)
+    row2 = (world - 1) * blk
+    first, slot = 0, 0
+    for d in range(world):
+        n = per_dest[d]
+        if d == me:
+            first += n
+            continue
+        n1 = min(n, inline)
+        if inline:
+            b0 = slot * blk
+            _put_bytes(flat, b0 * row_bytes, head_u8[16 * d:16 * d + 16])
+            _put_bytes(flat, b0 * row_bytes + 16,
+                       meta_u8[first * meta_bytes:(first + n1) * meta_bytes])
+            _put_rows(send, b0 + hrows, x, token_of, first, n1, rw)
+            slot += 1
+        if n > n1:
+            m = n - n1
+            mrows = -(-(m * meta_bytes) // row_bytes)
+            _put_bytes(flat, row2 * row_bytes,
+                       meta_u8[(first + n1) * meta_bytes:(first + n) * meta_bytes])
+            _put_rows(send, row2 + mrows, x, token_of, first + n1, m, rw)
+            send2[d] = mrows + m
+            row2 += send2[d]
+        first += n
+    return per_dest, send2, header, meta, token_of, final_rows, final_offsets, num_back
+
+
+@njit(nogil=True, cache=True)
+def read_headers(work, blk_bytes, me, world, own):
+    """Phase 1's headers: `(srcs [P] tokens each peer sends here, the largest count any rank
+    sends any peer)`; `work` flat uint8, peer blocks of `blk_bytes` in rank order (this rank
+    skipped); `own` this rank's header row `[its own count, its largest count]`."""
+    srcs = np.empty(world, dtype=np.int64)
+    global_max = np.int64(own[1])
+    slot = 0
+    for r in range(world):
+        if r == me:
+            srcs[r] = own[0]
+            continue
+        off = slot * blk_bytes
+        srcs[r] = _word(work, off)
+        m = np.int64(_word(work, off + 4))
+        if m > global_max:
+            global_max = m
+        slot += 1
+    return srcs, global_max
+
+
+@njit(nogil=True, cache=True)
+def recv_plan_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank, world,
+                  bf16_weights):
+    """`recv_plan` for the layout `pack_send` writes: the received runs found from the
+    peers' counts (`srcs`) and phase-2 rows (`recv2`); this rank's own tokens are the bags
+    after `num_remote` (their rows stay in x: `gather_rows` reads them there). Returns
+    `recv_plan`'s tuple then `num_remote` (rows of `work` received)."""
+    blk = hrows + inline
+    segs = np.empty((2 * world, 4), dtype=np.int64)
+    ns, slot = 0, 0
+    row2 = (world - 1) * blk if inline else 0
+    for s in range(world):
+        if s == me:
+            continue
+        n = srcs[s]
+        n1 = min(n, inline)
+        if inline:
+            b0 = slot * blk
+            segs[ns, 0], segs[ns, 1] = s, n1
+            segs[ns, 2], segs[ns, 3] = b0 * row_bytes + 16, b0 + hrows
+            ns += 1
+            slot += 1
+        if recv2[s]:
+            segs[ns, 0], segs[ns, 1] = s, n - n1
+            segs[ns, 2], segs[ns, 3] = row2 * row_bytes, row2 + recv2[s] - (n - n1)
+            ns += 1
+        row2 += recv2[s]
+    plan = recv_plan(work, segs[:ns], own_meta, row2, me, per_rank, world, bf16_weights)
+    return plan + (row2,)
+
+
+@njit(nogil=True, cache=True)
+def gather_rows(work, x, gather, num_remote, own_tokens, out, rw):
+    """Row i of `out` = row `gather[i]` of `work`, or row `own_tokens[gather[i] - num_remote]`
+    of `x` for this rank's own tokens (`gather[i] >= num_remote`): recv_x in one pass, own
+    rows straight from x. Flat arrays of one word type, `rw` words a row."""
+    for i in range(gather.shape[0]):
+        g = gather[i]
+        src = work if g < num_remote else x
+        if g >= num_remote:
+            g = own_tokens[g - num_remote]
+        out[i * rw:(i + 1) * rw] = src[g * rw:(g + 1) * rw]
+    return out
