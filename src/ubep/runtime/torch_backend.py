@@ -46,7 +46,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ubep.handle import CombineResult, DispatchHandle, new_dispatch_result, new_handle
 from ubep.options import BufferConfig
@@ -68,10 +67,16 @@ _INLINE_BYTES = 64 << 10
 #: on CPU, move rows with numpy (tests turn it off to run the device path's torch ops on CPU)
 HOST_MOVES_ROWS = True
 #: numpy word type by size: the CPU path copies rows as the widest word dividing a row
-_WORDS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
-          8: np.dtype(np.uint64)}
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.uint64}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _bag_sum(rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=weights)`: the
+    same op, without the functional wrapper's argument checks (several µs a call)."""
+    return torch.embedding_bag(rows, index, offsets, False, 0, False, weights, False, None)[0]
 
 
 def _now_us() -> float:
@@ -393,8 +398,8 @@ class TorchBackend:
         most = send1_rows + (world - 1) * (num_tokens + -(-num_tokens * meta_bytes // row_bytes))
 
         t0 = _now_us()
-        word = _WORDS[row_bytes & -row_bytes if row_bytes & 7 else 8]
-        xw = x.view(torch.uint8).numpy().reshape(-1).view(word)
+        xw = x.view(_WORDS[row_bytes & -row_bytes if row_bytes & 7 else 8]).numpy().reshape(-1)
+        word = xw.dtype
         sendn = self._buffer("send", most, row_bytes, x.device).numpy().reshape(-1)
         (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
          num_back) = pack_send(topk_idx.numpy(), topk_weights.numpy(), xw, sendn,
@@ -436,8 +441,8 @@ class TorchBackend:
         self._inline = global_max if global_max <= cap else 0
         t3 = _now_us()
 
-        first = int(per_dest[:me].sum())
-        n_me = int(per_dest[me])
+        dests = per_dest.tolist()
+        first, n_me = sum(dests[:me]), dests[me]
         bf16 = x.dtype == torch.bfloat16
         workn = work.numpy().reshape(-1)
         (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
@@ -462,7 +467,7 @@ class TorchBackend:
             bag_rows2=frm(bag_rows2) if bf16 else None,
             bag_offsets2=frm(bag_offsets2) if bf16 else None,
             final_rows=frm(final_rows), final_offsets=frm(final_offsets),
-            sent_per_rank=[0 if d == me else n for d, n in enumerate(per_dest.tolist())],
+            sent_per_rank=[0 if d == me else n for d, n in enumerate(dests)],
             recv_per_rank=[0 if s == me else n for s, n in enumerate(srcs.tolist())],
             num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags)
         handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
@@ -515,14 +520,13 @@ class TorchBackend:
         rows = expert_out if pdtype == dtype else expert_out.to(pdtype)
         # one partial per received token: the sum of its slots here, fp32 accumulation
         if not weighted:
-            partial = F.embedding_bag(st.bag_rows, rows, st.bag_offsets, mode="sum")
+            partial = _bag_sum(rows, st.bag_rows, st.bag_offsets)
         elif pdtype == torch.float32:
-            partial = F.embedding_bag(st.bag_rows, rows, st.bag_offsets, mode="sum",
-                                      per_sample_weights=self._bag_weights(st, pdtype, device))
+            partial = _bag_sum(rows, st.bag_rows, st.bag_offsets,
+                               self._bag_weights(st, pdtype, device))
         else:
             w = self._bag_weights(st, pdtype, device)   # [hi, lo] per slot: each row twice
-            partial = F.embedding_bag(st.bag_rows2, rows, st.bag_offsets2, mode="sum",
-                                      per_sample_weights=w)
+            partial = _bag_sum(rows, st.bag_rows2, st.bag_offsets2, w)
         prow_bytes = hidden * partial.element_size()
         back, own = st.num_back, st.num_own
         work = self._buffer("combine", back + own, prow_bytes, device)
@@ -537,8 +541,7 @@ class TorchBackend:
         if own:         # after the collective: work before one slows it more than it costs
             self._flat("combine", back * prow_bytes, own * prow_bytes).copy_(
                 flat[nret * prow_bytes:])
-        y = F.embedding_bag(st.final_rows, work.view(pdtype), st.final_offsets,
-                            mode="sum")
+        y = _bag_sum(work.view(pdtype), st.final_rows, st.final_offsets)
         if pdtype != dtype:
             y = y.to(dtype)
         if out is not None:
