@@ -3,6 +3,7 @@ over rows, footprints, faulted pages, per-call overheads. No bench run and no ti
 assertion here (`ubep simulate --validate-host` is a benchmark, not a test)."""
 
 import math
+import os
 
 import pytest
 
@@ -89,19 +90,88 @@ def test_one_worker_dispatch_writes_the_peers_rows_then_reads_every_row():
 
 def test_each_side_weights_its_passes_by_the_rows_they_apply_to():
     fps = (1 << 16, 1 << 28)
-    costs = {"record_write_fanout": 1.0, "record_read": 2.0, "copy_fanout": 4.0,
-             "record_write": 8.0, "reduce_blocks": 16.0, "reduce": 32.0, "first_touch": 1.0}
+    costs = {p: float(2 ** i) for i, p in enumerate(hostbench.PASSES)}
     t = CopyTable(R, fps, {(p, n): (c, c) for p, c in costs.items() for n in (1, 2)})
+    c = costs
     sh = host.remote_share(16)
     ns = {(s, op, side): host.pass_ns_per_byte(s, op, side, 16, t, 1 << 20)
           for s in host.SYSTEMS for op in ("dispatch", "combine") for side in ("send", "recv")}
-    assert ns[("shm-ubep", "dispatch", "send")] == pytest.approx(sh * 1.0)
-    assert ns[("shm-ubep", "dispatch", "recv")] == pytest.approx(sh * 2.0 + (1 - sh) * 4.0)
-    assert ns[("shm-bsp", "combine", "send")] == pytest.approx(sh * 8.0)
-    assert ns[("shm-bsp", "combine", "recv")] == pytest.approx(sh * 16.0 + (1 - sh) * 32.0)
-    assert ns[("shm-direct", "dispatch", "send")] == pytest.approx(4.0)
-    assert ns[("shm-direct", "combine", "send")] == pytest.approx(32.0)
+    # the one-worker path: the peer's rows cross cores (the exchange passes), mine do not
+    assert ns[("shm-ubep", "dispatch", "send")] == pytest.approx(
+        sh * c["record_write_fanout_peer"])
+    assert ns[("shm-ubep", "dispatch", "recv")] == pytest.approx(
+        sh * c["record_read_peer"] + (1 - sh) * c["copy_fanout"])
+    assert ns[("shm-bsp", "combine", "send")] == pytest.approx(sh * c["record_write_peer"])
+    assert ns[("shm-bsp", "combine", "recv")] == pytest.approx(
+        sh * c["reduce_blocks_peer"] + (1 - sh) * c["reduce_scatter"])
+    # direct: every row once, to its expert-major place, then read back where it lies
+    assert ns[("shm-direct", "dispatch", "send")] == pytest.approx(c["copy_scatter"])
+    assert ns[("shm-direct", "combine", "send")] == pytest.approx(c["reduce_scatter"])
     assert ns[("shm-direct", "dispatch", "recv")] == ns[("shm-direct", "combine", "recv")] == 0
+
+
+def test_row_passes_are_timed_passes_and_cross_cores_exactly_for_the_peers_rows():
+    """Every pass the model charges is one the microbenchmark times; the one-worker path's
+    rows for the peer (written into the peer's window, read out of mine) are priced by the
+    cross-core exchange passes, its own rows and the direct path's rows (read back by the
+    rank that wrote them) never are."""
+    for (path, _), sides in host.ROW_PASSES.items():
+        for side in sides.values():
+            for p, rows in side:
+                assert p in hostbench.PASSES
+                assert (p in hostbench.CROSS_CORE) == (path == "single" and rows == "remote")
+    assert set(hostbench.CROSS_CORE) == {p for x in ("dispatch_peer", "combine_peer")
+                                         for p in hostbench.EXCHANGES[x]}
+
+
+def test_a_cross_core_pass_may_be_cheaper_at_a_larger_footprint():
+    """Lines in the peer's private cache cost more than lines already in the shared one: the
+    cross-core passes keep their measured shape; every other pass is a running maximum."""
+    fps = (1 << 18, 1 << 22, 1 << 26)
+    t = CopyTable(R, fps, {(p, 2): (0.5, 0.05, 0.1) for p in hostbench.PASSES})
+    for p in hostbench.PASSES:
+        got = [t.cost_ns_per_byte(p, f) for f in fps]
+        want = [0.5, 0.05, 0.1] if p in hostbench.CROSS_CORE else [0.5, 0.5, 0.5]
+        assert got == pytest.approx(want), p
+
+
+def test_expert_places_lay_rows_out_expert_major():
+    """Each token's 8 rows go to 8 distinct experts of 16; the places are a permutation,
+    each expert's rows one run in token order (as the runtime's receive areas)."""
+    import numpy as np
+
+    n = 8 * 50
+    places = hostbench.expert_places(n)
+    assert sorted(places.tolist()) == list(range(n))
+    assert hostbench.expert_places(n).tolist() == places.tolist()      # seeded
+    order = np.argsort(places)            # row (t*8 + j) at each place, in place order
+    tokens = order // 8
+    runs = np.split(tokens, np.flatnonzero(np.diff(tokens) <= 0) + 1)
+    assert 8 <= len(runs) <= 16           # one increasing run per expert (at most 16)
+    # a token's rows are 8 different runs (experts)
+    run_of_place = np.repeat(np.arange(len(runs)), [len(r) for r in runs])
+    for t in range(50):
+        assert len(set(run_of_place[places[t * 8:(t + 1) * 8]].tolist())) == 8
+    assert hostbench.expert_places(13).shape == (8,)   # whole tokens only
+
+
+def test_exchange_rounds_are_the_same_for_every_process_and_bounded():
+    for f in hostbench.FOOTPRINTS:
+        r = hostbench.exchange_rounds(f, 0.02)
+        assert 5 <= r <= 50 and r == hostbench.exchange_rounds(f, 0.02)
+    assert hostbench.exchange_rounds(1 << 18, 0.02) >= hostbench.exchange_rounds(1 << 27, 0.02)
+
+
+def test_microbenchmark_buffers_are_on_small_pages_like_the_runtimes():
+    """numpy advises huge pages for its large arrays; the runtime's shared memory has none,
+    so the timed buffers are shared mappings too."""
+    a = hostbench._aligned(8 << 20)
+    assert a.nbytes == 8 << 20 and a.ctypes.data % 4096 == 0 and not a.any()
+    addr = a.ctypes.data
+    with open("/proc/self/maps") as f:              # "lo-hi perms ...": shared = "s"
+        perms = [ln.split()[1] for ln in f
+                 if int(ln.split("-")[0], 16) <= addr < int(ln.split()[0].split("-")[1], 16)]
+    assert perms and perms[0][3] == "s"
 
 
 def test_predictions_grow_with_batch_and_direct_is_cheapest():
@@ -170,6 +240,27 @@ def test_microbenchmark_times_every_pass_alone_and_in_pairs():
     assert set(t.ns_per_byte) == {(p, n) for p in hostbench.PASSES for n in (1, 2)}
     for v in t.ns_per_byte.values():
         assert len(v) == len(fps) and all(0 < x < math.inf for x in v)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("ubep-hostbench")]
+
+
+def test_an_exchange_reads_what_the_peer_wrote():
+    """The exchanges' read halves find every record complete (tff flags of the round's
+    epoch) and sums of ones: the write went where the read looks, in either process."""
+    import numpy as np
+
+    for name in ("dispatch_peer", "combine_peer", "direct"):
+        a, b = hostbench._aligned(1 << 20), hostbench._aligned(1 << 20)
+        # process A (own a) writes into its peer's b; process B (own b) reads b
+        write, _, n = hostbench._exchange_setup(name, 1 << 18, R, a, b)
+        _, read, _ = hostbench._exchange_setup(name, 1 << 18, R, b, a)
+        assert n > 0
+        if name != "direct":                 # direct writes and reads its own buffer
+            write(7)
+            assert np.any(b) and not np.any(a)
+            got = read(7)
+            assert got == 0 or got is None   # dispatch: no record missing its flags
+            if name == "dispatch_peer":
+                assert read(8) > 0           # flags of another round: all missing
 
 
 def test_record_layout_matches_the_runtime():

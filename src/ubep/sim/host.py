@@ -14,8 +14,12 @@ predicted:
   place; a rank's rows for itself skip the window (copied from `x` on receive). Combine
   sends the peer's expert outputs back the same way and sums each token's rows into its
   bf16 output (`sum_slots`: from the window's blocks, or in place for its own experts).
-  The direct path copies each row once into its final place (dispatch) and sums the rows
-  where they lie (combine). Rows for the peer vs for itself: `remote_share` of the routing;
+  The records cross cores: the sender's stores take lines the peer read last, the peer's
+  loads fetch lines the sender just wrote; priced by passes timed as exactly that exchange
+  between two processes (`hostbench.EXCHANGES`), not by a copy within one core.
+  The direct path copies each row once into its final place in expert-major order
+  (dispatch) and sums the rows where they lie (combine), where the rank reads back rows it
+  wrote itself one call before. Rows for the peer vs for itself: `remote_share`;
 * a pass's cost per byte depends on the call's footprint: the bytes a rank's calls cycle
   through (its input, windows or its receive area, outputs),
   looked up in the microbenchmark's table of the same pass timed on that footprint with
@@ -61,14 +65,20 @@ HIDDEN, TINY_HIDDEN, TOP_K, EXPERTS, RANKS = 7168, 64, 8, 16, 2
 BYTES_PER_ELEMENT = 2
 BENCH_LOCK = "/tmp/ubep-bench.lock"
 #: the passes over rows of each path and op: {side: ((pass, rows it applies to), ...)}, the
-#: sender's and the receiver's; "remote" rows go to / come from the peer, "all" every row
+#: sender's and the receiver's; "remote" rows go to / come from the peer, "all" every row.
+#: The one-worker path's records cross cores: a sender writes lines of the peer's window that
+#: the peer read last, the peer then reads lines the sender just wrote (the `_peer` passes,
+#: timed as such an exchange); its own rows never leave its core. The direct path's rows are
+#: read back by the rank that wrote them (its own tokens' rows, wherever they lie), one call
+#: after they were written (`copy_scatter` then `reduce_scatter`, timed in that order).
 ROW_PASSES = {
-    ("single", "dispatch"): {"send": (("record_write_fanout", "remote"),),
-                             "recv": (("record_read", "remote"), ("copy_fanout", "local"))},
-    ("single", "combine"): {"send": (("record_write", "remote"),),
-                            "recv": (("reduce_blocks", "remote"), ("reduce", "local"))},
-    ("direct", "dispatch"): {"send": (("copy_fanout", "all"),), "recv": ()},
-    ("direct", "combine"): {"send": (("reduce", "all"),), "recv": ()},
+    ("single", "dispatch"): {"send": (("record_write_fanout_peer", "remote"),),
+                             "recv": (("record_read_peer", "remote"), ("copy_fanout", "local"))},
+    ("single", "combine"): {"send": (("record_write_peer", "remote"),),
+                            "recv": (("reduce_blocks_peer", "remote"),
+                                     ("reduce_scatter", "local"))},
+    ("direct", "dispatch"): {"send": (("copy_scatter", "all"),), "recv": ()},
+    ("direct", "combine"): {"send": (("reduce_scatter", "all"),), "recv": ()},
 }
 
 

@@ -26,6 +26,33 @@ eighth of what it writes and stays in cache, while the other passes stream both 
 * first_touch: writing fresh anonymous memory, one store per 4 KiB page (the page faults a
   newly allocated tensor takes when the allocator maps it fresh; per byte mapped).
 
+Exchanges: passes whose cost depends on who touched the lines last and how recently, timed
+as the runtime runs them, a write pass then the read pass of the same rows, round after
+round (both processes in lockstep, a barrier between the halves; one process alone: it
+reads what it wrote itself). Each half is a pass of its own in the table:
+
+* dispatch_peer: `write_record` of rows as tff blocks, each source row to 8 places in
+  expert-major order (`expert_places`), into the PEER's shared window, which the peer
+  read last round (`record_write_fanout_peer`); then `blocks_ready` + `read_record` of my
+  own window, which the peer just wrote (`record_read_peer`): the one-worker dispatch of a
+  peer's rows. Each write takes the line from the core that read it last, each read
+  fetches it from the core that wrote it.
+* combine_peer: `write_record` of rows, one place per row, in expert-major order into the
+  peer's window slots (token * 8 + k) (`record_write_peer`); then `sum_slots` of each
+  token's 8 rows from my own window's blocks (`reduce_blocks_peer`): the one-worker
+  combine of a peer's rows.
+* direct: `copy_bytes` of each source row to its 8 places in expert-major order
+  (`copy_scatter`: the direct dispatch, which writes each row straight into its expert's
+  run, 16 runs written at once), then `sum_slots` of each token's 8 rows where they lie
+  (`reduce_scatter`: the direct combine, which reads a token's rows right after its
+  dispatch wrote them, so at a reuse distance of one call, not of the whole cycle).
+
+Memory: every buffer is on 4 KiB pages, as the runtime's (its regions are shared memory,
+which this kernel never backs with huge pages; torch's tensors are not advised to use
+them). numpy's own allocations of 4 MiB and more are advised to use transparent huge pages
+and would time a cheaper TLB than the runtime has: a scattered 16-32 MiB copy runs ~1.3x
+faster on them on this host.
+
 Timings are medians; the whole grid is timed `rounds` times in shuffled order and each point
 keeps the median of its rounds, so a burst of other work on a shared host lands on few.
 """
@@ -53,8 +80,15 @@ from ubep.runtime.shm.kernels.records import (
     write_record,
 )
 
-PASSES = ("copy_fanout", "record_write_fanout", "record_write", "record_read", "reduce",
+CYCLED = ("copy_fanout", "record_write_fanout", "record_write", "record_read", "reduce",
           "reduce_blocks", "first_touch")
+#: exchanges: (write pass, read pass) timed as a pair, round after round (see above)
+EXCHANGES = {"dispatch_peer": ("record_write_fanout_peer", "record_read_peer"),
+             "combine_peer": ("record_write_peer", "reduce_blocks_peer"),
+             "direct": ("copy_scatter", "reduce_scatter")}
+PASSES = CYCLED + tuple(p for pair in EXCHANGES.values() for p in pair)
+#: passes over lines the other process touched last (not monotone in footprint)
+CROSS_CORE = EXCHANGES["dispatch_peer"] + EXCHANGES["combine_peer"]
 #: footprints timed: 256 KiB .. 128 MiB, two per octave
 FOOTPRINTS = tuple(int(2 ** (k / 2)) for k in range(36, 55))
 #: fan-out passes: places each source row is written to (a token row goes to top-k experts)
@@ -90,9 +124,13 @@ class CopyTable:
 
         Linear in log(footprint) between the timed points, the end values beyond them, and
         never cheaper than at a smaller footprint (a larger footprint cannot make a cache
-        faster; the running maximum removes timing noise that says otherwise).
+        faster; the running maximum removes timing noise that says otherwise), except a
+        cross-core pass (`CROSS_CORE`): its lines sit in the peer's cache while they fit
+        there (dear), in the shared cache beyond (cheaper), in DRAM beyond that.
         """
-        y = np.maximum.accumulate(np.asarray(self.ns_per_byte[(pass_, procs)], dtype=float))
+        y = np.asarray(self.ns_per_byte[(pass_, procs)], dtype=float)
+        if pass_ not in CROSS_CORE:
+            y = np.maximum.accumulate(y)
         x = np.log(np.asarray(self.footprints, dtype=float))
         return float(np.interp(np.log(max(float(footprint), 1.0)), x, y))
 
@@ -175,10 +213,67 @@ def _first_touch(nbytes: int, reps: int) -> None:
 
 
 def _aligned(nbytes: int) -> np.ndarray:
-    """`nbytes` of uint8 at a 64-byte aligned address (rows and blocks as in the segments)."""
-    raw = np.zeros(nbytes + 64, np.uint8)
-    off = (-raw.ctypes.data) % 64
-    return raw[off:off + nbytes]
+    """`nbytes` of zeroed uint8 on 4 KiB pages at a page-aligned address: a shared
+    anonymous mapping, the memory the runtime's regions are (numpy would advise huge pages
+    for 4 MiB and more)."""
+    m = mmap.mmap(-1, max(nbytes, 1))
+    return np.frombuffer(m, np.uint8)[:nbytes]
+
+
+def expert_places(rows: int, fan: int = FAN, experts: int = 2 * FAN, seed: int = 0
+                  ) -> np.ndarray:
+    """Where row i = t * fan + j (token t's j-th expert) lies in an expert-major layout:
+    each token routed to `fan` distinct experts of `experts` (uniform, seeded), the rows of
+    expert 0 first, then expert 1, ... (token order within an expert), as the runtime lays
+    out its receive areas and windows. `rows` is rounded down to whole tokens."""
+    t_n = rows // fan
+    rng = np.random.default_rng(seed)
+    idx = np.argsort(rng.random((t_n, experts)), axis=1)[:, :fan].ravel()
+    order = np.argsort(idx, kind="stable")           # expert-major, token order within
+    places = np.empty(t_n * fan, np.int64)
+    places[order] = np.arange(t_n * fan)
+    return places
+
+
+@jit
+def _copy_places(src, dst, places, fan):
+    """Row i of the sources (`src[i // fan]`) to row `places[i]` of `dst`."""
+    rb = src.shape[1]
+    d0 = dst.ctypes.data
+    for i in range(places.shape[0]):
+        copy_bytes(d0 + places[i] * rb, src[i // fan].ctypes.data, rb)
+
+
+@jit
+def _record_write_places(src, dst, places, fan, wire, hl, epoch):
+    """`write_record` of `src[i // fan]` (after an `hl`-byte header) to record `places[i]`
+    of `dst` (records `wire` bytes apart)."""
+    rb = src.shape[1]
+    head = np.zeros(HEAD_BYTES, np.uint8)
+    ppb = BLOCK_BYTES - FLAG_BYTES
+    nb = num_blocks(hl + rb, ppb)
+    d0 = dst.ctypes.data
+    for i in range(places.shape[0]):
+        q = places[i]
+        write_record(d0 + q * wire, BLOCK_BYTES, ppb, FMT_TFF, head, hl, src[i // fan], rb,
+                     epoch, q * nb)
+
+
+@jit
+def _reduce_places(src, places, stride, out16):
+    """Each token's 8 rows (row `places[t * 8 + j]`, `stride` bytes each, contiguous)
+    summed into its bf16 output row, as the direct combine calls `sum_slots`."""
+    lut = np.zeros(1, np.float32)
+    s0 = src.ctypes.data
+    srcs = np.empty(TOP_K, np.int64)
+    blks = np.full(TOP_K, SUM_CHUNK * 2, np.int64)
+    wgts = np.full(TOP_K, 0.5, np.float32)
+    acc = np.empty(SUM_CHUNK, np.float32)
+    no_y = np.zeros(0, np.float32)
+    for t in range(out16.shape[0]):
+        for j in range(TOP_K):
+            srcs[j] = s0 + places[t * TOP_K + j] * stride
+        sum_slots(srcs, blks, wgts, TOP_K, SUM_CHUNK, 2, ELEM_BF16, lut, acc, no_y, out16[t])
 
 
 def _setup(pass_: str, footprint: int, row_bytes: int):
@@ -212,12 +307,78 @@ def _setup(pass_: str, footprint: int, row_bytes: int):
         tokens = max(1, footprint // (TOP_K * stride + rb))
         src = _aligned(tokens * TOP_K * stride)
         src.view(np.uint16)[:] = _BF16_ONE
-        out16 = np.zeros((tokens, hidden), np.uint16)
+        out16 = _aligned(tokens * rb).view(np.uint16).reshape(tokens, hidden)
         return (lambda reps: _reduce(src, stride, blk, epb, out16, reps)), tokens * TOP_K * rb
     if pass_ == "first_touch":
         n = max(1, footprint // PAGE) * PAGE
         return (lambda reps: _first_touch(n, reps)), n
-    raise ValueError(f"pass {pass_!r} is not one of {PASSES}")
+    raise ValueError(f"pass {pass_!r} is not one of {CYCLED}")
+
+
+def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
+                    peer: np.ndarray):
+    """(write(epoch), read(epoch), payload bytes of each) of exchange `name` with ~`footprint`
+    bytes of this process's own: the write goes into `peer` (the other process's shared
+    buffer, or `own` when alone), the read comes from `own`, which the peer wrote."""
+    rb = row_bytes
+    hidden = rb // 2
+    if name == "dispatch_peer":
+        wire = record_wire_bytes(rb)
+        n = max(FAN, footprint // (wire + rb + rb // FAN) // FAN * FAN)
+        src = _aligned(n // FAN * rb).reshape(n // FAN, rb)
+        src[:] = 1
+        out = _aligned(n * rb).reshape(n, rb)
+        places = expert_places(n)
+        return (lambda e: _record_write_places(src, peer, places, FAN, wire, HEAD_BYTES, e),
+                lambda e: _record_read(own, out, wire, 1, e), n * rb)
+    if name == "combine_peer":
+        wire = record_wire_bytes(rb, 0)
+        n = max(TOP_K, footprint // (wire + rb + rb // TOP_K) // TOP_K * TOP_K)
+        src = _aligned(n * rb).reshape(n, rb)
+        src.view(np.uint16)[:] = _BF16_ONE
+        out16 = _aligned(n // TOP_K * rb).view(np.uint16).reshape(n // TOP_K, hidden)
+        # the expert side sends its rows in its (expert-major) order to slot token*8 + k
+        slots = np.argsort(expert_places(n)).astype(np.int64)
+        ppb = BLOCK_BYTES - FLAG_BYTES
+        return (lambda e: _record_write_places(src, peer, slots, 1, wire, 0, e),
+                lambda e: _reduce(own, wire, BLOCK_BYTES, ppb // 2, out16, 1), n * rb)
+    if name == "direct":
+        n = max(FAN, footprint // (rb + 2 * rb // FAN) // FAN * FAN)
+        src = _aligned(n // FAN * rb).reshape(n // FAN, rb)
+        src.view(np.uint16)[:] = _BF16_ONE
+        out16 = _aligned(n // FAN * rb).view(np.uint16).reshape(n // FAN, hidden)
+        places = expert_places(n)
+        return (lambda e: _copy_places(src, own, places, FAN),
+                lambda e: _reduce_places(own, places, rb, out16), n * rb)
+    raise ValueError(f"exchange {name!r} is not one of {tuple(EXCHANGES)}")
+
+
+def exchange_rounds(footprint: int, seconds: float) -> int:
+    """Rounds an exchange is timed for at `footprint` (the same in every process: they
+    meet at a barrier twice a round): about `seconds` at ~10 GB/s, 5 to 50."""
+    return int(min(50, max(5, seconds * 2e9 / max(footprint, 1))))
+
+
+def time_exchange(name: str, footprint: int, row_bytes: int, own: np.ndarray,
+                  peer: np.ndarray, seconds: float, barrier) -> tuple[float, float]:
+    """ns per payload byte of the write and of the read half of exchange `name`: every
+    round, all processes write (into their peer's buffer), meet at `barrier`, read (their
+    own), meet again; the median round of each half (after one untimed round)."""
+    write, read, nbytes = _exchange_setup(name, footprint, row_bytes, own, peer)
+    tw, tr = [], []
+    for r in range(exchange_rounds(footprint, seconds) + 1):
+        barrier.wait()
+        t0 = time.perf_counter_ns()
+        write(2 + r)
+        t1 = time.perf_counter_ns()
+        barrier.wait()
+        t2 = time.perf_counter_ns()
+        read(2 + r)
+        t3 = time.perf_counter_ns()
+        if r:
+            tw.append(t1 - t0)
+            tr.append(t3 - t2)
+    return float(np.median(tw)) / nbytes, float(np.median(tr)) / nbytes
 
 
 def time_pass(pass_: str, footprint: int, row_bytes: int, seconds: float,
@@ -240,12 +401,27 @@ def time_pass(pass_: str, footprint: int, row_bytes: int, seconds: float,
     return float(np.median(times)) / nbytes
 
 
-def _worker(core: int, points, row_bytes: int, seconds: float, barrier, queue) -> None:
+def _worker(core: int, points, row_bytes: int, seconds: float, barrier, queue,
+            segments, mine: int) -> None:
     try:
         os.sched_setaffinity(0, {core})
     except (AttributeError, OSError):
         pass
-    out = [time_pass(p, f, row_bytes, seconds, barrier) for p, f in points]
+    maps = []
+    for path, size in segments:                  # the exchanges' shared buffers
+        fd = os.open(path, os.O_RDWR)
+        try:
+            maps.append(mmap.mmap(fd, size))
+        finally:
+            os.close(fd)
+    bufs = [np.frombuffer(m, np.uint8) for m in maps]
+    out = []
+    for p, f in points:
+        if p in EXCHANGES:
+            own, peer = bufs[mine], bufs[(mine + 1) % len(bufs)]
+            out.append(time_exchange(p, f, row_bytes, own, peer, seconds, barrier))
+        else:
+            out.append((time_pass(p, f, row_bytes, seconds, barrier),))
     queue.put((core, out))
 
 
@@ -254,11 +430,15 @@ def measure(row_bytes: int = 7168 * 2, passes=PASSES, footprints=FOOTPRINTS,
     """Time every pass at every footprint with 1 and 2 processes (cores 0 and 1) at once.
 
     Two processes run the same passes in lockstep (a barrier before each point), each on
-    its own buffers; their median per point is the two-rank figure. The grid is timed
-    `rounds` times, each in its own shuffled order; a point keeps its median round. About
-    `rounds * len(passes) * len(footprints) * seconds` per process count, plus setup.
+    its own buffers; their median per point is the two-rank figure. An exchange's passes
+    (`EXCHANGES`) are timed together, the processes writing into each other's shared
+    buffers (one process: into its own). The grid is timed `rounds` times, each in its own
+    shuffled order; a point keeps its median round. About `rounds * len(passes) *
+    len(footprints) * seconds` per process count, plus setup.
     """
-    grid = [(p, f) for p in passes for f in footprints]
+    wanted = [p for p in CYCLED if p in passes] + \
+        [x for x, pair in EXCHANGES.items() if set(pair) & set(passes)]
+    grid = [(p, f) for p in wanted for f in footprints]
     rng = random.Random(seed)
     points = []
     for _ in range(rounds):
@@ -269,22 +449,72 @@ def measure(row_bytes: int = 7168 * 2, passes=PASSES, footprints=FOOTPRINTS,
     for n in procs:
         if n > len(cores):
             raise ValueError(f"procs={n}: this process may run on {len(cores)} core(s) only")
-        barrier, queue = ctx.Barrier(n), ctx.Queue()
-        ps = [ctx.Process(target=_worker, args=(cores[i], points, row_bytes, seconds, barrier,
-                                                 queue), daemon=True) for i in range(n)]
-        for p in ps:
-            p.start()
+        segments = _segments(n, max(footprints) + 2 * PAGE) if set(wanted) & set(EXCHANGES) \
+            else []
         try:
-            got = [queue.get(timeout=900) for _ in ps]
-        finally:
+            barrier, queue = ctx.Barrier(n), ctx.Queue()
+            ps = [ctx.Process(target=_worker, args=(cores[i], points, row_bytes, seconds,
+                                                     barrier, queue, segments, i), daemon=True)
+                  for i in range(n)]
             for p in ps:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-        per_point = np.median(np.array([g[1] for g in got]), axis=0)   # over processes
+                p.start()
+            try:
+                got = _collect(queue, ps, deadline=time.monotonic() + 900)
+            finally:
+                for p in ps:
+                    p.join(timeout=30)
+                    if p.is_alive():
+                        p.kill()
+        finally:
+            for path, _ in segments:
+                os.unlink(path)
+        per_point = np.median(_stack(got), axis=0)                      # over processes
         by = {}
         for (p, f), v in zip(points, per_point):
-            by.setdefault((p, f), []).append(float(v))
-        for p in passes:
-            table[(p, n)] = tuple(float(np.median(by[(p, f)])) for f in footprints)
+            by.setdefault((p, f), []).append(v)
+        for p in wanted:
+            names = EXCHANGES.get(p, (p,))
+            for i, name in enumerate(names):
+                table[(name, n)] = tuple(float(np.median([v[i] for v in by[(p, f)]]))
+                                         for f in footprints)
     return CopyTable(row_bytes=row_bytes, footprints=tuple(footprints), ns_per_byte=table)
+
+
+def _collect(queue, ps, deadline: float) -> list:
+    """One result per process from `queue`; an error naming the exit code if a process
+    ended without one (instead of waiting out the deadline)."""
+    import queue as q
+
+    got = []
+    while len(got) < len(ps):
+        try:
+            got.append(queue.get(timeout=0.5))
+        except q.Empty:
+            dead = [p.exitcode for p in ps if not p.is_alive() and p.exitcode != 0]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"hostbench: a timing process failed (exit codes {dead}) "
+                                   "or timed out") from None
+    return got
+
+
+def _stack(got) -> np.ndarray:
+    """The processes' results `[procs, points, 2]` (a cycled pass's single value padded)."""
+    return np.array([[tuple(v) + (float("nan"),) * (2 - len(v)) for v in g[1]] for g in got])
+
+
+def _segments(n: int, size: int) -> list[tuple[str, int]]:
+    """One shared buffer of `size` bytes per process, as files in /dev/shm (or the temp
+    folder), removed by the caller: (path, size)."""
+    import tempfile
+
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    out = []
+    for i in range(n):
+        path = os.path.join(folder, f"ubep-hostbench-{os.getpid()}-{i}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        out.append((path, size))
+    return out
