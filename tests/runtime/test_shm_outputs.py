@@ -116,7 +116,7 @@ def test_results_held_across_calls_match_the_oracle(workers):
     assert not any(o[1] for o in outs)
 
 
-# -- call sequences the window parity follows (`region.next_epoch`) ------------------------------
+# -- calls out of strict alternation (`region.next_epoch`: the windows' parity) -------------------
 def _seq_cases(sync):
     """Five cases, rows of 80, 160, 40 (int8/uint8) bytes; sp carries floats only."""
     third = "fp16" if sync == "sp" else "uint8"
@@ -168,12 +168,11 @@ def _sequences(rank, world, kw):
         keep(4, e, combine(4, e))
         a = dispatch(0)
         keep(0, a, combine(0, a))
-    # a call after one of the other kind keeps its kind's parity, back-to-back ones flip it
+    # every call of a kind takes the next epoch (the other parity), whatever came between
     last = {}
-    for i, (kind, epoch) in enumerate(epochs):
+    for kind, epoch in epochs:
         if kind in last:
-            flip = i > 0 and epochs[i - 1][0] == kind
-            assert epoch == last[kind] + (1 if flip else 2), epochs
+            assert epoch == last[kind] + 1, epochs
         last[kind] = epoch
     return outs
 

@@ -146,7 +146,7 @@ def window_copies() -> int:
         return 2
     e, parities = 0, set()
     for _ in range(4):                       # dispatch, combine, dispatch, ...
-        e = next_epoch(e, same_kind_last=False)
+        e = next_epoch(e)
         parities.add(e % 2)
     return len(parities)
 

@@ -140,7 +140,6 @@ class PoolPath:
         self.rank_mapper = rank_mapper
         self._d_epoch = 0
         self._c_epoch = 0
-        self._last_dispatch = False        # the last call was a dispatch (`next_epoch`)
         self._n_count: dict[tuple[int, int], int] = {}
         self._tuned = tuned or {}
         self._lend = OutputPool()           # recv_x and combine outputs: no page faults
@@ -210,8 +209,7 @@ class PoolPath:
         elem = DTYPE_CODES[x.dtype]
         n_count = self._count_workers(num_tokens, top_k)
         n_tw = n - n_count
-        self._d_epoch = epoch = next_epoch(self._d_epoch, self._last_dispatch)
-        self._last_dispatch = True
+        self._d_epoch = epoch = next_epoch(self._d_epoch)
         if c.sync == "sp":                     # before any worker sends: refuse, tell peers
             bad = KP.sp_check_routing(xb, idx, w, int(ctx.lay[L_BB]))
             if bad >= 0:
@@ -393,8 +391,7 @@ class PoolPath:
         rows = expert_out.view(torch.uint8).reshape(n_recv, -1).numpy() if expert_out.numel() \
             else np.zeros((n_recv, hidden * expert_out.element_size()), np.uint8)
         elem = DTYPE_CODES[dtype]
-        self._c_epoch = epoch = next_epoch(self._c_epoch, not self._last_dispatch)
-        self._last_dispatch = False
+        self._c_epoch = epoch = next_epoch(self._c_epoch)
         n = ctx.workers
         if c.sync == "sp":
             bad = KP.sp_check_rows(rows, int(ctx.lay[L_BB]))

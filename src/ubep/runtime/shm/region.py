@@ -14,15 +14,12 @@ never taken for call e.
     dwin    [2][world][DROWS]      dispatch rows from each source (a record per row)
     cwin    [2][CSLOTS]            combine rows back to my tokens, slot t*KMAX + k
 
-Epochs step so that the usual sequence (dispatch, combine, dispatch, ...) stays on one
-parity: a dispatch after a combine, or a combine after a dispatch, adds 2 to its epoch;
-back-to-back calls of one kind add 1 (see `next_epoch`). Every rank runs the same sequence
-of calls, so all agree. Reusing a parity is safe after the other kind of call: a rank
-writes a peer's dispatch window for e+2 only after its combine in between, which returns
-once every peer's hello came, sent after that peer read all its dispatch rows of e; a
-combine window likewise once the dispatch in between got every peer's counts, sent after
-that peer summed its combine rows. So consecutive calls reuse the same windows, which stay
-in cache and in the TLB, instead of alternating between two.
+Epochs count calls of each kind (+1 per call, `next_epoch`), so the parity flips on every
+call: a dispatch's windows are the ones of the dispatch before last. Keeping one half
+while dispatch and combine alternate (+2 after a call of the other kind) is as safe, and
+was measured side by side (P=2, one worker): its writes into a peer's half are ~2 µs slower
+per call at batch 1 (presumably: each send rewrites lines the peer read moments before),
+with no consistent gain at batch 8-128 (`docs/sync.md`).
 
 A call packs its records at its own row size (`DSTRIDE`/`CSTRIDE` are the widest, 4-byte
 elements, and size each parity's half): bf16 rows take half the bytes and pages rather than
@@ -60,14 +57,10 @@ def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-def next_epoch(epoch: int, same_kind_last: bool) -> int:
-    """The epoch of a rank's next dispatch (or combine) after `epoch`, its last one.
-
-    `same_kind_last`: the call right before was of the same kind (no combine between two
-    dispatches, or no dispatch between two combines). Then the parity flips (+1); else it
-    stays (+2), so the windows of the last such call are reused (see the module doc).
-    """
-    return epoch + (1 if same_kind_last else 2)
+def next_epoch(epoch: int) -> int:
+    """The epoch of a rank's next dispatch (or combine) after `epoch`, its last one: the
+    next parity (see the module doc)."""
+    return epoch + 1
 
 
 def region_layout(*, world: int, experts_per_rank: int, max_workers: int, hidden: int,

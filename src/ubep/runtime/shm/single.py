@@ -50,7 +50,6 @@ class SinglePath:
         self._bsp = c.mode == "bsp"
         self._d_epoch = 0
         self._c_epoch = 0
-        self._last_dispatch = False        # the last call was a dispatch (`next_epoch`)
         # scratch, kept: the path allocates nothing it can reuse. The small state is one
         # array the kernels take by address (`KS.state_views`); these are views of it.
         self._state = np.zeros(KS.state_words(w, el), np.int64)
@@ -91,8 +90,7 @@ class SinglePath:
         rb = hidden * x.element_size()
         elem = DTYPE_CODES[x.dtype]
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
-        self._d_epoch = epoch = next_epoch(self._d_epoch, self._last_dispatch)
-        self._last_dispatch = True
+        self._d_epoch = epoch = next_epoch(self._d_epoch)
         deadline = deadline_after(t0, self._timeout_s)
         rc, meta, got, batch, state = self._rc, self._meta, self._got, self._batch, self._state_addr
         done, done_addr = self._done_rows, self._done_rows_addr
@@ -149,8 +147,7 @@ class SinglePath:
         elem, ecode, lut = _combine_elem(dtype)
         es = expert_out.element_size()
         rb = hidden * es
-        self._c_epoch = epoch = next_epoch(self._c_epoch, not self._last_dispatch)
-        self._last_dispatch = False
+        self._c_epoch = epoch = next_epoch(self._c_epoch)
         deadline = deadline_after(t0, self._timeout_s)
         hello, batch, base, lay = self._hello, self._batch, ctx.base, ctx.lay
         done, done_addr, state = self._done_tokens, self._done_tokens_addr, self._state_addr
