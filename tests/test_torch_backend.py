@@ -222,3 +222,50 @@ def test_bf16_weight_split_matches_torch():
     lo = np.array([_bf16_bits(b) for b in (w - hi_f).view(np.uint32)], dtype=np.uint16)
     lo_f = (lo.astype(np.uint32) << 16).view(np.float32)
     assert np.all(np.abs(hi_f + lo_f - w) <= np.abs(w) * 2.0 ** -16)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_final_sums_match_embedding_bag(world, dtype):
+    """The compiled source-side sum of each token's partials (CPU path) gives the same bits
+    as `embedding_bag` over the partials laid out [received | own] (what the device path
+    and the backend before it compute): tokens with 0..P partials, ties included, NaN/inf
+    rows, own partials read from their own array."""
+    import numpy as np
+    import torch
+
+    from ubep.runtime.torch_backend import _bag_sum
+    from ubep.runtime.torch_layout import final_sums_bf16, final_sums_f32
+
+    dt = getattr(torch, dtype)
+    rng = np.random.default_rng(world)
+    tokens, hidden = 40, 48
+    per_token = [sorted(rng.choice(world, rng.integers(0, world + 1), replace=False))
+                 for _ in range(tokens)]
+    num_back = sum(len([r for r in ranks if r]) for ranks in per_token)
+    num_own = sum(1 for ranks in per_token if 0 in ranks)
+    # values on a coarse grid make exact ties between bf16 neighbours frequent
+    grid = lambda n: torch.from_numpy(rng.integers(-300, 300, (n, hidden)) / 64).to(dt)  # noqa: E731
+    back, own = grid(num_back), grid(num_own)
+    back[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    rows, offsets, b, o = [], [], 0, 0
+    for ranks in per_token:
+        offsets.append(len(rows))
+        for r in ranks:
+            rows.append(num_back + o if r == 0 else b)
+            o, b = o + (r == 0), b + (r != 0)
+    rows, offsets = np.array(rows, dtype=np.int64), np.array(offsets, dtype=np.int64)
+    want = _bag_sum(torch.cat([back, own]), torch.from_numpy(rows), torch.from_numpy(offsets))
+    if dt == torch.bfloat16:
+        got = final_sums_bf16(back.view(torch.uint16).numpy(), own.view(torch.uint16).numpy(),
+                              rows, offsets, num_back,
+                              np.empty((tokens, hidden), dtype=np.uint16))
+        got = torch.from_numpy(got).view(torch.bfloat16)
+    else:
+        got = torch.from_numpy(final_sums_f32(back.numpy(), own.numpy(), rows, offsets,
+                                              num_back, np.empty((tokens, hidden), np.float32)))
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.any()      # NaN stays NaN (its payload may not)
+    assert torch.equal(got.masked_fill(nan, 0).view(torch.uint8),
+                       want.masked_fill(nan, 0).view(torch.uint8))
+    assert got.isinf().any() and not torch.equal(got, torch.zeros_like(got))

@@ -50,6 +50,8 @@ import torch.distributed as dist
 from ubep.handle import CombineResult, DispatchHandle, new_dispatch_result, new_handle
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
+    final_sums_bf16,
+    final_sums_f32,
     gather_rows,
     pack_send,
     read_headers,
@@ -67,7 +69,11 @@ _INLINE_BYTES = 64 << 10
 #: on CPU, move rows with numpy (tests turn it off to run the device path's torch ops on CPU)
 HOST_MOVES_ROWS = True
 #: numpy word type by size: the CPU path copies rows as the widest word dividing a row
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.uint64}
+_WORDS = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.uint64}
+_NP = {torch.uint16: np.uint16, torch.float32: np.float32}
+#: the source side's sum of a token's partials, compiled, by partial dtype (CPU; the same
+#: bits as embedding_bag, which the device path and fp16 use)
+_FINAL_SUMS = {torch.bfloat16: final_sums_bf16, torch.float32: final_sums_f32}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -96,7 +102,8 @@ class _TorchState:
 
     __slots__ = ("bag_rows", "bag_offsets", "recv_weights", "weights_by_dtype", "bag_rows2",
                  "bag_offsets2", "final_rows", "final_offsets", "sent_per_rank", "recv_per_rank",
-                 "num_back", "num_own", "num_remote_bags")
+                 "num_back", "num_own", "num_remote_bags", "num_tokens", "final_rows_np",
+                 "final_offsets_np")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -147,6 +154,17 @@ class TorchBackend:
         view = self._views.get(key)
         if view is None:
             view = self._views[key] = self._scratch[name][start:start + nbytes]
+        return view
+
+    def _numpy(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> np.ndarray:
+        """The first `rows` rows of scratch `name` (sized by `_buffer` first) as a
+        `[rows, cols]` numpy array of `dtype`, cached like the views."""
+        key = (name, "np", rows, cols, dtype)
+        view = self._views.get(key)
+        if view is None:
+            nbytes = rows * cols * torch.empty(0, dtype=dtype).element_size()
+            view = self._views[key] = (self._scratch[name][:nbytes].view(dtype).numpy()
+                                       .reshape(rows, cols))
         return view
 
     def _owned_rows(self, rows: int, row_bytes: int) -> np.ndarray:
@@ -355,6 +373,7 @@ class TorchBackend:
             bag_rows2=dev(bag_rows2) if bf16 else None,
             bag_offsets2=dev(bag_offsets2) if bf16 else None,
             final_rows=dev(final_rows), final_offsets=dev(final_offsets),
+            final_rows_np=final_rows, final_offsets_np=final_offsets, num_tokens=num_tokens,
             sent_per_rank=[0 if d == me else n for d, n in enumerate(dests)],
             recv_per_rank=[0 if s == me else n for s, n in enumerate(srcs)],
             num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags)
@@ -466,7 +485,8 @@ class TorchBackend:
                               if bf16 else {}),
             bag_rows2=frm(bag_rows2) if bf16 else None,
             bag_offsets2=frm(bag_offsets2) if bf16 else None,
-            final_rows=frm(final_rows), final_offsets=frm(final_offsets),
+            final_rows=None, final_offsets=None, final_rows_np=final_rows,
+            final_offsets_np=final_offsets, num_tokens=num_tokens,
             sent_per_rank=[0 if d == me else n for d, n in enumerate(dests)],
             recv_per_rank=[0 if s == me else n for s, n in enumerate(srcs.tolist())],
             num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags)
@@ -538,10 +558,21 @@ class TorchBackend:
                                [n * prow_bytes for n in st.sent_per_rank],
                                [n * prow_bytes for n in st.recv_per_rank], group=self.group)
         t2 = _now_us()
-        if own:         # after the collective: work before one slows it more than it costs
-            self._flat("combine", back * prow_bytes, own * prow_bytes).copy_(
-                flat[nret * prow_bytes:])
-        y = _bag_sum(work.view(pdtype), st.final_rows, st.final_offsets)
+        final = _FINAL_SUMS.get(pdtype) if expert_out.is_cpu and HOST_MOVES_ROWS else None
+        if final is not None:   # own partials read where they are, not copied
+            word = torch.uint16 if pdtype == torch.bfloat16 else pdtype   # numpy has no bf16
+            yn = final(self._numpy("combine", back, hidden, word),
+                       partial.view(word).numpy()[nret:], st.final_rows_np, st.final_offsets_np,
+                       back, np.empty((st.num_tokens, hidden), dtype=_NP[word]))
+            y = torch.from_numpy(yn).view(pdtype)
+        else:
+            if own:     # after the collective: work before one slows it more than it costs
+                self._flat("combine", back * prow_bytes, own * prow_bytes).copy_(
+                    flat[nret * prow_bytes:])
+            if st.final_rows is None:
+                st.final_rows = torch.from_numpy(st.final_rows_np).to(device)
+                st.final_offsets = torch.from_numpy(st.final_offsets_np).to(device)
+            y = _bag_sum(work.view(pdtype), st.final_rows, st.final_offsets)
         if pdtype != dtype:
             y = y.to(dtype)
         if out is not None:

@@ -356,3 +356,58 @@ def gather_rows(work, x, gather, num_remote, own_tokens, out, rw):
             g = own_tokens[g - num_remote]
         out[i * rw:(i + 1) * rw] = src[g * rw:(g + 1) * rw]
     return out
+
+
+@njit(nogil=True, cache=True)
+def _bf16_row(src, tmp):
+    """bfloat16 bits `src` (uint16) widened into `tmp` (uint32: the float32 bits)."""
+    for h in range(src.shape[0]):
+        tmp[h] = np.uint32(src[h]) << 16
+
+
+@njit(nogil=True, cache=True)
+def final_sums_bf16(back_rows, own_rows, final_rows, final_offsets, num_back, y):
+    """Each token's <= P partial rows (bfloat16 bits) summed in fp32 in rank order and
+    rounded once to bfloat16 as `embedding_bag` does it on CPU (to nearest, ties away from
+    zero), so the bits are those the backend gave before: row r < `num_back` of the combine
+    work buffer is `back_rows[r]` (received), row r >= `num_back` is `own_rows[r -
+    num_back]` (this rank's own partials, read where they were made, not copied)."""
+    num_tokens, hidden = y.shape
+    acc = np.empty(hidden, dtype=np.float32)
+    tmp = np.empty(hidden, dtype=np.uint32)
+    tf = tmp.view(np.float32)
+    ab = acc.view(np.uint32)
+    end = final_rows.shape[0]
+    for t in range(num_tokens):
+        acc[:] = 0.0
+        q1 = final_offsets[t + 1] if t + 1 < num_tokens else end
+        for q in range(final_offsets[t], q1):
+            r = final_rows[q]
+            _bf16_row(back_rows[r] if r < num_back else own_rows[r - num_back], tmp)
+            for h in range(hidden):
+                acc[h] += tf[h]
+        out = y[t]
+        for h in range(hidden):
+            b = ab[h]
+            if (b & 0x7FFFFFFF) > 0x7F800000:
+                out[h] = 0x7FC0
+            else:
+                out[h] = np.uint16((np.uint64(b) + 0x8000) >> 16)
+    return y
+
+
+@njit(nogil=True, cache=True)
+def final_sums_f32(back_rows, own_rows, final_rows, final_offsets, num_back, y):
+    """`final_sums_bf16` for float32 partials: summed in fp32 in rank order into `y`."""
+    num_tokens, hidden = y.shape
+    end = final_rows.shape[0]
+    for t in range(num_tokens):
+        out = y[t]
+        out[:] = 0.0
+        q1 = final_offsets[t + 1] if t + 1 < num_tokens else end
+        for q in range(final_offsets[t], q1):
+            r = final_rows[q]
+            src = back_rows[r] if r < num_back else own_rows[r - num_back]
+            for h in range(hidden):
+                out[h] += src[h]
+    return y
