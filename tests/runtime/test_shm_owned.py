@@ -233,3 +233,40 @@ def test_owned_late_or_dead_peer_is_named_within_the_deadline(how):
     else:
         assert isinstance(out[1], RankFailure) and out[1].kind == "died"
         assert (kind, phase) == ("PeerDiedError", "dispatch/rows")
+
+
+def _lending(rank, world):
+    """Large results land in lent shared areas while held (combined in place: the expert
+    outputs written over recv_x), and in private tensors once every lent area is held; a
+    dropped one's area is lent again."""
+    case = CASES[0]
+    with _owned(num_experts=8, hidden=1024, max_tokens_per_rank=64, max_top_k=4) as buf:
+        path = buf._backend._path
+        held, where, in_place, outs = [], [], [], []
+        for _ in range(4):
+            res = buf.dispatch(*case.inputs(rank))
+            p = res.recv_x.data_ptr()
+            where.append(path._lent_lo <= p < path._lent_hi)
+            held.append(res)
+        for res in reversed(held):
+            kept = _kept(res, None)
+            kept["recv_x"] = res.recv_x.clone()             # the oracle's copy
+            res.recv_x.copy_(expert_fn(res.recv_x))         # expert outputs in place
+            kept["y"] = buf.combine(res.recv_x, res.handle, weighted=case.weighted)
+            in_place.append(buf.last_stats.extra["in_place"])
+            outs.append(kept)
+        first = held[0].recv_x.data_ptr()
+        del held[0], res
+        again = buf.dispatch(*case.inputs(rank))
+        outs.append(_kept(again, buf.combine(expert_fn(again.recv_x), again.handle)))
+        return where, in_place, again.recv_x.data_ptr() == first, outs
+
+
+def test_owned_lends_shared_areas_while_free_and_copies_out_when_all_are_held():
+    outs = run_ranks(_lending, 2, timeout_s=120)
+    for where, in_place, reused, _ in outs:
+        assert where == [True, True, False, False]
+        assert in_place == [False, False, True, True]
+        assert reused
+    for i in range(5):
+        check_case(CASES[0], [o[3][i] for o in outs])

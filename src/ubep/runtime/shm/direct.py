@@ -18,15 +18,22 @@ So dispatch copies each row once and combine reads it once. The price: `recv_x` 
 this Buffer's shared memory, valid until its next dispatch (as DeepEP's low-latency mode),
 and each rank needs room for the rows it could receive.
 
-`direct="owned"` keeps the one cross-core copy and gives the caller what any EP library
-gives: the receiver copies each row out of its area into a private `recv_x` (lent by the
-output pool, `outputs.py`) as soon as the row's meta word arrives, inside the wait for the
-rows; everything combine needs (each row's place `pos`) lives in the handle, not in kept
-scratch, so any handle can be combined, in any order, as often as wanted. Combine publishes
-the expert outputs by one local copy into the combine area (a private `expert_out` is not
-readable by the peers), then sums as above. Reuse stays safe: a rank publishes its counts of
-dispatch e+1 only after its dispatch e returned, i.e. after it copied out every row of e, so
-nobody overwrites rows it still needs; combine areas are guarded by the done words as above.
+`direct="owned"` keeps the one copy per row and gives the caller what any EP library gives:
+results valid while held, any handle combinable. Each rank has `1 + OWNED_LENT_AREAS` recv
+areas and names, in its count slot, the one this dispatch's rows go to: an area whose
+previous `recv_x` the caller has let go of (the output pool's rule, `outputs.py`: a fresh
+numpy view per lend, held only weakly here) is lent again as this `recv_x`, so rows land in
+it once and nothing is copied out. If the caller still holds every lent area, the rows land
+in the scratch area 0 and are copied out into a private tensor (from the output pool) as
+each row's meta word arrives, inside the wait for the rows; a rank's rows for its own
+experts then go from `x` straight into that tensor. Everything combine needs (each row's
+place `pos`) lives in the handle, not in kept scratch, so any handle can be combined, in any
+order, as often as wanted. Combine reads a lent `recv_x` (or any tensor in a lent area) in
+place; other expert outputs are published by one local copy of the rows peers read into the
+combine area, and a rank's own rows are summed where they lie. Reuse is safe: an area is
+named only while nobody holds a tensor on it, and a rank publishes the counts of dispatch
+e+1 only after its dispatch e returned (every row of e arrived, or was copied out), so nobody
+overwrites rows still needed; combine areas are guarded by the done words as below.
 
 Why reuse is safe with one buffer per area: a rank publishes its counts of call e+1 only after
 its combine of call e returned, and nobody writes rows, metas or ready words of e+1 before it
@@ -37,6 +44,7 @@ count ahead of a peer that still reads).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import numpy as np
 import torch
@@ -62,6 +70,7 @@ from ubep.runtime.shm.region import (
     D_DONE_OFF,
     D_MAXR,
     D_META_OFF,
+    D_NRECV,
     D_RECV_OFF,
 )
 from ubep.runtime.shm.waits import SPINS, deadline_after, now_us
@@ -70,6 +79,7 @@ from ubep.validate import MOVABLE_DTYPES
 
 _CODES = DTYPE_CODES
 _NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_direct: "do not round to bf16 here"
+_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 @functools.cache
@@ -98,7 +108,7 @@ class DirectPath:
         self.max_recv = max(int(dlay[D_MAXR]), 1)
         w = backend.world
         self._counts = np.zeros((w, c.num_experts), np.int64)
-        self._elems = np.zeros(w, np.int64)
+        self._tails = np.zeros((w, 4), np.int64)     # count slots' DC_* words
         self._got = np.zeros(w, np.int8)
         area = int(dlay[D_AREA])
         self._meta = region[int(dlay[D_META_OFF]):][:16 * self.max_recv].view(np.int64)
@@ -108,6 +118,11 @@ class DirectPath:
         self._done_mine = ctx.bases + (self._done_off + 8 * ctx.rank)
         self._done_first = ctx.base + self._done_off
         self._recv_addr = backend.base + int(dlay[D_RECV_OFF])
+        self._recv_off, self._area = int(dlay[D_RECV_OFF]), area
+        self._held: list[weakref.ref | None] = [None] * int(dlay[D_NRECV])  # owned: lent
+        # owned: byte range of the lent areas (a tensor there is combined in place)
+        self._lent_lo = self._recv_addr + area
+        self._lent_hi = self._recv_addr + area * int(dlay[D_NRECV])
         self._comb_addr = backend.base + int(dlay[D_COMB_OFF])
         self._areas = {"recv": torch.from_numpy(region[int(dlay[D_RECV_OFF]):][:area]),
                        "comb": torch.from_numpy(region[int(dlay[D_COMB_OFF]):][:area])}
@@ -174,13 +189,15 @@ class DirectPath:
         code = _CODES[x.dtype]
         self._epoch = epoch = self._epoch + 1
         deadline = deadline_after(t0, self._timeout_s)
-        counts, elems, got, dlay, bases = self._counts, self._elems, self._got, self.dlay, b.bases
+        counts, tails, got, dlay, bases = self._counts, self._tails, self._got, self.dlay, b.bases
         t_n, k_n = topk_idx.shape
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
+        area = self._free_area() if self.owned else 0       # where my rows go this call
+        roff = self._recv_off + area * self._area
         left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
-                                            self.num_experts, code, counts, elems, got, 8)
+                                            self.num_experts, code, roff, counts, tails, got, 8)
         if left:
-            b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, elems, got, s),
+            b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, tails, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
                     deadline=deadline)
             n_recv = DK.rows_for(counts, b.rank)
@@ -189,7 +206,9 @@ class DirectPath:
         ints = np.empty((3, n_recv), np.int64)   # src rank, token, slot: exactly N each
         wts = np.empty(n_recv, np.float32)
         rb = x.shape[1] * x.element_size()
-        if self.owned:                  # rows copied out here as they arrive
+        if self.owned and area and n_recv:      # rows land in recv_x itself
+            recv_x, dst = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype), 0
+        elif self.owned:                # rows copied out of the area as they arrive
             recv_x = self._lend.empty(n_recv, x.shape[1], x.dtype)
             dst = recv_x.data_ptr() if n_recv else 0
         else:
@@ -200,7 +219,7 @@ class DirectPath:
                 pos_addr = keep.data_ptr()
             else:                       # kept scratch: only the latest dispatch combinable
                 keep, pos_addr = None, self._pos_addr
-            n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, elems,
+            n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, tails,
                                                   counts, self.el, idx_addr, w_addr, t_n, k_n,
                                                   pos_addr, tpe, ints, wts, x.data_ptr(), rb,
                                                   dst, 8)
@@ -208,7 +227,7 @@ class DirectPath:
                 raise self._dtype_error(x.dtype, missing)
             if missing:
                 b.wait(lambda s: DK.recv_meta(b.base, dlay, epoch, 0, n_recv, ints[1],
-                                                     ints[2], wts, dst, rb, s),
+                                                     ints[2], wts, dst, roff, rb, s),
                         "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
                         deadline=deadline)
             state = (idx_addr, w_addr, k_n, epoch, pos_addr, keep, ints[0])
@@ -217,7 +236,7 @@ class DirectPath:
             idx, w = topk_idx.numpy(), topk_weights.numpy()
             pos = np.empty(idx.shape, np.int64)
             n_recv, ivs = self._dispatch_pool(x, idx, w, pos, tpe, ints, wts, rb, code, epoch,
-                                              dst, deadline)
+                                              dst, roff, deadline)
             state = (idx, w, pos, epoch, ints[0])
         self._last_call, self._last_dtype = call, x.dtype
         t2 = now_us()
@@ -227,10 +246,30 @@ class DirectPath:
                                  epoch)
         return new_dispatch_result(recv_x, wts, tpe, handle, stats)
 
-    def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, dst, deadline):
+    def _free_area(self) -> int:
+        """owned: a lent recv area nobody holds a tensor on any more, else 0 (scratch)."""
+        held = self._held
+        for i in range(1, len(held)):
+            ref = held[i]
+            if ref is None or ref() is None:
+                return i
+        return 0
+
+    def _lend_area(self, area: int, roff: int, n: int, hidden: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """`[n, hidden]` of `dtype` on recv area `area` (at byte `roff` of my region), lent to
+        the caller: a fresh numpy view, held here only weakly (see `outputs.py`)."""
+        es = dtype.itemsize
+        v = self.ctx.region[roff:roff + n * hidden * es].view(_INT_OF_SIZE[es]).reshape(n, hidden)
+        self._held[area] = weakref.ref(v)
+        t = torch.from_numpy(v)
+        return t if t.dtype == dtype else t.view(dtype)
+
+    def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, dst, roff,
+                       deadline):
         """`workers` > 1: the workers send a token range each, then wait for a row range."""
         b = self.ctx
-        bad = [s for s in range(b.world) if self._elems[s] != code]
+        bad = [s for s in range(b.world) if self._tails[s, 0] != code]
         if bad:
             raise self._dtype_error(x.dtype, bad[0])
         n_recv = int(DK.place_rows(self._counts, b.rank, self.el, idx, pos, tpe, ints[0]))
@@ -244,11 +283,11 @@ class DirectPath:
             a = now_us()
             DK.send_rows_direct(b.bases, self.dlay, epoch, xa, rb, idx, w, pos, self.el,
                                 j * t_n // n, (j + 1) * t_n // n, b.rank, dst, ints[1],
-                                ints[2], wts)
+                                ints[2], wts, self._tails)
             m = now_us()
             lo, hi = j * n_recv // n, (j + 1) * n_recv // n
             self._wait(cl, lambda s: DK.recv_meta(b.base, self.dlay, epoch, lo, hi, ints[1],
-                                               ints[2], wts, dst, rb, s),
+                                               ints[2], wts, dst, roff, rb, s),
                     "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], lo, hi))
             cl.iv[j].append(("send", a, m, "busy"))
             cl.iv[j].append(("wait_rows", m, now_us(), "wait"))
@@ -259,7 +298,7 @@ class DirectPath:
     def _dtype_error(self, dtype: torch.dtype, rank: int) -> Exception:
         return _protocol_error(
             f"rank {self.ctx.rank} dispatches {dtype} rows but rank {rank} uses "
-            f"{MOVABLE_DTYPES[int(self._elems[rank])]}; every rank must pass the same dtype")
+            f"{MOVABLE_DTYPES[int(self._tails[rank, 0])]}; every rank must pass the same dtype")
 
     def _missing_sources(self, epoch: int, src_rank: np.ndarray, lo: int, hi: int) -> list[int]:
         """Ranks some of whose rows in [lo, hi) have not arrived (for the timeout message)."""
@@ -307,13 +346,15 @@ class DirectPath:
         self._c_epoch = epoch = self._c_epoch + 1
         deadline = deadline_after(t0, self._timeout_s)
         ptr = expert_out.data_ptr()
-        if self.owned:      # recv_x is private; the combine area holds what was written last
+        if self.owned:      # the combine area holds what was written last
             if ptr == self._comb_addr and n_recv and handle.call != self._lent_comb:
                 raise ValueError(
                     "expert_out is the combine buffer of another dispatch (or one a later "
                     "combine overwrote): with direct='owned' get_combine_buffer's tensor is "
                     "valid until the next combine or get_combine_buffer")
-            copied = n_recv > 0 and ptr != self._comb_addr
+            # a tensor in a lent area (a recv_x the caller holds) is read where it lies
+            lent = self._lent_lo <= ptr and ptr + n_recv * rb <= self._lent_hi
+            copied = n_recv > 0 and ptr != self._comb_addr and not lent
             self._lent_comb = 0
         else:
             copied = n_recv > 0 and ptr not in (self._recv_addr, self._comb_addr)

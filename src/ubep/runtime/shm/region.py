@@ -99,12 +99,15 @@ def region_layout(*, world: int, experts_per_rank: int, max_workers: int, hidden
 
 # -- the direct (one-copy) variant's areas, appended to the region when Buffer(direct=True) ---
 #
-#     counts  [2][DCW] int64   my counts of every global expert, dtype, T, status, ..., epoch
+#     counts  [2][DCW] int64   my counts of every global expert, dtype, T, status, the byte
+#                              offset of the recv area my rows go to this call, ..., epoch
 #     ready   [8] int64        combine: dtype, byte offset of my expert outputs, status, epoch
 #     meta    [MAXR] x 16 B    per received row: token int32, slot int32 | weight f32, epoch i32
 #                              (the second word is release-stored after the row: the flag)
-#     recv    [MAXR] rows      received rows, expert-major, packed at hidden x itemsize:
-#                              `recv_x` is a view of it
+#     recv    [NRECV][MAXR] rows  received rows, expert-major, packed at hidden x itemsize:
+#                              `recv_x` is a view of one. direct=True: one area.
+#                              direct="owned": area 0 is scratch (rows copied out of it),
+#                              the others are lent as `recv_x` while the caller holds it
 #     comb    [MAXR] rows      expert outputs copied here (or written here by the user)
 #     done    [world] int64    combine: rank s stores its combine epoch into word s of every
 #                              rank once it has read all it needs: an owner's combine returns
@@ -115,19 +118,22 @@ def region_layout(*, world: int, experts_per_rank: int, max_workers: int, hidden
 # finishing call e's combine (see `direct.py`).
 
 (D_COUNTS_OFF, D_CW, D_READY_OFF, D_META_OFF, D_RECV_OFF, D_COMB_OFF, D_MAXR, D_AREA,
- D_END, D_DONE_OFF) = range(10)
-D_LEN = 10
+ D_END, D_DONE_OFF, D_NRECV) = range(11)
+D_LEN = 11
 #: words of a direct count slot after the E counts
-DC_ELEM, DC_TOKENS, DC_STATUS = 0, 1, 2
+DC_ELEM, DC_TOKENS, DC_STATUS, DC_RECV = 0, 1, 2, 3
+#: direct="owned": recv areas lent as `recv_x` (besides the scratch area): results a caller
+#: may hold while the next dispatch lands in place (more held: copied out of the scratch)
+OWNED_LENT_AREAS = 2
 #: words of the ready slot
 DR_ELEM, DR_OFFSET, DR_STATUS, DR_EPOCH = 0, 1, 2, 3
 
 
 def direct_layout(*, start: int, world: int, num_experts: int, hidden: int, max_tokens: int,
-                  max_top_k: int, max_element_bytes: int = 4) -> np.ndarray:
+                  max_top_k: int, max_element_bytes: int = 4, recv_areas: int = 1) -> np.ndarray:
     """The `D_*` layout of the direct areas, placed at byte offset `start` of the region."""
     el = num_experts // world
-    cw = _align(num_experts + 4, 8)
+    cw = _align(num_experts + 5, 8)
     max_recv = world * max_tokens * min(max_top_k, el)
     area = _align(max(max_recv, 1) * hidden * max_element_bytes, _PAGE)
     off = _align(start, _PAGE)
@@ -138,14 +144,14 @@ def direct_layout(*, start: int, world: int, num_experts: int, hidden: int, max_
     meta_off = off = _align(off, 64)
     off += max(max_recv, 1) * 16
     recv_off = off = _align(off, _PAGE)
-    off += area
+    off += area * recv_areas
     comb_off = off
     off += area
     done_off = off
     off += _align(world * 8, 64)
     lay = np.zeros(D_LEN, dtype=np.int64)
     lay[:] = [counts_off, cw, ready_off, meta_off, recv_off, comb_off, max_recv, area, off,
-              done_off]
+              done_off, recv_areas]
     return lay
 
 
@@ -165,5 +171,6 @@ def segment_layouts(config, *, max_workers: int,
         return lay, None, int(lay[L_SIZE])
     dlay = direct_layout(start=int(lay[L_SIZE]), world=c.world_size, num_experts=c.num_experts,
                          hidden=c.hidden, max_tokens=c.max_tokens_per_rank,
-                         max_top_k=c.max_top_k)
+                         max_top_k=c.max_top_k,
+                         recv_areas=1 + OWNED_LENT_AREAS if c.direct == "owned" else 1)
     return lay, dlay, int(dlay[D_END])

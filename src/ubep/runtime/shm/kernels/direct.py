@@ -31,8 +31,8 @@ from ubep.runtime.shm.region import (
     D_CW,
     D_META_OFF,
     D_READY_OFF,
-    D_RECV_OFF,
     DC_ELEM,
+    DC_RECV,
     DC_STATUS,
     DC_TOKENS,
     DR_ELEM,
@@ -49,8 +49,9 @@ SUM_CHUNK = 512
 
 
 @jit
-def publish_counts(base, dlay, epoch, idx, num_experts, elem):
-    """Count my slots per global expert into my own count slot; release its epoch last."""
+def publish_counts(base, dlay, epoch, idx, num_experts, elem, roff):
+    """Count my slots per global expert into my own count slot, with the byte offset `roff`
+    of the area my rows go to this call; release its epoch last."""
     cw = dlay[D_CW]
     slot = base + dlay[D_COUNTS_OFF] + (epoch & 1) * cw * 8
     w = carray(i64_ptr(slot), cw)
@@ -65,18 +66,19 @@ def publish_counts(base, dlay, epoch, idx, num_experts, elem):
     w[num_experts + DC_ELEM] = elem
     w[num_experts + DC_TOKENS] = t_n
     w[num_experts + DC_STATUS] = 0
+    w[num_experts + DC_RECV] = roff
     store_release(slot + (cw - 1) * 8, epoch)
 
 
 @jit
-def gather_counts(bases, dlay, epoch, counts, elems, got, spins):
-    """Read every rank's count slot of `epoch` into `counts` `[world, E]` and `elems`
-    `[world]` (dtype codes); return how many ranks lack."""
+def gather_counts(bases, dlay, epoch, counts, tails, got, spins):
+    """Read every rank's count slot of `epoch` into `counts` `[world, E]` and `tails`
+    `[world, 4]` (the `DC_*` words: dtype code, T, status, where its rows go); return how
+    many ranks lack."""
     world = counts.shape[0]
     cw = dlay[D_CW]
     addrs = bases + dlay[D_COUNTS_OFF] + (epoch & 1) * cw * 8
-    return poll_slots(addrs, 0, world, cw - 1, epoch, counts, elems.reshape((world, 1)), got,
-                      spins)
+    return poll_slots(addrs, 0, world, cw - 1, epoch, counts, tails, got, spins)
 
 
 @jit
@@ -121,14 +123,15 @@ def place_rows(counts, me, el, idx, pos, tokens_per_expert, src_rank):
 
 @jit
 def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo, t_hi, me,
-                     dst, src_tok, src_slot, wts):
-    """Copy my rows of tokens [t_lo, t_hi) to their final place; then each row's meta word.
+                     dst, src_tok, src_slot, wts, tails):
+    """Copy my rows of tokens [t_lo, t_hi) to their final place (in the area each
+    destination named in its count slot, `tails[d, DC_RECV]`); then each row's meta word.
 
     If `dst` is not 0 (`direct="owned"`: my received rows go to the private `[N, rb]` bytes
     at `dst`), a row for my own experts is copied there straight from `x` and its origin
     written into `src_tok`/`src_slot`/`wts` (no meta word: `recv_meta` skips it).
     """
-    meta_off, recv_off = dlay[D_META_OFF], dlay[D_RECV_OFF]
+    meta_off = dlay[D_META_OFF]
     k_n = idx.shape[1]
     ep = np.int64(epoch & _EPOCH_MASK) << np.int64(32)
     wbits = weights.view(np.uint32)
@@ -147,24 +150,26 @@ def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo
                 src_tok[row] = t
                 continue
             base = bases[d]
-            copy_bytes(base + recv_off + row * rb, src, rb)
+            copy_bytes(base + tails[d, DC_RECV] + row * rb, src, rb)
             m = base + meta_off + row * 16
             carray(i64_ptr(m), 1)[0] = np.int64(t) | (np.int64(k) << np.int64(32))
             store_release(m + 8, ep | np.int64(wbits[t, k]))
 
 
 @jit
-def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, dst, rb, spins):
+def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, dst, roff, rb, spins):
     """Wait for received rows [lo, hi) (their meta words hold `epoch`); decode their metas,
-    and, if `dst` is not 0, copy each row out to row i of the `[N, rb]` bytes at `dst` as soon
-    as its meta word is seen (`direct="owned"`: the copy out overlaps the rows still coming).
+    and, if `dst` is not 0, copy each row out of my area at byte `roff` to row i of the
+    `[N, rb]` bytes at `dst` as soon as its meta word is seen (`direct="owned"` when the
+    rows could not land in a tensor lent to the caller: the copy out overlaps the rows still
+    coming).
 
     `src_tok[lo:hi]` must hold -1 on the first call of a dispatch: a decoded row holds its
     token (>= 0) and is neither decoded nor copied again. Returns how many rows are still
     missing (0: all arrived, decoded and copied).
     """
     meta = base + dlay[D_META_OFF]
-    area = base + dlay[D_RECV_OFF]
+    area = base + roff
     ep = np.int64(epoch & _EPOCH_MASK)
     wv = wts.view(np.uint32)
     missing = 0
@@ -277,16 +282,18 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
 
 # -- one worker: the whole call in as few kernel entries as possible ------------------------------
 @jit
-def dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems, got, spins):
-    """Publish my counts, then a first look at everyone's; returns how many ranks lack."""
-    publish_counts(bases[me], dlay, epoch, idx, num_experts, elem)
+def dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, roff, counts, tails, got,
+                   spins):
+    """Publish my counts (my rows go to byte `roff` of my region), then a first look at
+    everyone's; returns how many ranks lack."""
+    publish_counts(bases[me], dlay, epoch, idx, num_experts, elem, roff)
     for s in range(got.shape[0]):
         got[s] = 0
-    return gather_counts(bases, dlay, epoch, counts, elems, got, spins)
+    return gather_counts(bases, dlay, epoch, counts, tails, got, spins)
 
 
 @jit
-def dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, weights, pos, tpe, ints,
+def dispatch_rows(bases, dlay, me, epoch, elem, tails, counts, el, idx, weights, pos, tpe, ints,
                   wts, x_addr, rb, dst, spins):
     """With every rank's counts: place, send all my rows, a first look for the rows I receive
     (copied out to `dst` as they arrive if `dst` is not 0, see `recv_meta`).
@@ -294,15 +301,16 @@ def dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, weights,
     Returns (N, rows still missing), or (-1, rank) if that rank dispatches another dtype.
     `ints[0]` gets each received row's source rank, `ints[1:]` (token, slot) as they arrive.
     """
-    for s in range(elems.shape[0]):
-        if elems[s] != elem:
+    for s in range(tails.shape[0]):
+        if tails[s, DC_ELEM] != elem:
             return -1, s
     n = place_rows(counts, me, el, idx, pos, tpe, ints[0])
     for i in range(n):
         ints[1, i] = -1
     send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, 0, idx.shape[0], me,
-                     dst, ints[1], ints[2], wts)
-    return n, recv_meta(bases[me], dlay, epoch, 0, n, ints[1], ints[2], wts, dst, rb, spins)
+                     dst, ints[1], ints[2], wts, tails)
+    return n, recv_meta(bases[me], dlay, epoch, 0, n, ints[1], ints[2], wts, dst,
+                        tails[me, DC_RECV], rb, spins)
 
 
 @jit
@@ -349,13 +357,13 @@ def copy_local(dst_addr, src_addr, n):
 # the kernels as raw addresses (`data_ptr()`, a fraction of a microsecond where a numpy view of a
 # tensor costs a microsecond or more); the caller keeps them alive for the call.
 @jit
-def dispatch_begin_at(bases, dlay, me, epoch, idx_addr, t_n, k_n, num_experts, elem, counts,
-                      elems, got, spins):
+def dispatch_begin_at(bases, dlay, me, epoch, idx_addr, t_n, k_n, num_experts, elem, roff,
+                      counts, tails, got, spins):
     """`dispatch_begin` of the `[t_n, k_n]` int64 routing at `idx_addr`; returns (ranks whose
     counts lack, N = `rows_for(counts, me)` once none lacks, else -1)."""
     idx = carray(i64_ptr(idx_addr), (t_n, k_n))
-    left = dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, counts, elems, got,
-                          spins)
+    left = dispatch_begin(bases, dlay, me, epoch, idx, num_experts, elem, roff, counts, tails,
+                          got, spins)
     return left, (-1 if left else rows_for(counts, me))
 
 
@@ -372,14 +380,14 @@ def rows_for(counts, me):
 
 
 @jit
-def dispatch_rows_at(bases, dlay, me, epoch, elem, elems, counts, el, idx_addr, w_addr, t_n,
+def dispatch_rows_at(bases, dlay, me, epoch, elem, tails, counts, el, idx_addr, w_addr, t_n,
                      k_n, pos_addr, tpe, ints, wts, x_addr, rb, dst, spins):
     """`dispatch_rows` of the routing at `idx_addr`/`w_addr`; `pos` `[t_n, k_n]` at
     `pos_addr`; received rows go to `dst` unless it is 0."""
     idx = carray(i64_ptr(idx_addr), (t_n, k_n))
     w = carray(f32_ptr(w_addr), (t_n, k_n))
     pos = carray(i64_ptr(pos_addr), (t_n, k_n))
-    return dispatch_rows(bases, dlay, me, epoch, elem, elems, counts, el, idx, w, pos, tpe, ints,
+    return dispatch_rows(bases, dlay, me, epoch, elem, tails, counts, el, idx, w, pos, tpe, ints,
                          wts, x_addr, rb, dst, spins)
 
 

@@ -202,7 +202,8 @@ def warm_up_direct() -> None:
     x = np.zeros((1, 8), np.uint8)
     counts = np.zeros((1, 2), np.int64)
     got = np.zeros(1, np.int8)
-    elems = np.zeros(1, np.int64)
+    tails = np.zeros((1, 4), np.int64)
+    roff = int(dlay[D_RECV_OFF])
     pos = np.empty((1, 1), np.int64)
     tpe = np.empty(2, np.int64)
     ints = np.zeros((3, 1), np.int64)
@@ -211,8 +212,8 @@ def warm_up_direct() -> None:
     ready = np.full(1, -1, np.int64)
     done = np.zeros(1, np.uint8)
     for epoch in (1, 2):     # the one-worker entries, then the pieces the pool path calls
-        dispatch_begin(bases, dlay, 0, epoch, idx, 2, 0, counts, elems, got, 1)
-        dispatch_rows(bases, dlay, 0, epoch, 0, elems, counts, 2, idx, w, pos, tpe, ints, wts,
+        dispatch_begin(bases, dlay, 0, epoch, idx, 2, 0, roff, counts, tails, got, 1)
+        dispatch_rows(bases, dlay, 0, epoch, 0, tails, counts, 2, idx, w, pos, tpe, ints, wts,
                       x.ctypes.data, 8, 0 if epoch == 1 else y.ctypes.data, 1)
         done[:] = 0
         combine_begin(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
@@ -222,9 +223,9 @@ def warm_up_direct() -> None:
     y16 = np.zeros((1, 2), np.uint16)
     for epoch in (3, 4):     # the one-worker entries by address, fp32 then bf16 sums
         out_addr = y16.ctypes.data if epoch == 4 else 0
-        direct_dispatch_begin_at(bases, dlay, 0, epoch, idx.ctypes.data, 1, 1, 2, 0, counts,
-                                 elems, got, 1)
-        dispatch_rows_at(bases, dlay, 0, epoch, 0, elems, counts, 2, idx.ctypes.data,
+        direct_dispatch_begin_at(bases, dlay, 0, epoch, idx.ctypes.data, 1, 1, 2, 0, roff,
+                                 counts, tails, got, 1)
+        dispatch_rows_at(bases, dlay, 0, epoch, 0, tails, counts, 2, idx.ctypes.data,
                          w.ctypes.data, 1, 1, pos.ctypes.data, tpe, ints, wts, x.ctypes.data, 8,
                          0 if epoch == 3 else y.ctypes.data, 1)
         direct_combine_begin_at(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
@@ -237,13 +238,13 @@ def warm_up_direct() -> None:
         done_at = base + int(dlay[D_DONE_OFF])
         done_reading(np.array([done_at], np.int64), done_at, 1, epoch, 1)
     got[:] = 0
-    publish_counts(base, dlay, 5, idx, 2, 0)
-    gather_counts(bases, dlay, 5, counts, elems, got, 1)
+    publish_counts(base, dlay, 5, idx, 2, 0, roff)
+    gather_counts(bases, dlay, 5, counts, tails, got, 1)
     n = place_rows(counts, 0, 2, idx, pos, tpe, ints[0])
     ints[1] = -1
     send_rows_direct(bases, dlay, 5, x.ctypes.data, 8, idx, w, pos, 2, 0, 1, 0, y.ctypes.data,
-                     ints[1], ints[2], wts)
-    recv_meta(base, dlay, 5, 0, n, ints[1], ints[2], wts, y.ctypes.data, 8, 1)
+                     ints[1], ints[2], wts, tails)
+    recv_meta(base, dlay, 5, 0, n, ints[1], ints[2], wts, y.ctypes.data, roff, 8, 1)
     rows_for(counts, 0)
     copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
     copy_rows_for_peers(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8, ints[0], 1, 1)
