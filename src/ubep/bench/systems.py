@@ -159,7 +159,9 @@ class RawCollectives:
     `prepare` runs dispatch and combine of a torch-backend Buffer (untimed) and reads from
     the stats of the last call which collectives it issued with how many bytes to and from
     each peer (`Stats.extra["collectives"]`); `dispatch()` and `combine()` then replay
-    exactly those `all_to_all_single` calls on preallocated buffers. Two calls, because the
+    exactly those `all_to_all_single` calls on preallocated buffers (the send side written:
+    an untouched `torch.zeros` block maps every page to the kernel's one zero page, which a
+    socket copy reads from cache, faster than any real rows). Two calls, because the
     backend sizes dispatch's first collective from the previous call (how many tokens ride
     inline): the second is the steady state the timed Buffer runs in. The torch backend's
     time over this line is what its own packing, reordering and reduction cost.
@@ -181,7 +183,7 @@ class RawCollectives:
         for op, st in (("dispatch", res.stats), ("combine", self.buf.last_stats)):
             self._calls[op] = [
                 (torch.empty(sum(recv), dtype=torch.uint8),
-                 torch.zeros(sum(send), dtype=torch.uint8), list(recv), list(send))
+                 torch.ones(sum(send), dtype=torch.uint8), list(recv), list(send))
                 for _, send, recv in st.extra["collectives"]]
 
     def _replay(self, op: str) -> None:
