@@ -50,12 +50,7 @@ class SinglePath:
         self._bsp = c.mode == "bsp"
         self._d_epoch = 0
         self._c_epoch = 0
-        # scratch, kept: the path allocates nothing it can reuse. The small state is one
-        # array the kernels take by address (`KS.state_views`); these are views of it.
-        self._state = np.zeros(KS.state_words(w, el), np.int64)
-        self._state_addr = self._state.ctypes.data
-        (self._cs, self._rc, self._meta, self._got, self._out_start, self._batch, self._hello,
-         self._res) = KS.state_views(self._state_addr, w, el)   # res: `KS.RES_*`
+        # scratch, kept: the path allocates nothing it can reuse
         self._y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)   # fp32 sums
         self._y_addr = self._y.ctypes.data
         self._timeout_s = c.timeout_s
@@ -68,10 +63,17 @@ class SinglePath:
         self._mine = np.zeros(max(int(ctx.lay[L_DROWS]), 1), np.int64)
         self._row_of_slot = np.zeros(max(c.max_tokens_per_rank * int(ctx.lay[L_KMAX]), 1),
                                      np.int64)
-        self._done_rows_addr = self._done_rows.ctypes.data
-        self._done_tokens_addr = self._done_tokens.ctypes.data
-        self._mine_addr = self._mine.ctypes.data
-        self._row_of_slot_addr = self._row_of_slot.ctypes.data
+        # the small state and the addresses of all the above: one array the kernels take by
+        # address (`KS.state_array`; it points at arrays this path and `ctx` keep)
+        self._state = KS.state_array(
+            w, el, base=ctx.base, bases=ctx.bases, lay=ctx.lay, me=ctx.rank, bsp=self._bsp,
+            done_rows=self._done_rows, done_tokens=self._done_tokens, mine=self._mine,
+            row_of_slot=self._row_of_slot, rank_of_expert=mapper.rank_of_expert,
+            hop_of_rank=mapper.hop_of_rank, kind=mapper.kind,
+            num_hop_classes=mapper.num_hop_classes)
+        self._state_addr = self._state.ctypes.data
+        (self._cs, self._rc, self._meta, self._got, self._out_start, self._batch, self._hello,
+         self._res) = KS.state_views(self._state_addr, w, el)   # res: `KS.RES_*`
 
     def release_outputs(self) -> None:
         """Drop the output pool's kept blocks (at close; tensors lent out stay valid)."""
@@ -84,7 +86,7 @@ class SinglePath:
         the rows."""
         ctx = self.ctx
         c = ctx.config
-        res, m = self._res, self._mapper
+        res = self._res
         num_tokens, hidden = x.shape
         top_k = topk_idx.shape[1]
         rb = hidden * x.element_size()
@@ -93,17 +95,14 @@ class SinglePath:
         self._d_epoch = epoch = next_epoch(self._d_epoch)
         deadline = deadline_after(t0, self._timeout_s)
         rc, meta, got, batch, state = self._rc, self._meta, self._got, self._batch, self._state_addr
-        done, done_addr = self._done_rows, self._done_rows_addr
-        base, lay, world = ctx.base, ctx.lay, ctx.world
+        done, world = self._done_rows, ctx.world
         tpe = np.empty(c.experts_per_rank, np.int64)
-        missing = KS.dispatch_begin_at(ctx.bases, lay, ctx.rank, epoch, x.data_ptr(),
-                                       num_tokens, rb, idx_addr, top_k, w_addr, m.rank_of_expert,
-                                       m.hop_of_rank, m.kind, m.num_hop_classes, elem,
-                                       self._bsp, state, tpe, done_addr, self._mine_addr)
+        src_addr = x.data_ptr()
+        missing = KS.dispatch_begin_at(state, epoch, src_addr, num_tokens, rb, idx_addr, top_k,
+                                       w_addr, elem, tpe)
         if missing:
             t1 = now_us()
-            ctx.wait(lambda s: KS.dispatch_counts_at(base, lay, epoch, state, tpe, done_addr,
-                                                     elem, s),
+            ctx.wait(lambda s: KS.dispatch_counts_at(state, epoch, tpe, elem, s),
                      "dispatch/counts", lambda: [s for s in range(world) if not got[s]],
                      deadline=deadline)
             t2 = now_us()
@@ -117,14 +116,13 @@ class SinglePath:
         recv_x = self._lend.empty(n_recv, hidden, x.dtype)
         ints = np.empty((3, n_recv), np.int64)
         wts = np.empty(n_recv, np.float32)
-        x_addr, me, mine, src_addr = recv_x.data_ptr(), ctx.rank, self._mine_addr, x.data_ptr()
+        x_addr = recv_x.data_ptr()
         # the first poll inline: when every row is already there (one rank, or peers ahead of
         # us) the bounded wait and its closures are not built at all
-        if KS.recv_rows_at(base, lay, epoch, state, n_recv, done_addr, x_addr, rb, wts, ints, me,
-                           mine, src_addr, num_tokens, w_addr, top_k, SPINS):
-            ctx.wait(lambda s: KS.recv_rows_at(base, lay, epoch, state, n_recv, done_addr,
-                                               x_addr, rb, wts, ints, me, mine, src_addr,
-                                               num_tokens, w_addr, top_k, s),
+        if KS.recv_rows_at(state, epoch, n_recv, x_addr, rb, wts, ints, src_addr, num_tokens,
+                           w_addr, top_k, SPINS):
+            ctx.wait(lambda s: KS.recv_rows_at(state, epoch, n_recv, x_addr, rb, wts, ints,
+                                               src_addr, num_tokens, w_addr, top_k, s),
                      "dispatch/rows", lambda: missing_sources(rc, done, 0, n_recv),
                      lambda: dc_detail(batch), deadline=deadline)
         t3 = now_us()
@@ -144,22 +142,20 @@ class SinglePath:
         idx_addr, w_addr, top_k, ints = handle.state
         num_tokens, hidden, n_recv = handle.num_tokens, handle.hidden, handle.num_recv
         res, y_addr = self._res, self._y_addr
-        elem, ecode, lut = _combine_elem(dtype)
+        elem, ecode, lut_addr, n_lut = _combine_elem(dtype)
         es = expert_out.element_size()
         rb = hidden * es
         self._c_epoch = epoch = next_epoch(self._c_epoch)
         deadline = deadline_after(t0, self._timeout_s)
-        hello, batch, base, lay = self._hello, self._batch, ctx.base, ctx.lay
-        done, done_addr, state = self._done_tokens, self._done_tokens_addr, self._state_addr
+        hello, batch, done, state = self._hello, self._batch, self._done_tokens, self._state_addr
         out = None
         # the kernels write by address: a caller's row-major `dest` takes the sums directly
         into = dest if dest is not None and dest.is_contiguous() else None
         if dtype is torch.float32:                     # sum in place, no cast
             out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
             y_addr = out.data_ptr()
-        me, row_addr, rows_addr = ctx.rank, self._row_of_slot_addr, expert_out.data_ptr()
-        bad = KS.combine_begin_at(ctx.bases, lay, me, epoch, rows_addr, n_recv, rb, ints, elem,
-                                  self._bsp, state, done_addr, num_tokens, row_addr)
+        rows_addr = expert_out.data_ptr()
+        bad = KS.combine_begin_at(state, epoch, rows_addr, n_recv, rb, ints, elem, num_tokens)
         if bad < 0:
             raise sentinel_error("expert_out", -bad - 1)
         t1 = now_us()
@@ -167,15 +163,14 @@ class SinglePath:
         if dtype is torch.bfloat16:                   # the poll rounds into it once complete
             out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
             cast, out_addr = KS.CAST_BF16, out.data_ptr()
-        bsp, weighted = self._bsp, bool(weighted)
-        if KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens, top_k, weighted,
-                              rb, es, ecode, lut, state, done_addr, y_addr, hidden, SPINS, bsp,
-                              elem, cast, out_addr, me, row_addr,
+        weighted = bool(weighted)
+        if KS.combine_poll_at(state, epoch, idx_addr, w_addr, num_tokens, top_k, weighted, rb, es,
+                              ecode, lut_addr, n_lut, y_addr, hidden, SPINS, elem, cast, out_addr,
                               rows_addr):     # first poll inline, as above
-            ctx.wait(lambda s: KS.combine_poll_at(base, lay, epoch, idx_addr, w_addr, num_tokens,
-                                                  top_k, weighted, rb, es, ecode, lut, state,
-                                                  done_addr, y_addr, hidden, s, bsp, elem, cast,
-                                                  out_addr, me, row_addr, rows_addr),
+            ctx.wait(lambda s: KS.combine_poll_at(state, epoch, idx_addr, w_addr, num_tokens,
+                                                  top_k, weighted, rb, es, ecode, lut_addr, n_lut,
+                                                  y_addr, hidden, s, elem, cast, out_addr,
+                                                  rows_addr),
                      "combine/rows", lambda: self._combine_missing(handle, done),
                      lambda: dc_detail(batch), deadline=deadline)
         _, code, _, routed = res.tolist()
@@ -211,9 +206,16 @@ def missing_sources(rc: np.ndarray, done: np.ndarray, lo: int, hi: int) -> list[
 
 
 @functools.cache
-def _combine_elem(dtype: torch.dtype) -> tuple[int, int, np.ndarray]:
-    """(dtype code, element code, fp32 lookup table) of combine rows, once per dtype."""
-    return (DTYPE_CODES[dtype], *combine_elem(dtype))
+def _combine_elem(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(dtype code, element code, address and length of the fp32 lookup table) of combine
+    rows, once per dtype (the cache keeps the table alive)."""
+    ecode, lut = combine_elem(dtype)
+    _LUTS.append(lut)
+    return DTYPE_CODES[dtype], ecode, lut.ctypes.data, lut.shape[0]
+
+
+#: the lookup tables whose addresses `_combine_elem` handed out (kept for the process)
+_LUTS: list[np.ndarray] = []
 
 
 def _dispatch_stats(c: BufferConfig, fmt: BlockFormat, r: int, ts: tuple[float, ...],

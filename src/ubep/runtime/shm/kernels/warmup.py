@@ -61,8 +61,8 @@ from ubep.runtime.shm.kernels.single import (
     dispatch_counts_at,
     dispatch_send_single,
     recv_rows_at,
+    state_array,
     state_views,
-    state_words,
 )
 from ubep.runtime.shm.kernels.slots import (
     check_meta,
@@ -93,31 +93,32 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     idx = np.zeros((1, 1), np.int64)
     w = np.ones((1, 1), np.float32)
     order = np.arange(el, dtype=np.int64)
-    state = np.zeros(state_words(1, el), np.int64)
+    hop = np.zeros(1, np.int64)
+    done_rows = np.zeros(max(int(lay[L_DROWS]), 1), np.uint8)
+    done_tokens = np.zeros(1, np.uint8)
+    mine = np.zeros(max(int(lay[L_DROWS]), 1), np.int64)
+    row_of_slot = np.zeros(max(int(lay[L_KMAX]), 1), np.int64)
+    state = state_array(1, el, base=base, bases=bases, lay=lay, me=0, bsp=bsp,
+                        done_rows=done_rows, done_tokens=done_tokens, mine=mine,
+                        row_of_slot=row_of_slot, rank_of_expert=order, hop_of_rank=hop,
+                        kind=HIERARCHICAL, num_hop_classes=1)
     st = state.ctypes.data
     res = state_views(st, 1, el)[-1]
     tpe = np.zeros(el, np.int64)
-    done = np.zeros(max(int(lay[L_DROWS]), 1), np.uint8)
-    mine = np.zeros(max(int(lay[L_DROWS]), 1), np.int64)
-    row_of_slot = np.zeros(max(int(lay[L_KMAX]), 1), np.int64)
     epoch = 5 if bsp else 4
     x_addr, idx_addr, w_addr = x.ctypes.data, idx.ctypes.data, w.ctypes.data
-    dispatch_begin_at(bases, lay, 0, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, order,
-                      np.zeros(1, np.int64), HIERARCHICAL, 1, 0, bsp, st, tpe, done.ctypes.data,
-                      mine.ctypes.data)
-    dispatch_counts_at(base, lay, epoch, st, tpe, done.ctypes.data, 0, 1)
+    dispatch_begin_at(st, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, 0, tpe)
+    dispatch_counts_at(st, epoch, tpe, 0, 1)
     n = int(res[RES_RECV])
     ints, wts = np.zeros((3, n), np.int64), np.zeros(n, np.float32)
     out = np.zeros((max(n, 1), 8), np.uint8)
-    recv_rows_at(base, lay, epoch, st, n, done.ctypes.data, out.ctypes.data, 8, wts, ints, 0,
-                 mine.ctypes.data, x_addr, 1, w_addr, 1, 1)
+    recv_rows_at(st, epoch, n, out.ctypes.data, 8, wts, ints, x_addr, 1, w_addr, 1, 1)
     y = np.zeros((1, 2), np.float32)
     y16 = np.zeros((1, 2), np.uint16)
-    combine_begin_at(bases, lay, 0, epoch, out.ctypes.data, n, 8, ints, 0, bsp, st,
-                     done.ctypes.data, 1, row_of_slot.ctypes.data)
-    combine_poll_at(base, lay, epoch, idx_addr, w_addr, 1, 1, True, 8, 4, ELEM_F32,
-                    np.zeros(1, np.float32), st, done.ctypes.data, y.ctypes.data, 2, 1, bsp, 0,
-                    CAST_BF16, y16.ctypes.data, 0, row_of_slot.ctypes.data, out.ctypes.data)
+    lut = np.zeros(1, np.float32)
+    combine_begin_at(st, epoch, out.ctypes.data, n, 8, ints, 0, 1)
+    combine_poll_at(st, epoch, idx_addr, w_addr, 1, 1, True, 8, 4, ELEM_F32, lut.ctypes.data, 1,
+                    y.ctypes.data, 2, 1, 0, CAST_BF16, y16.ctypes.data, out.ctypes.data)
 
 
 def warm_up(lay_of, multi: bool) -> None:
