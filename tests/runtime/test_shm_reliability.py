@@ -70,7 +70,9 @@ def _dies_mid_dispatch(rank, world, job):
     x, idx, w = _inputs(rank, num_tokens=8, top_k=4)
     with _buffer(timeout_s=20.0, workers=1) as buf:
         if rank == 1:
-            def die(bases, lay, me, epoch, *rest):    # the one-worker send entry
+            def die(state, epoch, *rest):    # the one-worker send entry
+                k, lay, bases = single.consts(state)
+                me = int(k[single.K_ME])
                 counts = np.zeros(lay[L_WORLD] * lay[L_EL], np.int64)
                 count_experts(idx.numpy(), counts)
                 slots.send_counts(bases, lay, me, epoch, counts, 1, 0, 0, 0, lay[L_WORLD])
@@ -169,8 +171,10 @@ def _corrupt_dc(rank, world, phase):
             entry = "dispatch_begin_at" if phase == "dispatch" else "combine_begin_at"
             send = getattr(single, entry)
 
-            def send_then_corrupt(bases, lay, me, epoch, *rest):
-                out = send(bases, lay, me, epoch, *rest)
+            def send_then_corrupt(state, epoch, *rest):
+                out = send(state, epoch, *rest)
+                k, lay, bases = single.consts(state)
+                me = int(k[single.K_ME])
                 off = lay[L_DBATCH_OFF] if phase == "dispatch" else lay[L_CBATCH_OFF]
                 slot = int(bases[1] + off + ((epoch & 1) * lay[L_WORLD] + me) * lay[L_MW] * 64)
                 word = np.frombuffer((ctypes.c_char * 8).from_address(slot), np.int64)
