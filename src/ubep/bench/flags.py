@@ -26,6 +26,7 @@ from ubep.runtime.shm.atomics import load_acquire as _load_acquire_addr
 from ubep.runtime.shm.atomics import store_release as _store_release_addr
 
 _SLOT = 8            # int64 words per slot: one 64-byte cache line per rank's word
+_SPINS = 64          # barrier: spin rounds between yields (as `ubep.runtime.shm.waits.SPINS`)
 _PING, _PONG = 0, 1  # slots of the ping-pong; barrier slots follow
 
 
@@ -129,9 +130,16 @@ class HostSync:
                 segments.unlink_name(name)
 
     def _wait(self, what: str, first: int, count: int, stride: int, target: int) -> None:
+        """Spin briefly, then yield, then sleep 20 µs per round, until the deadline.
+
+        The spin is as short as the runtime's own (`waits.SPINS` rounds, ~2 µs): when two
+        ranks share a core (more runnable processes than cores), a rank that finished its
+        call first waits here while its peer still runs on that core, and spinning 2,000
+        rounds (~60 µs) before yielding added that to the peer's measured call.
+        """
         deadline = time.monotonic() + self.timeout_s
         tries = 0
-        while not _wait_all_geq(self.words, first, count, stride, target, 2000):
+        while not _wait_all_geq(self.words, first, count, stride, target, _SPINS):
             tries += 1
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: bench {what} timed out after "
