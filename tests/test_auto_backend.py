@@ -30,7 +30,9 @@ def _run(rank, world, pretend, kw):
         outs = [run_case(buf, c, rank) for c in CASES]
         c = buf.config
         return {"backend": c.backend, "requested": c.requested_backend,
-                "reason": c.backend_reason, "stats": buf.last_stats.backend, "outs": outs}
+                "reason": c.backend_reason, "stats": buf.last_stats.backend, "outs": outs,
+                "direct": c.direct, "mode": c.mode,
+                "stats_direct": buf.last_stats.extra.get("direct")}
 
 
 def _check(per_rank):
@@ -38,11 +40,25 @@ def _check(per_rank):
         check_case(case, [r["outs"][i] for r in per_rank])
 
 
-def test_auto_picks_shm_on_one_host():
+def test_auto_picks_shm_owned_on_one_host():
     per_rank = run_ranks(_run, 2, None, {})
     for r in per_rank:
         assert (r["backend"], r["requested"], r["stats"]) == ("shm", "auto", "shm")
-        assert "this host" in r["reason"]
+        assert (r["direct"], r["stats_direct"], r["mode"]) == ("owned", "owned", "ubep")
+        assert "this host" in r["reason"] and "direct='owned'" in r["reason"]
+    _check(per_rank)
+
+
+@pytest.mark.parametrize("kw, direct", [({"mode": "ubep"}, False), ({"mode": "bsp"}, False),
+                                        ({"sync": "dc"}, False), ({"direct": False}, False),
+                                        ({"count_workers": 1}, False),
+                                        ({"direct": True}, True)])
+def test_auto_keeps_a_mechanism_the_caller_asked_for(kw, direct):
+    per_rank = run_ranks(_run, 2, None, kw)
+    for r in per_rank:
+        assert (r["backend"], r["direct"]) == ("shm", direct)
+        assert r["mode"] == kw.get("mode", "ubep")
+        assert "direct='owned'" not in r["reason"]
     _check(per_rank)
 
 

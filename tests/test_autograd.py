@@ -65,6 +65,7 @@ def _ranks(rank, world, backend, seed):
     out = []
     with ubep.Buffer(num_experts=E_PER_RANK * world, hidden=HIDDEN, max_tokens_per_rank=16,
                      max_top_k=TOP_K, backend=backend) as buf:
+        assert backend != "auto" or buf.config.direct == "owned"
         for weighted, use_recv_weights in VARIANTS + VARIANTS[:1]:  # again: Buffer reuse
             x, idx, w, scale, grad_y = _inputs(rank, world, _tokens(world)[rank], seed)
             x.requires_grad_()
@@ -80,7 +81,8 @@ def _ranks(rank, world, backend, seed):
     return out
 
 
-@pytest.mark.parametrize("world,backend", [(2, "torch"), (3, "torch"), (2, "shm"), (3, "shm")])
+@pytest.mark.parametrize("world,backend", [(2, "torch"), (3, "torch"), (2, "shm"), (3, "shm"),
+                                           (2, "auto"), (3, "auto")])   # auto: direct="owned"
 def test_gradients_match_reference(world, backend):
     got = run_ranks(_ranks, world, backend, 1)
     for i, variant in enumerate(VARIANTS + VARIANTS[:1]):

@@ -50,13 +50,15 @@ class Buffer:
             hosts) or "shm" (ranks on one host through shared memory, workers as threads).
             "auto" picks shm when every rank of the group maps this host's /dev/shm and it
             has room for all the ranks' segments, torch otherwise; `config.backend` says
-            which runs, `config.backend_reason` why, and every `Stats.backend` names it. auto
-            never turns on `direct`: a direct Buffer's `recv_x` is a view that the next
-            dispatch overwrites, which code written for any other EP library (that keeps a
-            result until it drops it) would not expect; pass `direct=True` to opt in (with
-            auto it then requires the shm path).
-        mode: "ubep" (decomposed, dependency-driven) or "bsp" (the barrier-separated baseline).
-            Used by the shm runtime; recorded but not used by the torch backend.
+            which runs, `config.backend_reason` why, and every `Stats.backend` names it. On
+            shm, when neither `mode`, `direct` nor `count_workers` is given and `sync` is
+            "tff" or "sw", auto runs `direct="owned"` (the fastest path whose results the
+            caller owns; below); it never turns on `direct=True`, whose `recv_x` is a view
+            that the next dispatch overwrites.
+        mode: "ubep" (decomposed, dependency-driven) or "bsp" (the barrier-separated baseline);
+            None (default): "ubep". Used by the shm runtime; recorded but not used by the
+            torch backend. Given explicitly, the shm path runs that mechanism (auto then does
+            not pick `direct="owned"`).
         sync: Data-as-Flag variant, "sw" | "tff" | "dc" | "sp" (shm runtime).
         schedule: token-to-worker schedule, "static" | "balanced" | "hierarchical" (shm).
         workers: worker threads per rank (shm); None = the cores available to the rank.
@@ -68,16 +70,23 @@ class Buffer:
         block_bytes: synchronization block size in bytes (shm), default 512 as in the paper.
         direct: (shm, mode="ubep") exchange counts first, then write every row straight to
             its final place at its destination: one copy per row instead of the paper's two
-            (window, then place), and combine reads expert outputs where they lie. As in
-            DeepEP's low-latency mode, `recv_x` is then a view of this Buffer's shared memory,
-            valid until its next dispatch, and only the latest dispatch can be combined (as
-            often as wanted: combine returns once every peer has read the rows it needed, so
-            the caller may then reuse `recv_x` and the combine buffer); write
-            expert outputs into `get_combine_buffer(handle)` (or pass `recv_x` itself) and
-            combine copies nothing. Rows carry a per-row flag word, so `sync` must be "tff"
-            (the default) or "sw"; workers split the tokens evenly, in order (`schedule`
-            does not apply; stats report "static"). Shared memory per rank: two areas of world x
-            max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4 bytes.
+            (window, then place), and combine reads expert outputs where they lie.
+            `direct=True`: as in DeepEP's low-latency mode, `recv_x` is then a view of this
+            Buffer's shared memory, valid until its next dispatch, and only the latest
+            dispatch can be combined (as often as wanted: combine returns once every peer has
+            read the rows it needed, so the caller may then reuse `recv_x` and the combine
+            buffer); write expert outputs into `get_combine_buffer(handle)` (or pass `recv_x`
+            itself) and combine copies nothing. `direct="owned"`: the same exchange, but each
+            received row is copied out of shared memory into a `recv_x` the caller owns as
+            it arrives, and a handle carries all combine needs: results stay valid while
+            held, any handle can be combined, in any order, as with other EP libraries; the
+            expert outputs peers read are copied into shared memory once (none with
+            `get_combine_buffer`, valid until the next combine). None (default): "owned" where
+            auto picks it (see `backend`), else False. Rows carry a per-row flag word, so
+            `sync` must be "tff" (the default) or "sw"; workers split the tokens evenly, in
+            order (`schedule` does not apply; stats report "static"). Shared memory per rank:
+            two areas of world x max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4
+            bytes.
 
     Every rank must pass the same backend, mode, sync, direct, num_experts, hidden,
     max_tokens_per_rank, max_top_k, block_bytes and workers: the constructor compares them
@@ -90,12 +99,13 @@ class Buffer:
     """
 
     def __init__(self, group=None, *, num_experts: int, hidden: int, max_tokens_per_rank: int,
-                 backend: str = "auto", mode: str = "ubep", sync: str = "tff",
+                 backend: str = "auto", mode: str | None = None, sync: str = "tff",
                  schedule: str = "hierarchical", workers: int | None = None,
                  count_workers: int | None = None, topology=None, timeout_s: float = 30.0,
-                 max_top_k: int = 8, block_bytes: int = 512, direct: bool | str = False):
+                 max_top_k: int = 8, block_bytes: int = 512, direct: bool | str | None = None):
         check_choice("backend", backend, BACKENDS)
-        check_choice("mode", mode, MODES)
+        if mode is not None:
+            check_choice("mode", mode, MODES)
         check_choice("sync", sync, SYNCS)
         check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("num_experts", num_experts)
@@ -110,13 +120,13 @@ class Buffer:
             if workers is not None and workers >= 2 and count_workers >= workers:
                 raise ValueError(f"count_workers={count_workers} must be < workers={workers} "
                                  f"(token workers need at least one core)")
-        if not isinstance(direct, bool) and direct != "owned":
-            raise ValueError(f"direct={direct!r} is not one of False, True, 'owned'")
+        if direct is not None and not isinstance(direct, bool) and direct != "owned":
+            raise ValueError(f"direct={direct!r} is not one of None, False, True, 'owned'")
         if direct:
             if backend not in ("shm", "auto"):
                 raise ValueError(f"direct={direct!r} needs backend='shm' (rows are written into "
                                  f"the receivers' shared memory), got backend={backend!r}")
-            if mode != "ubep":
+            if mode not in (None, "ubep"):
                 raise ValueError(f"direct={direct!r} needs mode='ubep': the counts go first, so "
                                  f"there are no barrier-separated phases to run")
             if sync not in ("tff", "sw"):
@@ -140,16 +150,20 @@ class Buffer:
         self.config = BufferConfig(
             rank=rank, world_size=world_size, num_experts=num_experts, hidden=hidden,
             max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k, backend=backend,
-            mode=mode, sync=sync, schedule=schedule, workers=workers,
+            mode=mode or "ubep", sync=sync, schedule=schedule, workers=workers,
             count_workers=count_workers, block_bytes=block_bytes, timeout_s=float(timeout_s),
-            topology=topology, direct=direct, requested_backend=backend,
-            backend_reason="" if backend == "auto" else "asked for")
+            topology=topology, direct=bool(direct) if direct is None else direct,
+            requested_backend=backend, backend_reason="" if backend == "auto" else "asked for")
         if backend == "auto":
-            chosen, why = choose_backend(self.config, group)
+            # the fastest path whose results the caller owns, unless a choice rules it out
+            owned = (direct is None and mode is None and count_workers is None
+                     and sync in ("tff", "sw"))
+            chosen, why, chosen_direct = choose_backend(self.config, group, owned=owned)
             if direct and chosen != "shm":
                 raise ValueError(f"direct={direct!r} needs the shm backend, which this group "
                                  f"cannot use: {why}")
-            self.config = dataclasses.replace(self.config, backend=chosen, backend_reason=why)
+            self.config = dataclasses.replace(self.config, backend=chosen, backend_reason=why,
+                                              direct=chosen_direct)
         self.group = group
         self.rank, self.world_size = rank, world_size
         self.num_experts = num_experts
@@ -333,16 +347,17 @@ class Buffer:
                            dtype: torch.dtype | None = None) -> torch.Tensor:
         """Where to write the expert outputs of `handle`'s rows so combine copies nothing.
 
-        Only with `direct=True` (cf. DeepEP's `get_next_low_latency_combine_buffer`). Returns
+        Only with `direct` (cf. DeepEP's `get_next_low_latency_combine_buffer`). Returns
         `[N, hidden]` of `dtype` (default: the dispatched rows' dtype) in this Buffer's shared
         memory; write row i's expert output to row i, then `combine(that_tensor, handle)`.
-        Valid until the next dispatch.
+        Valid until the next dispatch (`direct=True`, latest dispatch only) or the next
+        combine or `get_combine_buffer` (`direct="owned"`, any handle).
         """
         with self._lock:
             self._check_usable("get_combine_buffer")
             if not self.config.direct:
-                raise ValueError("get_combine_buffer needs Buffer(backend='shm', direct=True); "
-                                 "other buffers combine any expert_out tensor")
+                raise ValueError("get_combine_buffer needs Buffer(backend='shm', direct=True or "
+                                 "'owned'); other buffers combine any expert_out tensor")
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != self._id:
                 raise ValueError("handle must be the DispatchHandle of this Buffer's dispatch")
             return self._backend.combine_buffer(handle, dtype)

@@ -251,11 +251,11 @@ class OpHandle:
 def check_gradients_possible(buffer: Buffer, top_k: int, weights_need_grad: bool) -> None:
     """Refuse, before any communication, a call whose gradients ubep cannot carry."""
     c = buffer.config
-    if c.direct:
+    if c.direct is True:                # "owned" results are the caller's: gradients flow
         raise ValueError(
             "Buffer(direct=True) cannot carry gradients: recv_x is a view of shared memory "
             "that the next dispatch overwrites and only the latest dispatch can be combined; "
-            "train with direct=False (or call under torch.no_grad())")
+            "train with direct='owned' or False (or call under torch.no_grad())")
     if weights_need_grad and top_k > c.hidden:
         raise ValueError(
             f"gradients to topk_weights need hidden >= top_k (each slot's gradient travels in "

@@ -6,9 +6,17 @@ on one host may or may not share it, and a hostname says neither). It also needs
 for every rank's segment. When both hold, shm is the fastest path on a host (see
 docs/results.md); otherwise the torch backend works over any process group. All ranks agree
 on the answer because they decide from the same gathered facts.
+
+On shm, when the caller left `mode` and `direct` to it, auto runs `direct="owned"`: one copy
+per row with results the caller owns (`runtime/shm/direct.py`): side by side on this
+project's host it took 0.51-0.68x the paper's two-copy path's time at batch 8-128 and a
+median 0.92x at batch 1 (README, "Which backend runs"). It needs room for the direct areas,
+else the two-copy path runs.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ubep.options import BufferConfig
 from ubep.runtime.bootstrap import exchange
@@ -35,11 +43,15 @@ def _shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
         return 0
 
 
-def choose_backend(config: BufferConfig, group) -> tuple[str, str]:
-    """("shm" | "torch", why) for `config` on `group`. Collective: every rank must call it.
+def choose_backend(config: BufferConfig, group, *,
+                   owned: bool = False) -> tuple[str, str, bool | str]:
+    """("shm" | "torch", why, direct) for `config` on `group`. Collective: every rank must
+    call it.
 
     shm when every rank maps the same /dev/shm and it has room for all the ranks' segments
-    (with a 10% margin); torch otherwise. The same answer on every rank.
+    (with a 10% margin); torch otherwise. With `owned` (the caller chose neither mode nor
+    direct), shm runs `direct="owned"` if its segments fit too; else `direct` is
+    `config.direct`. The same answer on every rank.
     """
     from ubep.runtime.shm.backend import default_workers
 
@@ -50,13 +62,26 @@ def choose_backend(config: BufferConfig, group) -> tuple[str, str]:
                      phase="Buffer()/auto")
     keys = {f[0] for f in facts}
     if None in keys:
-        return "torch", "a rank has no /dev/shm"
+        return "torch", "a rank has no /dev/shm", c.direct
     if len(keys) > 1:
-        return "torch", f"the group's {c.world_size} ranks do not share one host's shared memory"
-    need = c.world_size * shm_bytes_needed(c, max(f[1] for f in facts))
+        return ("torch", f"the group's {c.world_size} ranks do not share one host's shared "
+                f"memory", c.direct)
+    workers = max(f[1] for f in facts)
+    need = c.world_size * shm_bytes_needed(c, workers)
     free = min(f[2] for f in facts)
+    room = f"({{:.1f}} of {free / 2**20:.0f} MiB free)"
+    if owned:
+        need_owned = c.world_size * shm_bytes_needed(
+            dataclasses.replace(c, direct="owned"), workers)
+        if need_owned * 1.1 <= free:
+            return "shm", (f"every rank on this host; /dev/shm has room "
+                           f"{room.format(need_owned / 2**20)}; direct='owned': one copy per "
+                           f"row, results yours"), "owned"
     if need * 1.1 > free:
         return "torch", (f"/dev/shm has {free / 2**20:.0f} MiB free, the shm backend needs "
-                         f"{need / 2**20:.0f} MiB for {c.world_size} ranks")
-    return "shm", (f"every rank on this host; /dev/shm has room ({need / 2**20:.1f} of "
-                   f"{free / 2**20:.0f} MiB free)")
+                         f"{need / 2**20:.0f} MiB for {c.world_size} ranks"), c.direct
+    why = f"every rank on this host; /dev/shm has room {room.format(need / 2**20)}"
+    if owned:
+        why += (f"; the two-copy path: direct='owned' would need "
+                f"{need_owned / 2**20:.0f} MiB")
+    return "shm", why, c.direct

@@ -120,6 +120,7 @@ class DirectPath:
         self._recv_addr = backend.base + int(dlay[D_RECV_OFF])
         self._recv_off, self._area = int(dlay[D_RECV_OFF]), area
         self._held: list[weakref.ref | None] = [None] * int(dlay[D_NRECV])  # owned: lent
+        self._area_rows: dict[tuple[int, int], np.ndarray] = {}
         # owned: byte range of the lent areas (a tensor there is combined in place)
         self._lent_lo = self._recv_addr + area
         self._lent_hi = self._recv_addr + area * int(dlay[D_NRECV])
@@ -260,7 +261,12 @@ class DirectPath:
         """`[n, hidden]` of `dtype` on recv area `area` (at byte `roff` of my region), lent to
         the caller: a fresh numpy view, held here only weakly (see `outputs.py`)."""
         es = dtype.itemsize
-        v = self.ctx.region[roff:roff + n * hidden * es].view(_INT_OF_SIZE[es]).reshape(n, hidden)
+        rows = self._area_rows.get((area, es))
+        if rows is None:                # the whole area as rows of this element size, once
+            n_max = self._area // (hidden * es)
+            rows = self._area_rows[area, es] = self.ctx.region[roff:roff + n_max * hidden * es] \
+                .view(_INT_OF_SIZE[es]).reshape(n_max, hidden)
+        v = rows[:n]                    # a fresh view: what the lent tensor's storage holds
         self._held[area] = weakref.ref(v)
         t = torch.from_numpy(v)
         return t if t.dtype == dtype else t.view(dtype)
