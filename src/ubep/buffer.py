@@ -85,7 +85,8 @@ class Buffer:
             auto picks it (see `backend`), else False. Rows carry a per-row flag word, so
             `sync` must be "tff" (the default) or "sw"; workers split the tokens evenly, in
             order (`schedule` does not apply; stats report "static"). Shared memory per rank:
-            two areas of world x max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4
+            two areas (True) or four ("owned": two lent as recv_x, a scratch one, the combine
+            area) of world x max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4
             bytes.
 
     Every rank must pass the same backend, mode, sync, direct, num_experts, hidden,
