@@ -18,7 +18,7 @@ from ubep.bench.cli import PEERS_BATCHES, PEERS_HIDDENS
 from ubep.bench.config import BenchConfig
 from ubep.bench.run import BenchResult, mpi_unavailable_reason, run_bench
 
-SYSTEMS = ("shm-ubep", "shm-direct", "shm-bsp", "torch", "mpi", "agrs")
+SYSTEMS = ("shm-owned", "shm-ubep", "shm-direct", "shm-bsp", "torch", "mpi", "agrs")
 #: the hidden size the headline figures are read at (DeepSeek-V3's)
 HEADLINE_HIDDEN = 7168
 
@@ -64,7 +64,7 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
         add(f"torch / (raw collectives + copy bound), batch {b}", "≤ 1.5×",
             tuple(ix.get(("torch", h, b, "total"), {}).get("x_raw_copy") for ix in runs),
             lambda v: v <= 1.5)
-    for system in ("shm-direct", "shm-ubep"):
+    for system in ("shm-owned", "shm-direct", "shm-ubep"):
         med = tuple(ix.get((system, h, 1, "total"), {}).get("median_us") for ix in runs)
         p99 = tuple(ix.get((system, h, 1, "total"), {}).get("p99_us") for ix in runs)
         add(f"{system} dispatch+combine, batch 1, median", "≤ 40 µs (≤ 80 µs interleaved)",
@@ -76,11 +76,11 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
         add(f"{system} batch 1 p99 / median", "≤ 3× (≤ 6× interleaved)", tails,
             (lambda v: v <= 3, lambda v: v <= 6))
     for peer in ("torch", "mpi", "agrs"):
-        for system in ("shm-direct", "shm-ubep"):
+        for system in ("shm-owned", "shm-direct", "shm-ubep"):
             for b in (1, 16, 128):
                 add(f"{peer} / {system}, batch {b}", "(speed-up)",
                     tuple(_ratio(ix, peer, system, h, b) for ix in runs), lambda v: v > 1)
-    for system in ("shm-direct", "shm-ubep"):
+    for system in ("shm-owned", "shm-direct", "shm-ubep"):
         add(f"{system} / copy bound, batch 128", "≤ 1.5×",
             tuple(ix.get((system, h, 128, "total"), {}).get("x_bound") for ix in runs),
             lambda v: v <= 1.5)
@@ -88,10 +88,13 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
 
 
 _SYSTEM_ROWS = (
+    ('`shm-owned`',
+     '`ubep.Buffer(backend="shm", direct="owned")` (what `backend="auto"` gives on one '
+     'host): counts first, each row copied once into a receive area lent as `recv_x` while '
+     'the caller holds it; results the caller owns, any handle combinable'),
     ('`shm-ubep`',
-     '`ubep.Buffer(backend="shm", mode="ubep")` (what `backend="auto"` gives on one host): '
-     'shared memory, kernel decomposition, TFF epochs, rows via windows (two copies per '
-     'row)'),
+     '`ubep.Buffer(backend="shm", mode="ubep")`: the paper\'s mechanism on shared memory: '
+     'kernel decomposition, TFF epochs, rows via windows (two copies per row)'),
     ('`shm-direct`',
      '`ubep.Buffer(backend="shm", direct=True)`: counts first, each row copied once to its '
      'final place, per-row flag word; combine reads expert outputs in place; `recv_x` is '
@@ -134,7 +137,9 @@ at its destination and then into the expert-major output, and combine copies bac
 reduces. shm-direct exchanges the per-expert counts first, so every row has a known final
 place and is copied once; combine reads each expert output where it lies. Its price is
 DeepEP low-latency semantics (`recv_x` valid until the next dispatch), which is why
-`backend="auto"` does not turn it on.
+`backend="auto"` does not turn it on. shm-owned is the same one-copy exchange into receive
+areas lent as `recv_x` only while nothing else holds them (else copied out), so results are
+the caller's and any handle combines: what `backend="auto"` runs on one host.
 
 *One worker per rank.* With 2 cores and 2 ranks each rank has one worker: kernel
 decomposition has no second core to overlap its count, send and reorder roles on, so
