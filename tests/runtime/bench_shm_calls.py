@@ -119,8 +119,10 @@ def main() -> None:
     for r in range(2):
         o = out[r]
         slept = sum(1 for e in o if any(op[2]["sleeps"] for op in e[0]))
+        faults = [e[1] for e in o if e[1]]
         print(f"  rank {r}: pairs with a sleep {slept}/{n}, preempted (involuntary switch) "
-              f"{sum(1 for e in o if e[3])}, faulted {sum(1 for e in o if e[1])}")
+              f"{sum(1 for e in o if e[3])}, faulted {len(faults)} (median "
+              f"{np.median(faults) if faults else 0:.0f} faults)")
     print("  slowest pairs (µs): per rank dispatch[phases] yields sleeps, combine[...], "
           "faults, voluntary / involuntary switches")
     for i in np.argsort(tot)[::-1][:10]:
