@@ -30,10 +30,13 @@ unit in the last place off (none more); fp32 56% identical, at most 3e-7 relativ
 tolerance; the shm backend stays bit-exact.
 
 At batch 1 the host work around the small collectives is what costs, so the index
-bookkeeping is two compiled passes (`ubep.runtime.torch_layout`, one per side) instead of
-~80 numpy/torch calls, and on CPU the rows move with numpy (`np.take`: a numpy call costs
-about a µs, a torch op several; on other devices `index_select`). Send/receive scratch is
-kept and grown, not allocated per call. `Stats.extra["collectives"]`
+bookkeeping is compiled (`ubep.runtime.torch_layout`) instead of ~80 numpy/torch calls. On
+CPU the rows move in the same compiled calls: `pack_send` writes the send buffer (headers,
+routing words, rows), `gather_rows` writes recv_x from the received rows and, for this
+rank's own tokens, straight from x; combine's source-side sum reads the received partials
+and its own where they lie (`final_sums_*`, the same bits as `embedding_bag`). On other
+devices the rows move with `index_select`/`embedding_bag`. Send/receive scratch is kept and
+grown, not allocated per call. `Stats.extra["collectives"]`
 lists each collective's bytes to/from every peer: `ubep bench` replays exactly those calls,
 bare, as its "raw collectives" line.
 """
