@@ -156,11 +156,14 @@ running, a waiter spins, then yields, then sleeps 20-100 µs per round.
 partial sum per (token, rank) comes back. Dispatch's first `all_to_all_single` carries the
 counts and, up to 64 KiB in all, the tokens themselves (batch 1: one collective); the rest
 take a second; combine takes one. gloo spends ~0.1-0.3 ms on each even for a few KB. What
-the backend adds: two compiled index passes and ~20 small numpy/torch ops at batch 1; at
-batch 128, the expert-major expansion of the received rows (one gather) and the partial
-sums (`embedding_bag`). On this 2-core host the same collectives take longer inside the
-backend than bare (two ranks spinning 30-100 µs before or between two collectives made
-them 50-80 µs slower); why is not pinned down.
+the backend adds, on CPU all in compiled passes: the send buffer written, recv_x gathered
+(the expert-major expansion: one pass over the received rows), the partial sums
+(`embedding_bag`) and their sum at the source; ~95 µs a pair at batch 1 in one process,
+2-3× that in place. `tests/runtime/bench_torch_floor.py` replays the raw collectives with
+a busy wait of the backend's measured host time in each gap: on this 2-core host at load
+~2.7 that alone came to 1.47-1.53× (raw + copy) at batch 1 (1.5× is out of reach there
+without less host time), and the backend's own collectives ran 1.1-1.4× slower than after
+the busy wait.
 
 *AgRs.* vLLM's path moves every token to every rank whatever the routing (one all-gather)
 and reduce-scatters a `[all tokens, hidden]` tensor of partial sums: fewer rows than a
