@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from typing import Any
@@ -18,17 +19,21 @@ BUFFER_KWARGS_ENV = "UBEP_VLLM_BUFFER"
 #: Buffer's waits get more slack here than ubep's default
 DEFAULT_TIMEOUT_S = 600.0
 
+logger = logging.getLogger(__name__)
+
 
 class UbepAll2AllManager(All2AllManagerBase):
     """All2all through ubep for one EP group (cf. vLLM's DeepEP managers).
 
     `get_handle(kwargs)` returns the `ubep.Buffer` for one layer shape, made on first use
     (a collective: every EP rank builds its layers in the same order) and cached. Buffers
-    run on the EP group's CPU (gloo) process group: `backend="shm"` when all EP ranks share
-    this host, `"torch"` across hosts; `UBEP_VLLM_BUFFER` (a JSON object) overrides any
-    `ubep.Buffer` argument. Tokens move inside the MoE modular kernel
-    (`UbepPrepareAndFinalize`), so the manager's own gather-style `dispatch`/`combine` (used
-    only by MoE methods without a modular kernel) are not provided.
+    run on the EP group's CPU (gloo) process group: `backend="auto"` when all EP ranks share
+    this host (the one-copy shm path with results the caller owns, `direct="owned"`, or
+    `"torch"` where `/dev/shm` has no room; the choice is logged), `"torch"` across hosts;
+    `UBEP_VLLM_BUFFER` (a JSON object) overrides any `ubep.Buffer` argument. Tokens move
+    inside the MoE modular kernel (`UbepPrepareAndFinalize`), so the manager's own
+    gather-style `dispatch`/`combine` (used only by MoE methods without a modular kernel) are
+    not provided.
     """
 
     def __init__(self, cpu_group, tcp_store_group=None):
@@ -38,7 +43,7 @@ class UbepAll2AllManager(All2AllManagerBase):
 
     def buffer_kwargs(self) -> dict[str, Any]:
         """The `ubep.Buffer` arguments every layer shape shares (defaults, then the env)."""
-        kwargs: dict[str, Any] = {"backend": "torch" if self.internode else "shm",
+        kwargs: dict[str, Any] = {"backend": "torch" if self.internode else "auto",
                                   "timeout_s": DEFAULT_TIMEOUT_S}
         raw = os.environ.get(BUFFER_KWARGS_ENV)
         if raw:
@@ -72,6 +77,8 @@ class UbepAll2AllManager(All2AllManagerBase):
                                   max_tokens_per_rank=max_tokens, max_top_k=top_k,
                                   **self.buffer_kwargs())
                 self._buffers[key] = buf
+                logger.info("ubep Buffer %s: backend %s (%s)", key, buf.config.backend,
+                            buf.config.backend_reason)
             return buf
 
     def dispatch_router_logits(self, *args, **kwargs):
