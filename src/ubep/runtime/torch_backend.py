@@ -197,6 +197,24 @@ class TorchBackend:
                      phases_us=phases, bytes_sent=sent, bytes_recv=recv, payload_efficiency=None,
                      extra={"collectives": collectives})
 
+    def _dispatch_stats(self, phases: dict[str, float], inline: int, block_bytes: int,
+                        row_bytes: int, rows: tuple[list[int], list[int]] | None) -> Stats:
+        """A dispatch's stats with the collectives it ran: the first carries the counts and,
+        when `inline` rows fit, a `block_bytes` block to each peer; `rows` (rows sent to and
+        received from each rank) when a second collective moved them."""
+        world, me = self.config.world_size, self.config.rank
+        if inline:
+            b1 = [0 if r == me else block_bytes for r in range(world)]
+            collectives = [("inline", b1, b1)]
+        else:
+            collectives = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
+        if rows is not None:
+            collectives.append(("rows", [r * row_bytes for r in rows[0]],
+                                [r * row_bytes for r in rows[1]]))
+        sent = sum(sum(b) for _, b, _ in collectives)
+        return self._stats("dispatch", phases, sent, sum(sum(b) for _, _, b in collectives),
+                           collectives)
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int):
         c = self.config
@@ -385,17 +403,8 @@ class TorchBackend:
         t6 = _now_us()
         phases = {"layout": t1 - t0 + t6 - t5, "pack": t2 - t1, "count_exchange": t3 - t2,
                   "token_exchange": t4 - t3, "reorder": t5 - t4}
-        if C:
-            b1 = [0 if r == me else blk * row_bytes for r in range(world)]
-            collectives = [("inline", b1, b1)]
-        else:
-            collectives = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
-        if global_max > C:
-            collectives.append(("rows", [r * row_bytes for r in send2],
-                                [r * row_bytes for r in recv2]))
-        sent = sum(sum(b) for _, b, _ in collectives)
-        stats = self._stats("dispatch", phases, sent, sum(sum(b) for _, _, b in collectives),
-                            collectives)
+        stats = self._dispatch_stats(phases, C, blk * row_bytes, row_bytes,
+                                     (send2, recv2) if global_max > C else None)
         return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
 
     def _dispatch_cpu(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -498,17 +507,8 @@ class TorchBackend:
         t5 = _now_us()
         phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
                   "token_exchange": t3 - t2, "reorder": t4 - t3}
-        if C:
-            b1 = [0 if r == me else blk * row_bytes for r in range(world)]
-            collectives = [("inline", b1, b1)]
-        else:
-            collectives = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
-        if global_max > C:
-            collectives.append(("rows", [r * row_bytes for r in s2],
-                                [r * row_bytes for r in recv2.tolist()]))
-        sent = sum(sum(b) for _, b, _ in collectives)
-        stats = self._stats("dispatch", phases, sent, sum(sum(b) for _, _, b in collectives),
-                            collectives)
+        stats = self._dispatch_stats(phases, C, blk * row_bytes, row_bytes,
+                                     (s2, recv2.tolist()) if global_max > C else None)
         return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
 
     def _bag_weights(self, st: _TorchState, dtype: torch.dtype, device) -> torch.Tensor:
