@@ -229,6 +229,9 @@ def test_per_call_overhead_is_what_the_model_leaves_unexplained_at_each_batch():
         bare = host.predict(r["system"], r["op"], host.HIDDEN, r["batch"], p)
         assert r["predicted_us"] == pytest.approx(bare + 30.0 + r["batch"])
         assert r["error"] == pytest.approx((r["predicted_us"] - 100.0) / 100.0)
+    md = host.markdown_table(rows).splitlines()
+    assert len(md) == 2 + len(host.SYSTEMS) * len(host.BATCHES) + 2
+    assert md[2].startswith("| shm-bsp | 1 | ") and md[-1].endswith(f"of {len(rows)}")
 
 
 def test_microbenchmark_times_every_pass_alone_and_in_pairs():

@@ -210,6 +210,8 @@ def _validate_host(args: argparse.Namespace, console) -> int:
                       "that the model does not have[/yellow]")
     (out / "validate_host.json").write_text(json.dumps(
         {"constants": hc.to_dict(), "rows": rows}, indent=2))
+    (out / "validate_host.md").write_text(host.markdown_table(rows))
+    console.print(f"tables: {out / 'validate_host.json'}, {out / 'validate_host.md'}")
     return 0
 
 

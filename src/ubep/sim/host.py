@@ -258,6 +258,26 @@ def validate(med: dict, hc: HostConstants) -> list[dict]:
     return rows
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """`validate`'s rows as the markdown table of docs/results/simulator.md: one line per
+    system and batch, dispatch and combine side by side, and the count within +-25%."""
+    by = {(r["system"], r["batch"], r["op"]): r for r in rows}
+    lines = ["| system | batch | footprint MB | faulted pages (d / c) | dispatch model / "
+             "measured (err) | combine model / measured (err) |", "|---|---|---|---|---|---|"]
+
+    def cell(r: dict) -> str:
+        return (f"{r['predicted_us']:,.0f} / {r['measured_us']:,.0f} "
+                f"({100 * r['error']:+.0f}%)")
+
+    for system in SYSTEMS:
+        for b in BATCHES:
+            d, c = by[(system, b, "dispatch")], by[(system, b, "combine")]
+            lines.append(f"| {system} | {b} | {d['footprint_MB']:.1f} | {d['faults']:.0f} / "
+                         f"{c['faults']:.0f} | {cell(d)} | {cell(c)} |")
+    ok = sum(abs(r["error"]) <= 0.25 for r in rows)
+    return "\n".join(lines) + f"\n\nwithin ±25%: {ok} of {len(rows)}\n"
+
+
 # -- measuring ------------------------------------------------------------------------------------
 @contextmanager
 def bench_lock(path: str = BENCH_LOCK):
