@@ -5,7 +5,7 @@ what remains is validation, kernel entries, copies and building results: the par
 batch-1 call that profiling can attribute (run it under `py-spy record` or line_profiler).
 Stable to a few percent even on a busy host, unlike a 2-rank latency.
 
-    .venv/bin/python tests/runtime/bench_shm_overhead.py [direct|ubep|bsp] [pairs]
+    .venv/bin/python tests/runtime/bench_shm_overhead.py [direct|owned|ubep|bsp] [pairs]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def main() -> None:
     import ubep
     from ubep.testing import make_routing, make_tokens
 
-    opts = {"direct": dict(direct=True), "ubep": dict(mode="ubep"), "bsp": dict(mode="bsp")}
+    opts = {"direct": dict(direct=True), "owned": dict(direct="owned"),
+            "ubep": dict(mode="ubep"), "bsp": dict(mode="bsp")}
     idx, w = make_routing(1, 8, 16, kind="uniform", seed=7)
     x = make_tokens(0, 1, 7168, torch.bfloat16, seed=3)
     try:

@@ -21,9 +21,9 @@ and each rank needs room for the rows it could receive.
 `direct="owned"` keeps the one copy per row and gives the caller what any EP library gives:
 results valid while held, any handle combinable. Each rank has `1 + OWNED_LENT_AREAS` recv
 areas and names, in its count slot, the one this dispatch's rows go to: an area whose
-previous `recv_x` the caller has let go of (the output pool's rule, `outputs.py`: a fresh
-numpy view per lend, held only weakly here) is lent again as this `recv_x`, so rows land in
-it once and nothing is copied out. If the caller still holds every lent area, the rows land
+previous `recv_x` the caller has let go of (no tensor, view or array on the area's torch
+storage is left but this path's own: a use-count test, `_free_area`) is lent again as this
+`recv_x`, so rows land in it once and nothing is copied out. If the caller still holds every lent area, the rows land
 in the scratch area 0 and are copied out into a private tensor (from the output pool) as
 each row's meta word arrives, inside the wait for the rows; a rank's rows for its own
 experts then go from `x` straight into that tensor. Everything combine needs (each row's
@@ -44,7 +44,6 @@ count ahead of a peer that still reads).
 from __future__ import annotations
 
 import functools
-import weakref
 
 import numpy as np
 import torch
@@ -79,7 +78,8 @@ from ubep.validate import MOVABLE_DTYPES
 
 _CODES = DTYPE_CODES
 _NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_direct: "do not round to bf16 here"
-_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+#: strong references to a torch storage (by its `_cdata`): `_free_area`'s test, ~0.1 µs
+_use_count = torch._C._storage_Use_Count
 
 
 @functools.cache
@@ -119,8 +119,13 @@ class DirectPath:
         self._done_first = ctx.base + self._done_off
         self._recv_addr = backend.base + int(dlay[D_RECV_OFF])
         self._recv_off, self._area = int(dlay[D_RECV_OFF]), area
-        self._held: list[weakref.ref | None] = [None] * int(dlay[D_NRECV])  # owned: lent
-        self._area_rows: dict[tuple[int, int], np.ndarray] = {}
+        # owned, per recv area: its torch storage (`_cdata`, 0 until first lent), the uint8
+        # tensor on it and the references to it this path holds itself (`_free_area`)
+        nrecv = int(dlay[D_NRECV])
+        self._area_cdata: list[int] = [0] * nrecv
+        self._area_u8: list[torch.Tensor | None] = [None] * nrecv
+        self._area_uses: list[int] = [0] * nrecv
+        self._area_views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         # owned: byte range of the lent areas (a tensor there is combined in place)
         self._lent_lo = self._recv_addr + area
         self._lent_hi = self._recv_addr + area * int(dlay[D_NRECV])
@@ -216,14 +221,16 @@ class DirectPath:
             recv_x, dst = self._view("recv", n_recv, x.dtype), 0
         if b.workers == 1:
             if self.owned:              # `pos` goes with the handle: any handle combinable
-                keep = torch.empty(t_n * k_n, dtype=torch.int64)
-                pos_addr = keep.data_ptr()
+                keep = np.empty(t_n * k_n, np.int64)    # its address: from the kernel
+                n_recv, missing, pos_addr = DK.dispatch_rows_own(
+                    bases, dlay, b.rank, epoch, code, tails, counts, self.el, idx_addr, w_addr,
+                    t_n, k_n, keep, tpe, ints, wts, x.data_ptr(), rb, dst, 8)
             else:                       # kept scratch: only the latest dispatch combinable
                 keep, pos_addr = None, self._pos_addr
-            n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, tails,
-                                                  counts, self.el, idx_addr, w_addr, t_n, k_n,
-                                                  pos_addr, tpe, ints, wts, x.data_ptr(), rb,
-                                                  dst, 8)
+                n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, tails,
+                                                      counts, self.el, idx_addr, w_addr, t_n,
+                                                      k_n, pos_addr, tpe, ints, wts,
+                                                      x.data_ptr(), rb, dst, 8)
             if n_recv < 0:
                 raise self._dtype_error(x.dtype, missing)
             if missing:
@@ -248,28 +255,36 @@ class DirectPath:
         return new_dispatch_result(recv_x, wts, tpe, handle, stats)
 
     def _free_area(self) -> int:
-        """owned: a lent recv area nobody holds a tensor on any more, else 0 (scratch)."""
-        held = self._held
-        for i in range(1, len(held)):
-            ref = held[i]
-            if ref is None or ref() is None:
+        """owned: a lent recv area nobody holds a tensor on any more, else 0 (scratch).
+
+        Each lent area has one torch storage, made here; every tensor on it (a lent `recv_x`,
+        a view or slice of it, a numpy array or autograd node holding one) holds a strong
+        reference to that storage. So the area is free exactly when the storage's use count
+        is the number of references this path keeps itself (its cached typed views)."""
+        cdata, mine = self._area_cdata, self._area_uses
+        for i in range(1, len(cdata)):
+            if not cdata[i] or _use_count(cdata[i]) == mine[i]:
                 return i
         return 0
 
     def _lend_area(self, area: int, roff: int, n: int, hidden: int,
                    dtype: torch.dtype) -> torch.Tensor:
         """`[n, hidden]` of `dtype` on recv area `area` (at byte `roff` of my region), lent to
-        the caller: a fresh numpy view, held here only weakly (see `outputs.py`)."""
-        es = dtype.itemsize
-        rows = self._area_rows.get((area, es))
-        if rows is None:                # the whole area as rows of this element size, once
+        the caller: a strided view of the area's kept typed tensor (see `_free_area`)."""
+        v = self._area_views.get((area, dtype))
+        if v is None:                   # the whole area as rows of `dtype`, once
+            es = dtype.itemsize
             n_max = self._area // (hidden * es)
-            rows = self._area_rows[area, es] = self.ctx.region[roff:roff + n_max * hidden * es] \
-                .view(_INT_OF_SIZE[es]).reshape(n_max, hidden)
-        v = rows[:n]                    # a fresh view: what the lent tensor's storage holds
-        self._held[area] = weakref.ref(v)
-        t = torch.from_numpy(v)
-        return t if t.dtype == dtype else t.view(dtype)
+            if not self._area_cdata[area]:
+                u8 = torch.from_numpy(self.ctx.region[roff:roff + self._area])
+                self._area_cdata[area] = u8.untyped_storage()._cdata
+                self._area_u8[area] = u8
+                self._area_uses[area] = _use_count(self._area_cdata[area])
+            before = _use_count(self._area_cdata[area])
+            v = self._area_u8[area][:n_max * hidden * es].view(dtype).view(n_max, hidden)
+            self._area_views[area, dtype] = v
+            self._area_uses[area] += _use_count(self._area_cdata[area]) - before
+        return v.as_strided((n, hidden), (hidden, 1))
 
     def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, dst, roff,
                        deadline):

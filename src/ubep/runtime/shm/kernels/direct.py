@@ -392,6 +392,20 @@ def dispatch_rows_at(bases, dlay, me, epoch, elem, tails, counts, el, idx_addr, 
 
 
 @jit
+def dispatch_rows_own(bases, dlay, me, epoch, elem, tails, counts, el, idx_addr, w_addr, t_n,
+                      k_n, pos, tpe, ints, wts, x_addr, rb, dst, spins):
+    """`dispatch_rows_at` with `pos` a fresh flat int64 array of at least `t_n * k_n` (one the
+    handle keeps, `direct="owned"`); returns (N or -1, missing, `pos`'s address), so the
+    caller needs no Python call to learn where `pos` lies."""
+    idx = carray(i64_ptr(idx_addr), (t_n, k_n))
+    w = carray(f32_ptr(w_addr), (t_n, k_n))
+    p = pos[:t_n * k_n].reshape((t_n, k_n))
+    n, missing = dispatch_rows(bases, dlay, me, epoch, elem, tails, counts, el, idx, w, p, tpe,
+                               ints, wts, x_addr, rb, dst, spins)
+    return n, missing, pos.ctypes.data
+
+
+@jit
 def reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, pos_addr, el,
                      rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr, hidden, me,
                      own, spins):

@@ -29,6 +29,7 @@ from ubep.runtime.shm.kernels.direct import (
     dispatch_begin,
     dispatch_rows,
     dispatch_rows_at,
+    dispatch_rows_own,
     done_reading,
     gather_counts,
     place_rows,
@@ -229,6 +230,9 @@ def warm_up_direct() -> None:
         dispatch_rows_at(bases, dlay, 0, epoch, 0, tails, counts, 2, idx.ctypes.data,
                          w.ctypes.data, 1, 1, pos.ctypes.data, tpe, ints, wts, x.ctypes.data, 8,
                          0 if epoch == 3 else y.ctypes.data, 1)
+        dispatch_rows_own(bases, dlay, 0, epoch, 0, tails, counts, 2, idx.ctypes.data,
+                          w.ctypes.data, 1, 1, pos.reshape(-1), tpe, ints, wts, x.ctypes.data, 8,
+                          0 if epoch == 3 else y.ctypes.data, 1)
         direct_combine_begin_at(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
                                 0, ints[0], idx.ctypes.data, w.ctypes.data, 1, 1, True,
                                 pos.ctypes.data, 2, 8, 4, ELEM_F32, np.zeros(1, np.float32),
