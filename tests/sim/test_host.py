@@ -270,3 +270,18 @@ def test_record_layout_matches_the_runtime():
     # a dispatch record: 16-byte header + row, 504 payload bytes per 512-byte block
     assert hostbench.record_wire_bytes(R) == math.ceil((R + 16) / 504) * 512
     assert hostbench.record_wire_bytes(128, 0) == 512
+
+
+def test_spin_barrier_passes_when_all_arrived_and_names_a_missing_peer_by_deadline():
+    words = hostbench._aligned(4096)
+    alone = hostbench.SpinBarrier(words.ctypes.data, 0, 1)
+    alone.wait()
+    alone.wait()
+    assert words.view("int64")[0] == 2
+    words.view("int64")[1] = 3                  # the other process is one round ahead
+    pair = hostbench.SpinBarrier(words.ctypes.data, 0, 2, timeout_s=0.05)
+    pair.wait()
+    pair.wait()
+    pair.wait()
+    with pytest.raises(TimeoutError, match="process 0"):
+        pair.wait()                             # round 4: the other never arrives

@@ -28,8 +28,9 @@ eighth of what it writes and stays in cache, while the other passes stream both 
 
 Exchanges: passes whose cost depends on who touched the lines last and how recently, timed
 as the runtime runs them, a write pass then the read pass of the same rows, round after
-round (both processes in lockstep, a barrier between the halves; one process alone: it
-reads what it wrote itself). Each half is a pass of its own in the table:
+round (both processes in lockstep, a spinning barrier between the halves, as the ranks
+spin while they wait; one process alone: it reads what it wrote itself). Each half is a
+pass of its own in the table:
 
 * dispatch_peer: `write_record` of rows as tff blocks, each source row to 8 places in
   expert-major order (`expert_places`), into the PEER's shared window, which the peer
@@ -68,6 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ubep.runtime.shm.atomics import cpu_pause, load_acquire, store_release
 from ubep.runtime.shm.kernels import jit
 from ubep.runtime.shm.kernels.combine import ELEM_BF16, sum_slots
 from ubep.runtime.shm.kernels.direct import SUM_CHUNK
@@ -353,6 +355,41 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
     raise ValueError(f"exchange {name!r} is not one of {tuple(EXCHANGES)}")
 
 
+@jit
+def _spin_until(addr, me, n, value, max_spins):
+    """Publish `value` in word `me` of the `n` words at `addr`, then spin (pause) until every
+    word holds at least `value`; False after `max_spins` pauses (the caller backs off)."""
+    store_release(addr + 8 * me, value)
+    spins = 0
+    for i in range(n):
+        while load_acquire(addr + 8 * i) < value:
+            cpu_pause()
+            spins += 1
+            if spins > max_spins:
+                return False
+    return True
+
+
+class SpinBarrier:
+    """A barrier of `n` processes on shared words at `addr` that spins, as the runtime's
+    ranks do while they wait for each other, instead of sleeping: a process woken from a
+    sleep in this VM finds its caches cooled, which a spinning rank does not. Spins in
+    bursts of ~1 ms, yields between bursts, and gives up after `timeout_s`."""
+
+    def __init__(self, addr: int, me: int, n: int, timeout_s: float = 60.0):
+        self.addr, self.me, self.n, self.timeout_s = addr, me, n, timeout_s
+        self.value = 0
+
+    def wait(self) -> None:
+        self.value += 1
+        end = time.monotonic() + self.timeout_s
+        while not _spin_until(self.addr, self.me, self.n, self.value, 1 << 14):
+            if time.monotonic() > end:
+                raise TimeoutError(f"hostbench: process {self.me} waited {self.timeout_s} s "
+                                   "for the other at an exchange's barrier")
+            os.sched_yield()
+
+
 def exchange_rounds(footprint: int, seconds: float) -> int:
     """Rounds an exchange is timed for at `footprint` (the same in every process: they
     meet at a barrier twice a round): about `seconds` at ~10 GB/s, 5 to 50."""
@@ -415,11 +452,16 @@ def _worker(core: int, points, row_bytes: int, seconds: float, barrier, queue,
         finally:
             os.close(fd)
     bufs = [np.frombuffer(m, np.uint8) for m in maps]
+    # the exchanges' barrier: words on the last page of the first buffer (no exchange
+    # reaches it: each uses at most its footprint), spun on rather than slept in
+    spin = SpinBarrier(bufs[0].ctypes.data + bufs[0].nbytes - PAGE, mine, len(bufs)) \
+        if bufs else None
     out = []
     for p, f in points:
         if p in EXCHANGES:
             own, peer = bufs[mine], bufs[(mine + 1) % len(bufs)]
-            out.append(time_exchange(p, f, row_bytes, own, peer, seconds, barrier))
+            barrier.wait()                       # both at this point; then spin per round
+            out.append(time_exchange(p, f, row_bytes, own, peer, seconds, spin))
         else:
             out.append((time_pass(p, f, row_bytes, seconds, barrier),))
     queue.put((core, out))
