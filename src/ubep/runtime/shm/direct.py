@@ -23,9 +23,10 @@ results valid while held, any handle combinable. Each rank has `1 + OWNED_LENT_A
 areas and names, in its count slot, the one this dispatch's rows go to: an area whose
 previous `recv_x` the caller has let go of (no tensor, view or array on the area's torch
 storage is left but this path's own: a use-count test, `_free_area`) is lent again as this
-`recv_x`, so rows land in it once and nothing is copied out. If the caller still holds every lent area, the rows land
-in the scratch area 0 and are copied out into a private tensor (from the output pool) as
-each row's meta word arrives, inside the wait for the rows; a rank's rows for its own
+`recv_x`, so rows land in it once and nothing is copied out (the tensor is made while
+they travel). If the caller still holds every lent area, the rows land in the scratch
+area 0 and are copied out into a private tensor (from the output pool) as each row's meta
+word arrives, inside the wait for the rows; a rank's rows for its own
 experts then go from `x` straight into that tensor. Everything combine needs (each row's
 place `pos`) lives in the handle, not in kept scratch, so any handle can be combined, in any
 order, as often as wanted. Combine reads a lent `recv_x` (or any tensor in a lent area) in
@@ -198,7 +199,13 @@ class DirectPath:
         counts, tails, got, dlay, bases = self._counts, self._tails, self._got, self.dlay, b.bases
         t_n, k_n = topk_idx.shape
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
-        area = self._free_area() if self.owned else 0       # where my rows go this call
+        if self.owned:      # where my rows go this call: area 1 if free (inline), else see
+            cd = self._area_cdata
+            area = 1 if not cd[1] or _use_count(cd[1]) == self._area_uses[1] \
+                else self._free_area()
+            keep = np.empty(t_n * k_n, np.int64)    # the handle's `pos`
+        else:
+            area, keep = 0, None
         roff = self._recv_off + area * self._area
         left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
                                             self.num_experts, code, roff, counts, tails, got, 8)
@@ -212,8 +219,8 @@ class DirectPath:
         ints = np.empty((3, n_recv), np.int64)   # src rank, token, slot: exactly N each
         wts = np.empty(n_recv, np.float32)
         rb = x.shape[1] * x.element_size()
-        if self.owned and area and n_recv:      # rows land in recv_x itself
-            recv_x, dst = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype), 0
+        if self.owned and area and n_recv:      # rows land in recv_x itself, made below while
+            recv_x, dst = None, 0               # they travel (off the path to sending mine)
         elif self.owned:                # rows copied out of the area as they arrive
             recv_x = self._lend.empty(n_recv, x.shape[1], x.dtype)
             dst = recv_x.data_ptr() if n_recv else 0
@@ -221,12 +228,13 @@ class DirectPath:
             recv_x, dst = self._view("recv", n_recv, x.dtype), 0
         if b.workers == 1:
             if self.owned:              # `pos` goes with the handle: any handle combinable
-                keep = np.empty(t_n * k_n, np.int64)    # its address: from the kernel
                 n_recv, missing, pos_addr = DK.dispatch_rows_own(
                     bases, dlay, b.rank, epoch, code, tails, counts, self.el, idx_addr, w_addr,
                     t_n, k_n, keep, tpe, ints, wts, x.data_ptr(), rb, dst, 8)
+                if recv_x is None and n_recv >= 0:
+                    recv_x = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype)
             else:                       # kept scratch: only the latest dispatch combinable
-                keep, pos_addr = None, self._pos_addr
+                pos_addr = self._pos_addr
                 n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, tails,
                                                       counts, self.el, idx_addr, w_addr, t_n,
                                                       k_n, pos_addr, tpe, ints, wts,
@@ -246,6 +254,8 @@ class DirectPath:
             n_recv, ivs = self._dispatch_pool(x, idx, w, pos, tpe, ints, wts, rb, code, epoch,
                                               dst, roff, deadline)
             state = (idx, w, pos, epoch, ints[0])
+            if recv_x is None:
+                recv_x = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype)
         self._last_call, self._last_dtype = call, x.dtype
         t2 = now_us()
         handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
