@@ -270,3 +270,31 @@ def test_owned_lends_shared_areas_while_free_and_copies_out_when_all_are_held():
         assert reused
     for i in range(5):
         check_case(CASES[0], [o[3][i] for o in outs])
+
+
+def _views_hold(rank, world):
+    """Only a slice of recv_x survives its result: its area is not lent again until it goes."""
+    case = CASES[0]
+    with _owned(num_experts=8, hidden=1024, max_tokens_per_rank=64, max_top_k=4) as buf:
+        res = buf.dispatch(*case.inputs(rank))
+        first, view = res.recv_x.data_ptr(), res.recv_x[1:]
+        copy = view.clone()
+        buf.combine(res.recv_x, res.handle)
+        del res
+        later = []
+        for _ in range(3):                  # each result dropped before the next dispatch
+            r = buf.dispatch(*case.inputs(rank))
+            later.append(r.recv_x.data_ptr())
+            buf.combine(r.recv_x, r.handle)
+            del r
+        intact = torch.equal(view, copy)
+        del view
+        r = buf.dispatch(*case.inputs(rank))
+        again = r.recv_x.data_ptr() == first
+        buf.combine(r.recv_x, r.handle)
+        return first in later, intact, again
+
+
+def test_owned_a_surviving_view_keeps_its_area_held():
+    for reused_while_viewed, intact, again in run_ranks(_views_hold, 2, timeout_s=120):
+        assert (reused_while_viewed, intact, again) == (False, True, True)
