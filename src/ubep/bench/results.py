@@ -148,9 +148,16 @@ shm-ubep and shm-bsp copy the same bytes in the same thread and differ by a flag
 *Fixed costs at batch 1.* A batch-1 call moves 8 rows each way (~115 KB); what a shm call
 spends beyond that is the wait for the peer and Python (validation, kernel entries, result
 objects): in one process with no peer to wait for (`Buffer(backend="shm")` on a 1-rank
-group, 3,000 calls, median), a dispatch+combine pair takes ~29 µs with `direct=True` and
-~42 µs without. On a loaded host the wait for the peer dominates: when the peer is not
-running, a waiter spins, then yields, then sleeps 20-100 µs per round.
+group, `tests/runtime/bench_shm_overhead.py`, 3,000 calls, median), a dispatch+combine pair
+takes ~26-27 µs with `direct=True`, ~28 µs with `direct="owned"` and ~28 µs on the two-copy
+path. On a loaded host the wait for the peer dominates: when the peer is not running, a
+waiter spins, then yields, then sleeps 20-100 µs per round. The shm batch-1 medians of this
+file's run 1 (every system of the table in the same two processes, the torch and AgRs peers'
+gloo groups among them) have come out up to 1.7x those of a bench of the shm systems alone
+run minutes apart (`ubep bench --systems shm-owned shm-direct shm-ubep --tokens 1`, 2026-12-01,
+four runs: 40.4-41.8, 35.2-37.8 and 44.7-47.7 µs); with `torch` added to that bench,
+shm-direct took 42.6 µs, with `mpi` 37.9. Why the company of the other systems costs this
+much is not pinned down.
 
 *torch.* Each token crosses to a rank once (however many of its experts live there) and one
 partial sum per (token, rank) comes back. Dispatch's first `all_to_all_single` carries the
