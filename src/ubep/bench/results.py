@@ -156,8 +156,12 @@ file's run 1 (every system of the table in the same two processes, the torch and
 gloo groups among them) have come out up to 1.7x those of a bench of the shm systems alone
 run minutes apart (`ubep bench --systems shm-owned shm-direct shm-ubep --tokens 1`, 2026-12-01,
 four runs: 40.4-41.8, 35.2-37.8 and 44.7-47.7 µs); with `torch` added to that bench,
-shm-direct took 42.6 µs, with `mpi` 37.9. Why the company of the other systems costs this
-much is not pinned down.
+shm-direct took 42.6 µs, with `mpi` 37.9. The cost sits at the start of each turn: in a bench
+of shm-direct and torch (batch 1, 8,000 iterations), shm-direct's median by position in its
+turn of 20 was 235, 91, 66, 58, 53 µs for the first five calls and ~41-43 µs for the last five,
+and during that run each rank's `gloo_tcp` thread used ~50% of a core (`top -H`). Whether
+gloo's threads still run into the shm turn, and why the recovery takes ~15 calls, is not
+pinned down.
 
 *torch.* Each token crosses to a rank once (however many of its experts live there) and one
 partial sum per (token, rank) comes back. Dispatch's first `all_to_all_single` carries the
