@@ -153,7 +153,7 @@ class Buffer:
             max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k, backend=backend,
             mode=mode or "ubep", sync=sync, schedule=schedule, workers=workers,
             count_workers=count_workers, block_bytes=block_bytes, timeout_s=float(timeout_s),
-            topology=topology, direct=bool(direct) if direct is None else direct,
+            topology=topology, direct=False if direct is None else direct,
             requested_backend=backend, backend_reason="" if backend == "auto" else "asked for")
         if backend == "auto":
             # the fastest path whose results the caller owns, unless a choice rules it out

@@ -199,10 +199,8 @@ class DirectPath:
         counts, tails, got, dlay, bases = self._counts, self._tails, self._got, self.dlay, b.bases
         t_n, k_n = topk_idx.shape
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
-        if self.owned:      # where my rows go this call: area 1 if free (inline), else see
-            cd = self._area_cdata
-            area = 1 if not cd[1] or _use_count(cd[1]) == self._area_uses[1] \
-                else self._free_area()
+        if self.owned:      # where my rows go this call: a free lent area, else scratch
+            area = self._free_area()
             keep = np.empty(t_n * k_n, np.int64)    # the handle's `pos`
         else:
             area, keep = 0, None

@@ -345,13 +345,6 @@ def copy_rows_for_peers(dst_addr, src_addr, rb, src_rank, me, n):
         i = j
 
 
-@jit
-def copy_local(dst_addr, src_addr, n):
-    """n bytes by our own loop (never memcpy: its non-temporal stores are not ordered before
-    the release store that publishes them)."""
-    copy_bytes(dst_addr, src_addr, n)
-
-
 # -- one worker, routing and outputs by address ---------------------------------------------------
 # As the one-worker path of the two-copy protocol (`kernels/single.py`): per-call tensors reach
 # the kernels as raw addresses (`data_ptr()`, a fraction of a microsecond where a numpy view of a

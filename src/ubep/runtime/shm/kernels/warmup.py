@@ -24,7 +24,6 @@ from ubep.runtime.shm.kernels.combine import (
 )
 from ubep.runtime.shm.kernels.direct import (
     combine_begin,
-    copy_local,
     copy_rows_for_peers,
     dispatch_begin,
     dispatch_rows,
@@ -251,7 +250,6 @@ def warm_up_direct() -> None:
                      ints[1], ints[2], wts, tails)
     recv_meta(base, dlay, 5, 0, n, ints[1], ints[2], wts, y.ctypes.data, roff, 8, 1)
     rows_for(counts, 0)
-    copy_local(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8)
     copy_rows_for_peers(base + int(dlay[D_RECV_OFF]), x.ctypes.data, 8, ints[0], 1, 1)
     publish_ready(base, dlay, 5, 2, int(dlay[D_RECV_OFF]))
     reduce_direct(bases, dlay, 5, idx, w, True, pos, 2, 8, 4, 2, ELEM_F32,
