@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 
 import pytest
 
@@ -60,6 +61,21 @@ def test_bench_side_by_side(tmp_path):
     assert {("torch", "dispatch:backend_total"), ("torch", "combine:token_exchange")} <= phases
     assert "| 5 | raw collectives |" in md and "× raw+copy" in md
     assert run["flag_round_trip_us"]["2"] > 0
+    # ranks bound to disjoint slices of the usable cores when there are enough of them
+    cores = run["rank_cores"]["2"]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert all(cores) and not set(cores[0]) & set(cores[1]), cores
+    else:
+        assert cores == [None, None]
+
+
+def test_bench_no_pin_leaves_ranks_unbound(tmp_path):
+    out = tmp_path / "unbound"
+    argv = ["bench", *TINY, "--systems", "shm-owned", "torch", "--no-pin", "--out", str(out)]
+    assert main(argv) == 0
+    rows, run = _read(out)
+    _check_complete(rows, run, ["shm-owned", "torch"])
+    assert run["config"]["pin"] is False and run["rank_cores"]["2"] == [None, None]
 
 
 @pytest.mark.skipif(mpi_unavailable_reason() is not None, reason=str(mpi_unavailable_reason()))

@@ -68,6 +68,9 @@ def register(subparsers) -> None:
                         "evicted)")
     p.add_argument("--routing", default="uniform", help="routing kind (ubep.testing)")
     p.add_argument("--workers", type=int, default=None, help="shm worker threads per rank")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave ranks unbound (default: rank r runs on the r-th usable core "
+                        "when there are at least as many cores as ranks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1200.0, help="whole-run limit, seconds")
     p.add_argument("--out", default=None,
@@ -113,7 +116,7 @@ def _config_from_args(args) -> BenchConfig:
                        experts=args.experts, dtype=args.dtype, systems=tuple(systems),
                        iters=args.iters, warmup=args.warmup, block=args.block,
                        routing=args.routing,
-                       workers=args.workers, seed=args.seed)
+                       workers=args.workers, seed=args.seed, pin=args.pin)
 
 
 def _console():

@@ -57,6 +57,9 @@ class BenchConfig:
                 "previous system evicted)"})
     routing: str = field(default="uniform", metadata={"help": "routing kind (ubep.testing)"})
     workers: int | None = field(default=None, metadata={"help": "shm workers per rank"})
+    pin: bool = field(default=True, metadata={
+        "help": "bind rank r's thread to the r-th usable core when there are at least as many "
+                "cores as ranks (as vLLM's CPU workers and numactl/taskset deployments do)"})
     seed: int = field(default=0, metadata={"help": "seed of tokens and routing"})
     timeout_s: float = field(default=30.0, metadata={"help": "deadline of every wait"})
 

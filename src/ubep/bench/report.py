@@ -107,7 +107,20 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
     console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
                   f"{'?' if load is None else f'{load:.1f}'}; flag round trip "
                   + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
-                  + f"; {res.elapsed_s:.0f} s[/]")
+                  + f"; {pinning(res)}; {res.elapsed_s:.0f} s[/]")
+
+
+def pinning(res: BenchResult) -> str:
+    """How the ranks were bound to cores, in words ("rank r on core c", or "unbound")."""
+    parts = []
+    for p, cores in sorted(res.cores.items()):
+        if any(c is None for c in cores):
+            parts.append(f"P={p}: ranks unbound")
+        else:
+            parts.append(f"P={p}: " + ", ".join(
+                f"rank {r} on core{'s' if len(c) > 1 else ''} {','.join(map(str, c))}"
+                for r, c in enumerate(cores)))
+    return "; ".join(parts) or "ranks unbound"
 
 
 def markdown(res: BenchResult) -> str:
@@ -204,6 +217,7 @@ def write_json(res: BenchResult, out_dir: Path) -> Path:
     path.write_text(json.dumps({
         "config": res.config.to_dict(), "machine": res.machine,
         "flag_round_trip_us": {str(k): v for k, v in res.rtt_us.items()},
+        "rank_cores": {str(k): v for k, v in res.cores.items()},
         "unavailable": res.unavailable, "elapsed_s": res.elapsed_s}, indent=2))
     return path
 

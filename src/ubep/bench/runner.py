@@ -63,13 +63,15 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     Returns `{"times": {(system, hidden, batch): array [2, iters] µs (dispatch, combine)},
     "phases": {(system, hidden, batch): [per iteration {"<op>:<phase>": µs}]} (Buffer systems),
     "bytes": {(hidden, batch): (dispatch_bytes, combine_bytes)}, "unavailable": {system:
-    reason}, "rtt_us": float | None}`.
+    reason}, "rtt_us": float | None, "cpu": [cores this rank is bound to] | None}`.
     """
     # one core per rank: torch's own intra-op threads would compete with the ranks
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    pinned = _pin(rank, world) if cfg.pin else None
     job = os.environ.get("UBEP_JOB_ID", f"b{os.getpid()}")
     sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0))
-    out: dict = {"times": {}, "phases": {}, "bytes": {}, "unavailable": {}, "rtt_us": None}
+    out: dict = {"times": {}, "phases": {}, "bytes": {}, "unavailable": {}, "rtt_us": None,
+                 "cpu": pinned}
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
         names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else [])]
@@ -95,6 +97,22 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     finally:
         sync.close()
     return out
+
+
+def _pin(rank: int, world: int) -> list[int] | None:
+    """Bind this thread to the `rank`-th of `world` equal slices of the usable cores; its cores.
+
+    Unbound, two ranks that slept (in a gloo collective, say) can be woken onto the same core
+    and share it until the load balancer's next pass, milliseconds later: a whole turn of
+    shm calls then runs 3-5x slower, each rank's spin-wait yielding to the other
+    (docs/results.md, "Fixed costs at batch 1"). Threads started later inherit the binding.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if world > len(cpus):
+        return None
+    mine = cpus[rank * len(cpus) // world:(rank + 1) * len(cpus) // world]
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 def _checked_call(s, x, idx, w, ref) -> None:
