@@ -156,49 +156,7 @@ def _inputs(rank, dtype=torch.bfloat16):
     return make_tokens(rank, 8, 16, dtype), idx, w
 
 
-def _late_or_dead(rank, world, how, job):
-    import os
-    import signal
-    import time
-
-    import ubep
-    from ubep.runtime.shm.kernels import direct as direct_kernels
-
-    with _small(timeout_s=2.0 if how == "late" else 20.0) as buf:
-        if rank == 1 and how == "late":
-            time.sleep(4.0)
-            return "slept"
-        if rank == 1 and how == "dead":
-            def die(*args):
-                os.kill(os.getpid(), signal.SIGKILL)   # counts are out, the rows never come
-            direct_kernels.dispatch_rows_at = die     # the one-worker entry after counts
-        t0 = time.monotonic()
-        try:
-            buf.dispatch(*_inputs(rank))
-        except (ubep.PeerTimeoutError, ubep.PeerDiedError) as e:
-            left = [n for n in os.listdir("/dev/shm") if job in n]
-            return type(e).__name__, e.rank, e.phase, e.peers, time.monotonic() - t0, left
-    return "no error"
-
-
-@pytest.mark.parametrize("how", ["late", "dead"])
-def test_direct_late_or_dead_peer_is_named_within_the_deadline(how):
-    import os
-
-    from ubep.testing import RankFailure
-
-    job = f"direct{how}{os.getpid()}"
-    out = run_ranks(_late_or_dead, 2, how, job, timeout_s=120, return_exceptions=True,
-                    env={"UBEP_JOB_ID": job})
-    kind, rank, phase, peers, took, left = out[0]
-    assert (rank, peers, left) == (0, [1], [])
-    if how == "late":          # at the 2 s deadline, not before
-        assert (kind, phase) == ("PeerTimeoutError", "dispatch/counts") and took >= 2.0
-    else:                      # found dead by liveness, not at the 20 s deadline
-        assert isinstance(out[1], RankFailure) and out[1].kind == "died"
-        assert (kind, phase) == ("PeerDiedError", "dispatch/rows")
-
-
+# late and dead peers on both one-copy paths: tests/runtime/test_shm_owned.py
 def _dtypes_differ(rank, world, op):
     import ubep
 

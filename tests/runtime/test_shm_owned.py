@@ -185,7 +185,7 @@ def test_owned_bad_options_name_the_rule():
         assert "'sp'" in errors[3]
 
 
-def _late_or_dead(rank, world, how, job):
+def _late_or_dead(rank, world, direct, how, job):
     import time
 
     import ubep
@@ -195,7 +195,7 @@ def _late_or_dead(rank, world, how, job):
     idx, w = make_routing(8, 4, 4, seed=rank)    # top-4 of 4: every token reaches every rank
     x = make_tokens(rank, 8, 16, torch.bfloat16)
     with ubep.Buffer(num_experts=4, hidden=16, max_tokens_per_rank=8, backend="shm",
-                     direct="owned", timeout_s=2.0 if how != "dead" else 20.0) as buf:
+                     direct=direct, timeout_s=2.0 if how != "dead" else 20.0) as buf:
         first = buf.dispatch(x, idx, w)
         if rank == 1 and how == "late":
             time.sleep(4.0)
@@ -203,7 +203,9 @@ def _late_or_dead(rank, world, how, job):
         if rank == 1 and how == "dead":
             def die(*args):
                 os.kill(os.getpid(), signal.SIGKILL)   # counts are out, the rows never come
-            direct_kernels.dispatch_rows_own = die
+            # the one-worker entry after counts
+            setattr(direct_kernels, "dispatch_rows_own" if direct == "owned"
+                    else "dispatch_rows_at", die)
         t0 = time.monotonic()
         try:
             if how == "late-combine" and rank == 1:
@@ -219,11 +221,13 @@ def _late_or_dead(rank, world, how, job):
     return "no error"
 
 
+@pytest.mark.parametrize("direct", [True, "owned"])
 @pytest.mark.parametrize("how", ["late", "dead", "late-combine"])
-def test_owned_late_or_dead_peer_is_named_within_the_deadline(how):
-    job = f"owned{how.replace('-', '')}{os.getpid()}"
-    out = run_ranks(_late_or_dead, 2, how, job, timeout_s=120, return_exceptions=True,
-                    env={"UBEP_JOB_ID": job})
+def test_late_or_dead_peer_is_named_within_the_deadline(direct, how):
+    """Both one-copy paths: a late peer at the deadline, not before; a dead one by liveness."""
+    job = f"d{str(direct)[0]}{how.replace('-', '')}{os.getpid()}"
+    out = run_ranks(_late_or_dead, 2, direct, how, job, timeout_s=120,
+                    return_exceptions=True, env={"UBEP_JOB_ID": job})
     kind, rank, phase, peers, took, left = out[0]
     assert (rank, peers, left) == (0, [1], [])
     if how == "late":
