@@ -162,7 +162,7 @@ millisecond — are often woken onto the same core and share it until the load b
 pass: the following shm turn then runs at 140-200 µs a call instead of ~45, each rank's
 spin-wait yielding to the other (`/proc/thread-self/stat` read before every call, 2026-12-01:
 after a turn of gloo all-to-alls both ranks sat on one core in 6 of 8 shm turns; a rank that
-migrated mid-turn dropped from ~170 to ~45 µs at once; bound, 0 of 24 turns shared a core and
+migrated mid-turn dropped from ~170 to ~45 µs at once; bound, 0 of 32 turns shared a core and
 no turn was slow). In the previous version of this file (unbound) such turns put the
 shm-owned batch-1 median of run 1 at 53-59 µs against 28-30 µs in a bench of the shm systems
 alone. A user running ranks unbound on a busy host sees the same: bind them.
