@@ -285,3 +285,45 @@ def test_spin_barrier_passes_when_all_arrived_and_names_a_missing_peer_by_deadli
     pair.wait()
     with pytest.raises(TimeoutError, match="process 0"):
         pair.wait()                             # round 4: the other never arrives
+
+
+def _bench_folder(folder, medians: dict, rtt: float) -> None:
+    """A `ubep bench` output folder holding `medians` {(system, hidden, batch, op): us}."""
+    import json
+
+    folder.mkdir(parents=True)
+    lines = ["system,ranks,hidden,batch,op,median_us"]
+    lines += [f"{s},2,{h},{b},{o},{v}" for (s, h, b, o), v in medians.items()]
+    lines += ["bound,2,7168,1,dispatch,1.0", "shm-ubep,2,7168,1,total,99.0"]  # not read
+    (folder / "bench.csv").write_text("\n".join(lines) + "\n")
+    (folder / "run.json").write_text(json.dumps({"flag_round_trip_us": {"2": rtt}}))
+
+
+def test_several_bench_runs_give_each_point_the_median_of_its_runs_and_their_range(tmp_path):
+    import json
+
+    d, c = ("shm-ubep", 7168, 8, "dispatch"), ("shm-ubep", 7168, 8, "combine")
+    runs = {"rep1": ({d: 50.0, c: 60.0}, 0.1), "rep2": ({d: 150.0, c: 58.0}, 0.3),
+            "rep3": ({d: 48.0}, 0.2)}                    # a point missing from one run
+    for name, (m, rtt) in runs.items():
+        _bench_folder(tmp_path / name, m, rtt)
+    (tmp_path / "bench_runs.json").write_text(json.dumps([{"folder": n} for n in runs]))
+    med, rtt, spread = host.read_benches(tmp_path)
+    assert med == {d: 50.0, c: 59.0}          # one slow run of three does not move it
+    assert spread == {d: (48.0, 150.0), c: (58.0, 60.0)}
+    assert rtt == pytest.approx(0.2)
+    # one run in the folder itself (the layout before repeated runs): its own medians
+    _bench_folder(tmp_path / "one", {d: 70.0}, 0.4)
+    assert host.read_benches(tmp_path / "one") == ({d: 70.0}, 0.4, {d: (70.0, 70.0)})
+
+
+def test_the_table_shows_the_runs_range_and_errors_against_the_median():
+    table, rtt = flat_table(), 0.2
+    med = {(s, h, b, o): 100.0 for s in host.SYSTEMS for h in (host.TINY_HIDDEN, host.HIDDEN)
+           for b in host.BATCHES for o in ("dispatch", "combine")}
+    spread = {k: (90.0, 300.0) for k in med}
+    rows = host.validate(med, host.constants(med, rtt, table), spread)
+    assert all((r["measured_lo_us"], r["measured_hi_us"]) == (90.0, 300.0) for r in rows)
+    assert all(r["error"] == pytest.approx((r["predicted_us"] - 100) / 100) for r in rows)
+    assert "/ 100 [90-300] (" in host.markdown_table(rows)
+    assert "[" not in host.markdown_table(host.validate(med, host.constants(med, rtt, table)))

@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     s.add_argument("--bench-out", type=Path, default=Path("results/validate_host"),
                    help="--validate-host: the bench's output folder (reused if it holds a "
                    "finished run and --reuse is given)")
+    s.add_argument("--bench-repeats", type=int, default=None, metavar="N",
+                   help="--validate-host: bench runs (default 3); a point is the median of "
+                   "its runs' medians, their range is shown")
     s.add_argument("--reuse", action="store_true",
                    help="--validate-host: read --bench-out (bench, copy table, fault counts) "
                    "instead of measuring again")
@@ -152,10 +155,16 @@ def _validate_host(args: argparse.Namespace, console) -> int:
     from rich.table import Table
 
     from ubep.sim import host, hostbench
+    from ubep.sim.cpuwatch import CpuWatch
 
     out = args.bench_out
     table_file, faults_file = out / "host_copy_table.json", out / "host_faults.json"
-    reuse = args.reuse and all(f.exists() for f in (out / "bench.csv", table_file, faults_file))
+    done = (out / "bench_runs.json").exists() or (out / "bench.csv").exists()
+    reuse = args.reuse and done and table_file.exists() and faults_file.exists()
+    repeats = host.BENCH_REPEATS if args.bench_repeats is None else args.bench_repeats
+    if repeats < 1:
+        console.print(f"--bench-repeats={repeats}: must be >= 1")
+        return 2
     if reuse:
         table = hostbench.CopyTable.from_dict(json.loads(table_file.read_text()))
         faults = {tuple(k.split(":")[:2]) + (int(k.split(":")[2]),): v
@@ -167,31 +176,40 @@ def _validate_host(args: argparse.Namespace, console) -> int:
             load = os.getloadavg()[0]
             console.print(f"load {load:.2f}: timing this host's passes over rows "
                           f"(ubep.sim.hostbench, ~2 min) ...")
-            table = hostbench.measure()
+            with CpuWatch() as w:
+                table = hostbench.measure()
             table_file.write_text(json.dumps(table.to_dict(), indent=1))
+            (out / "hostbench_others.json").write_text(json.dumps(w.result.to_dict()))
+            console.print(f"  during the microbenchmark: {w.result.describe()}")
             console.print("counting the pages each call faults (the runtime, bench pattern)")
             faults = host.count_faults()
             faults_file.write_text(json.dumps({f"{s}:{o}:{b}": v
                                                for (s, o, b), v in faults.items()}, indent=1))
-            console.print(f"running ubep bench into {out} ...")
-            host.run_bench(out)
-    med, rtt = host.read_bench(out)
+            console.print(f"running ubep bench {repeats} time(s) into {out} ...")
+            host.run_benches(out, repeats)
+    med, rtt, spread = host.read_benches(out)
     hc = host.constants(med, rtt, table, faults)
-    rows = host.validate(med, hc)
-    run = json.loads((out / "run.json").read_text())
+    rows = host.validate(med, hc, spread)
+    runs_file = out / "bench_runs.json"
+    runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
+    first = out / runs[0]["folder"] if runs else out
+    run = json.loads((first / "run.json").read_text())
     load = run.get("machine", {}).get("load_avg_1m")
     tab = Table(title="host model vs ubep bench (P=2, hidden 7168 bf16, top-8); flag round "
                 f"trip {hc.flag_rtt_us:.2f} us" + (f", load {load:.2f} at the bench's start"
-                                                   if load is not None else ""))
+                                                   if load is not None else "")
+                + (f"; medians of {len(runs)} bench runs" if len(runs) > 1 else ""))
     for col in ("system", "batch", "op", "footprint MB", "faults", "per-call us",
-                "predicted us", "measured us", "error"):
+                "predicted us", "measured us", "runs' range", "error"):
         tab.add_column(col, justify="left" if col in ("system", "op") else "right")
     for r in rows:
         tab.add_row(r["system"], str(r["batch"]), r["op"], f"{r['footprint_MB']:.1f}",
                     f"{r['faults']:.0f}", f"{r['call_us']:.1f}", f"{r['predicted_us']:.1f}",
-                    f"{r['measured_us']:.1f}", f"{r['error']:+.2f}")
-    if console.width < 112:              # a pipe or a narrow terminal: do not truncate
-        console.width = 112
+                    f"{r['measured_us']:.1f}",
+                    f"{r['measured_lo_us']:.0f}-{r['measured_hi_us']:.0f}",
+                    f"{r['error']:+.2f}")
+    if console.width < 124:              # a pipe or a narrow terminal: do not truncate
+        console.width = 124
     console.print(tab)
     ok = sum(abs(r["error"]) <= 0.25 for r in rows)
     console.print(f"within +-25%: {ok} of {len(rows)}")
@@ -204,12 +222,14 @@ def _validate_host(args: argparse.Namespace, console) -> int:
                       for p in hostbench.PASSES if p != "first_touch")
                   + f"; a fresh page {4096 * t.cost_ns_per_byte('first_touch', 1 << 22) / 1e3:.1f}"
                   " us")
+    for i, r in enumerate(runs, 1):
+        console.print(f"bench run {i}: load {r['load']:.2f} at its start, {r['others_text']}")
     if load is not None and load > 1.0:
         console.print(f"[yellow]the host was not quiet (load {load:.2f}): medians carry "
                       "scheduler waits (spinning ranks sharing 2 cores with other work) "
                       "that the model does not have[/yellow]")
     (out / "validate_host.json").write_text(json.dumps(
-        {"constants": hc.to_dict(), "rows": rows}, indent=2))
+        {"constants": hc.to_dict(), "rows": rows, "bench_runs": runs}, indent=2))
     (out / "validate_host.md").write_text(host.markdown_table(rows))
     console.print(f"tables: {out / 'validate_host.json'}, {out / 'validate_host.md'}")
     return 0

@@ -48,6 +48,7 @@ import fcntl
 import functools
 import json
 import math
+import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -64,6 +65,8 @@ BATCHES = (1, 8, 16, 128)
 HIDDEN, TINY_HIDDEN, TOP_K, EXPERTS, RANKS = 7168, 64, 8, 16, 2
 BYTES_PER_ELEMENT = 2
 BENCH_LOCK = "/tmp/ubep-bench.lock"
+#: bench runs per validation: a point is the median of its runs' medians
+BENCH_REPEATS = 3
 #: the passes over rows of each path and op: {side: ((pass, rows it applies to), ...)}, the
 #: sender's and the receiver's; "remote" rows go to / come from the peer, "all" every row.
 #: The one-worker path's records cross cores: a sender writes lines of the peer's window that
@@ -238,8 +241,9 @@ def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = Non
     return HostConstants(table=table, flag_rtt_us=rtt, call_us=call, faults=dict(faults or {}))
 
 
-def validate(med: dict, hc: HostConstants) -> list[dict]:
-    """Predicted vs measured for every system, batch and op at hidden 7168."""
+def validate(med: dict, hc: HostConstants, spread: dict | None = None) -> list[dict]:
+    """Predicted vs measured for every system, batch and op at hidden 7168; `spread`: the
+    (lowest, highest) of the bench runs' medians of each point (`read_benches`)."""
     rows = []
     for system in SYSTEMS:
         for batch in BATCHES:
@@ -250,23 +254,30 @@ def validate(med: dict, hc: HostConstants) -> list[dict]:
                                 faults)
                 pred = predict(system, op, HIDDEN, batch, p)
                 meas = med.get((system, HIDDEN, batch, op))
+                lo, hi = (spread or {}).get((system, HIDDEN, batch, op), (meas, meas))
                 rows.append({"system": system, "batch": batch, "op": op,
                              "footprint_MB": footprint_bytes(system, batch) / 1e6,
                              "call_us": call, "faults": faults, "predicted_us": pred,
-                             "measured_us": meas,
+                             "measured_us": meas, "measured_lo_us": lo,
+                             "measured_hi_us": hi,
                              "error": (pred - meas) / meas if meas else float("nan")})
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
     """`validate`'s rows as the markdown table of docs/results/simulator.md: one line per
-    system and batch, dispatch and combine side by side, and the count within +-25%."""
+    system and batch, dispatch and combine side by side (the measured median, and in
+    brackets the range of the bench runs' medians when there were several), and the count
+    within +-25%."""
     by = {(r["system"], r["batch"], r["op"]): r for r in rows}
     lines = ["| system | batch | footprint MB | faulted pages (d / c) | dispatch model / "
              "measured (err) | combine model / measured (err) |", "|---|---|---|---|---|---|"]
 
     def cell(r: dict) -> str:
-        return (f"{r['predicted_us']:,.0f} / {r['measured_us']:,.0f} "
+        lo, hi = r.get("measured_lo_us"), r.get("measured_hi_us")
+        rng = f" [{lo:,.0f}-{hi:,.0f}]" if lo is not None and hi is not None and lo != hi \
+            else ""
+        return (f"{r['predicted_us']:,.0f} / {r['measured_us']:,.0f}{rng} "
                 f"({100 * r['error']:+.0f}%)")
 
     for system in SYSTEMS:
@@ -301,6 +312,29 @@ def run_bench(out: Path, iters: int = 30, python: str | None = None) -> Path:
     return out
 
 
+def run_benches(out: Path, repeats: int = BENCH_REPEATS, iters: int = 30,
+                python: str | None = None) -> list[dict]:
+    """`run_bench` `repeats` times, into `out/rep1`, `out/rep2`, ..., each watched for
+    other processes' CPU time (`CpuWatch`: the bench lock does not stop a process that
+    does not take it). Returns and writes (`out/bench_runs.json`) one record per run: its
+    folder, the load at its start and what other processes ran. The caller holds the
+    bench lock."""
+    from ubep.sim.cpuwatch import CpuWatch
+
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be >= 1")
+    runs = []
+    for i in range(1, repeats + 1):
+        folder = out / f"rep{i}"
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        with CpuWatch() as w:
+            run_bench(folder, iters, python)
+        runs.append({"folder": folder.name, "load": load, "others": w.result.to_dict(),
+                     "others_text": w.result.describe()})
+    (out / "bench_runs.json").write_text(json.dumps(runs, indent=1))
+    return runs
+
+
 def read_bench(out: Path) -> tuple[dict, float]:
     """`{(system, hidden, batch, op): median us}` and the flag round trip of a bench run."""
     med = {}
@@ -312,6 +346,24 @@ def read_bench(out: Path) -> tuple[dict, float]:
     run = json.loads((out / "run.json").read_text())
     rtt = float(run.get("flag_round_trip_us", {}).get(str(RANKS), 0.0) or 0.0)
     return med, rtt
+
+
+def read_benches(out: Path) -> tuple[dict, float, dict]:
+    """The bench runs in `out` (`run_benches`, or one `run_bench` run in `out` itself):
+    per point the median over the runs of its median, the median flag round trip, and per
+    point the (lowest, highest) of the runs' medians: how far the bench itself moved
+    between runs minutes apart. A point missing from a run is taken from the others."""
+    runs_file = out / "bench_runs.json"
+    folders = [out / r["folder"] for r in json.loads(runs_file.read_text())] \
+        if runs_file.exists() else [out]
+    got = [read_bench(f) for f in folders]
+    keys = sorted({k for m, _ in got for k in m})
+    med, spread = {}, {}
+    for k in keys:
+        v = [m[k] for m, _ in got if k in m]
+        med[k] = float(np.median(v))
+        spread[k] = (min(v), max(v))
+    return med, float(np.median([r for _, r in got])), spread
 
 
 def _fault_rank(rank: int, world: int, batches, calls: int) -> dict:
