@@ -55,3 +55,16 @@ def test_other_work_reports_its_busiest_processes():
 def test_bad_period_is_an_error_naming_it():
     with pytest.raises(ValueError, match="period"):
         CpuWatch(period=0)
+
+
+def test_my_child_orphaned_during_the_watch_stays_mine():
+    """A child that outlives its parent (reparented away from this tree, as a forkserver
+    whose parent exited) is still this tree's work, not another's."""
+    with CpuWatch(period=0.05) as w:
+        sh = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{BUSY.format(s=0.8)}' "
+                               ">/dev/null 2>&1 & echo $!; sleep 0.3"],
+                              stdout=subprocess.PIPE, text=True)
+        orphan = sh.stdout.readline().strip()
+        sh.wait(timeout=10)
+        time.sleep(0.8)
+    assert orphan not in w.result.cpu_s

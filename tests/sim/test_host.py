@@ -299,31 +299,67 @@ def _bench_folder(folder, medians: dict, rtt: float) -> None:
     (folder / "run.json").write_text(json.dumps({"flag_round_trip_us": {"2": rtt}}))
 
 
-def test_several_bench_runs_give_each_point_the_median_of_its_runs_and_their_range(tmp_path):
+def _points(value: float) -> dict:
+    return {(s, h, b, o): value for s in host.SYSTEMS for h in (host.TINY_HIDDEN, host.HIDDEN)
+            for b in host.BATCHES for o in ("dispatch", "combine")}
+
+
+def test_each_bench_run_is_predicted_from_the_table_timed_before_it(tmp_path):
+    """Three runs, each with its own table and bench medians: every run is validated on
+    its own table, and a point is the median over runs of the prediction and of the
+    measurement (one run's slow bench or dear table does not move it)."""
     import json
 
-    d, c = ("shm-ubep", 7168, 8, "dispatch"), ("shm-ubep", 7168, 8, "combine")
-    runs = {"rep1": ({d: 50.0, c: 60.0}, 0.1), "rep2": ({d: 150.0, c: 58.0}, 0.3),
-            "rep3": ({d: 48.0}, 0.2)}                    # a point missing from one run
-    for name, (m, rtt) in runs.items():
-        _bench_folder(tmp_path / name, m, rtt)
-    (tmp_path / "bench_runs.json").write_text(json.dumps([{"folder": n} for n in runs]))
-    med, rtt, spread = host.read_benches(tmp_path)
-    assert med == {d: 50.0, c: 59.0}          # one slow run of three does not move it
-    assert spread == {d: (48.0, 150.0), c: (58.0, 60.0)}
-    assert rtt == pytest.approx(0.2)
-    # one run in the folder itself (the layout before repeated runs): its own medians
-    _bench_folder(tmp_path / "one", {d: 70.0}, 0.4)
-    assert host.read_benches(tmp_path / "one") == ({d: 70.0}, 0.4, {d: (70.0, 70.0)})
+    tables = {"rep1": flat_table(0.02), "rep2": flat_table(0.08), "rep3": flat_table(0.04)}
+    benches = {"rep1": _points(100.0), "rep2": _points(300.0), "rep3": _points(110.0)}
+    for name in tables:
+        _bench_folder(tmp_path / name, benches[name], 0.2)
+        (tmp_path / name / "host_copy_table.json").write_text(
+            json.dumps(tables[name].to_dict()))
+    (tmp_path / "bench_runs.json").write_text(json.dumps([{"folder": n} for n in tables]))
+    rows = host.validate_runs(tmp_path)
+    alone = {n: host.validate(benches[n], host.constants(benches[n], 0.2, tables[n]))
+             for n in tables}
+    assert len(rows) == len(host.SYSTEMS) * len(host.BATCHES) * 2
+    for i, r in enumerate(rows):
+        preds = sorted(alone[n][i]["predicted_us"] for n in tables)
+        assert r["predicted_us"] == pytest.approx(preds[1])
+        assert (r["predicted_lo_us"], r["predicted_hi_us"]) == (preds[0], preds[2])
+        assert r["measured_us"] == 110.0
+        assert (r["measured_lo_us"], r["measured_hi_us"]) == (100.0, 300.0)
+        assert r["error"] == pytest.approx((preds[1] - 110.0) / 110.0)
+        assert r["run_errors"] == [alone[n][i]["error"] for n in tables]   # paired
+    # one run in the folder itself (the layout before repeated runs), its table beside it
+    one = tmp_path / "one"
+    _bench_folder(one, benches["rep1"], 0.2)
+    (one / "host_copy_table.json").write_text(json.dumps(tables["rep1"].to_dict()))
+    for r, a in zip(host.validate_runs(one), alone["rep1"]):
+        assert r["predicted_us"] == pytest.approx(a["predicted_us"])
+        assert r["measured_us"] == 100.0 and r["run_errors"] == [a["error"]]
 
 
-def test_the_table_shows_the_runs_range_and_errors_against_the_median():
-    table, rtt = flat_table(), 0.2
-    med = {(s, h, b, o): 100.0 for s in host.SYSTEMS for h in (host.TINY_HIDDEN, host.HIDDEN)
-           for b in host.BATCHES for o in ("dispatch", "combine")}
-    spread = {k: (90.0, 300.0) for k in med}
-    rows = host.validate(med, host.constants(med, rtt, table), spread)
-    assert all((r["measured_lo_us"], r["measured_hi_us"]) == (90.0, 300.0) for r in rows)
-    assert all(r["error"] == pytest.approx((r["predicted_us"] - 100) / 100) for r in rows)
-    assert "/ 100 [90-300] (" in host.markdown_table(rows)
-    assert "[" not in host.markdown_table(host.validate(med, host.constants(med, rtt, table)))
+def test_the_model_times_exactly_its_passes_at_the_validations_footprints():
+    used = {p for sides in host.ROW_PASSES.values() for ps in sides.values() for p, _ in ps}
+    assert set(host.model_passes()) == used <= set(hostbench.PASSES)
+    assert "first_touch" in host.model_passes(faults=True)
+    fps = host.model_footprints()
+    assert list(fps) == sorted(set(fps))
+    for s in host.SYSTEMS:
+        for b in host.BATCHES:
+            assert host.footprint_bytes(s, b) in fps
+            assert host.footprint_bytes(s, b, host.TINY_HIDDEN) in fps
+    # a table timed at exactly these footprints prices every call at a timed point
+    t = CopyTable(R, fps, {(p, 2): tuple(float(i + 1) for i in range(len(fps)))
+                           for p in host.model_passes()})
+    f = host.footprint_bytes("shm-direct", 128)
+    assert t.cost_ns_per_byte("copy_scatter", f) == float(fps.index(f) + 1)
+
+
+def test_the_table_shows_the_runs_ranges():
+    med = _points(100.0)
+    rows = host.validate(med, host.constants(med, 0.2, flat_table()))
+    assert "[" not in host.markdown_table(rows)             # one run: no ranges
+    for r in rows:
+        r.update(predicted_lo_us=50.0, predicted_hi_us=70.0, measured_lo_us=90.0,
+                 measured_hi_us=300.0)
+    assert "[50-70] / 100 [90-300] (" in host.markdown_table(rows)

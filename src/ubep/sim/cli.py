@@ -41,17 +41,18 @@ def register(subparsers) -> None:
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of all ranks")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.add_argument("--validate-host", action="store_true",
-                   help="time this host's passes over rows (ubep.sim.hostbench), count the "
-                   "pages each call faults, run `ubep bench` (shm-bsp/ubep/direct, "
-                   "P=2, 7168 bf16, top-8, batch 1/8/16/128), all under the bench lock, and "
-                   "print the host model's "
-                   "prediction next to the measured medians")
+                   help="count the pages each call faults, then, a few times, time this "
+                   "host's passes over rows (ubep.sim.hostbench) and run `ubep bench` "
+                   "(shm-bsp/ubep/direct, P=2, 7168 bf16, top-8, batch 1/8/16/128), all "
+                   "under the bench lock, and print the host model's prediction next to "
+                   "the measured medians")
     s.add_argument("--bench-out", type=Path, default=Path("results/validate_host"),
                    help="--validate-host: the bench's output folder (reused if it holds a "
                    "finished run and --reuse is given)")
     s.add_argument("--bench-repeats", type=int, default=None, metavar="N",
-                   help="--validate-host: bench runs (default 3); a point is the median of "
-                   "its runs' medians, their range is shown")
+                   help="--validate-host: runs of (the model's passes timed, then ubep "
+                   "bench) (default 3); each bench run is predicted from the table timed "
+                   "before it; a point is the median over the runs, their range is shown")
     s.add_argument("--reuse", action="store_true",
                    help="--validate-host: read --bench-out (bench, copy table, fault counts) "
                    "instead of measuring again")
@@ -155,73 +156,67 @@ def _validate_host(args: argparse.Namespace, console) -> int:
     from rich.table import Table
 
     from ubep.sim import host, hostbench
-    from ubep.sim.cpuwatch import CpuWatch
 
     out = args.bench_out
-    table_file, faults_file = out / "host_copy_table.json", out / "host_faults.json"
+    faults_file = out / "host_faults.json"
     done = (out / "bench_runs.json").exists() or (out / "bench.csv").exists()
-    reuse = args.reuse and done and table_file.exists() and faults_file.exists()
+    reuse = args.reuse and done and faults_file.exists()
     repeats = host.BENCH_REPEATS if args.bench_repeats is None else args.bench_repeats
     if repeats < 1:
         console.print(f"--bench-repeats={repeats}: must be >= 1")
         return 2
     if reuse:
-        table = hostbench.CopyTable.from_dict(json.loads(table_file.read_text()))
         faults = {tuple(k.split(":")[:2]) + (int(k.split(":")[2]),): v
                   for k, v in json.loads(faults_file.read_text()).items()}
     else:
         out.mkdir(parents=True, exist_ok=True)
         console.print(f"waiting for {host.BENCH_LOCK} ...")
         with host.bench_lock():
-            load = os.getloadavg()[0]
-            console.print(f"load {load:.2f}: timing this host's passes over rows "
-                          f"(ubep.sim.hostbench, ~2 min) ...")
-            with CpuWatch() as w:
-                table = hostbench.measure()
-            table_file.write_text(json.dumps(table.to_dict(), indent=1))
-            (out / "hostbench_others.json").write_text(json.dumps(w.result.to_dict()))
-            console.print(f"  during the microbenchmark: {w.result.describe()}")
-            console.print("counting the pages each call faults (the runtime, bench pattern)")
+            console.print(f"load {os.getloadavg()[0]:.2f}: counting the pages each call "
+                          "faults (the runtime, bench pattern)")
             faults = host.count_faults()
             faults_file.write_text(json.dumps({f"{s}:{o}:{b}": v
                                                for (s, o, b), v in faults.items()}, indent=1))
-            console.print(f"running ubep bench {repeats} time(s) into {out} ...")
-            host.run_benches(out, repeats)
-    med, rtt, spread = host.read_benches(out)
-    hc = host.constants(med, rtt, table, faults)
-    rows = host.validate(med, hc, spread)
+            console.print(f"{repeats} x (the model's passes timed at the validation's "
+                          f"footprints, then ubep bench) into {out} ...")
+            host.run_benches(out, repeats, faults=any(v > 0 for v in faults.values()))
+    rows = host.validate_runs(out, faults)
     runs_file = out / "bench_runs.json"
     runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
     first = out / runs[0]["folder"] if runs else out
     run = json.loads((first / "run.json").read_text())
     load = run.get("machine", {}).get("load_avg_1m")
-    tab = Table(title="host model vs ubep bench (P=2, hidden 7168 bf16, top-8); flag round "
-                f"trip {hc.flag_rtt_us:.2f} us" + (f", load {load:.2f} at the bench's start"
-                                                   if load is not None else "")
-                + (f"; medians of {len(runs)} bench runs" if len(runs) > 1 else ""))
+    table_file = first / "host_copy_table.json"
+    table = hostbench.CopyTable.from_dict(json.loads(
+        (table_file if table_file.exists() else out / "host_copy_table.json").read_text()))
+    tab = Table(title="host model vs ubep bench (P=2, hidden 7168 bf16, top-8)"
+                + (f", load {load:.2f} at the bench's start" if load is not None else "")
+                + (f"; medians of {len(runs)} runs (a table timed before each bench)"
+                   if len(runs) > 1 else ""))
     for col in ("system", "batch", "op", "footprint MB", "faults", "per-call us",
-                "predicted us", "measured us", "runs' range", "error"):
+                "predicted us", "range", "measured us", "range ", "error"):
         tab.add_column(col, justify="left" if col in ("system", "op") else "right")
     for r in rows:
         tab.add_row(r["system"], str(r["batch"]), r["op"], f"{r['footprint_MB']:.1f}",
                     f"{r['faults']:.0f}", f"{r['call_us']:.1f}", f"{r['predicted_us']:.1f}",
+                    f"{r.get('predicted_lo_us', r['predicted_us']):.0f}-"
+                    f"{r.get('predicted_hi_us', r['predicted_us']):.0f}",
                     f"{r['measured_us']:.1f}",
-                    f"{r['measured_lo_us']:.0f}-{r['measured_hi_us']:.0f}",
+                    f"{r.get('measured_lo_us', r['measured_us']):.0f}-"
+                    f"{r.get('measured_hi_us', r['measured_us']):.0f}",
                     f"{r['error']:+.2f}")
     if console.width < 124:              # a pipe or a narrow terminal: do not truncate
         console.width = 124
     console.print(tab)
     ok = sum(abs(r["error"]) <= 0.25 for r in rows)
     console.print(f"within +-25%: {ok} of {len(rows)}")
-    t = hc.table
-    console.print("passes over rows, two ranks at once, GB/s at "
-                  + ", ".join(f"{f / 2**20:g}" for f in (t.footprints[0], 8 << 20, 32 << 20,
-                                                          t.footprints[-1])) + " MiB: "
-                  + "; ".join(f"{p} " + "/".join(f"{t.GBps(p, f):.0f}" for f in (
-                      t.footprints[0], 8 << 20, 32 << 20, t.footprints[-1]))
-                      for p in hostbench.PASSES if p != "first_touch")
-                  + f"; a fresh page {4096 * t.cost_ns_per_byte('first_touch', 1 << 22) / 1e3:.1f}"
-                  " us")
+    t = table
+    shown = [f for f in host.model_footprints() if f >= 1 << 16]
+    shown = [shown[0], shown[len(shown) // 2], shown[-1]]
+    console.print("passes over rows, two ranks at once (first run's table), GB/s at "
+                  + ", ".join(f"{f / 1e6:.1f}" for f in shown) + " MB: "
+                  + "; ".join(f"{p} " + "/".join(f"{t.GBps(p, f):.0f}" for f in shown)
+                              for p in host.model_passes()))
     for i, r in enumerate(runs, 1):
         console.print(f"bench run {i}: load {r['load']:.2f} at its start, {r['others_text']}")
     if load is not None and load > 1.0:
@@ -229,7 +224,7 @@ def _validate_host(args: argparse.Namespace, console) -> int:
                       "scheduler waits (spinning ranks sharing 2 cores with other work) "
                       "that the model does not have[/yellow]")
     (out / "validate_host.json").write_text(json.dumps(
-        {"constants": hc.to_dict(), "rows": rows, "bench_runs": runs}, indent=2))
+        {"rows": rows, "bench_runs": runs}, indent=2))
     (out / "validate_host.md").write_text(host.markdown_table(rows))
     console.print(f"tables: {out / 'validate_host.json'}, {out / 'validate_host.md'}")
     return 0

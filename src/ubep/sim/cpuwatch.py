@@ -74,8 +74,9 @@ def _cmd(pid: str) -> str:
     return cmd[:100]
 
 
-def _sample(me: int) -> dict[str, tuple[int, int]]:
-    """{pid: (ppid, ticks)} of every process but `me` and its descendants."""
+def _sample(me: int) -> tuple[dict[str, tuple[int, int]], set[str]]:
+    """({pid: (ppid, ticks)} of every process but `me` and its descendants, the pids of
+    `me` and its descendants)."""
     procs = {}
     for p in os.listdir("/proc"):
         if p.isdigit():
@@ -90,7 +91,7 @@ def _sample(me: int) -> dict[str, tuple[int, int]]:
             if p not in mine and str(ppid) in mine:
                 mine.add(p)
                 grew = True
-    return {p: v for p, v in procs.items() if p not in mine}
+    return {p: v for p, v in procs.items() if p not in mine}, mine
 
 
 class CpuWatch:
@@ -105,10 +106,15 @@ class CpuWatch:
         self._thread: threading.Thread | None = None
         self._first: dict[str, int] = {}
         self._last: dict[str, int] = {}
+        self._mine: set[str] = set()     # ever seen in my tree (an orphan stays mine)
         self._t0 = 0.0
 
     def _take(self, first: bool) -> None:
-        for p, (_, ticks) in _sample(os.getpid()).items():
+        others, mine = _sample(os.getpid())
+        self._mine |= mine
+        for p, (_, ticks) in others.items():
+            if p in self._mine:
+                continue
             if first:
                 self._first[p] = ticks
             elif p not in self._first:

@@ -207,7 +207,8 @@ def call_params(system: str, op: str, hidden: int, batch: int, table: CopyTable,
     fp = footprint_bytes(system, batch, hidden)
     send, recv = (pass_ns_per_byte(system, op, side, batch, table, fp)
                   for side in ("send", "recv"))
-    fixed = call_us + faults * PAGE * table.cost_ns_per_byte("first_touch", faults * PAGE) / 1e3
+    fixed = call_us + (faults * PAGE * table.cost_ns_per_byte("first_touch", faults * PAGE)
+                       / 1e3 if faults else 0.0)
     return host_params(flag_rtt_us, send, recv, row_bytes=hidden * BYTES_PER_ELEMENT,
                        launch_us=fixed)
 
@@ -222,6 +223,30 @@ def predict(system: str, op: str, hidden: int, batch: int, params) -> float:
                     schedule="static" if mode == "bsp" else "hierarchical", op=op,
                     direct=direct)
     return execute(prepare(host_topology(), cfg, params=params), params).latency_us
+
+
+def model_passes(faults: bool = False) -> tuple[str, ...]:
+    """The passes the model prices rows with (`ROW_PASSES`; `first_touch` too if calls
+    fault pages)."""
+    used = {p for sides in ROW_PASSES.values() for passes in sides.values() for p, _ in passes}
+    return tuple(sorted(used | ({"first_touch"} if faults else set())))
+
+
+def model_footprints() -> tuple[int, ...]:
+    """Every footprint the validation prices a call at (each system and batch, hidden 64
+    and 7168): the microbenchmark times exactly these."""
+    return tuple(sorted({footprint_bytes(s, b, h) for s in SYSTEMS for b in BATCHES
+                         for h in (TINY_HIDDEN, HIDDEN)}))
+
+
+def measure_table(faults: bool = False, rounds: int = 3) -> CopyTable:
+    """The model's passes (`model_passes`) at the validation's footprints
+    (`model_footprints`), two processes at once: the table one bench run is predicted
+    from, timed right before it (the caller holds the bench lock)."""
+    from ubep.sim import hostbench
+
+    return hostbench.measure(passes=model_passes(faults), footprints=model_footprints(),
+                             procs=(2,), rounds=rounds)
 
 
 def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = None
@@ -241,9 +266,8 @@ def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = Non
     return HostConstants(table=table, flag_rtt_us=rtt, call_us=call, faults=dict(faults or {}))
 
 
-def validate(med: dict, hc: HostConstants, spread: dict | None = None) -> list[dict]:
-    """Predicted vs measured for every system, batch and op at hidden 7168; `spread`: the
-    (lowest, highest) of the bench runs' medians of each point (`read_benches`)."""
+def validate(med: dict, hc: HostConstants) -> list[dict]:
+    """Predicted vs measured for every system, batch and op at hidden 7168."""
     rows = []
     for system in SYSTEMS:
         for batch in BATCHES:
@@ -254,31 +278,31 @@ def validate(med: dict, hc: HostConstants, spread: dict | None = None) -> list[d
                                 faults)
                 pred = predict(system, op, HIDDEN, batch, p)
                 meas = med.get((system, HIDDEN, batch, op))
-                lo, hi = (spread or {}).get((system, HIDDEN, batch, op), (meas, meas))
                 rows.append({"system": system, "batch": batch, "op": op,
                              "footprint_MB": footprint_bytes(system, batch) / 1e6,
                              "call_us": call, "faults": faults, "predicted_us": pred,
-                             "measured_us": meas, "measured_lo_us": lo,
-                             "measured_hi_us": hi,
+                             "measured_us": meas,
                              "error": (pred - meas) / meas if meas else float("nan")})
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
     """`validate`'s rows as the markdown table of docs/results/simulator.md: one line per
-    system and batch, dispatch and combine side by side (the measured median, and in
-    brackets the range of the bench runs' medians when there were several), and the count
-    within +-25%."""
+    system and batch, dispatch and combine side by side (medians over the bench runs, and
+    in brackets the range over the runs when there were several), and the count within
+    +-25%."""
     by = {(r["system"], r["batch"], r["op"]): r for r in rows}
     lines = ["| system | batch | footprint MB | faulted pages (d / c) | dispatch model / "
              "measured (err) | combine model / measured (err) |", "|---|---|---|---|---|---|"]
 
+    def rng(r: dict, what: str) -> str:
+        lo, hi = r.get(f"{what}_lo_us"), r.get(f"{what}_hi_us")
+        return f" [{lo:,.0f}-{hi:,.0f}]" if lo is not None and hi is not None and \
+            round(lo) != round(hi) else ""
+
     def cell(r: dict) -> str:
-        lo, hi = r.get("measured_lo_us"), r.get("measured_hi_us")
-        rng = f" [{lo:,.0f}-{hi:,.0f}]" if lo is not None and hi is not None and lo != hi \
-            else ""
-        return (f"{r['predicted_us']:,.0f} / {r['measured_us']:,.0f}{rng} "
-                f"({100 * r['error']:+.0f}%)")
+        return (f"{r['predicted_us']:,.0f}{rng(r, 'predicted')} / "
+                f"{r['measured_us']:,.0f}{rng(r, 'measured')} ({100 * r['error']:+.0f}%)")
 
     for system in SYSTEMS:
         for b in BATCHES:
@@ -313,12 +337,16 @@ def run_bench(out: Path, iters: int = 30, python: str | None = None) -> Path:
 
 
 def run_benches(out: Path, repeats: int = BENCH_REPEATS, iters: int = 30,
-                python: str | None = None) -> list[dict]:
-    """`run_bench` `repeats` times, into `out/rep1`, `out/rep2`, ..., each watched for
-    other processes' CPU time (`CpuWatch`: the bench lock does not stop a process that
-    does not take it). Returns and writes (`out/bench_runs.json`) one record per run: its
-    folder, the load at its start and what other processes ran. The caller holds the
-    bench lock."""
+                python: str | None = None, faults: bool = False) -> list[dict]:
+    """`repeats` times: the model's passes timed (`measure_table`, into
+    `out/repN/host_copy_table.json`), then `run_bench` into `out/repN`. Each bench run is
+    predicted from the table timed right before it: what a pass costs at a footprint near
+    this host's last-level cache moves with time (other tenants of the machine share that
+    cache and the memory bus; on this host a pass at 18 MiB took 0.2 or 0.6 us per row
+    half a minute apart, and the bench with it), so a bench and a table timed a minute
+    apart can disagree by 3x. Each part is watched for other processes' CPU time
+    (`CpuWatch`: the bench lock does not stop a process that does not take it). Returns
+    and writes (`out/bench_runs.json`) one record per run. The caller holds the lock."""
     from ubep.sim.cpuwatch import CpuWatch
 
     if repeats < 1:
@@ -326,12 +354,18 @@ def run_benches(out: Path, repeats: int = BENCH_REPEATS, iters: int = 30,
     runs = []
     for i in range(1, repeats + 1):
         folder = out / f"rep{i}"
+        folder.mkdir(parents=True, exist_ok=True)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-        with CpuWatch() as w:
+        with CpuWatch() as wt:
+            table = measure_table(faults)
+        (folder / "host_copy_table.json").write_text(json.dumps(table.to_dict(), indent=1))
+        with CpuWatch() as wb:
             run_bench(folder, iters, python)
-        runs.append({"folder": folder.name, "load": load, "others": w.result.to_dict(),
-                     "others_text": w.result.describe()})
-    (out / "bench_runs.json").write_text(json.dumps(runs, indent=1))
+        runs.append({"folder": folder.name, "load": load,
+                     "others_table": wt.result.to_dict(), "others": wb.result.to_dict(),
+                     "others_text": f"table: {wt.result.describe()}; bench: "
+                                    f"{wb.result.describe()}"})
+        (out / "bench_runs.json").write_text(json.dumps(runs, indent=1))
     return runs
 
 
@@ -348,22 +382,38 @@ def read_bench(out: Path) -> tuple[dict, float]:
     return med, rtt
 
 
-def read_benches(out: Path) -> tuple[dict, float, dict]:
-    """The bench runs in `out` (`run_benches`, or one `run_bench` run in `out` itself):
-    per point the median over the runs of its median, the median flag round trip, and per
-    point the (lowest, highest) of the runs' medians: how far the bench itself moved
-    between runs minutes apart. A point missing from a run is taken from the others."""
+def validate_runs(out: Path, faults: dict | None = None) -> list[dict]:
+    """`validate` of every bench run in `out` with the table timed before it (`run_benches`;
+    or one run in `out` itself with `out/host_copy_table.json`), then per point the median
+    over the runs of the prediction and of the measured median, with the range of each
+    (`predicted_lo_us` ... `measured_hi_us`) and each run's own error (`run_errors`)."""
     runs_file = out / "bench_runs.json"
     folders = [out / r["folder"] for r in json.loads(runs_file.read_text())] \
         if runs_file.exists() else [out]
-    got = [read_bench(f) for f in folders]
-    keys = sorted({k for m, _ in got for k in m})
-    med, spread = {}, {}
-    for k in keys:
-        v = [m[k] for m, _ in got if k in m]
-        med[k] = float(np.median(v))
-        spread[k] = (min(v), max(v))
-    return med, float(np.median([r for _, r in got])), spread
+    per_run = []
+    for f in folders:
+        tf = f / "host_copy_table.json"
+        table = CopyTable.from_dict(json.loads((tf if tf.exists() else
+                                                out / "host_copy_table.json").read_text()))
+        med, rtt = read_bench(f)
+        per_run.append(validate(med, constants(med, rtt, table, faults)))
+    rows = []
+    for i, r in enumerate(per_run[0]):
+        same = [run[i] for run in per_run if run[i]["measured_us"] is not None]
+        if not same:
+            rows.append(r)
+            continue
+        pred = [x["predicted_us"] for x in same]
+        meas = [x["measured_us"] for x in same]
+        row = dict(r)
+        row.update(predicted_us=float(np.median(pred)), measured_us=float(np.median(meas)),
+                   predicted_lo_us=min(pred), predicted_hi_us=max(pred),
+                   measured_lo_us=min(meas), measured_hi_us=max(meas),
+                   call_us=float(np.median([x["call_us"] for x in same])),
+                   run_errors=[x["error"] for x in same])
+        row["error"] = (row["predicted_us"] - row["measured_us"]) / row["measured_us"]
+        rows.append(row)
+    return rows
 
 
 def _fault_rank(rank: int, world: int, batches, calls: int) -> dict:
