@@ -17,11 +17,11 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc"
 
 
 def _detached_busy(seconds: float) -> int:
-    """A busy Python process that is not our descendant (its parent exits at once);
-    returns its pid."""
+    """A busy Python process that is neither our descendant (its parent exits at once) nor
+    in our process group (a new session); returns its pid."""
     out = subprocess.run(
         ["sh", "-c", f"{sys.executable} -c '{BUSY.format(s=seconds)}' >/dev/null 2>&1 & "
-         "echo $!"], check=True, capture_output=True, text=True)
+         "echo $!"], check=True, capture_output=True, text=True, start_new_session=True)
     return int(out.stdout.strip())
 
 
@@ -67,4 +67,16 @@ def test_my_child_orphaned_during_the_watch_stays_mine():
         orphan = sh.stdout.readline().strip()
         sh.wait(timeout=10)
         time.sleep(0.8)
+    assert orphan not in w.result.cpu_s
+
+
+def test_an_orphan_of_my_process_group_from_before_the_watch_is_mine():
+    """A child orphaned before the watch began (a finished bench's forkserver, still
+    exiting) shares this process's group: not another's work."""
+    sh = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{BUSY.format(s=1.0)}' "
+                           ">/dev/null 2>&1 & echo $!"], stdout=subprocess.PIPE, text=True)
+    orphan = sh.stdout.readline().strip()
+    sh.wait(timeout=10)
+    with CpuWatch(period=0.05) as w:
+        time.sleep(0.6)
     assert orphan not in w.result.cpu_s

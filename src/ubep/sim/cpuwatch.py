@@ -5,7 +5,9 @@ The bench lock keeps benchmarks apart, but nothing stops a process that does not
 spinning ranks share their cores and its medians carry scheduler waits the host model does
 not have. A load average says little about the seconds a bench runs; this watch says who
 ran and for how long. A thread reads `/proc/<pid>/stat` every `period` seconds and adds up
-the CPU time of every process that is not this process or one of its descendants. A
+the CPU time of every process that is not this process, one of its descendants (ever seen
+as one: an orphaned child stays ours) or in its process group (a finished bench's
+forkserver, orphaned before the watch began, still exiting). A
 process that starts and ends between two samples is not seen (short-lived ones are missed,
 so the figure is a lower bound).
 """
@@ -52,14 +54,15 @@ class OtherWork:
                 "top": [{"cmd": c, "cpu_s": s} for c, s in self.top(5)]}
 
 
-def _stat(pid: str) -> tuple[int, int] | None:
-    """(parent pid, CPU ticks: user + system) of `pid`, or None if it is gone."""
+def _stat(pid: str) -> tuple[int, int, int] | None:
+    """(parent pid, process group, CPU ticks: user + system) of `pid`, or None if it is
+    gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             rest = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return int(rest[1]), int(rest[11]) + int(rest[12])
+    return int(rest[1]), int(rest[2]), int(rest[11]) + int(rest[12])
 
 
 def _cmd(pid: str) -> str:
@@ -71,23 +74,24 @@ def _cmd(pid: str) -> str:
                 cmd = f"[{f.read().strip()}]"
     except OSError:
         return pid
-    return cmd[:100]
+    return cmd[:100] or pid
 
 
-def _sample(me: int) -> tuple[dict[str, tuple[int, int]], set[str]]:
-    """({pid: (ppid, ticks)} of every process but `me` and its descendants, the pids of
-    `me` and its descendants)."""
+def _sample(me: int) -> tuple[dict[str, tuple[int, int, int]], set[str]]:
+    """({pid: (ppid, pgrp, ticks)} of every process but `me`, its descendants and its
+    process group; the pids of those)."""
     procs = {}
     for p in os.listdir("/proc"):
         if p.isdigit():
             s = _stat(p)
             if s is not None:
                 procs[p] = s
-    mine = {str(me)}
+    group = os.getpgid(me)
+    mine = {str(me)} | {p for p, (_, g, _) in procs.items() if g == group}
     grew = True
     while grew:                                   # descendants: parents already in `mine`
         grew = False
-        for p, (ppid, _) in procs.items():
+        for p, (ppid, _, _) in procs.items():
             if p not in mine and str(ppid) in mine:
                 mine.add(p)
                 grew = True
@@ -112,7 +116,7 @@ class CpuWatch:
     def _take(self, first: bool) -> None:
         others, mine = _sample(os.getpid())
         self._mine |= mine
-        for p, (_, ticks) in others.items():
+        for p, (_, _, ticks) in others.items():
             if p in self._mine:
                 continue
             if first:
