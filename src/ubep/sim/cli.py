@@ -153,6 +153,7 @@ def _validate_host(args: argparse.Namespace, console) -> int:
     """Predicted vs measured `ubep bench` medians on this host (`ubep.sim.host`)."""
     import os
 
+    from rich.markup import escape
     from rich.table import Table
 
     from ubep.sim import host, hostbench
@@ -218,7 +219,8 @@ def _validate_host(args: argparse.Namespace, console) -> int:
                   + "; ".join(f"{p} " + "/".join(f"{t.GBps(p, f):.0f}" for f in shown)
                               for p in host.model_passes()))
     for i, r in enumerate(runs, 1):
-        console.print(f"bench run {i}: load {r['load']:.2f} at its start, {r['others_text']}")
+        console.print(escape(f"bench run {i}: load {r['load']:.2f} at its start, "
+                             f"{r['others_text']}"))
     if load is not None and load > 1.0:
         console.print(f"[yellow]the host was not quiet (load {load:.2f}): medians carry "
                       "scheduler waits (spinning ranks sharing 2 cores with other work) "
