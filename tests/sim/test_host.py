@@ -247,23 +247,90 @@ def test_microbenchmark_times_every_pass_alone_and_in_pairs():
 
 
 def test_an_exchange_reads_what_the_peer_wrote():
-    """The exchanges' read halves find every record complete (tff flags of the round's
-    epoch) and sums of ones: the write went where the read looks, in either process."""
+    """The one-worker exchanges' read halves find every record complete (tff flags of the
+    round's epoch) and sums of ones: the write went where the read looks."""
     import numpy as np
 
-    for name in ("dispatch_peer", "combine_peer", "direct"):
+    for name in ("dispatch_peer", "combine_peer"):
         a, b = hostbench._aligned(1 << 20), hostbench._aligned(1 << 20)
         # process A (own a) writes into its peer's b; process B (own b) reads b
         write, _, n = hostbench._exchange_setup(name, 1 << 18, R, a, b)
         _, read, _ = hostbench._exchange_setup(name, 1 << 18, R, b, a)
         assert n > 0
-        if name != "direct":                 # direct writes and reads its own buffer
-            write(7)
-            assert np.any(b) and not np.any(a)
-            got = read(7)
-            assert got == 0 or got is None   # dispatch: no record missing its flags
-            if name == "dispatch_peer":
-                assert read(8) > 0           # flags of another round: all missing
+        write(7)
+        assert np.any(b) and not np.any(a)
+        got = read(7)
+        assert got == 0 or got is None       # dispatch: no record missing its flags
+        if name == "dispatch_peer":
+            assert read(8) > 0               # flags of another round: all missing
+
+
+def test_direct_places_are_the_runtimes_expert_major_layout_of_both_sources():
+    import numpy as np
+
+    t_n = 16
+    dest, place, rows = hostbench.direct_places(t_n)
+    n = t_n * hostbench.FAN
+    assert dest.shape == place.shape == (2, n) and rows.sum() == 2 * n
+    # source 0's routing is expert_places'
+    idx0 = np.argsort(np.random.default_rng(0).random((t_n, 16)), axis=1)[:, :8].ravel()
+    assert (dest[0] == idx0 // 8).all()
+    for d in (0, 1):
+        got = sorted(place[dest == d].tolist())
+        assert got == list(range(rows[d]))           # every row of d's area, once
+        # walking d's area in order: experts ascending, source 0 before 1, tokens ascending
+        idx = np.stack([np.argsort(np.random.default_rng(s).random((t_n, 16)),
+                                   axis=1)[:, :8].ravel() for s in (0, 1)])
+        src, row = np.nonzero(dest == d)
+        keys = sorted(zip(place[src, row], idx[src, row], src, row))
+        walk = [(e, s, r) for _, e, s, r in keys]
+        assert walk == sorted(walk)
+        assert all(e // 8 == d for e, _, _ in walk)
+
+
+def test_direct_exchange_puts_rows_in_the_destinations_area_with_their_meta_words():
+    """Two ranks in two threads (the kernels release the GIL): each write returns once the
+    peer's rows for it arrived; every row is in its destination's area with its meta word;
+    each rank's sums of its tokens' rows (ones, weight 0.5, 8 rows) are 4.0."""
+    import threading
+
+    import numpy as np
+
+    fp = 1 << 19
+    bufs = [hostbench._aligned(4 * fp), hostbench._aligned(4 * fp)]
+    ex = [hostbench._exchange_setup("direct", fp, R, bufs[me], bufs[1 - me], me)
+          for me in (0, 1)]
+    errors = []
+
+    def run(me):
+        try:
+            ex[me][0](5)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(me,)) for me in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in ts)
+    n = ex[0][2] // R
+    dest, place, rows = hostbench.direct_places(n // hostbench.FAN)
+    slot = -(-(int(rows.max()) * (R + 16)) // hostbench.PAGE) * hostbench.PAGE
+    for d in (0, 1):
+        area = bufs[d][d * slot:]
+        meta = area[int(rows.max()) * R:].view(np.int64)
+        q = np.sort(place[dest == d])
+        assert (meta[2 * q + 1] == 5).all()           # every row for d: its meta word
+        rows_d = area[:rows[d] * R].reshape(rows[d], R).view(np.uint16)
+        assert (rows_d == 0x3F80).all()               # rows of ones, all landed
+    for me in (0, 1):                                 # 8 rows of 1.0 at weight 0.5: 4.0
+        assert (ex[me][1](5) == 0x4080).all()
+    # alone: both destinations' areas in my buffer, nothing to wait for, the same sums
+    alone = hostbench._aligned(4 * fp)
+    write, read, _ = hostbench._exchange_setup("direct", fp, R, alone, alone, 0)
+    write(3)
+    assert (read(3) == 0x4080).all()
 
 
 def test_record_layout_matches_the_runtime():

@@ -42,11 +42,18 @@ pass of its own in the table:
   peer's window slots (token * 8 + k) (`record_write_peer`); then `sum_slots` of each
   token's 8 rows from my own window's blocks (`reduce_blocks_peer`): the one-worker
   combine of a peer's rows.
-* direct: `copy_bytes` of each source row to its 8 places in expert-major order
-  (`copy_scatter`: the direct dispatch, which writes each row straight into its expert's
-  run, 16 runs written at once), then `sum_slots` of each token's 8 rows where they lie
+* direct: the direct path's dispatch as the runtime runs it (`copy_scatter`): each source
+  row to its 8 places, a row for one of the peer's experts straight into the PEER's
+  receive area, at its place in the runtime's layout (expert-major, the two sources' rows
+  of an expert one after the other: a rank's rows sit between the peer's), each followed
+  by its 16-byte meta word (release) in the destination's meta array, then the wait until
+  every row for me has its meta word (the dispatch returns when the peer's rows arrived);
+  then `sum_slots` of each of my tokens' 8 rows where they lie, in either area
   (`reduce_scatter`: the direct combine, which reads a token's rows right after its
   dispatch wrote them, so at a reuse distance of one call, not of the whole cycle).
+  Side by side at P=2 with the same kernels, the meta words and the wait for the peer
+  added ~2 us per call at 64 and 128 rows per rank over rows written into one's own
+  buffer (12.7 -> 14.6 and 24.4 -> 26.9 us).
 
 Memory: every buffer is on 4 KiB pages, as the runtime's (its regions are shared memory,
 which this kernel never backs with huge pages; torch's tensors are not advised to use
@@ -238,15 +245,6 @@ def expert_places(rows: int, fan: int = FAN, experts: int = 2 * FAN, seed: int =
 
 
 @jit
-def _copy_places(src, dst, places, fan):
-    """Row i of the sources (`src[i // fan]`) to row `places[i]` of `dst`."""
-    rb = src.shape[1]
-    d0 = dst.ctypes.data
-    for i in range(places.shape[0]):
-        copy_bytes(d0 + places[i] * rb, src[i // fan].ctypes.data, rb)
-
-
-@jit
 def _record_write_places(src, dst, places, fan, wire, hl, epoch):
     """`write_record` of `src[i // fan]` (after an `hl`-byte header) to record `places[i]`
     of `dst` (records `wire` bytes apart)."""
@@ -261,12 +259,60 @@ def _record_write_places(src, dst, places, fan, wire, hl, epoch):
                      epoch, q * nb)
 
 
+def direct_places(t_n: int, fan: int = FAN, experts: int = 2 * FAN
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The direct path's layout of two sources' rows, `t_n` tokens each routed to `fan`
+    distinct experts of `experts` (uniform, seeded by the source: source 0's routing is
+    `expert_places`'), the first half of the experts on rank 0: `(dest [2, t_n * fan],
+    place [2, t_n * fan], rows [2])` -- for row i = t * fan + j of source s its
+    destination rank and its row in that rank's receive area (expert-major; within an
+    expert, source 0's rows, then source 1's, token order within), and the rows each
+    destination receives."""
+    half = experts // 2
+    idx = np.stack([np.argsort(np.random.default_rng(s).random((t_n, experts)),
+                               axis=1)[:, :fan].ravel() for s in (0, 1)])
+    dest = idx // half
+    place = np.empty_like(idx)
+    rows = np.zeros(2, np.int64)
+    for d in (0, 1):
+        src, row = np.nonzero(dest == d)
+        order = np.lexsort((row, src, idx[src, row]))      # expert, then source, then row
+        place[src[order], row[order]] = np.arange(order.size)
+        rows[d] = order.size
+    return dest.astype(np.int64), place.astype(np.int64), rows
+
+
 @jit
-def _reduce_places(src, places, stride, out16):
-    """Each token's 8 rows (row `places[t * 8 + j]`, `stride` bytes each, contiguous)
-    summed into its bf16 output row, as the direct combine calls `sum_slots`."""
+def _copy_direct(src, fan, dest, place, me, areas, metas, epoch):
+    """Row i of my sources (`src[i // fan]`) to row `place[i]` of destination `dest[i]`'s
+    area (address `areas[d]`), then its meta word (release) at `metas[d] + 16 * place`."""
+    rb = src.shape[1]
+    for i in range(dest.shape[0]):
+        d = dest[i]
+        q = place[i]
+        copy_bytes(areas[d] + q * rb, src[i // fan].ctypes.data, rb)
+        store_release(metas[d] + q * 16 + 8, epoch)
+
+
+@jit
+def _metas_arrived(meta, places, epoch, max_spins):
+    """Spin (pause) until the meta word of every row in `places` holds `epoch`; False
+    after `max_spins` pauses (the caller backs off and keeps its deadline)."""
+    spins = 0
+    for i in range(places.shape[0]):
+        while load_acquire(meta + places[i] * 16 + 8) != epoch:
+            cpu_pause()
+            spins += 1
+            if spins > max_spins:
+                return False
+    return True
+
+
+@jit
+def _reduce_addrs(addrs, out16):
+    """Each token's 8 rows (at `addrs[t * 8 + j]`) summed into its bf16 output row, as
+    the direct combine calls `sum_slots` on rows where they lie."""
     lut = np.zeros(1, np.float32)
-    s0 = src.ctypes.data
     srcs = np.empty(TOP_K, np.int64)
     blks = np.full(TOP_K, SUM_CHUNK * 2, np.int64)
     wgts = np.full(TOP_K, 0.5, np.float32)
@@ -274,8 +320,18 @@ def _reduce_places(src, places, stride, out16):
     no_y = np.zeros(0, np.float32)
     for t in range(out16.shape[0]):
         for j in range(TOP_K):
-            srcs[j] = s0 + places[t * TOP_K + j] * stride
+            srcs[j] = addrs[t * TOP_K + j]
         sum_slots(srcs, blks, wgts, TOP_K, SUM_CHUNK, 2, ELEM_BF16, lut, acc, no_y, out16[t])
+
+
+def _wait_metas(meta: int, places: np.ndarray, epoch: int, timeout_s: float = 60.0) -> None:
+    """`_metas_arrived` in bursts, yielding between them, up to `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while not _metas_arrived(meta, places, epoch, 1 << 14):
+        if time.monotonic() > end:
+            raise TimeoutError(f"hostbench: the peer's rows (epoch {epoch}) did not arrive "
+                               f"within {timeout_s} s")
+        os.sched_yield()
 
 
 def _setup(pass_: str, footprint: int, row_bytes: int):
@@ -318,10 +374,12 @@ def _setup(pass_: str, footprint: int, row_bytes: int):
 
 
 def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
-                    peer: np.ndarray):
+                    peer: np.ndarray, me: int = 0):
     """(write(epoch), read(epoch), payload bytes of each) of exchange `name` with ~`footprint`
     bytes of this process's own: the write goes into `peer` (the other process's shared
-    buffer, or `own` when alone), the read comes from `own`, which the peer wrote."""
+    buffer, or `own` when alone), the read comes from `own`, which the peer wrote; direct:
+    into either, as the routing says, and `me` (0 or 1) is this process's rank. Buffers
+    hold at least 2 * `footprint` bytes."""
     rb = row_bytes
     hidden = rb // 2
     if name == "dispatch_peer":
@@ -349,9 +407,28 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
         src = _aligned(n // FAN * rb).reshape(n // FAN, rb)
         src.view(np.uint16)[:] = _BF16_ONE
         out16 = _aligned(n // FAN * rb).view(np.uint16).reshape(n // FAN, hidden)
-        places = expert_places(n)
-        return (lambda e: _copy_places(src, own, places, FAN),
-                lambda e: _reduce_places(own, places, rb, out16), n * rb)
+        dest, place, rows = direct_places(n // FAN)
+        alone = own is peer
+        # destination d's area and meta words: in d's buffer (alone: both in mine), at slot d
+        slot = -(-(int(rows.max()) * (rb + 16)) // PAGE) * PAGE
+        bufs = (own, peer) if me == 0 else (peer, own)
+        areas = np.array([bufs[d].ctypes.data + d * slot for d in (0, 1)], np.int64)
+        metas = areas + int(rows.max()) * rb
+        mine_dest, mine_place = dest[me], place[me]
+        # rows for me from the peer (alone: none to wait for; its rows are not written)
+        theirs = np.sort(place[1 - me][dest[1 - me] == me]) if not alone else place[0][:0]
+        addrs = areas[mine_dest] + mine_place * rb
+
+        def write(e: int) -> None:
+            _copy_direct(src, FAN, mine_dest, mine_place, me, areas, metas, e)
+            if theirs.size:
+                _wait_metas(int(metas[me]), theirs, e)
+
+        def read(e: int) -> np.ndarray:
+            _reduce_addrs(addrs, out16)
+            return out16                              # my tokens' sums (for tests)
+
+        return write, read, n * rb
     raise ValueError(f"exchange {name!r} is not one of {tuple(EXCHANGES)}")
 
 
@@ -397,11 +474,12 @@ def exchange_rounds(footprint: int, seconds: float) -> int:
 
 
 def time_exchange(name: str, footprint: int, row_bytes: int, own: np.ndarray,
-                  peer: np.ndarray, seconds: float, barrier) -> tuple[float, float]:
+                  peer: np.ndarray, seconds: float, barrier, me: int = 0
+                  ) -> tuple[float, float]:
     """ns per payload byte of the write and of the read half of exchange `name`: every
     round, all processes write (into their peer's buffer), meet at `barrier`, read (their
     own), meet again; the median round of each half (after one untimed round)."""
-    write, read, nbytes = _exchange_setup(name, footprint, row_bytes, own, peer)
+    write, read, nbytes = _exchange_setup(name, footprint, row_bytes, own, peer, me)
     tw, tr = [], []
     for r in range(exchange_rounds(footprint, seconds) + 1):
         barrier.wait()
@@ -453,7 +531,7 @@ def _worker(core: int, points, row_bytes: int, seconds: float, barrier, queue,
             os.close(fd)
     bufs = [np.frombuffer(m, np.uint8) for m in maps]
     # the exchanges' barrier: words on the last page of the first buffer (no exchange
-    # reaches it: each uses at most its footprint), spun on rather than slept in
+    # reaches it: each uses at most twice its footprint), spun on rather than slept in
     spin = SpinBarrier(bufs[0].ctypes.data + bufs[0].nbytes - PAGE, mine, len(bufs)) \
         if bufs else None
     out = []
@@ -461,7 +539,7 @@ def _worker(core: int, points, row_bytes: int, seconds: float, barrier, queue,
         if p in EXCHANGES:
             own, peer = bufs[mine], bufs[(mine + 1) % len(bufs)]
             barrier.wait()                       # both at this point; then spin per round
-            out.append(time_exchange(p, f, row_bytes, own, peer, seconds, spin))
+            out.append(time_exchange(p, f, row_bytes, own, peer, seconds, spin, mine))
         else:
             out.append((time_pass(p, f, row_bytes, seconds, barrier),))
     queue.put((core, out))
@@ -491,7 +569,8 @@ def measure(row_bytes: int = 7168 * 2, passes=PASSES, footprints=FOOTPRINTS,
     for n in procs:
         if n > len(cores):
             raise ValueError(f"procs={n}: this process may run on {len(cores)} core(s) only")
-        segments = _segments(n, max(footprints) + 2 * PAGE) if set(wanted) & set(EXCHANGES) \
+        segments = _segments(n, 2 * max(footprints) + 2 * PAGE) \
+            if set(wanted) & set(EXCHANGES) \
             else []
         try:
             barrier, queue = ctx.Barrier(n), ctx.Queue()
