@@ -187,13 +187,11 @@ def _validate_host(args: argparse.Namespace, console) -> int:
     first = out / runs[0]["folder"] if runs else out
     run = json.loads((first / "run.json").read_text())
     load = run.get("machine", {}).get("load_avg_1m")
-    table_file = first / "host_copy_table.json"
-    table = hostbench.CopyTable.from_dict(json.loads(
-        (table_file if table_file.exists() else out / "host_copy_table.json").read_text()))
     tab = Table(title="host model vs ubep bench (P=2, hidden 7168 bf16, top-8)"
                 + (f", load {load:.2f} at the bench's start" if load is not None else "")
-                + (f"; medians of {len(runs)} runs (a table timed before each bench)"
-                   if len(runs) > 1 else ""))
+                + ("; each bench (one batch) predicted from a table timed right before "
+                   f"it; medians over {max(r.get('rep', 1) for r in runs)} runs, error: "
+                   "the median of the runs' own errors" if len(runs) > 1 else ""))
     for col in ("system", "batch", "op", "footprint MB", "faults", "per-call us",
                 "predicted us", "range", "measured us", "range ", "error"):
         tab.add_column(col, justify="left" if col in ("system", "op") else "right")
@@ -211,16 +209,23 @@ def _validate_host(args: argparse.Namespace, console) -> int:
     console.print(tab)
     ok = sum(abs(r["error"]) <= 0.25 for r in rows)
     console.print(f"within +-25%: {ok} of {len(rows)}")
-    t = table
-    shown = [f for f in host.model_footprints() if f >= 1 << 16]
-    shown = [shown[0], shown[len(shown) // 2], shown[-1]]
-    console.print("passes over rows, two ranks at once (first run's table), GB/s at "
-                  + ", ".join(f"{f / 1e6:.1f}" for f in shown) + " MB: "
-                  + "; ".join(f"{p} " + "/".join(f"{t.GBps(p, f):.0f}" for f in shown)
-                              for p in host.model_passes()))
-    for i, r in enumerate(runs, 1):
-        console.print(escape(f"bench run {i}: load {r['load']:.2f} at its start, "
-                             f"{r['others_text']}"))
+    line = []                               # each pass at each batch's footprint, run 1
+    for r in (r for r in runs if r.get("rep", 1) == 1 and "batch" in r):
+        f = host.footprint_bytes("shm-ubep", r["batch"])
+        t = hostbench.CopyTable.from_dict(json.loads(
+            (out / r["folder"] / "host_copy_table.json").read_text()))
+        line.append(f"b{r['batch']} ({f / 1e6:.1f} MB) " + " ".join(
+            f"{p} {t.GBps(p, f):.0f}" for p in host.model_passes()))
+    if line:
+        console.print("GB/s of the passes, two ranks at once, run 1, at the one-worker "
+                      "footprint of each batch: " + "; ".join(line))
+    busy = [r for r in runs if max(r["others"].get("cores", 0),
+                                   r.get("others_table", {}).get("cores", 0)) > 0.05]
+    for r in busy:
+        console.print(escape(f"run {r.get('rep', '')} batch {r.get('batch', '')}: load "
+                             f"{r['load']:.2f}, {r['others_text']}"))
+    if runs and not busy:
+        console.print("no other process used more than 0.05 cores during any table or bench")
     if load is not None and load > 1.0:
         console.print(f"[yellow]the host was not quiet (load {load:.2f}): medians carry "
                       "scheduler waits (spinning ranks sharing 2 cores with other work) "

@@ -232,20 +232,20 @@ def model_passes(faults: bool = False) -> tuple[str, ...]:
     return tuple(sorted(used | ({"first_touch"} if faults else set())))
 
 
-def model_footprints() -> tuple[int, ...]:
-    """Every footprint the validation prices a call at (each system and batch, hidden 64
-    and 7168): the microbenchmark times exactly these."""
-    return tuple(sorted({footprint_bytes(s, b, h) for s in SYSTEMS for b in BATCHES
+def model_footprints(batches=BATCHES) -> tuple[int, ...]:
+    """Every footprint the validation prices a call of `batches` at (each system, hidden
+    64 and 7168): the microbenchmark times exactly these."""
+    return tuple(sorted({footprint_bytes(s, b, h) for s in SYSTEMS for b in batches
                          for h in (TINY_HIDDEN, HIDDEN)}))
 
 
-def measure_table(faults: bool = False, rounds: int = 3) -> CopyTable:
-    """The model's passes (`model_passes`) at the validation's footprints
+def measure_table(faults: bool = False, rounds: int = 3, batches=BATCHES) -> CopyTable:
+    """The model's passes (`model_passes`) at the footprints of `batches`
     (`model_footprints`), two processes at once: the table one bench run is predicted
     from, timed right before it (the caller holds the bench lock)."""
     from ubep.sim import hostbench
 
-    return hostbench.measure(passes=model_passes(faults), footprints=model_footprints(),
+    return hostbench.measure(passes=model_passes(faults), footprints=model_footprints(batches),
                              procs=(2,), rounds=rounds)
 
 
@@ -325,12 +325,13 @@ def bench_lock(path: str = BENCH_LOCK):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_bench(out: Path, iters: int = 30, python: str | None = None) -> Path:
-    """Run `ubep bench` (P=2, hidden 64 and 7168 bf16, top-8, batches 1/8/16/128, the
-    three shm systems); returns its output folder. The caller holds the bench lock."""
+def run_bench(out: Path, iters: int = 30, python: str | None = None,
+              batches=BATCHES) -> Path:
+    """Run `ubep bench` (P=2, hidden 64 and 7168 bf16, top-8, `batches`, the three shm
+    systems); returns its output folder. The caller holds the bench lock."""
     cmd = [python or sys.executable, "-m", "ubep.cli", "bench",
            "--ranks", str(RANKS), "--hidden", str(TINY_HIDDEN), str(HIDDEN),
-           "--tokens", *map(str, BATCHES), "--top-k", str(TOP_K), "--experts", str(EXPERTS),
+           "--tokens", *map(str, batches), "--top-k", str(TOP_K), "--experts", str(EXPERTS),
            "--systems", *SYSTEMS, "--iters", str(iters), "--warmup", "5", "--out", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
@@ -338,34 +339,38 @@ def run_bench(out: Path, iters: int = 30, python: str | None = None) -> Path:
 
 def run_benches(out: Path, repeats: int = BENCH_REPEATS, iters: int = 30,
                 python: str | None = None, faults: bool = False) -> list[dict]:
-    """`repeats` times: the model's passes timed (`measure_table`, into
-    `out/repN/host_copy_table.json`), then `run_bench` into `out/repN`. Each bench run is
-    predicted from the table timed right before it: what a pass costs at a footprint near
-    this host's last-level cache moves with time (other tenants of the machine share that
-    cache and the memory bus; on this host a pass at 18 MiB took 0.2 or 0.6 us per row
-    half a minute apart, and the bench with it), so a bench and a table timed a minute
-    apart can disagree by 3x. Each part is watched for other processes' CPU time
-    (`CpuWatch`: the bench lock does not stop a process that does not take it). Returns
-    and writes (`out/bench_runs.json`) one record per run. The caller holds the lock."""
+    """`repeats` times, for each batch: the model's passes timed at that batch's
+    footprints (`measure_table`, into `out/repN-bB/host_copy_table.json`, ~2 s), then
+    `run_bench` of that batch into `out/repN-bB` (~4 s). Each bench is predicted from the
+    table timed right before it: on this host what a pass over rows costs switches with
+    time between states ~3x apart, for seconds at a time (the one-worker path's records
+    crossing cores: 0.4-0.6 or ~2.7 us per 14 KB row, in the microbenchmark and in the
+    bench alike; a pass at 18 MiB: 0.2 or 0.6 us per row), so a bench and a table timed a
+    minute apart disagree where seconds apart they agree. Each part is watched for other
+    processes' CPU time (`CpuWatch`: the bench lock does not stop a process that does not
+    take it). Returns and writes (`out/bench_runs.json`) one record per bench. The caller
+    holds the lock."""
     from ubep.sim.cpuwatch import CpuWatch
 
     if repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be >= 1")
     runs = []
     for i in range(1, repeats + 1):
-        folder = out / f"rep{i}"
-        folder.mkdir(parents=True, exist_ok=True)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-        with CpuWatch() as wt:
-            table = measure_table(faults)
-        (folder / "host_copy_table.json").write_text(json.dumps(table.to_dict(), indent=1))
-        with CpuWatch() as wb:
-            run_bench(folder, iters, python)
-        runs.append({"folder": folder.name, "load": load,
-                     "others_table": wt.result.to_dict(), "others": wb.result.to_dict(),
-                     "others_text": f"table: {wt.result.describe()}; bench: "
-                                    f"{wb.result.describe()}"})
-        (out / "bench_runs.json").write_text(json.dumps(runs, indent=1))
+        for b in BATCHES:
+            folder = out / f"rep{i}-b{b}"
+            folder.mkdir(parents=True, exist_ok=True)
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+            with CpuWatch() as wt:
+                table = measure_table(faults, batches=(b,))
+            (folder / "host_copy_table.json").write_text(json.dumps(table.to_dict(),
+                                                                    indent=1))
+            with CpuWatch() as wb:
+                run_bench(folder, iters, python, batches=(b,))
+            runs.append({"folder": folder.name, "rep": i, "batch": b, "load": load,
+                         "others_table": wt.result.to_dict(), "others": wb.result.to_dict(),
+                         "others_text": f"table: {wt.result.describe()}; bench: "
+                                        f"{wb.result.describe()}"})
+            (out / "bench_runs.json").write_text(json.dumps(runs, indent=1))
     return runs
 
 
@@ -411,7 +416,7 @@ def validate_runs(out: Path, faults: dict | None = None) -> list[dict]:
                    measured_lo_us=min(meas), measured_hi_us=max(meas),
                    call_us=float(np.median([x["call_us"] for x in same])),
                    run_errors=[x["error"] for x in same])
-        row["error"] = (row["predicted_us"] - row["measured_us"]) / row["measured_us"]
+        row["error"] = float(np.median(row["run_errors"]))
         rows.append(row)
     return rows
 
