@@ -65,7 +65,8 @@ BATCHES = (1, 8, 16, 128)
 HIDDEN, TINY_HIDDEN, TOP_K, EXPERTS, RANKS = 7168, 64, 8, 16, 2
 BYTES_PER_ELEMENT = 2
 BENCH_LOCK = "/tmp/ubep-bench.lock"
-#: bench runs per validation: a point is the median of its runs' medians
+#: runs per validation (each: a table, then the bench, per batch); a point's error is the
+#: median of its runs' paired errors
 BENCH_REPEATS = 3
 #: the passes over rows of each path and op: {side: ((pass, rows it applies to), ...)}, the
 #: sender's and the receiver's; "remote" rows go to / come from the peer, "all" every row.
@@ -389,9 +390,12 @@ def read_bench(out: Path) -> tuple[dict, float]:
 
 def validate_runs(out: Path, faults: dict | None = None) -> list[dict]:
     """`validate` of every bench run in `out` with the table timed before it (`run_benches`;
-    or one run in `out` itself with `out/host_copy_table.json`), then per point the median
-    over the runs of the prediction and of the measured median, with the range of each
-    (`predicted_lo_us` ... `measured_hi_us`) and each run's own error (`run_errors`)."""
+    or one run in `out` itself with `out/host_copy_table.json`), then per point, over the
+    runs that measured it: the median prediction and measured median with the range of
+    each (`predicted_lo_us` ... `measured_hi_us`), each run's own error (`run_errors`) and
+    as `error` their median -- a run is a prediction paired with the bench it was timed
+    for, so a run whose table and bench met different states of the host is one outlier,
+    not a shift of either median."""
     runs_file = out / "bench_runs.json"
     folders = [out / r["folder"] for r in json.loads(runs_file.read_text())] \
         if runs_file.exists() else [out]
