@@ -283,7 +283,7 @@ def direct_places(t_n: int, fan: int = FAN, experts: int = 2 * FAN
 
 
 @jit
-def _copy_direct(src, fan, dest, place, me, areas, metas, epoch):
+def _copy_direct(src, fan, dest, place, areas, metas, epoch):
     """Row i of my sources (`src[i // fan]`) to row `place[i]` of destination `dest[i]`'s
     area (address `areas[d]`), then its meta word (release) at `metas[d] + 16 * place`."""
     rb = src.shape[1]
@@ -420,7 +420,7 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
         addrs = areas[mine_dest] + mine_place * rb
 
         def write(e: int) -> None:
-            _copy_direct(src, FAN, mine_dest, mine_place, me, areas, metas, e)
+            _copy_direct(src, FAN, mine_dest, mine_place, areas, metas, e)
             if theirs.size:
                 _wait_metas(int(metas[me]), theirs, e)
 
