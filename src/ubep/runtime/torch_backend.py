@@ -53,6 +53,8 @@ import torch.distributed as dist
 from ubep.handle import CombineResult, DispatchHandle, new_dispatch_result, new_handle
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
+    bag_sums_bf16,
+    bag_sums_f32,
     final_sums_bf16,
     final_sums_f32,
     gather_rows,
@@ -77,6 +79,9 @@ _NP = {torch.uint16: np.uint16, torch.float32: np.float32}
 #: the source side's sum of a token's partials, compiled, by partial dtype (CPU; the same
 #: bits as embedding_bag, which the device path and fp16 use)
 _FINAL_SUMS = {torch.bfloat16: final_sums_bf16, torch.float32: final_sums_f32}
+#: the CPU combine by partial dtype: (numpy word, expert-side bag sums, source-side sums)
+_CPU_COMBINE = {torch.bfloat16: (torch.uint16, bag_sums_bf16, final_sums_bf16),
+                torch.float32: (torch.float32, bag_sums_f32, final_sums_f32)}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -106,7 +111,7 @@ class _TorchState:
     __slots__ = ("bag_rows", "bag_offsets", "recv_weights", "weights_by_dtype", "bag_rows2",
                  "bag_offsets2", "final_rows", "final_offsets", "sent_per_rank", "recv_per_rank",
                  "num_back", "num_own", "num_remote_bags", "num_tokens", "final_rows_np",
-                 "final_offsets_np")
+                 "final_offsets_np", "bag_rows_np", "bag_offsets_np", "splits")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -397,7 +402,8 @@ class TorchBackend:
             final_rows_np=final_rows, final_offsets_np=final_offsets, num_tokens=num_tokens,
             sent_per_rank=[0 if d == me else n for d, n in enumerate(dests)],
             recv_per_rank=[0 if s == me else n for s, n in enumerate(srcs)],
-            num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags)
+            num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags,
+            bag_rows_np=None, bag_offsets_np=None, splits=None)
         handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
                             topk_weights, origins, state)
         t6 = _now_us()
@@ -474,12 +480,11 @@ class TorchBackend:
 
         dests = per_dest.tolist()
         first, n_me = sum(dests[:me]), dests[me]
-        bf16 = x.dtype == torch.bfloat16
         workn = work.numpy().reshape(-1)
         (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
          bag_offsets2, weights2, num_remote_bags, num_remote) = recv_plan_cpu(
             workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me],
-            me, per_rank, world, bf16)
+            me, per_rank, world, False)
         num_recv = len(gather)
         if num_recv:
             recv_x = self._owned_rows(num_recv, row_bytes)
@@ -490,18 +495,16 @@ class TorchBackend:
             recv_x = x.new_empty((0, hidden))
         t4 = _now_us()
 
-        frm = torch.from_numpy
+        # the index arrays stay numpy: the compiled combine reads them so; torch tensors of
+        # them (for embedding_bag: fp16 outputs) are made on first need
         state = _TorchState(
-            bag_rows=frm(bag_rows), bag_offsets=frm(bag_offsets), recv_weights=recv_weights,
-            weights_by_dtype=({torch.bfloat16: frm(weights2.view(np.int16)).view(torch.bfloat16)}
-                              if bf16 else {}),
-            bag_rows2=frm(bag_rows2) if bf16 else None,
-            bag_offsets2=frm(bag_offsets2) if bf16 else None,
+            bag_rows=None, bag_offsets=None, bag_rows_np=bag_rows, bag_offsets_np=bag_offsets,
+            recv_weights=recv_weights, weights_by_dtype={}, bag_rows2=None, bag_offsets2=None,
             final_rows=None, final_offsets=None, final_rows_np=final_rows,
             final_offsets_np=final_offsets, num_tokens=num_tokens,
             sent_per_rank=[0 if d == me else n for d, n in enumerate(dests)],
             recv_per_rank=[0 if s == me else n for s, n in enumerate(srcs.tolist())],
-            num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags)
+            num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags, splits=None)
         handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
                             topk_weights, origins, state)
         t5 = _now_us()
@@ -533,13 +536,28 @@ class TorchBackend:
             st.weights_by_dtype[dtype] = w
         return w
 
+    def _splits(self, st: _TorchState, prow_bytes: int) -> tuple[list, list, list]:
+        """Combine's byte splits (to each rank, from each rank) and its collectives entry
+        for partial rows of `prow_bytes`, made once per handle."""
+        sp = st.splits
+        if sp is None or sp[0] != prow_bytes:
+            send = [n * prow_bytes for n in st.recv_per_rank]
+            recv = [n * prow_bytes for n in st.sent_per_rank]
+            sp = st.splits = (prow_bytes, send, recv, [("partials_back", send, recv)])
+        return sp[1], sp[2], sp[3]
+
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
                 weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
         st: _TorchState = handle.state
         dtype, device = expert_out.dtype, expert_out.device
+        pdtype = dtype if dtype in _PARTIAL_DTYPES else torch.float32
+        if st.bag_rows_np is not None and pdtype in _CPU_COMBINE and HOST_MOVES_ROWS:
+            return self._combine_cpu(expert_out, st, weighted, out, pdtype)
+        if st.bag_rows is None:     # a CPU dispatch's index arrays, for embedding_bag
+            st.bag_rows = torch.from_numpy(st.bag_rows_np)
+            st.bag_offsets = torch.from_numpy(st.bag_offsets_np)
         hidden = expert_out.shape[1]
         t0 = _now_us()
-        pdtype = dtype if dtype in _PARTIAL_DTYPES else torch.float32
         rows = expert_out if pdtype == dtype else expert_out.to(pdtype)
         # one partial per received token: the sum of its slots here, fp32 accumulation
         if not weighted:
@@ -554,12 +572,12 @@ class TorchBackend:
         back, own = st.num_back, st.num_own
         work = self._buffer("combine", back + own, prow_bytes, device)
         nret = st.num_remote_bags
+        send_splits, recv_splits, collectives = self._splits(st, prow_bytes)
         t1 = _now_us()
         flat = partial.view(-1).view(torch.uint8)
         dist.all_to_all_single(self._flat("combine", 0, back * prow_bytes),
-                               flat[:nret * prow_bytes],
-                               [n * prow_bytes for n in st.sent_per_rank],
-                               [n * prow_bytes for n in st.recv_per_rank], group=self.group)
+                               flat[:nret * prow_bytes], recv_splits, send_splits,
+                               group=self.group)
         t2 = _now_us()
         final = _FINAL_SUMS.get(pdtype) if expert_out.is_cpu and HOST_MOVES_ROWS else None
         if final is not None:   # own partials read where they are, not copied
@@ -582,8 +600,57 @@ class TorchBackend:
             y = out.copy_(y)
         t3 = _now_us()
         phases = {"reduce": t1 - t0 + t3 - t2, "token_exchange": t2 - t1}
-        collectives = [("partials_back", [n * prow_bytes for n in st.recv_per_rank],
-                        [n * prow_bytes for n in st.sent_per_rank])]
+        return CombineResult(y=y, stats=self._stats("combine", phases, nret * prow_bytes,
+                                                    back * prow_bytes, collectives))
+
+    def _combine_cpu(self, expert_out: torch.Tensor, st: _TorchState, weighted: bool,
+                     out: torch.Tensor | None, pdtype: torch.dtype) -> CombineResult:
+        """`combine` for a CPU dispatch with bf16/fp32 partials: each received token's
+        partial summed by a compiled pass straight into the send buffer (fp32 weights and
+        accumulation, slot order, one rounding), the collective started, this rank's own
+        tokens' partials summed while it runs, then each token's partials summed at the
+        source (`final_sums_*`) into y."""
+        t0 = _now_us()
+        hidden = expert_out.shape[1]
+        word, bag_sums, final_sums = _CPU_COMBINE[pdtype]
+        rows = (expert_out if pdtype == expert_out.dtype else expert_out.to(pdtype))
+        rows = rows.view(word).numpy()
+        prow_bytes = hidden * rows.itemsize
+        back, own, nret = st.num_back, st.num_own, st.num_remote_bags
+        device = expert_out.device
+        self._buffer("csend", nret + own, prow_bytes, device)
+        sendn = self._numpy("csend", nret + own, hidden, word)
+        self._buffer("combine", back, prow_bytes, device)
+        send_splits, recv_splits, collectives = self._splits(st, prow_bytes)
+        bag_rows, bag_offsets, weights = st.bag_rows_np, st.bag_offsets_np, st.recv_weights
+        bag_sums(rows, weights, weighted, bag_rows, bag_offsets, 0, nret, sendn)
+        t1 = _now_us()
+        work = dist.all_to_all_single(self._flat("combine", 0, back * prow_bytes),
+                                      self._flat("csend", 0, nret * prow_bytes), recv_splits,
+                                      send_splits, group=self.group, async_op=True)
+        # own tokens' partials while the collective runs (they do not travel)
+        ownn = sendn[nret:]
+        bag_sums(rows, weights, weighted, bag_rows, bag_offsets, nret, nret + own, ownn)
+        t2 = _now_us()
+        work.wait()
+        t3 = _now_us()
+        dtype = expert_out.dtype
+        if out is not None and pdtype == dtype and out.is_contiguous():
+            yn = out.view(word).numpy()
+        else:
+            yn = np.empty((st.num_tokens, hidden), dtype=_NP[word])
+        final_sums(self._numpy("combine", back, hidden, word), ownn, st.final_rows_np,
+                   st.final_offsets_np, back, yn)
+        if out is not None and yn.base is not None and yn.ctypes.data == out.data_ptr():
+            y = out
+        else:
+            y = torch.from_numpy(yn).view(pdtype)
+            if pdtype != dtype:
+                y = y.to(dtype)
+            if out is not None:
+                y = out.copy_(y)
+        t4 = _now_us()
+        phases = {"reduce": t1 - t0 + t2 - t1 + t4 - t3, "token_exchange": t3 - t2}
         return CombineResult(y=y, stats=self._stats("combine", phases, nret * prow_bytes,
                                                     back * prow_bytes, collectives))
 

@@ -17,7 +17,8 @@ Row layout they describe (the torch backend moves the bytes):
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 
 @njit(nogil=True, cache=True)
@@ -411,3 +412,103 @@ def final_sums_f32(back_rows, own_rows, final_rows, final_offsets, num_back, y):
             for h in range(hidden):
                 out[h] += src[h]
     return y
+
+
+@njit(nogil=True, cache=True)
+def _bf16_rne(b):
+    """float32 bits `b` (uint32) -> bfloat16 bits, to nearest even as `.to(torch.bfloat16)`;
+    NaN stays a quiet NaN of its sign."""
+    if (b & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16(((b >> 16) & 0x8000) | 0x7FC0)
+    return np.uint16((np.uint64(b) + 0x7FFF + ((b >> 16) & 1)) >> 16)
+
+
+#: elements of a row the bag sums take at a time: accumulator and widened rows stay in L1
+#: (whole 7168-element rows through fp32 scratch ran at L2 speed, ~3x slower)
+_CHUNK = 512
+
+
+@intrinsic
+def _f32_of_bits(typingctx, bits):
+    """float32 whose bits are the low 32 of integer `bits` (a register bitcast: vectorizes,
+    unlike a round trip through an array view)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        word = builder.trunc(args[0], context.get_value_type(types.uint32)) \
+            if sig.args[0].bitwidth > 32 else args[0]
+        return builder.bitcast(word, context.get_value_type(types.float32))
+    return types.float32(bits), codegen
+
+
+@njit(nogil=True, cache=True)
+def bag_sums_bf16(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
+    """Combine's expert-side sums, bfloat16 rows: `out[j - j0]` = the sum over bag j's slots
+    (rows `bag_rows[bag_offsets[j]:...]` of `rows`, bf16 bits as uint16) of
+    `weights[row] * row` (or `row`, not `weighted`) in fp32, slot order, rounded once to
+    bfloat16 (to nearest even): what the oracle computes for the slots a rank holds. fp32
+    weights as they are (not split into 16-bit halves as `embedding_bag` needs them)."""
+    hidden = rows.shape[1]
+    acc = np.empty(_CHUNK, dtype=np.float32)
+    ab = acc.view(np.uint32)
+    end, num = bag_rows.shape[0], bag_offsets.shape[0]
+    for j in range(j0, j1):
+        q0 = bag_offsets[j]
+        q1 = bag_offsets[j + 1] if j + 1 < num else end
+        o = out[j - j0]
+        for c0 in range(0, hidden, _CHUNK):
+            n = min(_CHUNK, hidden - c0)
+            acc[:n] = 0.0
+            q = q0
+            while q + 1 < q1:     # two slots a pass, added in slot order: the same sums
+                r0, r1 = bag_rows[q], bag_rows[q + 1]
+                s0, s1 = rows[r0, c0:c0 + n], rows[r1, c0:c0 + n]
+                w0 = weights[r0] if weighted else np.float32(1.0)
+                w1 = weights[r1] if weighted else np.float32(1.0)
+                for h in range(n):
+                    a = acc[h] + w0 * _f32_of_bits(np.uint32(s0[h]) << np.uint32(16))
+                    acc[h] = a + w1 * _f32_of_bits(np.uint32(s1[h]) << np.uint32(16))
+                q += 2
+            if q < q1:
+                r0 = bag_rows[q]
+                s0 = rows[r0, c0:c0 + n]
+                w0 = weights[r0] if weighted else np.float32(1.0)
+                for h in range(n):
+                    acc[h] += w0 * _f32_of_bits(np.uint32(s0[h]) << np.uint32(16))
+            oc = o[c0:c0 + n]
+            for h in range(n):
+                oc[h] = _bf16_rne(ab[h])
+    return out
+
+
+@njit(nogil=True, cache=True)
+def bag_sums_f32(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
+    """`bag_sums_bf16` for float32 rows: the fp32 sums themselves."""
+    hidden = rows.shape[1]
+    acc = np.empty(_CHUNK, dtype=np.float32)
+    end, num = bag_rows.shape[0], bag_offsets.shape[0]
+    for j in range(j0, j1):
+        q0 = bag_offsets[j]
+        q1 = bag_offsets[j + 1] if j + 1 < num else end
+        o = out[j - j0]
+        for c0 in range(0, hidden, _CHUNK):
+            n = min(_CHUNK, hidden - c0)
+            acc[:n] = 0.0
+            q = q0
+            while q + 1 < q1:     # two slots a pass, added in slot order: the same sums
+                r0, r1 = bag_rows[q], bag_rows[q + 1]
+                s0, s1 = rows[r0, c0:c0 + n], rows[r1, c0:c0 + n]
+                w0 = weights[r0] if weighted else np.float32(1.0)
+                w1 = weights[r1] if weighted else np.float32(1.0)
+                for h in range(n):
+                    acc[h] = (acc[h] + w0 * s0[h]) + w1 * s1[h]
+                q += 2
+            if q < q1:
+                r0 = bag_rows[q]
+                s0 = rows[r0, c0:c0 + n]
+                w0 = weights[r0] if weighted else np.float32(1.0)
+                for h in range(n):
+                    acc[h] += w0 * s0[h]
+            o[c0:c0 + n] = acc[:n]
+    return out
