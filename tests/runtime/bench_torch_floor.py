@@ -10,7 +10,8 @@ them). Then, interleaved round by round, each started after a tight cross-proces
 * `raw`: the same `all_to_all_single` calls on the same bytes, bare (the "raw collectives"
   line of `ubep bench`);
 * `raw+host`: the same calls with a busy wait of this rank's measured host time in each
-  gap where the backend computes (no memory traffic: only the time is the same);
+  gap where the backend computes (no memory traffic: only the time is the same); host work
+  the backend does while a collective runs (async, before its wait) is not replayed;
 * `copy`: one memcpy of the bytes dispatch and combine must move (the copy bound).
 
 `raw+host` is the floor of what any implementation with that much host work can reach on
@@ -50,12 +51,23 @@ def _rank(rank: int, world: int, batch: int, rounds: int) -> dict:
     real = dist.all_to_all_single
     marks: list = []
 
-    class _Timed:   # the backend's collectives, each with its entry and exit time
-        @staticmethod
-        def all_to_all_single(*a, **k):
+    class _Timed:   # the backend's collectives, each with its entry and exit time (for an
+        @staticmethod   # async one: the return of its wait; host work overlapped is inside)
+        def all_to_all_single(*a, async_op=False, **k):
             t0 = time.perf_counter_ns()
-            real(*a, **k)
-            marks.append((t0, time.perf_counter_ns()))
+            work = real(*a, async_op=async_op, **k)
+            if not async_op:
+                marks.append((t0, time.perf_counter_ns()))
+                return None
+            return _Wait(work, t0)
+
+    class _Wait:
+        def __init__(self, work, t0):
+            self.work, self.t0 = work, t0
+
+        def wait(self):
+            self.work.wait()
+            marks.append((self.t0, time.perf_counter_ns()))
 
     tb.dist = _Timed
     buf = ubep.Buffer(num_experts=16, hidden=7168, max_tokens_per_rank=batch, backend="torch",

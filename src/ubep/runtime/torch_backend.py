@@ -131,6 +131,10 @@ class TorchBackend:
         #: tokens per peer that ride in dispatch's first collective; every rank computes the
         #: same value from the same headers (starts at what max_tokens_per_rank could need)
         self._inline = config.max_tokens_per_rank
+        #: the CPU dispatch's per-shape constants and scratch views (`_cpu_shape`); emptied
+        #: whenever a scratch buffer is reallocated, so its views are always the current ones
+        self._shapes: dict[tuple, tuple] = {}
+        self._no_phase2 = np.zeros(config.world_size, dtype=np.int64)
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device,
                 keep: int = 0) -> torch.Tensor:
@@ -149,6 +153,7 @@ class TorchBackend:
                 buf[:keep * row_bytes].copy_(old[:keep * row_bytes])
             self._scratch[name] = buf
             self._views = {k: v for k, v in self._views.items() if k[0] != name}
+            self._shapes.clear()
         if len(self._views) > 64:
             self._views.clear()
         view = self._views[key] = buf[:need].view(rows, row_bytes)
@@ -222,22 +227,21 @@ class TorchBackend:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int):
+        on_cpu = x.is_cpu
+        if on_cpu and HOST_MOVES_ROWS:
+            return self._dispatch_cpu(x, topk_idx, topk_weights, call)
         c = self.config
         world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
         num_tokens, top_k = topk_idx.shape
         hidden = x.shape[1]
         row_bytes = hidden * x.element_size()
         device = x.device
-        on_cpu = x.is_cpu
         meta_k = max(c.max_top_k, top_k)
         meta_bytes = 4 * (1 + 2 * meta_k)   # token index, top-k expert ids, top-k weight bits
 
         def dev(a: np.ndarray) -> torch.Tensor:   # a host index array where the rows are
             t = torch.from_numpy(a)
             return t if on_cpu else t.to(device)
-
-        if on_cpu and HOST_MOVES_ROWS:
-            return self._dispatch_cpu(x, topk_idx, topk_weights, call)
 
         t0 = _now_us()
         idx = topk_idx.numpy() if on_cpu else topk_idx.cpu().numpy()
@@ -413,17 +417,14 @@ class TorchBackend:
                                      (send2, recv2) if global_max > C else None)
         return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
 
-    def _dispatch_cpu(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                      topk_weights: torch.Tensor, call: int):
-        """`dispatch` for host memory: the same bytes on the wire as the device path below,
-        every pass over rows and indices compiled (`torch_layout.pack_send` before the first
-        collective; `read_headers`, `recv_plan_cpu`, `gather_rows` after), this rank's own
-        rows read straight from x into recv_x (no staging copy)."""
+    def _cpu_shape(self, num_tokens: int, top_k: int, x: torch.Tensor) -> tuple:
+        """What a CPU dispatch of `num_tokens` x `top_k` rows like `x` needs before its
+        first collective, computed once per shape and inline capacity: sizes, the phase-1
+        splits, and the scratch views (send buffer as bytes and as words; phase-1 receive
+        region as a tensor and as bytes)."""
         c = self.config
-        world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
-        num_tokens, top_k = topk_idx.shape
-        hidden = x.shape[1]
-        row_bytes = hidden * x.element_size()
+        world, me = c.world_size, c.rank
+        row_bytes = x.shape[1] * x.element_size()
         meta_k = max(c.max_top_k, top_k)
         meta_bytes = 4 * (1 + 2 * meta_k)
         cap = max(0, _INLINE_BYTES // (max(1, world - 1) * row_bytes) - 1)
@@ -433,26 +434,53 @@ class TorchBackend:
         send1_rows = (world - 1) * blk
         # room for phase 1 and for every peer's phase 2 (at most all tokens to each peer)
         most = send1_rows + (world - 1) * (num_tokens + -(-num_tokens * meta_bytes // row_bytes))
+        word = _WORDS[row_bytes & -row_bytes if row_bytes & 7 else 8]
+        self._buffer("send", most, row_bytes, x.device)
+        self._buffer("recv", send1_rows, row_bytes, x.device)
+        send, recv = self._scratch["send"], self._scratch["recv"]
+        sendn = send[:most * row_bytes].numpy()
+        split1 = [0 if r == me else blk * row_bytes for r in range(world)]
+        n1 = send1_rows * row_bytes
+        if len(self._shapes) > 32:
+            self._shapes.clear()
+        nword = torch.empty(0, dtype=word).numpy().dtype
+        # the collectives a call of this shape runs when no rank overflows (Stats)
+        if C:
+            coll1 = [("inline", split1, split1)]
+        else:
+            coll1 = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
+        return (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, word, nword,
+                sendn, sendn.view(nword), split1, recv[:n1], send[:n1], recv[:n1].numpy(),
+                coll1, sum(coll1[0][1]))
+
+    def _dispatch_cpu(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                      topk_weights: torch.Tensor, call: int):
+        """`dispatch` for host memory: the same bytes on the wire as the device path below,
+        every pass over rows and indices compiled (`torch_layout.pack_send` before the first
+        collective; `read_headers`, `recv_plan_cpu`, `gather_rows` after), this rank's own
+        rows read straight from x into recv_x (no staging copy)."""
+        c = self.config
+        world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
+        num_tokens, top_k = topk_idx.shape
+        key = (num_tokens, top_k, x.shape[1], x.dtype, self._inline)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = self._cpu_shape(num_tokens, top_k, x)
+        (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, word, nword, sendn,
+         sendw, split1, recv1, send1, recvn1, coll1, bytes1) = shape
+        hidden = x.shape[1]
 
         t0 = _now_us()
-        xw = x.view(_WORDS[row_bytes & -row_bytes if row_bytes & 7 else 8]).numpy().reshape(-1)
-        word = xw.dtype
-        sendn = self._buffer("send", most, row_bytes, x.device).numpy().reshape(-1)
+        xw = x.view(word).numpy().reshape(-1)
         (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
-         num_back) = pack_send(topk_idx.numpy(), topk_weights.numpy(), xw, sendn,
-                               sendn.view(word), row_bytes, per_rank, world, me, meta_k, C,
-                               hrows)
+         num_back) = pack_send(topk_idx.numpy(), topk_weights.numpy(), xw, sendn, sendw,
+                               row_bytes, per_rank, world, me, meta_k, C, hrows)
         t1 = _now_us()
 
         recv1_rows = send1_rows
         if C:
-            split1 = [0 if r == me else blk * row_bytes for r in range(world)]
-            work = self._buffer("recv", recv1_rows, row_bytes, x.device)
-            dist.all_to_all_single(self._flat("recv", 0, recv1_rows * row_bytes),
-                                   self._flat("send", 0, send1_rows * row_bytes), split1, split1,
-                                   group=self.group)
-            srcs, global_max = read_headers(work.numpy().reshape(-1), blk * row_bytes, me,
-                                            world, header[me])
+            dist.all_to_all_single(recv1, send1, split1, split1, group=self.group)
+            srcs, global_max = read_headers(recvn1, blk * row_bytes, me, world, header[me])
         else:
             hdr_in = torch.empty((world, _HEADER_BYTES // 4), dtype=torch.int32)
             dist.all_to_all_single(hdr_in, torch.from_numpy(header), group=self.group)
@@ -472,15 +500,15 @@ class TorchBackend:
                 self._flat("send", send1_rows * row_bytes, sum(s2) * row_bytes),
                 [r * row_bytes for r in recv2], [r * row_bytes for r in s2], group=self.group)
             recv2 = np.array(recv2, dtype=np.int64)
+            workn = work.numpy().reshape(-1)
         else:
-            recv2 = np.zeros(world, dtype=np.int64)
-            work = self._buffer("recv", recv1_rows, row_bytes, x.device)
+            recv2 = self._no_phase2
+            workn = recvn1
         self._inline = global_max if global_max <= cap else 0
         t3 = _now_us()
 
         dests = per_dest.tolist()
         first, n_me = sum(dests[:me]), dests[me]
-        workn = work.numpy().reshape(-1)
         (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
          bag_offsets2, weights2, num_remote_bags, num_remote) = recv_plan_cpu(
             workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me],
@@ -488,8 +516,8 @@ class TorchBackend:
         num_recv = len(gather)
         if num_recv:
             recv_x = self._owned_rows(num_recv, row_bytes)
-            gather_rows(workn.view(word), xw, gather, num_remote, token_of[first:first + n_me],
-                        recv_x.reshape(-1).view(word), row_bytes // word.itemsize)
+            gather_rows(workn.view(nword), xw, gather, num_remote, token_of[first:first + n_me],
+                        recv_x.reshape(-1).view(nword), row_bytes // nword.itemsize)
             recv_x = torch.from_numpy(recv_x).view(x.dtype)
         else:       # torch reads an empty array's strides as 0 and refuses the view
             recv_x = x.new_empty((0, hidden))
@@ -510,8 +538,11 @@ class TorchBackend:
         t5 = _now_us()
         phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
                   "token_exchange": t3 - t2, "reorder": t4 - t3}
-        stats = self._dispatch_stats(phases, C, blk * row_bytes, row_bytes,
-                                     (s2, recv2.tolist()) if global_max > C else None)
+        if global_max > C:
+            stats = self._dispatch_stats(phases, C, blk * row_bytes, row_bytes,
+                                         (s2, recv2.tolist()))
+        else:
+            stats = self._stats("dispatch", phases, bytes1, bytes1, coll1)
         return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
 
     def _bag_weights(self, st: _TorchState, dtype: torch.dtype, device) -> torch.Tensor:
