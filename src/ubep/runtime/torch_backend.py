@@ -57,11 +57,10 @@ from ubep.runtime.torch_layout import (
     bag_sums_f32,
     final_sums_bf16,
     final_sums_f32,
-    gather_rows,
     pack_send,
     read_headers,
+    recv_gather_cpu,
     recv_plan,
-    recv_plan_cpu,
     send_plan,
 )
 from ubep.stats import Stats
@@ -457,7 +456,7 @@ class TorchBackend:
                       topk_weights: torch.Tensor, call: int):
         """`dispatch` for host memory: the same bytes on the wire as the device path below,
         every pass over rows and indices compiled (`torch_layout.pack_send` before the first
-        collective; `read_headers`, `recv_plan_cpu`, `gather_rows` after), this rank's own
+        collective; `read_headers`, `recv_gather_cpu` after), this rank's own
         rows read straight from x into recv_x (no staging copy)."""
         c = self.config
         world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
@@ -480,13 +479,15 @@ class TorchBackend:
         recv1_rows = send1_rows
         if C:
             dist.all_to_all_single(recv1, send1, split1, split1, group=self.group)
-            srcs, global_max = read_headers(recvn1, blk * row_bytes, me, world, header[me])
+            srcs, global_max, num_bags = read_headers(recvn1, blk * row_bytes, me, world,
+                                                      header[me])
         else:
             hdr_in = torch.empty((world, _HEADER_BYTES // 4), dtype=torch.int32)
             dist.all_to_all_single(hdr_in, torch.from_numpy(header), group=self.group)
             h = hdr_in.numpy()
             srcs, global_max = h[:, 0].astype(np.int64), int(h[:, 1].max())
             srcs[me] = per_dest[me]
+            num_bags = int(srcs.sum())
         t2 = _now_us()
 
         if global_max > C:
@@ -509,16 +510,17 @@ class TorchBackend:
 
         dests = per_dest.tolist()
         first, n_me = sum(dests[:me]), dests[me]
-        (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
-         bag_offsets2, weights2, num_remote_bags, num_remote) = recv_plan_cpu(
-            workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me],
-            me, per_rank, world, False)
-        num_recv = len(gather)
+        # recv_x's rows go into a reused array with room for every (token, local expert)
+        # pair the received tokens could name; the plan says how many there are
+        most = num_bags * min(meta_k, per_rank)
+        pool = self._owned_rows(most, row_bytes)
+        (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
+         num_recv) = recv_gather_cpu(
+            workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me], me, per_rank,
+            world, workn.view(nword), xw, token_of[first:first + n_me],
+            pool.reshape(-1).view(nword), row_bytes // nword.itemsize)
         if num_recv:
-            recv_x = self._owned_rows(num_recv, row_bytes)
-            gather_rows(workn.view(nword), xw, gather, num_remote, token_of[first:first + n_me],
-                        recv_x.reshape(-1).view(nword), row_bytes // nword.itemsize)
-            recv_x = torch.from_numpy(recv_x).view(x.dtype)
+            recv_x = torch.from_numpy(pool[:num_recv]).view(x.dtype)
         else:       # torch reads an empty array's strides as 0 and refuses the view
             recv_x = x.new_empty((0, hidden))
         t4 = _now_us()

@@ -296,8 +296,8 @@ def pack_send(idx, weights, x, flat, send, row_bytes, per_rank, world, me, meta_
 @njit(nogil=True, cache=True)
 def read_headers(work, blk_bytes, me, world, own):
     """Phase 1's headers: `(srcs [P] tokens each peer sends here, the largest count any rank
-    sends any peer)`; `work` flat uint8, peer blocks of `blk_bytes` in rank order (this rank
-    skipped); `own` this rank's header row `[its own count, its largest count]`."""
+    sends any peer, sum(srcs))`; `work` flat uint8, peer blocks of `blk_bytes` in rank order
+    (this rank skipped); `own` this rank's header row `[its own count, its largest count]`."""
     srcs = np.empty(world, dtype=np.int64)
     global_max = np.int64(own[1])
     slot = 0
@@ -311,7 +311,7 @@ def read_headers(work, blk_bytes, me, world, own):
         if m > global_max:
             global_max = m
         slot += 1
-    return srcs, global_max
+    return srcs, global_max, srcs.sum()
 
 
 @njit(nogil=True, cache=True)
@@ -343,6 +343,21 @@ def recv_plan_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per
         row2 += recv2[s]
     plan = recv_plan(work, segs[:ns], own_meta, row2, me, per_rank, world, bf16_weights)
     return plan + (row2,)
+
+
+@njit(nogil=True, cache=True)
+def recv_gather_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank, world,
+                    work_words, x, own_tokens, out, rw):
+    """`recv_plan_cpu` then `gather_rows` in one call: recv_x's rows written into `out`
+    (flat words, room for at least as many rows as the plan has pairs). Returns
+    `(origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
+    num_recv)`."""
+    (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, _, _, _,
+     num_remote_bags, num_remote) = recv_plan_cpu(work, srcs, recv2, inline, hrows, row_bytes,
+                                                  own_meta, me, per_rank, world, False)
+    gather_rows(work_words, x, gather, num_remote, own_tokens, out, rw)
+    return (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
+            gather.shape[0])
 
 
 @njit(nogil=True, cache=True)
