@@ -50,7 +50,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ubep.handle import CombineResult, DispatchHandle, new_dispatch_result, new_handle
+from ubep.handle import (
+    CombineResult,
+    DispatchHandle,
+    new_combine_result,
+    new_dispatch_result,
+    new_handle,
+)
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
     bag_sums_bf16,
@@ -63,7 +69,7 @@ from ubep.runtime.torch_layout import (
     recv_plan,
     send_plan,
 )
-from ubep.stats import Stats
+from ubep.stats import DeferredStats, Stats
 
 #: phase 1's header per peer: int32 token count, int32 the sender's largest count, padding
 _HEADER_BYTES = 16
@@ -94,6 +100,29 @@ def _bag_sum(rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
 
 def _now_us() -> float:
     return time.perf_counter_ns() / 1e3
+
+
+def _torch_stats(op: str, rank: int, phases: dict[str, float], sent: int, recv: int,
+                 collectives: list) -> Stats:
+    return Stats(op=op, backend="torch", rank=rank, total_us=sum(phases.values()),
+                 phases_us=phases, bytes_sent=sent, bytes_recv=recv, payload_efficiency=None,
+                 extra={"collectives": collectives})
+
+
+def _cpu_dispatch_stats(rank: int, t: tuple, nbytes: int, collectives: list) -> Stats:
+    """A one-collective CPU dispatch's Stats from its timestamps (`DeferredStats`)."""
+    t0, t1, t2, t3, t4, t5 = t
+    phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
+              "token_exchange": t3 - t2, "reorder": t4 - t3}
+    return _torch_stats("dispatch", rank, phases, nbytes, nbytes, collectives)
+
+
+def _cpu_combine_stats(rank: int, t: tuple, sent: int, recv: int, collectives: list) -> Stats:
+    """A CPU combine's Stats from its timestamps: [reduce | wait for the collective |
+    source-side sums] (`DeferredStats`)."""
+    t0, t2, t3, t4 = t
+    return _torch_stats("combine", rank, {"reduce": t2 - t0 + t4 - t3, "token_exchange": t3 - t2},
+                        sent, recv, collectives)
 
 
 class _TorchState:
@@ -201,10 +230,7 @@ class TorchBackend:
 
     def _stats(self, op: str, phases: dict[str, float], sent: int, recv: int,
                collectives: list) -> Stats:
-        c = self.config
-        return Stats(op=op, backend="torch", rank=c.rank, total_us=sum(phases.values()),
-                     phases_us=phases, bytes_sent=sent, bytes_recv=recv, payload_efficiency=None,
-                     extra={"collectives": collectives})
+        return _torch_stats(op, self.config.rank, phases, sent, recv, collectives)
 
     def _dispatch_stats(self, phases: dict[str, float], inline: int, block_bytes: int,
                         row_bytes: int, rows: tuple[list[int], list[int]] | None) -> Stats:
@@ -538,13 +564,14 @@ class TorchBackend:
         handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
                             topk_weights, origins, state)
         t5 = _now_us()
-        phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
-                  "token_exchange": t3 - t2, "reorder": t4 - t3}
         if global_max > C:
+            phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
+                      "token_exchange": t3 - t2, "reorder": t4 - t3}
             stats = self._dispatch_stats(phases, C, blk * row_bytes, row_bytes,
                                          (s2, recv2.tolist()))
-        else:
-            stats = self._stats("dispatch", phases, bytes1, bytes1, coll1)
+        else:   # built when first read
+            stats = DeferredStats.of(_cpu_dispatch_stats, c.rank, (t0, t1, t2, t3, t4, t5),
+                                     bytes1, coll1)
         return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
 
     def _bag_weights(self, st: _TorchState, dtype: torch.dtype, device) -> torch.Tensor:
@@ -657,7 +684,6 @@ class TorchBackend:
         send_splits, recv_splits, collectives = self._splits(st, prow_bytes)
         bag_rows, bag_offsets, weights = st.bag_rows_np, st.bag_offsets_np, st.recv_weights
         bag_sums(rows, weights, weighted, bag_rows, bag_offsets, 0, nret, sendn)
-        t1 = _now_us()
         work = dist.all_to_all_single(self._flat("combine", 0, back * prow_bytes),
                                       self._flat("csend", 0, nret * prow_bytes), recv_splits,
                                       send_splits, group=self.group, async_op=True)
@@ -683,9 +709,9 @@ class TorchBackend:
             if out is not None:
                 y = out.copy_(y)
         t4 = _now_us()
-        phases = {"reduce": t1 - t0 + t2 - t1 + t4 - t3, "token_exchange": t3 - t2}
-        return CombineResult(y=y, stats=self._stats("combine", phases, nret * prow_bytes,
-                                                    back * prow_bytes, collectives))
+        return new_combine_result(y, DeferredStats.of(
+            _cpu_combine_stats, self.config.rank, (t0, t2, t3, t4), nret * prow_bytes,
+            back * prow_bytes, collectives))
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""
