@@ -269,3 +269,77 @@ def test_final_sums_match_embedding_bag(world, dtype):
     assert torch.equal(got.masked_fill(nan, 0).view(torch.uint8),
                        want.masked_fill(nan, 0).view(torch.uint8))
     assert got.isinf().any() and not torch.equal(got, torch.zeros_like(got))
+
+
+def _switch_over(rank, world, cases):
+    """One Buffer through batch sizes on both sides of the inline capacity (tokens per peer
+    that ride in dispatch's first collective) and of its scratch sizes, so calls alternate
+    between one collective, a count exchange + rows, and rows inline + an overflow; the
+    scratch buffers grow between calls (the CPU path's cached views must follow)."""
+    import ubep
+    from ubep.runtime import torch_backend
+
+    torch_backend._INLINE_BYTES = 4 * 64 * 2 * (world - 1)   # 3 tokens of 64 bf16 per peer
+    with ubep.Buffer(num_experts=cases[0].num_experts, hidden=cases[0].hidden,
+                     max_tokens_per_rank=24, backend="torch", max_top_k=4) as buf:
+        return [run_case(buf, c, rank) for c in cases]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_torch_backend_across_the_inline_switch_over(world):
+    sizes = [1, 2, 3, 4, 1, 0, 24, 3, 2, 9, 1, 1, 17, 3]
+    cases = [Case(4 * world, 64, 4, tuple((s + r) % 25 for r in range(world)), "uniform",
+                  ("bf16", "fp32")[i % 2], seed=40 + i, weighted=i % 3 != 2)
+             for i, s in enumerate(sizes)]
+    per_rank = run_ranks(_switch_over, world, cases, timeout_s=180)
+    for i, case in enumerate(cases):
+        check_case(case, [per_rank[r][i] for r in range(world)])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_bag_sums_match_the_oracle_sum(dtype, weighted):
+    """The CPU combine's expert-side sums (compiled, two slots a pass, rows in chunks) give
+    the bits of the oracle's loop for the slots of one rank: fp32 `acc + w * row` in slot
+    order, one rounding by `.to(dtype)` (to nearest even); bags of 0..5 slots, a hidden
+    size that is no multiple of the chunk, ties, NaN and inf."""
+    import numpy as np
+    import torch
+
+    from ubep.runtime.torch_layout import bag_sums_bf16, bag_sums_f32
+
+    dt = getattr(torch, dtype)
+    rng = np.random.default_rng(3)
+    num_rows, hidden = 60, 1100
+    rows = torch.from_numpy(rng.integers(-300, 300, (num_rows, hidden)) / 64).to(dt)
+    rows[5, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    weights = torch.from_numpy(rng.random(num_rows).astype(np.float32))
+    weights[7] = 0.5                                    # exact products: ties in the sums
+    sizes = [0, 1, 2, 3, 4, 5, 2, 1, 5, 3, 0, 4]
+    bag_rows = torch.from_numpy(rng.permutation(num_rows)[:sum(sizes)].astype(np.int64))
+    bag_rows[:2] = torch.tensor([7, 5])
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    want = []
+    for j, n in enumerate(sizes):
+        acc = torch.zeros(hidden, dtype=torch.float32)
+        for r in bag_rows[offsets[j]:offsets[j] + n].tolist():
+            row = rows[r].to(torch.float32)
+            acc = acc + (weights[r] * row if weighted else row)
+        want.append(acc.to(dt))
+    want = torch.stack(want)
+    j0, j1 = 1, len(sizes) - 1                          # a range of bags, as combine asks
+    if dt == torch.bfloat16:
+        out = np.empty((j1 - j0, hidden), dtype=np.uint16)
+        bag_sums_bf16(rows.view(torch.uint16).numpy(), weights.numpy(), weighted,
+                      bag_rows.numpy(), offsets, j0, j1, out)
+        got = torch.from_numpy(out).view(torch.bfloat16)
+    else:
+        out = np.empty((j1 - j0, hidden), dtype=np.float32)
+        got = torch.from_numpy(bag_sums_f32(rows.numpy(), weights.numpy(), weighted,
+                                            bag_rows.numpy(), offsets, j0, j1, out))
+    want = want[j0:j1]
+    nan = want.isnan()
+    assert nan.any() and torch.equal(got.isnan(), nan)
+    assert torch.equal(got.masked_fill(nan, 0).view(torch.uint8),
+                       want.masked_fill(nan, 0).view(torch.uint8))
+    assert got.isinf().any()
