@@ -159,8 +159,9 @@ class TorchBackend:
         #: tokens per peer that ride in dispatch's first collective; every rank computes the
         #: same value from the same headers (starts at what max_tokens_per_rank could need)
         self._inline = config.max_tokens_per_rank
-        #: the CPU dispatch's per-shape constants and scratch views (`_cpu_shape`); emptied
-        #: whenever a scratch buffer is reallocated, so its views are always the current ones
+        #: the CPU path's per-shape constants and scratch views (`_cpu_shape`,
+        #: `_combine_views`); emptied whenever a scratch buffer is reallocated, so its views
+        #: are always the current ones
         self._shapes: dict[tuple, tuple] = {}
         self._no_phase2 = np.zeros(config.world_size, dtype=np.int64)
 
@@ -503,8 +504,17 @@ class TorchBackend:
         t1 = _now_us()
 
         recv1_rows = send1_rows
+        pairs = min(meta_k, per_rank)          # most local experts one token can name
         if C:
-            dist.all_to_all_single(recv1, send1, split1, split1, group=self.group)
+            pending = dist.all_to_all_single(recv1, send1, split1, split1, group=self.group,
+                                             async_op=True)
+            # while it runs, what needs nothing from the peers: this rank's own tokens'
+            # part of the plan and recv_x's array, with room for every pair the tokens of a
+            # call that fits inline could name (every peer sends <= C)
+            dests = per_dest.tolist()
+            first, n_me = sum(dests[:me]), dests[me]
+            pool = self._owned_rows(((world - 1) * C + n_me) * pairs, row_bytes)
+            pending.wait()
             srcs, global_max, num_bags = read_headers(recvn1, blk * row_bytes, me, world,
                                                       header[me])
         else:
@@ -514,6 +524,9 @@ class TorchBackend:
             srcs, global_max = h[:, 0].astype(np.int64), int(h[:, 1].max())
             srcs[me] = per_dest[me]
             num_bags = int(srcs.sum())
+            dests = per_dest.tolist()
+            first, n_me = sum(dests[:me]), dests[me]
+            pool = None
         t2 = _now_us()
 
         if global_max > C:
@@ -534,12 +547,9 @@ class TorchBackend:
         self._inline = global_max if global_max <= cap else 0
         t3 = _now_us()
 
-        dests = per_dest.tolist()
-        first, n_me = sum(dests[:me]), dests[me]
-        # recv_x's rows go into a reused array with room for every (token, local expert)
-        # pair the received tokens could name; the plan says how many there are
-        most = num_bags * min(meta_k, per_rank)
-        pool = self._owned_rows(most, row_bytes)
+        if pool is None or global_max > C:   # room for every pair the tokens could name
+            pool = None                          # (an unused array is the pool's again)
+            pool = self._owned_rows(num_bags * pairs, row_bytes)
         (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
          num_recv) = recv_gather_cpu(
             workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me], me, per_rank,
@@ -671,36 +681,33 @@ class TorchBackend:
         tokens' partials summed while it runs, then each token's partials summed at the
         source (`final_sums_*`) into y."""
         t0 = _now_us()
-        hidden = expert_out.shape[1]
         word, bag_sums, final_sums = _CPU_COMBINE[pdtype]
         rows = (expert_out if pdtype == expert_out.dtype else expert_out.to(pdtype))
         rows = rows.view(word).numpy()
-        prow_bytes = hidden * rows.itemsize
+        hidden = rows.shape[1]
         back, own, nret = st.num_back, st.num_own, st.num_remote_bags
-        device = expert_out.device
-        self._buffer("csend", nret + own, prow_bytes, device)
-        sendn = self._numpy("csend", nret + own, hidden, word)
-        self._buffer("combine", back, prow_bytes, device)
-        send_splits, recv_splits, collectives = self._splits(st, prow_bytes)
+        key = ("combine", pdtype, hidden, nret, own, back)
+        v = self._shapes.get(key)
+        if v is None:
+            v = self._shapes[key] = self._combine_views(pdtype, hidden, nret, own, back,
+                                                        expert_out.device)
+        sendn, ownn, backn, recv_flat, send_flat = v
+        send_splits, recv_splits, coll = self._splits(st, rows.itemsize * hidden)
         bag_rows, bag_offsets, weights = st.bag_rows_np, st.bag_offsets_np, st.recv_weights
         bag_sums(rows, weights, weighted, bag_rows, bag_offsets, 0, nret, sendn)
-        work = dist.all_to_all_single(self._flat("combine", 0, back * prow_bytes),
-                                      self._flat("csend", 0, nret * prow_bytes), recv_splits,
-                                      send_splits, group=self.group, async_op=True)
+        work = dist.all_to_all_single(recv_flat, send_flat, recv_splits, send_splits,
+                                      group=self.group, async_op=True)
         # own tokens' partials while the collective runs (they do not travel)
-        ownn = sendn[nret:]
         bag_sums(rows, weights, weighted, bag_rows, bag_offsets, nret, nret + own, ownn)
         t2 = _now_us()
         work.wait()
         t3 = _now_us()
         dtype = expert_out.dtype
-        if out is not None and pdtype == dtype and out.is_contiguous():
-            yn = out.view(word).numpy()
-        else:
-            yn = np.empty((st.num_tokens, hidden), dtype=_NP[word])
-        final_sums(self._numpy("combine", back, hidden, word), ownn, st.final_rows_np,
-                   st.final_offsets_np, back, yn)
-        if out is not None and yn.base is not None and yn.ctypes.data == out.data_ptr():
+        into_out = out is not None and pdtype == dtype and out.is_contiguous()
+        yn = (out.view(word).numpy() if into_out
+              else np.empty((st.num_tokens, hidden), dtype=_NP[word]))
+        final_sums(backn, ownn, st.final_rows_np, st.final_offsets_np, back, yn)
+        if into_out:
             y = out
         else:
             y = torch.from_numpy(yn).view(pdtype)
@@ -709,9 +716,27 @@ class TorchBackend:
             if out is not None:
                 y = out.copy_(y)
         t4 = _now_us()
+        nbytes = rows.itemsize * hidden
         return new_combine_result(y, DeferredStats.of(
-            _cpu_combine_stats, self.config.rank, (t0, t2, t3, t4), nret * prow_bytes,
-            back * prow_bytes, collectives))
+            _cpu_combine_stats, self.config.rank, (t0, t2, t3, t4), nret * nbytes,
+            back * nbytes, coll))
+
+    def _combine_views(self, pdtype: torch.dtype, hidden: int, nret: int, own: int,
+                       back: int, device) -> tuple:
+        """The scratch views a CPU combine of this shape reuses (kept in `_shapes`, so
+        dropped whenever a scratch buffer is reallocated): the send buffer [partials of
+        `nret` received tokens | `own` of this rank's] and its first part as words, the
+        `back` received partials as words; both collective buffers as flat bytes."""
+        word = _CPU_COMBINE[pdtype][0]
+        prow_bytes = hidden * torch.empty(0, dtype=word).element_size()
+        self._buffer("csend", nret + own, prow_bytes, device)
+        self._buffer("combine", back, prow_bytes, device)
+        sendn = self._numpy("csend", nret + own, hidden, word)
+        if len(self._shapes) > 32:
+            self._shapes.clear()
+        return (sendn, sendn[nret:], self._numpy("combine", back, hidden, word),
+                self._flat("combine", 0, back * prow_bytes),
+                self._flat("csend", 0, nret * prow_bytes))
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""
