@@ -145,6 +145,21 @@ class _TorchState:
         for k, v in kw.items():
             setattr(self, k, v)
 
+    @classmethod
+    def cpu(cls, bag_rows, bag_offsets, recv_weights, final_rows, final_offsets, num_tokens,
+            sent_per_rank, recv_per_rank, num_back, num_own, num_remote_bags) -> _TorchState:
+        """A CPU dispatch's state: the index arrays as numpy (the compiled combine reads
+        them so); their torch tensors, for `embedding_bag` (fp16 outputs), made on need."""
+        st = cls.__new__(cls)
+        st.bag_rows_np, st.bag_offsets_np, st.recv_weights = bag_rows, bag_offsets, recv_weights
+        st.final_rows_np, st.final_offsets_np = final_rows, final_offsets
+        st.num_tokens, st.sent_per_rank, st.recv_per_rank = num_tokens, sent_per_rank, recv_per_rank
+        st.num_back, st.num_own, st.num_remote_bags = num_back, num_own, num_remote_bags
+        st.bag_rows = st.bag_offsets = st.bag_rows2 = st.bag_offsets2 = None
+        st.final_rows = st.final_offsets = st.splits = None
+        st.weights_by_dtype = {}
+        return st
+
 
 class TorchBackend:
     """Dispatch/combine over `torch.distributed.all_to_all_single`."""
@@ -561,16 +576,10 @@ class TorchBackend:
             recv_x = x.new_empty((0, hidden))
         t4 = _now_us()
 
-        # the index arrays stay numpy: the compiled combine reads them so; torch tensors of
-        # them (for embedding_bag: fp16 outputs) are made on first need
-        state = _TorchState(
-            bag_rows=None, bag_offsets=None, bag_rows_np=bag_rows, bag_offsets_np=bag_offsets,
-            recv_weights=recv_weights, weights_by_dtype={}, bag_rows2=None, bag_offsets2=None,
-            final_rows=None, final_offsets=None, final_rows_np=final_rows,
-            final_offsets_np=final_offsets, num_tokens=num_tokens,
-            sent_per_rank=[0 if d == me else n for d, n in enumerate(dests)],
-            recv_per_rank=[0 if s == me else n for s, n in enumerate(srcs.tolist())],
-            num_back=num_back, num_own=n_me, num_remote_bags=num_remote_bags, splits=None)
+        sent, got = dests.copy(), srcs.tolist()
+        sent[me] = got[me] = 0
+        state = _TorchState.cpu(bag_rows, bag_offsets, recv_weights, final_rows, final_offsets,
+                                num_tokens, sent, got, num_back, n_me, num_remote_bags)
         handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
                             topk_weights, origins, state)
         t5 = _now_us()
