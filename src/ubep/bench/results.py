@@ -112,7 +112,9 @@ _SYSTEM_ROWS = (
     ('raw collectives',
      "the torch backend's `all_to_all_single` calls alone, on preallocated buffers, "
      'with the byte counts it sent to and received from each peer in this run '
-     '(`Stats.extra["collectives"]`)'),
+     '(`Stats.extra["collectives"]`): at batch 1 one per dispatch (counts, routing and rows '
+     'in one block per peer) and one per combine; called synchronously, where the backend '
+     'starts them async and prepares what needs nothing from the peers before it waits'),
     ('`mpi`',
      '`ubep.bench.mpi_peer`: `MPI_Alltoall` counts, two concurrent `MPI_Ialltoallv` (rows; '
      'token, slot, weight), numpy reordering (MPICH wheel, `mpiexec`)'),

@@ -164,7 +164,10 @@ class RawCollectives:
     socket copy reads from cache, faster than any real rows). Two calls, because the
     backend sizes dispatch's first collective from the previous call (how many tokens ride
     inline): the second is the steady state the timed Buffer runs in. The torch backend's
-    time over this line is what its own packing, reordering and reduction cost.
+    time over this line is what its own packing, reordering and reduction cost. The backend
+    starts some of these collectives with `async_op=True` and does work that needs nothing
+    from the peers before it waits; this line calls them synchronously (the same calls on
+    the same bytes, with nothing to overlap).
     """
 
     def __init__(self, name: str, cfg: BenchConfig, hidden: int):

@@ -14,31 +14,39 @@ ranks would otherwise send a token ~4 times to each):
 * dispatch sends a token's row once to every rank hosting one of its experts, with its
   routing (token index, top-k expert ids and weights) as a few whole rows in front of each
   destination's rows; the receiver expands them into the expert-major per-(token, expert)
-  layout `Buffer.dispatch` returns with one gather (`index_select`) - the copy pass;
-* combine sums a token's slots on the expert side first (`embedding_bag`, fp32
-  accumulation) and returns one partial row per (token, rank); the source sums its <= P
-  partials (fp32 accumulation, one rounding). Partials travel in the expert output's dtype
-  when that is fp32, bf16 or fp16 (as DeepEP's combine does) and in fp32 for 8-bit outputs.
+  layout `Buffer.dispatch` returns with one gather - the copy pass;
+* combine sums a token's slots on the expert side first (fp32 accumulation) and returns one
+  partial row per (token, rank); the source sums its <= P partials (fp32 accumulation, one
+  rounding). Partials travel in the expert output's dtype when that is fp32, bf16 or fp16
+  (as DeepEP's combine does) and in fp32 for 8-bit outputs.
 
 What that costs in rounding: the oracle (and the shm backend) sums a token's slots in slot
-order in fp32 and rounds once; here the slots are summed per rank, each partial is rounded
-to the output dtype, then the partials are summed, and the gating weights reach
-`embedding_bag` in the rows' dtype split as `hi + lo` (two 16-bit numbers, 16+ significant
-bits of the fp32 weight). Measured (P=2, hidden 7168, top-8 of 16, T=128, the tests'
+order in fp32 and rounds once; here the slots are summed per rank and each partial is
+rounded to the output dtype before the partials are summed. On CPU with bf16/fp32 partials
+the expert-side sums are the oracle's loop for the slots a rank holds (`bag_sums_*`: fp32
+weights, `acc + w * row` in slot order, rounded to nearest even), so a token whose experts
+all live on one rank gets the oracle's bits. Elsewhere (other devices, fp16) they are
+`embedding_bag` with the weights in the rows' dtype split as `hi + lo` (16+ significant bits
+of the fp32 weight); measured there (P=2, hidden 7168, top-8 of 16, T=128, the tests'
 expert function): 77% of bf16 and fp16 outputs bit-identical to the oracle, the rest one
-unit in the last place off (none more); fp32 56% identical, at most 3e-7 relative. Within the tests'
-tolerance; the shm backend stays bit-exact.
+unit in the last place off (none more); fp32 56% identical, at most 3e-7 relative. Within
+the tests' tolerance; the shm backend stays bit-exact.
 
 At batch 1 the host work around the small collectives is what costs, so the index
 bookkeeping is compiled (`ubep.runtime.torch_layout`) instead of ~80 numpy/torch calls. On
 CPU the rows move in the same compiled calls: `pack_send` writes the send buffer (headers,
-routing words, rows), `gather_rows` writes recv_x from the received rows and, for this
-rank's own tokens, straight from x; combine's source-side sum reads the received partials
-and its own where they lie (`final_sums_*`, the same bits as `embedding_bag`). On other
-devices the rows move with `index_select`/`embedding_bag`. Send/receive scratch is kept and
-grown, not allocated per call. `Stats.extra["collectives"]`
-lists each collective's bytes to/from every peer: `ubep bench` replays exactly those calls,
-bare, as its "raw collectives" line.
+routing words, rows), `recv_gather_cpu` lays out recv_x from the received rows and, for
+this rank's own tokens, straight from x; combine's `bag_sums_*` write the partials straight
+into the send buffer and `final_sums_*` read the received partials and this rank's own where
+they lie (the source-side rounding as `embedding_bag`'s). What needs nothing from the peers
+runs while a collective is in flight (`async_op=True`, then `wait()`, which keeps the
+group's timeout): dispatch prepares this rank's part of the layout, combine sums this rank's
+own tokens' partials. Per-shape sizes, splits and scratch views are computed once and
+dropped whenever a scratch buffer is reallocated. On other devices the rows move with
+`index_select`/`embedding_bag`. Send/receive scratch is kept and grown, not allocated per
+call. `Stats.extra["collectives"]` lists each collective's bytes to/from every peer:
+`ubep bench` replays exactly those calls, bare (synchronous: there is nothing to overlap),
+as its "raw collectives" line.
 """
 
 from __future__ import annotations
@@ -63,10 +71,12 @@ from ubep.runtime.torch_layout import (
     bag_sums_f32,
     final_sums_bf16,
     final_sums_f32,
+    gather_rows,
     pack_send,
     read_headers,
     recv_gather_cpu,
     recv_plan,
+    recv_plan_cpu,
     send_plan,
 )
 from ubep.stats import DeferredStats, Stats
@@ -538,7 +548,6 @@ class TorchBackend:
             h = hdr_in.numpy()
             srcs, global_max = h[:, 0].astype(np.int64), int(h[:, 1].max())
             srcs[me] = per_dest[me]
-            num_bags = int(srcs.sum())
             dests = per_dest.tolist()
             first, n_me = sum(dests[:me]), dests[me]
             pool = None
@@ -562,14 +571,24 @@ class TorchBackend:
         self._inline = global_max if global_max <= cap else 0
         t3 = _now_us()
 
-        if pool is None or global_max > C:   # room for every pair the tokens could name
-            pool = None                          # (an unused array is the pool's again)
-            pool = self._owned_rows(num_bags * pairs, row_bytes)
-        (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
-         num_recv) = recv_gather_cpu(
-            workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me], me, per_rank,
-            world, workn.view(nword), xw, token_of[first:first + n_me],
-            pool.reshape(-1).view(nword), row_bytes // nword.itemsize)
+        own_meta, own_tokens, rw = meta[first:first + n_me], token_of[first:first + n_me], \
+            row_bytes // nword.itemsize
+        if pool is None:    # large batches: the plan first, then recv_x's rows exactly
+            (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, _, _, _,
+             num_remote_bags, num_remote) = recv_plan_cpu(
+                workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world, False)
+            num_recv = len(gather)
+            pool = self._owned_rows(num_recv, row_bytes)
+            gather_rows(workn.view(nword), xw, gather, num_remote, own_tokens,
+                        pool.reshape(-1).view(nword), rw)
+        else:               # plan and rows in one call, into room for every pair named
+            if global_max > C:
+                pool = None                      # (an unused array is the pool's again)
+                pool = self._owned_rows(num_bags * pairs, row_bytes)
+            (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
+             num_recv) = recv_gather_cpu(
+                workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world,
+                workn.view(nword), xw, own_tokens, pool.reshape(-1).view(nword), rw)
         if num_recv:
             recv_x = torch.from_numpy(pool[:num_recv]).view(x.dtype)
         else:       # torch reads an empty array's strides as 0 and refuses the view
@@ -686,9 +705,9 @@ class TorchBackend:
                      out: torch.Tensor | None, pdtype: torch.dtype) -> CombineResult:
         """`combine` for a CPU dispatch with bf16/fp32 partials: each received token's
         partial summed by a compiled pass straight into the send buffer (fp32 weights and
-        accumulation, slot order, one rounding), the collective started, this rank's own
-        tokens' partials summed while it runs, then each token's partials summed at the
-        source (`final_sums_*`) into y."""
+        accumulation, slot order, one rounding), the collective, this rank's own tokens'
+        partials (while a small collective runs, after a large one), then each token's
+        partials summed at the source (`final_sums_*`) into y."""
         t0 = _now_us()
         word, bag_sums, final_sums = _CPU_COMBINE[pdtype]
         rows = (expert_out if pdtype == expert_out.dtype else expert_out.to(pdtype))
@@ -704,13 +723,21 @@ class TorchBackend:
         send_splits, recv_splits, coll = self._splits(st, rows.itemsize * hidden)
         bag_rows, bag_offsets, weights = st.bag_rows_np, st.bag_offsets_np, st.recv_weights
         bag_sums(rows, weights, weighted, bag_rows, bag_offsets, 0, nret, sendn)
-        work = dist.all_to_all_single(recv_flat, send_flat, recv_splits, send_splits,
-                                      group=self.group, async_op=True)
-        # own tokens' partials while the collective runs (they do not travel)
-        bag_sums(rows, weights, weighted, bag_rows, bag_offsets, nret, nret + own, ownn)
-        t2 = _now_us()
-        work.wait()
-        t3 = _now_us()
+        if nret * rows.itemsize * hidden <= _INLINE_BYTES:
+            # a small collective is latency: own tokens' partials (they do not travel) are
+            # summed while it runs
+            work = dist.all_to_all_single(recv_flat, send_flat, recv_splits, send_splits,
+                                          group=self.group, async_op=True)
+            bag_sums(rows, weights, weighted, bag_rows, bag_offsets, nret, nret + own, ownn)
+            t2 = _now_us()
+            work.wait()
+            t3 = _now_us()
+        else:   # a large one moves bytes: the sums would compete with it for the cores
+            t2 = _now_us()
+            dist.all_to_all_single(recv_flat, send_flat, recv_splits, send_splits,
+                                   group=self.group)
+            t3 = _now_us()
+            bag_sums(rows, weights, weighted, bag_rows, bag_offsets, nret, nret + own, ownn)
         dtype = expert_out.dtype
         into_out = out is not None and pdtype == dtype and out.is_contiguous()
         yn = (out.view(word).numpy() if into_out
