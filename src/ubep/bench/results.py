@@ -183,15 +183,16 @@ layers.
 *torch.* Each token crosses to a rank once (however many of its experts live there) and one
 partial sum per (token, rank) comes back. Dispatch's first `all_to_all_single` carries the
 counts and, up to 64 KiB in all, the tokens themselves (batch 1: one collective); the rest
-take a second; combine takes one. gloo spends ~0.1-0.3 ms on each even for a few KB. What
-the backend adds, on CPU all in compiled passes: the send buffer written, recv_x gathered
-(the expert-major expansion: one pass over the received rows), the partial sums
-(`embedding_bag`) and their sum at the source; ~95 µs a pair at batch 1 in one process,
-2-3× that in place. `tests/runtime/bench_torch_floor.py` replays the raw collectives with
-a busy wait of the backend's measured host time in each gap: on this 2-core host at load
-~2.7 that alone came to 1.47-1.53× (raw + copy) at batch 1 (1.5× is out of reach there
-without less host time), and the backend's own collectives ran 1.1-1.4× slower than after
-the busy wait.
+take a second; combine takes one. gloo spends ~0.1-0.3 ms on each even for a few KB (its
+`gloo_tcp_loop` thread polls: ~30 `epoll_wait` and ~35 `recvfrom` calls per collective under
+`strace`, ~50% of a core per rank). What the backend adds, on CPU all in compiled passes:
+the send buffer written, recv_x gathered (the expert-major expansion: one pass over the
+received rows), the partial sums and their sum at the source; a small collective is started
+async and what needs nothing from the peers is done before its wait. ~33 µs a pair at batch
+1 in one process (was ~60), ~1.5-2× that in place, where gloo's threads share the two cores.
+`tests/runtime/bench_torch_floor.py` replays the raw collectives with a busy wait of the
+backend's measured host time in each gap; the backend's own collectives still run
+1.1-1.3× slower than the bare ones, which is most of what is left at batch 1.
 
 *AgRs.* vLLM's path moves every token to every rank whatever the routing (one all-gather)
 and reduce-scatters a `[all tokens, hidden]` tensor of partial sums: fewer rows than a
