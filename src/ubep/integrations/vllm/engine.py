@@ -62,6 +62,10 @@ class EngineRun:
     repeats: tuple[int, ...] = ()     # runs of each workload (default 1); TPOT samples
     max_tokens: int = 8
     gpu_memory_utilization: float = 0.1
+    #: KV cache per worker, bytes (None: vLLM sizes it as gpu_memory_utilization x the NUMA
+    #: node's memory minus the worker's RSS, which fails where the node is small and the
+    #: worker's RSS — shared-memory Buffers included — exceeds that share)
+    kv_cache_bytes: int | None = 256 << 20
     max_model_len: int = 256
     timeout_s: float = 900.0
     bind_cores: bool = True           # DP rank r's compute threads on core r (see _rank_main)
@@ -111,6 +115,8 @@ def _generate(run: EngineRun, rank: int, barrier) -> dict[str, Any]:
         gpu_memory_utilization=run.gpu_memory_utilization, max_model_len=run.max_model_len,
         max_num_seqs=max([16] + [len(w) for w in run.workloads]), seed=0,
         disable_log_stats=False)    # per-request engine-core timestamps (TPOT)
+    if run.kv_cache_bytes is not None:
+        kwargs.update(kv_cache_memory_bytes=run.kv_cache_bytes)
     if run.expert_parallel:
         kwargs.update(enable_expert_parallel=True, all2all_backend=run.all2all_backend)
     llm = LLM(**kwargs)
