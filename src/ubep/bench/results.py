@@ -157,8 +157,10 @@ objects): in one process with no peer to wait for (`Buffer(backend="shm")` on a 
 group, `tests/runtime/bench_shm_overhead.py`, 3,000 calls, median), a dispatch+combine pair
 takes ~19 µs with `direct=True` and ~20 µs with `direct="owned"` (2026-12-01, 06:10 UTC).
 
-*Ranks are bound to cores* (rank r on the r-th usable core; `ubep bench --no-pin` leaves them
-unbound), as vLLM's CPU workers bind their threads and as `numactl`/`taskset` deployments do.
+*Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
+leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
+started before, stay free: bound with the rank to its one core, every gloo collective there
+stalled for a scheduler tick (~4 ms a call against ~0.3, 2026-12-01).
 Unbound, two ranks that slept — in a gloo collective of the torch or AgRs system, or for a
 millisecond — are often woken onto the same core and share it until the load balancer's next
 pass: the following shm turn then runs at 140-200 µs a call instead of ~45, each rank's

@@ -105,7 +105,9 @@ def _pin(rank: int, world: int) -> list[int] | None:
     Unbound, two ranks that slept (in a gloo collective, say) can be woken onto the same core
     and share it until the load balancer's next pass, milliseconds later: a whole turn of
     shm calls then runs 3-5x slower, each rank's spin-wait yielding to the other
-    (docs/results.md, "Fixed costs at batch 1"). Threads started later inherit the binding.
+    (docs/results.md, "Fixed costs at batch 1"). Threads started later inherit the binding;
+    those already running (gloo's, started with the process group) stay free: bound with
+    the rank to its one core, every gloo collective stalled for a scheduler tick (~4 ms).
     """
     cpus = sorted(os.sched_getaffinity(0))
     if world > len(cpus):
