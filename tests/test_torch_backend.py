@@ -306,7 +306,7 @@ def test_bag_sums_match_the_oracle_sum(dtype, weighted):
     import numpy as np
     import torch
 
-    from ubep.runtime.torch_layout import bag_sums_bf16, bag_sums_f32
+    from ubep.runtime.torch_layout import bag_sums
 
     dt = getattr(torch, dtype)
     rng = np.random.default_rng(3)
@@ -330,13 +330,13 @@ def test_bag_sums_match_the_oracle_sum(dtype, weighted):
     j0, j1 = 1, len(sizes) - 1                          # a range of bags, as combine asks
     if dt == torch.bfloat16:
         out = np.empty((j1 - j0, hidden), dtype=np.uint16)
-        bag_sums_bf16(rows.view(torch.uint16).numpy(), weights.numpy(), weighted,
-                      bag_rows.numpy(), offsets, j0, j1, out)
+        bag_sums(rows.view(torch.uint16).numpy(), weights.numpy(), weighted,
+                 bag_rows.numpy(), offsets, j0, j1, out)
         got = torch.from_numpy(out).view(torch.bfloat16)
     else:
         out = np.empty((j1 - j0, hidden), dtype=np.float32)
-        got = torch.from_numpy(bag_sums_f32(rows.numpy(), weights.numpy(), weighted,
-                                            bag_rows.numpy(), offsets, j0, j1, out))
+        got = torch.from_numpy(bag_sums(rows.numpy(), weights.numpy(), weighted,
+                                        bag_rows.numpy(), offsets, j0, j1, out))
     want = want[j0:j1]
     nan = want.isnan()
     assert nan.any() and torch.equal(got.isnan(), nan)

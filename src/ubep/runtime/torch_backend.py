@@ -23,7 +23,7 @@ ranks would otherwise send a token ~4 times to each):
 What that costs in rounding: the oracle (and the shm backend) sums a token's slots in slot
 order in fp32 and rounds once; here the slots are summed per rank and each partial is
 rounded to the output dtype before the partials are summed. On CPU with bf16/fp32 partials
-the expert-side sums are the oracle's loop for the slots a rank holds (`bag_sums_*`: fp32
+the expert-side sums are the oracle's loop for the slots a rank holds (`bag_sums`: fp32
 weights, `acc + w * row` in slot order, rounded to nearest even), so a token whose experts
 all live on one rank gets the oracle's bits. Elsewhere (other devices, fp16) they are
 `embedding_bag` with the weights in the rows' dtype split as `hi + lo` (16+ significant bits
@@ -36,7 +36,7 @@ At batch 1 the host work around the small collectives is what costs, so the inde
 bookkeeping is compiled (`ubep.runtime.torch_layout`) instead of ~80 numpy/torch calls. On
 CPU the rows move in the same compiled calls: `pack_send` writes the send buffer (headers,
 routing words, rows), `recv_gather_cpu` lays out recv_x from the received rows and, for
-this rank's own tokens, straight from x; combine's `bag_sums_*` write the partials straight
+this rank's own tokens, straight from x; combine's `bag_sums` writes the partials straight
 into the send buffer and `final_sums_*` read the received partials and this rank's own where
 they lie (the source-side rounding as `embedding_bag`'s). What needs nothing from the peers
 runs while a collective is in flight (`async_op=True`, then `wait()`, which keeps the
@@ -67,8 +67,7 @@ from ubep.handle import (
 )
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
-    bag_sums_bf16,
-    bag_sums_f32,
+    bag_sums,
     final_sums_bf16,
     final_sums_f32,
     gather_rows,
@@ -94,9 +93,9 @@ _NP = {torch.uint16: np.uint16, torch.float32: np.float32}
 #: the source side's sum of a token's partials, compiled, by partial dtype (CPU; the same
 #: bits as embedding_bag, which the device path and fp16 use)
 _FINAL_SUMS = {torch.bfloat16: final_sums_bf16, torch.float32: final_sums_f32}
-#: the CPU combine by partial dtype: (numpy word, expert-side bag sums, source-side sums)
-_CPU_COMBINE = {torch.bfloat16: (torch.uint16, bag_sums_bf16, final_sums_bf16),
-                torch.float32: (torch.float32, bag_sums_f32, final_sums_f32)}
+#: the CPU combine by partial dtype: (row word, source-side sums)
+_CPU_COMBINE = {torch.bfloat16: (torch.uint16, final_sums_bf16),
+                torch.float32: (torch.float32, final_sums_f32)}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -709,7 +708,7 @@ class TorchBackend:
         partials (while a small collective runs, after a large one), then each token's
         partials summed at the source (`final_sums_*`) into y."""
         t0 = _now_us()
-        word, bag_sums, final_sums = _CPU_COMBINE[pdtype]
+        word, final_sums = _CPU_COMBINE[pdtype]
         rows = (expert_out if pdtype == expert_out.dtype else expert_out.to(pdtype))
         rows = rows.view(word).numpy()
         hidden = rows.shape[1]

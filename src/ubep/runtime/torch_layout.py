@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @njit(nogil=True, cache=True)
@@ -457,13 +457,45 @@ def _f32_of_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+def _widen(v):
+    """A row element as float32: bfloat16 bits (uint16) widened, float32 as it is."""
+
+
+@overload(_widen, inline="always")
+def _widen_impl(v):
+    if v == types.uint16:
+        return lambda v: _f32_of_bits(np.uint32(v) << np.uint32(16))
+    if v == types.float32:
+        return lambda v: v
+    return None
+
+
+def _store(out, acc, acc_bits, n):
+    """`out[:n]` = the fp32 sums `acc[:n]` in `out`'s element type: bfloat16 bits rounded to
+    nearest even (uint16 `out`; `acc_bits` is `acc` as uint32), float32 as they are."""
+
+
+@overload(_store, inline="always")
+def _store_impl(out, acc, acc_bits, n):
+    if out.dtype == types.uint16:
+        def store_bf16(out, acc, acc_bits, n):
+            for h in range(n):
+                out[h] = _bf16_rne(acc_bits[h])
+        return store_bf16
+
+    def store_f32(out, acc, acc_bits, n):
+        out[:n] = acc[:n]
+    return store_f32
+
+
 @njit(nogil=True, cache=True)
-def bag_sums_bf16(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
-    """Combine's expert-side sums, bfloat16 rows: `out[j - j0]` = the sum over bag j's slots
-    (rows `bag_rows[bag_offsets[j]:...]` of `rows`, bf16 bits as uint16) of
-    `weights[row] * row` (or `row`, not `weighted`) in fp32, slot order, rounded once to
-    bfloat16 (to nearest even): what the oracle computes for the slots a rank holds. fp32
-    weights as they are (not split into 16-bit halves as `embedding_bag` needs them)."""
+def bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
+    """Combine's expert-side sums: `out[j - j0]` = the sum over bag j's slots (rows
+    `bag_rows[bag_offsets[j]:...]` of `rows`) of `weights[row] * row` (or `row`, not
+    `weighted`) in fp32, slot order, rounded once to `out`'s type: what the oracle computes
+    for the slots a rank holds. `rows`/`out` are bfloat16 bits (uint16; rounded to nearest
+    even) or float32. fp32 weights as they are (not split into 16-bit halves as
+    `embedding_bag` needs them)."""
     hidden = rows.shape[1]
     acc = np.empty(_CHUNK, dtype=np.float32)
     ab = acc.view(np.uint32)
@@ -482,48 +514,13 @@ def bag_sums_bf16(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
                 w0 = weights[r0] if weighted else np.float32(1.0)
                 w1 = weights[r1] if weighted else np.float32(1.0)
                 for h in range(n):
-                    a = acc[h] + w0 * _f32_of_bits(np.uint32(s0[h]) << np.uint32(16))
-                    acc[h] = a + w1 * _f32_of_bits(np.uint32(s1[h]) << np.uint32(16))
+                    acc[h] = (acc[h] + w0 * _widen(s0[h])) + w1 * _widen(s1[h])
                 q += 2
             if q < q1:
                 r0 = bag_rows[q]
                 s0 = rows[r0, c0:c0 + n]
                 w0 = weights[r0] if weighted else np.float32(1.0)
                 for h in range(n):
-                    acc[h] += w0 * _f32_of_bits(np.uint32(s0[h]) << np.uint32(16))
-            oc = o[c0:c0 + n]
-            for h in range(n):
-                oc[h] = _bf16_rne(ab[h])
-    return out
-
-
-@njit(nogil=True, cache=True)
-def bag_sums_f32(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
-    """`bag_sums_bf16` for float32 rows: the fp32 sums themselves."""
-    hidden = rows.shape[1]
-    acc = np.empty(_CHUNK, dtype=np.float32)
-    end, num = bag_rows.shape[0], bag_offsets.shape[0]
-    for j in range(j0, j1):
-        q0 = bag_offsets[j]
-        q1 = bag_offsets[j + 1] if j + 1 < num else end
-        o = out[j - j0]
-        for c0 in range(0, hidden, _CHUNK):
-            n = min(_CHUNK, hidden - c0)
-            acc[:n] = 0.0
-            q = q0
-            while q + 1 < q1:     # two slots a pass, added in slot order: the same sums
-                r0, r1 = bag_rows[q], bag_rows[q + 1]
-                s0, s1 = rows[r0, c0:c0 + n], rows[r1, c0:c0 + n]
-                w0 = weights[r0] if weighted else np.float32(1.0)
-                w1 = weights[r1] if weighted else np.float32(1.0)
-                for h in range(n):
-                    acc[h] = (acc[h] + w0 * s0[h]) + w1 * s1[h]
-                q += 2
-            if q < q1:
-                r0 = bag_rows[q]
-                s0 = rows[r0, c0:c0 + n]
-                w0 = weights[r0] if weighted else np.float32(1.0)
-                for h in range(n):
-                    acc[h] += w0 * s0[h]
-            o[c0:c0 + n] = acc[:n]
+                    acc[h] += w0 * _widen(s0[h])
+            _store(o[c0:c0 + n], acc, ab, n)
     return out
