@@ -21,6 +21,8 @@ from ubep.bench.run import BenchResult, mpi_unavailable_reason, run_bench
 SYSTEMS = ("shm-owned", "shm-ubep", "shm-direct", "shm-bsp", "torch", "mpi", "agrs")
 #: the hidden size the headline figures are read at (DeepSeek-V3's)
 HEADLINE_HIDDEN = 7168
+#: the shm paths each target figure is read for (the default first)
+_SHM_SYSTEMS = ("shm-owned", "shm-direct", "shm-ubep")
 
 
 def configs(iters: int, warmup: int) -> tuple[BenchConfig, BenchConfig]:
@@ -68,7 +70,7 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
     bound = [ix.get((BOUND, h, 1, "total"), {}) for ix in runs]
     add("copy bound batch 1 p99 / median (the host's own tail for the same bytes)", "(floor)",
         tuple(None if not r else r["p99_us"] / r["median_us"] for r in bound), None)
-    for system in ("shm-owned", "shm-direct", "shm-ubep"):
+    for system in _SHM_SYSTEMS:
         med = tuple(ix.get((system, h, 1, "total"), {}).get("median_us") for ix in runs)
         p99 = tuple(ix.get((system, h, 1, "total"), {}).get("p99_us") for ix in runs)
         add(f"{system} dispatch+combine, batch 1, median", "≤ 40 µs (≤ 80 µs interleaved)",
@@ -80,11 +82,11 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
         add(f"{system} batch 1 p99 / median", "≤ 3× (≤ 6× interleaved)", tails,
             (lambda v: v <= 3, lambda v: v <= 6))
     for peer in ("torch", "mpi", "agrs"):
-        for system in ("shm-owned", "shm-direct", "shm-ubep"):
+        for system in _SHM_SYSTEMS:
             for b in (1, 16, 128):
                 add(f"{peer} / {system}, batch {b}", "(speed-up)",
                     tuple(_ratio(ix, peer, system, h, b) for ix in runs), lambda v: v > 1)
-    for system in ("shm-owned", "shm-direct", "shm-ubep"):
+    for system in _SHM_SYSTEMS:
         add(f"{system} / copy bound, batch 128", "≤ 1.5×",
             tuple(ix.get((system, h, 128, "total"), {}).get("x_bound") for ix in runs),
             lambda v: v <= 1.5)

@@ -324,14 +324,20 @@ def _reduce_addrs(addrs, out16):
         sum_slots(srcs, blks, wgts, TOP_K, SUM_CHUNK, 2, ELEM_BF16, lut, acc, no_y, out16[t])
 
 
+def _spin_wait(burst, timeout_s: float, what: str) -> None:
+    """Call `burst()` (a bounded spin, ~1 ms; True once done) until it succeeds, yielding the
+    core between bursts; `TimeoutError` naming `what` after `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while not burst():
+        if time.monotonic() > end:
+            raise TimeoutError(f"hostbench: {what} within {timeout_s} s")
+        os.sched_yield()
+
+
 def _wait_metas(meta: int, places: np.ndarray, epoch: int, timeout_s: float = 60.0) -> None:
     """`_metas_arrived` in bursts, yielding between them, up to `timeout_s`."""
-    end = time.monotonic() + timeout_s
-    while not _metas_arrived(meta, places, epoch, 1 << 14):
-        if time.monotonic() > end:
-            raise TimeoutError(f"hostbench: the peer's rows (epoch {epoch}) did not arrive "
-                               f"within {timeout_s} s")
-        os.sched_yield()
+    _spin_wait(lambda: _metas_arrived(meta, places, epoch, 1 << 14), timeout_s,
+               f"the peer's rows (epoch {epoch}) did not arrive")
 
 
 def _setup(pass_: str, footprint: int, row_bytes: int):
@@ -459,12 +465,9 @@ class SpinBarrier:
 
     def wait(self) -> None:
         self.value += 1
-        end = time.monotonic() + self.timeout_s
-        while not _spin_until(self.addr, self.me, self.n, self.value, 1 << 14):
-            if time.monotonic() > end:
-                raise TimeoutError(f"hostbench: process {self.me} waited {self.timeout_s} s "
-                                   "for the other at an exchange's barrier")
-            os.sched_yield()
+        _spin_wait(lambda: _spin_until(self.addr, self.me, self.n, self.value, 1 << 14),
+                   self.timeout_s, f"process {self.me}: the other did not reach an "
+                   "exchange's barrier")
 
 
 def exchange_rounds(footprint: int, seconds: float) -> int:
