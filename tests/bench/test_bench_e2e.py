@@ -61,6 +61,10 @@ def test_bench_side_by_side(tmp_path):
     assert {("torch", "dispatch:backend_total"), ("torch", "combine:token_exchange")} <= phases
     assert "| 5 | raw collectives |" in md and "× raw+copy" in md
     assert run["flag_round_trip_us"]["2"] > 0
+    # the cross-core copy probe: the smallest batch's dispatch bytes, both copies timed
+    xcopy = run["cross_core_copy"]["2"]
+    assert xcopy["bytes"] == 1 * 2 * 64 * 2 and xcopy["peer_written_us"] > 0 \
+        and xcopy["own_cache_us"] > 0
     # ranks bound to disjoint slices of the usable cores when there are enough of them
     cores = run["rank_cores"]["2"]
     if len(os.sched_getaffinity(0)) >= 2:

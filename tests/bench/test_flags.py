@@ -10,7 +10,8 @@ from ubep.testing import run_ranks
 def _rank(rank, world):
     from ubep.bench.flags import _SLOT, HostSync
 
-    sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"], timeout_s=30)
+    sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"], timeout_s=30,
+                           copy_bytes=1 << 16)
     rng = random.Random(rank)
     early = 0
     try:
@@ -21,13 +22,20 @@ def _rank(rank, world):
             arrived = [int(sync.words[(2 + r) * _SLOT]) for r in range(world)]
             early += sum(a < k for a in arrived)
         rtt = sync.flag_round_trip_us(rounds=200, repeats=3)
+        # rank 0 copies what rank 1 wrote (checked inside: a stale byte raises); more bytes
+        # than the segment has room for: not measured, on every rank
+        xcopy = sync.cross_core_copy_us(1 << 16, repeats=20)
+        too_big = sync.cross_core_copy_us((1 << 16) + 1, repeats=2)
     finally:
         sync.close()
-    return early, rtt
+    return early, rtt, xcopy, too_big
 
 
 def test_barrier_and_ping_pong():
     out = run_ranks(_rank, 3, timeout_s=120)  # 3 ranks: rank 2 only joins the barriers
-    assert [early for early, _ in out] == [0, 0, 0]
+    assert [o[0] for o in out] == [0, 0, 0]
     assert out[0][1] > 0 and out[1][1] > 0 and out[2][1] is None
+    peer_us, own_us = out[0][2]
+    assert peer_us > 0 and own_us > 0
+    assert out[1][2] is None and out[2][2] is None and {o[3] for o in out} == {None}
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("ubep-bench-t")]

@@ -22,6 +22,7 @@ def _result(scale: float, block: int) -> BenchResult:
             t[:, 2] *= 2                                       # one slow iteration: p99
             times[(name, H, batch)] = t
     rank = {"times": times, "phases": {}, "unavailable": {}, "rtt_us": 0.0,
+            "xcopy": (114688, 6.0 * scale, 3.0 * scale),
             "bytes": {(H, 1): (1, 1), (H, 128): (1, 1)}}
     res = BenchResult(config=cfg, machine={"time_utc": "now", "cpus_usable": 2,
                                            "load_avg_1m": 0.1})
@@ -41,6 +42,9 @@ def test_figures_are_ratios_of_one_run():
         "shm-ubep dispatch+combine, batch 1, median"]
     assert row["agrs / shm-direct, batch 128"].count("33.33×") == 2
     assert "| 3.00× | 3.00× | yes |" in row["shm-direct batch 1 / copy bound"]
+    assert [line for line in lines if "as the other core just wrote them" in line][0].count(
+        "2.00×") == 2
     md = render(turns, inter, command="ubep results")
+    assert "    ubep results" in md and "112 KiB a batch-1 dispatch moves takes 6.0 µs" in md
     assert "    ubep results" in md and "## Run 2: every iteration interleaved" in md
     assert "| 1 | raw collectives |" in md and "× raw+copy" in md

@@ -1,11 +1,13 @@
 """Host-wide flags for the benchmark: a tight cross-process barrier and a flag ping-pong.
 
 The benchmark aligns the start of every timed call on all ranks with a barrier much
-tighter than gloo's (~300 µs, with tens of µs of exit skew), and measures one flag round
-trip between two processes for the copy bound. Both spin on int64 words in a shared-memory
-segment (`ubep.runtime.shm.segments`) mapped by every rank, read with acquire loads and
-written with release stores (`ubep.runtime.shm.atomics`: a plain load in a spin loop is
-hoisted and never exits).
+tighter than gloo's (~300 µs, with tens of µs of exit skew), measures one flag round
+trip between two processes for the copy bound, and one cross-core copy: bytes one rank
+just wrote, copied by the other (what moving rows between ranks costs beyond a memcpy of
+bytes already in the copying core's cache, which is what the copy bound times). They
+spin on int64 words in a shared-memory segment (`ubep.runtime.shm.segments`) mapped by
+every rank, read with acquire loads and written with release stores
+(`ubep.runtime.shm.atomics`: a plain load in a spin loop is hoisted and never exits).
 
 Every wait spins a bounded number of times in Numba, then returns to Python, which
 yields or sleeps briefly and checks a deadline, so two cores shared by many processes
@@ -27,7 +29,8 @@ from ubep.runtime.shm.atomics import store_release as _store_release_addr
 
 _SLOT = 8            # int64 words per slot: one 64-byte cache line per rank's word
 _SPINS = 64          # barrier: spin rounds between yields (as `ubep.runtime.shm.waits.SPINS`)
-_PING, _PONG = 0, 1  # slots of the ping-pong; barrier slots follow
+_PING, _PONG = 0, 1  # slots of the ping-pong; barrier slots follow, then the copy probe's
+_PAGE = 4096         # the copy probe's bytes start page-aligned after the flag slots
 
 
 @njit(inline="always")
@@ -88,6 +91,16 @@ def _ping_pong(words, me_first, rounds, start, max_spins):
     return rounds
 
 
+def _words(world: int) -> int:
+    """int64 words of the flag slots: ping, pong, one barrier word per rank, the probe's."""
+    return (3 + world) * _SLOT
+
+
+def _data_at(world: int) -> int:
+    """Byte offset of the copy probe's bytes in the segment."""
+    return -(-_words(world) * 8 // _PAGE) * _PAGE
+
+
 class HostSync:
     """A barrier among `world` ranks and a rank-0/rank-1 ping-pong, in one shm segment.
 
@@ -99,14 +112,17 @@ class HostSync:
     def __init__(self, segment: segments.Segment, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self._segment = segment
-        self.words = np.frombuffer(segment.buf, dtype=np.int64)
+        self.words = np.frombuffer(segment.buf, dtype=np.int64, count=_words(world))
+        self._data = np.frombuffer(segment.buf, dtype=np.uint8, offset=_data_at(world))
         self._epoch = 0       # barrier generation
         self._seq = 0         # ping-pong sequence
+        self._copies = 0      # cross-core copy probe's sequence
 
     @classmethod
     def create(cls, rank: int, world: int, job: str, *, timeout_s: float = 60.0,
-               barrier=None) -> HostSync:
-        """Make (rank 0) or attach (others) the sync segment of job `job`.
+               barrier=None, copy_bytes: int = 0) -> HostSync:
+        """Make (rank 0) or attach (others) the sync segment of job `job`, with room for
+        `cross_core_copy_us` of up to `copy_bytes`.
 
         `barrier` is a callable that all ranks call twice: after rank 0 created the segment and
         after every rank mapped it (default: `torch.distributed.barrier`). Rank 0 then
@@ -117,7 +133,7 @@ class HostSync:
             barrier = dist.barrier
         name = f"{segments.PREFIX}bench_{job}"
         if rank == 0:
-            seg = segments.create(name, (2 + world) * _SLOT * 8)
+            seg = segments.create(name, _data_at(world) + max(copy_bytes, 1))
         try:
             barrier()
             if rank != 0:
@@ -191,11 +207,54 @@ class HostSync:
         self.barrier()
         return float(min(samples)) if samples else None
 
+    def cross_core_copy_us(self, nbytes: int, repeats: int = 200) -> tuple[float, float] | None:
+        """What copying `nbytes` costs when another core just wrote them, and when they are
+        in the copying core's own cache: (peer-written µs, own-cache µs), medians on rank 0.
+
+        Each repeat rank 1 writes the bytes (its cache now holds the lines, modified) and
+        raises a flag; rank 0 copies them out, then copies the same count from a buffer it
+        has just written itself (the copy bound's case). The first is what any transport
+        between two processes on one host pays for the bytes at least once; the gap between
+        the two is the coherence traffic, which the copy bound leaves out. Every rank calls
+        it; None on ranks other than 0, with one rank, or without room (`create`'s
+        `copy_bytes`).
+        """
+        if self.world < 2 or nbytes <= 0 or nbytes > self._data.size:
+            return None
+        shared = self._data[:nbytes]
+        src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        flag = (2 + self.world) * _SLOT
+        peer, own = [], []
+        for i in range(repeats):
+            self.barrier()                       # rank 0 is done reading the last repeat
+            self._copies += 1
+            if self.rank == 1:
+                src[i % nbytes] = i & 0xFF       # new bytes every repeat
+                np.copyto(shared, src)
+                _store(self.words, flag, self._copies)
+            elif self.rank == 0:
+                self._wait("cross-core copy", flag, 1, _SLOT, self._copies)
+                t0 = time.perf_counter_ns()
+                np.copyto(dst, shared)
+                t1 = time.perf_counter_ns()
+                if dst[i % nbytes] != i & 0xFF:
+                    raise RuntimeError("cross-core copy probe: rank 0 read stale bytes")
+                np.copyto(src, dst)              # src is now in this core's cache
+                t2 = time.perf_counter_ns()
+                np.copyto(dst, src)
+                t3 = time.perf_counter_ns()
+                peer.append(t1 - t0)
+                own.append(t3 - t2)
+        self.barrier()
+        if self.rank != 0:
+            return None
+        return float(np.median(peer)) / 1e3, float(np.median(own)) / 1e3
+
     def close(self) -> None:
         """Unmap. Idempotent. (Rank 0 unlinked the name once everyone had mapped it.)"""
         if self._segment is None:
             return
-        self.words = None
+        self.words = self._data = None
         try:
             self._segment.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it

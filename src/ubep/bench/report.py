@@ -107,7 +107,14 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
     console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
                   f"{'?' if load is None else f'{load:.1f}'}; flag round trip "
                   + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
-                  + f"; {pinning(res)}; {res.elapsed_s:.0f} s[/]")
+                  + cross_core(res) + f"; {pinning(res)}; {res.elapsed_s:.0f} s[/]")
+
+
+def cross_core(res: BenchResult) -> str:
+    """The cross-core copy probe in words ("" if not measured)."""
+    return "".join(f"; cross-core copy P={p}: {n / 1024:.0f} KiB in {peer:.1f} µs "
+                   f"({peer / own:.1f}× the {own:.1f} µs from the copying core's cache)"
+                   for p, (n, peer, own) in sorted(res.xcopy.items()))
 
 
 def pinning(res: BenchResult) -> str:
@@ -217,6 +224,8 @@ def write_json(res: BenchResult, out_dir: Path) -> Path:
     path.write_text(json.dumps({
         "config": res.config.to_dict(), "machine": res.machine,
         "flag_round_trip_us": {str(k): v for k, v in res.rtt_us.items()},
+        "cross_core_copy": {str(k): {"bytes": n, "peer_written_us": a, "own_cache_us": b}
+                            for k, (n, a, b) in res.xcopy.items()},
         "rank_cores": {str(k): v for k, v in res.cores.items()},
         "unavailable": res.unavailable, "elapsed_s": res.elapsed_s}, indent=2))
     return path

@@ -70,6 +70,10 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
     bound = [ix.get((BOUND, h, 1, "total"), {}) for ix in runs]
     add("copy bound batch 1 p99 / median (the host's own tail for the same bytes)", "(floor)",
         tuple(None if not r else r["p99_us"] / r["median_us"] for r in bound), None)
+    add("batch-1 dispatch bytes copied as the other core just wrote them / from the copying "
+        "core's cache (what crossing cores adds to the copy bound)", "(floor)",
+        tuple(None if 2 not in r.xcopy else r.xcopy[2][1] / r.xcopy[2][2]
+              for r in (turns, inter)), None)
     for system in _SHM_SYSTEMS:
         med = tuple(ix.get((system, h, 1, "total"), {}).get("median_us") for ix in runs)
         p99 = tuple(ix.get((system, h, 1, "total"), {}).get("p99_us") for ix in runs)
@@ -205,6 +209,17 @@ every rank computes and sends partial sums for every token.
 """
 
 
+def _xcopy_words(res: BenchResult) -> str:
+    """The cross-core copy probe of run 1 in a sentence ("" if not measured)."""
+    if 2 not in res.xcopy:
+        return ""
+    n, peer, own = res.xcopy[2]
+    return (f" Copying the {n // 1024} KiB a batch-1 dispatch moves takes {peer:.1f} µs when "
+            f"the other core has just written them and {own:.1f} µs from the copying core's "
+            "own cache (the copy bound's case; `ubep.bench.flags.HostSync.cross_core_copy_us`"
+            ").")
+
+
 def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
     """docs/results.md from the two runs."""
     from ubep.bench.report import load_warning, markdown
@@ -219,8 +234,8 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
         f"cores, 1-minute load {m.get('load_avg_1m', 0):.1f} at the start; Python "
         f"{m.get('python')}, torch {m.get('torch')}"
         + (f", {' '.join(m['mpi'].split())}" if m.get("mpi") else "") + f". Flag round trip "
-        f"{turns.rtt_us.get(2, 0):.2f} µs. Run 1 took {turns.elapsed_s:.0f} s, run 2 "
-        f"{inter.elapsed_s:.0f} s.", "",
+        f"{turns.rtt_us.get(2, 0):.2f} µs." + _xcopy_words(turns)
+        + f" Run 1 took {turns.elapsed_s:.0f} s, run 2 {inter.elapsed_s:.0f} s.", "",
         "P=2 ranks, bf16, top-8, 16 experts, uniform routing, batch = tokens per rank. Every "
         "figure is a median (or p99) over iterations, or a ratio of two medians, of ONE run; "
         "absolute µs move with the host's load, ratios within a run much less. Run 1: "

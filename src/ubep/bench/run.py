@@ -91,6 +91,8 @@ class BenchResult:
     unavailable: dict = field(default_factory=dict)  # system -> reason
     rtt_us: dict = field(default_factory=dict)    # P -> flag round trip, µs
     cores: dict = field(default_factory=dict)     # P -> each rank's cores (None: unbound)
+    #: P -> (bytes, µs to copy them as another core just wrote them, µs from own cache)
+    xcopy: dict = field(default_factory=dict)
     bytes: dict = field(default_factory=dict)     # (P, hidden, batch) -> (dispatch, combine) B
     #: one dict per (system, P, hidden, batch, "<op>:<phase>"): the backend's own phase times,
     #: median over iterations of the max over ranks (Buffer systems only)
@@ -167,6 +169,8 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
     rtts = [v for v in (first.get("rtt_us"), first.get("rtt_us_end")) if v is not None]
     res.rtt_us[world] = min(rtts) if rtts else 0.0
     res.cores[world] = [r.get("cpu") for r in per_rank]
+    if first.get("xcopy") is not None:
+        res.xcopy[world] = tuple(first["xcopy"])
     for (hidden, batch) in first["bytes"]:
         res.bytes[(world, hidden, batch)] = tuple(
             max(r["bytes"][(hidden, batch)][i] for r in per_rank) for i in range(2))

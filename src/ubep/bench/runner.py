@@ -63,17 +63,24 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     Returns `{"times": {(system, hidden, batch): array [2, iters] µs (dispatch, combine)},
     "phases": {(system, hidden, batch): [per iteration {"<op>:<phase>": µs}]} (Buffer systems),
     "bytes": {(hidden, batch): (dispatch_bytes, combine_bytes)}, "unavailable": {system:
-    reason}, "rtt_us": float | None, "cpu": [cores this rank is bound to] | None}`.
+    reason}, "rtt_us": float | None, "cpu": [cores this rank is bound to] | None,
+    "xcopy": (bytes, peer-written µs, own-cache µs) | None}` (`HostSync.cross_core_copy_us`
+    of the copy bound's dispatch bytes at the smallest batch and widest row).
     """
     # one core per rank: torch's own intra-op threads would compete with the ranks
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     pinned = _pin(rank, world) if cfg.pin else None
     job = os.environ.get("UBEP_JOB_ID", f"b{os.getpid()}")
-    sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0))
+    xbytes = (min(cfg.batches) * cfg.top_k * max(cfg.hiddens)
+              * torch.empty(0, dtype=cfg.torch_dtype).element_size())
+    sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0),
+                           copy_bytes=xbytes)
     out: dict = {"times": {}, "phases": {}, "bytes": {}, "unavailable": {}, "rtt_us": None,
-                 "cpu": pinned}
+                 "cpu": pinned, "xcopy": None}
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
+        xcopy = sync.cross_core_copy_us(xbytes)
+        out["xcopy"] = None if xcopy is None else (xbytes, *xcopy)
         names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else [])]
         for hidden in cfg.hiddens:
             systems = {}
