@@ -161,7 +161,14 @@ shm-ubep and shm-bsp copy the same bytes in the same thread and differ by a flag
 spends beyond that is the wait for the peer and Python (validation, kernel entries, result
 objects): in one process with no peer to wait for (`Buffer(backend="shm")` on a 1-rank
 group, `tests/runtime/bench_shm_overhead.py`, 3,000 calls, median), a dispatch+combine pair
-takes ~19 µs with `direct=True` and ~20 µs with `direct="owned"` (2026-12-01, 06:10 UTC).
+takes ~19 µs with `direct=True` and ~20 µs with `direct="owned"` on an AMD EPYC VM
+(2026-12-01, 06:10 UTC), 41 and 45 µs on an Intel Xeon VM whose copy bound is ~3x slower
+(same day, 09:20 UTC): these machines differ from one session to the next, so read the
+ratios. Moving the rows between two ranks also costs more than the copy bound's memcpy,
+which copies bytes already in the copying core's cache: the same bytes copied as the other
+core has just written them take 2.3-2.7x as long (the probe in the header above; 112 KiB:
+9.6 vs 3.5 µs on the Intel VM), the coherence traffic every transport between two processes
+pays at least once per row.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
