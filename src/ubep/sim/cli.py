@@ -41,20 +41,20 @@ def register(subparsers) -> None:
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of all ranks")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.add_argument("--validate-host", action="store_true",
-                   help="count the pages each call faults, then, a few times, time this "
-                   "host's passes over rows (ubep.sim.hostbench) and run `ubep bench` "
-                   "(shm-bsp/ubep/direct, P=2, 7168 bf16, top-8, batch 1/8/16/128), all "
-                   "under the bench lock, and print the host model's prediction next to "
-                   "the measured medians")
+                   help="count the pages each call faults, then time this host's passes "
+                   "over rows (ubep.sim.hostbench) and `ubep bench`'s calls (shm-bsp/ubep/"
+                   "direct, P=2, 7168 bf16, top-8, batch 1/8/16/128) in alternating "
+                   "sub-second chunks, all under the bench lock, and print the host model's "
+                   "prediction next to the measured medians")
     s.add_argument("--bench-out", type=Path, default=Path("results/validate_host"),
                    help="--validate-host: the bench's output folder (reused if it holds a "
                    "finished run and --reuse is given)")
     s.add_argument("--bench-repeats", type=int, default=None, metavar="N",
-                   help="--validate-host: runs of (the model's passes timed, then ubep "
-                   "bench) (default 3); each bench run is predicted from the table timed "
-                   "before it; a point is the median over the runs, their range is shown")
+                   help="--validate-host: rounds (default 3); each round takes every batch "
+                   "for a few bench chunks, each between two tables of the model's passes "
+                   "(ubep.sim.hostchunks)")
     s.add_argument("--reuse", action="store_true",
-                   help="--validate-host: read --bench-out (bench, copy table, fault counts) "
+                   help="--validate-host: read --bench-out (chunks.json, fault counts) "
                    "instead of measuring again")
     s.add_argument("--use-tuned", action="store_true",
                    help="take the count-worker number from `ubep tune`'s cache if it has one")
@@ -150,25 +150,26 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _validate_host(args: argparse.Namespace, console) -> int:
-    """Predicted vs measured `ubep bench` medians on this host (`ubep.sim.host`)."""
+    """Predicted vs measured `ubep bench` medians on this host (`ubep.sim.host`), the table
+    and the bench interleaved in short chunks (`ubep.sim.hostchunks`)."""
     import os
 
     from rich.markup import escape
     from rich.table import Table
 
-    from ubep.sim import host, hostbench
+    from ubep.sim import host, hostchunks
 
     out = args.bench_out
-    faults_file = out / "host_faults.json"
-    done = (out / "bench_runs.json").exists() or (out / "bench.csv").exists()
-    reuse = args.reuse and done and faults_file.exists()
-    repeats = host.BENCH_REPEATS if args.bench_repeats is None else args.bench_repeats
-    if repeats < 1:
-        console.print(f"--bench-repeats={repeats}: must be >= 1")
+    faults_file, chunks_file = out / "host_faults.json", out / "chunks.json"
+    reuse = args.reuse and chunks_file.exists() and faults_file.exists()
+    rounds = hostchunks.ROUNDS if args.bench_repeats is None else args.bench_repeats
+    if rounds < 1:
+        console.print(f"--bench-repeats={rounds}: must be >= 1")
         return 2
     if reuse:
         faults = {tuple(k.split(":")[:2]) + (int(k.split(":")[2]),): v
                   for k, v in json.loads(faults_file.read_text()).items()}
+        rec = json.loads(chunks_file.read_text())
     else:
         out.mkdir(parents=True, exist_ok=True)
         console.print(f"waiting for {host.BENCH_LOCK} ...")
@@ -178,60 +179,52 @@ def _validate_host(args: argparse.Namespace, console) -> int:
             faults = host.count_faults()
             faults_file.write_text(json.dumps({f"{s}:{o}:{b}": v
                                                for (s, o, b), v in faults.items()}, indent=1))
-            console.print(f"{repeats} x (the model's passes timed at the validation's "
-                          f"footprints, then ubep bench) into {out} ...")
-            host.run_benches(out, repeats, faults=any(v > 0 for v in faults.values()))
-    rows = host.validate_runs(out, faults)
-    runs_file = out / "bench_runs.json"
-    runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
-    first = out / runs[0]["folder"] if runs else out
-    run = json.loads((first / "run.json").read_text())
-    load = run.get("machine", {}).get("load_avg_1m")
-    tab = Table(title="host model vs ubep bench (P=2, hidden 7168 bf16, top-8)"
-                + (f", load {load:.2f} at the bench's start" if load is not None else "")
-                + ("; each bench (one batch) predicted from a table timed right before "
-                   f"it; medians over {max(r.get('rep', 1) for r in runs)} runs, error: "
-                   "the median of the runs' own errors" if len(runs) > 1 else ""))
-    for col in ("system", "batch", "op", "footprint MB", "faults", "per-call us",
-                "predicted us", "range", "measured us", "range ", "error"):
+            spec = hostchunks.ChunkSpec(rounds=rounds)
+            console.print(f"{rounds} rounds x {len(spec.batches)} batches x {spec.chunks} "
+                          f"bench chunks ({spec.iters} calls per system and hidden), a "
+                          f"table of the model's passes before and after each chunk, into "
+                          f"{out} ...")
+            rec = hostchunks.run_chunks(out, spec)
+    if any(v > 0 for v in faults.values()):
+        console.print("[yellow]calls fault pages: the interleaved tables do not time "
+                      "first_touch; faults are priced at 0[/yellow]")
+    rows = hostchunks.validate_chunks(rec, faults)
+    tab = Table(title="host model vs ubep bench's timing (P=2, hidden 7168 bf16, top-8), "
+                f"load {rec['load']:.2f} at the start; each bench chunk predicted from the "
+                "tables timed right before and after it; medians over the kept chunks, "
+                "error: the median of their own errors")
+    for col in ("system", "batch", "op", "footprint MB", "per-call us", "predicted us",
+                "range", "measured us", "range ", "error", "chunks kept"):
         tab.add_column(col, justify="left" if col in ("system", "op") else "right")
     for r in rows:
         tab.add_row(r["system"], str(r["batch"]), r["op"], f"{r['footprint_MB']:.1f}",
-                    f"{r['faults']:.0f}", f"{r['call_us']:.1f}", f"{r['predicted_us']:.1f}",
-                    f"{r.get('predicted_lo_us', r['predicted_us']):.0f}-"
-                    f"{r.get('predicted_hi_us', r['predicted_us']):.0f}",
+                    f"{r['call_us']:.1f}", f"{r['predicted_us']:.1f}",
+                    f"{r['predicted_lo_us']:.0f}-{r['predicted_hi_us']:.0f}",
                     f"{r['measured_us']:.1f}",
-                    f"{r.get('measured_lo_us', r['measured_us']):.0f}-"
-                    f"{r.get('measured_hi_us', r['measured_us']):.0f}",
-                    f"{r['error']:+.2f}")
-    if console.width < 124:              # a pipe or a narrow terminal: do not truncate
-        console.width = 124
+                    f"{r['measured_lo_us']:.0f}-{r['measured_hi_us']:.0f}",
+                    f"{r['error']:+.2f}",
+                    f"{r['kept']}/{r['chunks']}" + (" (none settled: all)"
+                                                    if r["unsettled"] else ""))
+    if console.width < 132:              # a pipe or a narrow terminal: do not truncate
+        console.width = 132
     console.print(tab)
     ok = sum(abs(r["error"]) <= 0.25 for r in rows)
-    console.print(f"within +-25%: {ok} of {len(rows)}")
-    line = []                               # each pass at each batch's footprint, run 1
-    for r in (r for r in runs if r.get("rep", 1) == 1 and "batch" in r):
-        f = host.footprint_bytes("shm-ubep", r["batch"])
-        t = hostbench.CopyTable.from_dict(json.loads(
-            (out / r["folder"] / "host_copy_table.json").read_text()))
-        line.append(f"b{r['batch']} ({f / 1e6:.1f} MB) " + " ".join(
-            f"{p} {t.GBps(p, f):.0f}" for p in host.model_passes()))
-    if line:
-        console.print("GB/s of the passes, two ranks at once, run 1, at the one-worker "
-                      "footprint of each batch: " + "; ".join(line))
-    busy = [r for r in runs if max(r["others"].get("cores", 0),
-                                   r.get("others_table", {}).get("cores", 0)) > 0.05]
-    for r in busy:
-        console.print(escape(f"run {r.get('rep', '')} batch {r.get('batch', '')}: load "
-                             f"{r['load']:.2f}, {r['others_text']}"))
-    if runs and not busy:
-        console.print("no other process used more than 0.05 cores during any table or bench")
-    if load is not None and load > 1.0:
-        console.print(f"[yellow]the host was not quiet (load {load:.2f}): medians carry "
-                      "scheduler waits (spinning ranks sharing 2 cores with other work) "
-                      "that the model does not have[/yellow]")
+    kept, chunks = sum(r["kept"] for r in rows), sum(r["chunks"] for r in rows)
+    console.print(f"within +-25%: {ok} of {len(rows)}; chunks kept {kept} of {chunks} "
+                  f"(dropped: the tables around them disagreed by more than "
+                  f"{hostchunks.TOLERANCE:.0%}); {rec['wall_s']:.0f} s of chunks")
+    for b, per in hostchunks.states(rec).items():
+        console.print(f"b{b}: us per 14 KB row over its {len(next(iter(per.values())))} "
+                      "tables: " + "; ".join(
+                          f"{name} {min(v):.2f}-{max(v):.2f} ({sum(x > 2 * min(v) for x in v)}"
+                          " over twice the lowest)" for name, v in per.items()))
+    if rec["others"].get("cores", 0) > 0.05:
+        console.print(escape(f"during the chunks: {rec['others_text']}"))
+    else:
+        console.print("no other process used more than 0.05 cores during the chunks")
     (out / "validate_host.json").write_text(json.dumps(
-        {"rows": rows, "bench_runs": runs}, indent=2))
+        {"rows": rows, "states": hostchunks.states(rec), "load": rec["load"],
+         "wall_s": rec["wall_s"], "others": rec["others"]}, indent=1))
     (out / "validate_host.md").write_text(host.markdown_table(rows))
     console.print(f"tables: {out / 'validate_host.json'}, {out / 'validate_host.md'}")
     return 0

@@ -250,15 +250,15 @@ def measure_table(faults: bool = False, rounds: int = 3, batches=BATCHES) -> Cop
                              procs=(2,), rounds=rounds)
 
 
-def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = None
-              ) -> HostConstants:
+def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = None,
+              batches=BATCHES) -> HostConstants:
     """Per-call overheads from the hidden-64 points of the bench run: at each batch, what
     the call cost beyond the model's data movement for its 128-byte rows (never < 0).
     `faults`: pages faulted per call at hidden 7168 (`count_faults`; none if omitted)."""
     call = {}
     for system in SYSTEMS:
         for op in ("dispatch", "combine"):
-            for b in BATCHES:
+            for b in batches:
                 m = med.get((system, TINY_HIDDEN, b, op))
                 if m is None:
                     continue
@@ -267,11 +267,11 @@ def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = Non
     return HostConstants(table=table, flag_rtt_us=rtt, call_us=call, faults=dict(faults or {}))
 
 
-def validate(med: dict, hc: HostConstants) -> list[dict]:
-    """Predicted vs measured for every system, batch and op at hidden 7168."""
+def validate(med: dict, hc: HostConstants, batches=BATCHES) -> list[dict]:
+    """Predicted vs measured for every system, batch (of `batches`) and op at hidden 7168."""
     rows = []
     for system in SYSTEMS:
-        for batch in BATCHES:
+        for batch in batches:
             for op in ("dispatch", "combine"):
                 call = hc.call_us.get((system, op, batch), 0.0)
                 faults = hc.faults.get((system, op, batch), 0.0)
@@ -302,8 +302,10 @@ def markdown_table(rows: list[dict]) -> str:
             round(lo) != round(hi) else ""
 
     def cell(r: dict) -> str:
+        pairs = f", {r['kept']}/{r['chunks']}" if "chunks" in r else ""
         return (f"{r['predicted_us']:,.0f}{rng(r, 'predicted')} / "
-                f"{r['measured_us']:,.0f}{rng(r, 'measured')} ({100 * r['error']:+.0f}%)")
+                f"{r['measured_us']:,.0f}{rng(r, 'measured')} "
+                f"({100 * r['error']:+.0f}%{pairs})")
 
     for system in SYSTEMS:
         for b in BATCHES:

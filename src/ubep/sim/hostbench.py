@@ -477,21 +477,24 @@ def exchange_rounds(footprint: int, seconds: float) -> int:
 
 
 def time_exchange(name: str, footprint: int, row_bytes: int, own: np.ndarray,
-                  peer: np.ndarray, seconds: float, barrier, me: int = 0
-                  ) -> tuple[float, float]:
+                  peer: np.ndarray, seconds: float, barrier, me: int = 0, setup=None,
+                  epoch0: int = 2) -> tuple[float, float]:
     """ns per payload byte of the write and of the read half of exchange `name`: every
     round, all processes write (into their peer's buffer), meet at `barrier`, read (their
-    own), meet again; the median round of each half (after one untimed round)."""
-    write, read, nbytes = _exchange_setup(name, footprint, row_bytes, own, peer, me)
+    own), meet again; the median round of each half (after one untimed round). `setup`:
+    an `_exchange_setup` result to reuse (timed again and again); rounds use epochs
+    `epoch0`, `epoch0 + 1`, ... (`exchange_rounds` + 1 of them), which a caller timing the
+    same buffers again starts past the last ones used, so no stale word reads as new."""
+    write, read, nbytes = setup or _exchange_setup(name, footprint, row_bytes, own, peer, me)
     tw, tr = [], []
     for r in range(exchange_rounds(footprint, seconds) + 1):
         barrier.wait()
         t0 = time.perf_counter_ns()
-        write(2 + r)
+        write(epoch0 + r)
         t1 = time.perf_counter_ns()
         barrier.wait()
         t2 = time.perf_counter_ns()
-        read(2 + r)
+        read(epoch0 + r)
         t3 = time.perf_counter_ns()
         if r:
             tw.append(t1 - t0)
@@ -500,11 +503,12 @@ def time_exchange(name: str, footprint: int, row_bytes: int, own: np.ndarray,
 
 
 def time_pass(pass_: str, footprint: int, row_bytes: int, seconds: float,
-              barrier=None) -> float:
+              barrier=None, setup=None) -> float:
     """ns per payload byte of `pass_` cycling through `footprint` bytes: the median of
     timings of at least ~100 us each, taken for `seconds` (after one warm pass). With a
-    `barrier`, the timing starts when every process reached it."""
-    run, nbytes = _setup(pass_, footprint, row_bytes)
+    `barrier`, the timing starts when every process reached it. `setup`: a `_setup`
+    result to reuse."""
+    run, nbytes = setup or _setup(pass_, footprint, row_bytes)
     run(1)                                       # compiled, buffers touched
     t = time.perf_counter()
     run(1)

@@ -1,0 +1,398 @@
+"""Host validation in interleaved chunks: the table a bench is predicted from and the bench
+it predicts, timed within a second of each other, many times (`ubep simulate
+--validate-host`).
+
+Why: this host switches between states ~3x apart every few seconds (the one-worker path's
+cross-core records 0.4-0.6 or ~2.7 us per 14 KB row, in the microbenchmark and the bench
+alike; docs/results/simulator.md). A table timed before a bench of ~4 s and the bench may
+meet different states; then the prediction is right for the state the table saw and the
+point misses. So both ranks of one process pair (`ubep.testing.run_ranks`, each bound to
+its core as `ubep bench` binds them) alternate, per batch:
+
+    table, bench chunk, table, bench chunk, ..., bench chunk, table      (`schedule`)
+
+A table is the model's passes (`host.model_passes`) at exactly that batch's footprints
+(`host.model_footprints`), each point timed once (~0.2-0.7 s); a bench chunk is every
+shm system at hidden 64 and 7168, `iters` timed calls each after `warmup` untimed ones,
+timed as `ubep bench` times them (`ubep.bench.runner`: a cross-process barrier before
+each dispatch and each combine, the max over ranks per call; ~0.05-0.2 s). Each bench
+chunk is predicted from the two tables around it (the mean of their predictions, the
+per-call overhead from the chunk's own hidden-64 medians), and its paired error is
+prediction / measured median - 1. A chunk whose two tables disagree by more than the
+tolerance tested (`settled`) saw the host change state during it: which state its bench
+met is not known, so its prediction is not determined to the tolerance and the chunk is
+dropped (counted and reported). A point's error is the median of its kept chunks' errors.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import mmap
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ubep.sim import host, hostbench
+
+#: bench chunks per batch per round; rounds per validation (the batches in turn each round)
+CHUNKS, ROUNDS = 5, 3
+#: timed calls per system and hidden in a bench chunk, after `WARMUP` untimed ones
+ITERS, WARMUP = 10, 3
+#: the tolerance validated: a chunk is paired only if its two tables agree within it
+TOLERANCE = 0.25
+HIDDENS = (host.TINY_HIDDEN, host.HIDDEN)
+#: the exchange and cycled passes a table times (`hostbench`): those of `model_passes`
+GROUPS = ("copy_fanout", "dispatch_peer", "combine_peer", "direct")
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What the ranks run: batches, rounds, chunks, calls per chunk, the exchange buffers."""
+
+    batches: tuple[int, ...] = host.BATCHES
+    rounds: int = ROUNDS
+    chunks: int = CHUNKS
+    iters: int = ITERS
+    warmup: int = WARMUP
+    seconds: float = 0.02               # per table point (`hostbench.exchange_rounds`)
+    segments: tuple = ()                # ((path, size), ...) one per rank
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("rounds", "chunks", "iters"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup!r} must be an int >= 0")
+        if not self.batches or any(b not in host.BATCHES for b in self.batches):
+            raise ValueError(f"batches={self.batches!r} must be a non-empty subset of "
+                             f"{host.BATCHES}")
+
+
+def schedule(batches, rounds: int, chunks: int) -> list[tuple[str, int, int, int]]:
+    """The events in order: `(kind, batch, round, index)`, kind "table" or "bench". Each
+    round takes the batches in turn; a batch's turn is `chunks` bench chunks with a table
+    before each and one after the last, so bench chunk j sits between tables j and j + 1."""
+    out = []
+    for r in range(rounds):
+        for b in batches:
+            for j in range(chunks):
+                out += [("table", b, r, j), ("bench", b, r, j)]
+            out.append(("table", b, r, chunks))
+    return out
+
+
+def settled(before: float, after: float, tol: float = TOLERANCE) -> bool:
+    """Whether the predictions of the tables before and after a chunk agree within `tol`
+    (the larger at most `1 + tol` times the smaller): the host did not change state in
+    between, as far as the model's passes show."""
+    lo, hi = min(before, after), max(before, after)
+    return lo > 0 and hi <= (1.0 + tol) * lo
+
+
+def pair_point(chunks, tol: float = TOLERANCE) -> dict:
+    """One point from its chunks `[(predicted from the table before, from the table after,
+    measured median), ...]`: each chunk predicted as the mean of its two tables; the kept
+    chunks are the `settled` ones (all of them if none is, flagged `unsettled`); over the
+    kept: the median prediction and measurement with their ranges, and `error`, the median
+    of the kept chunks' own errors (prediction / measured - 1)."""
+    if not chunks:
+        raise ValueError("chunks must not be empty")
+    c = [(float(b), float(a), float(m)) for b, a, m in chunks]
+    kept = [x for x in c if settled(x[0], x[1], tol)]
+    unsettled = not kept
+    use = kept or c
+    pred = [(b + a) / 2 for b, a, _ in use]
+    meas = [m for _, _, m in use]
+    errs = [p / m - 1.0 for p, m in zip(pred, meas)]
+    return {"predicted_us": float(np.median(pred)), "measured_us": float(np.median(meas)),
+            "predicted_lo_us": min(pred), "predicted_hi_us": max(pred),
+            "measured_lo_us": min(meas), "measured_hi_us": max(meas),
+            "error": float(np.median(errs)), "chunk_errors": errs,
+            "chunks": len(c), "kept": len(kept), "unsettled": unsettled}
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+def _table_points(batch: int) -> list[tuple[str, int]]:
+    return [(g, f) for g in GROUPS for f in host.model_footprints((batch,))]
+
+
+def _time_table(batch: int, state: dict, rng: random.Random) -> dict:
+    """Every (group, footprint) of `batch` timed once, in a shuffled order (the same on both
+    ranks): `{group: {footprint: (ns/B,) or (write ns/B, read ns/B)}}`."""
+    rb = host.HIDDEN * host.BYTES_PER_ELEMENT
+    pts = _table_points(batch)
+    rng.shuffle(pts)
+    out: dict = {}
+    spin, own, peer, me = state["spin"], state["own"], state["peer"], state["me"]
+    for g, f in pts:
+        key = (g, f)
+        if g in hostbench.EXCHANGES:
+            if key not in state["setups"]:
+                state["setups"][key] = hostbench._exchange_setup(g, f, rb, own, peer, me)
+            e0 = state["epoch"]
+            state["epoch"] += hostbench.exchange_rounds(f, state["seconds"]) + 1
+            v = hostbench.time_exchange(g, f, rb, own, peer, state["seconds"], spin, me,
+                                        setup=state["setups"][key], epoch0=e0)
+        else:
+            if key not in state["setups"]:
+                state["setups"][key] = hostbench._setup(g, f, rb)
+            v = (hostbench.time_pass(g, f, rb, state["seconds"], spin,
+                                     setup=state["setups"][key]),)
+        out.setdefault(g, {})[f] = v
+    return out
+
+
+def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random) -> dict:
+    """Every (hidden, system) of one batch: `warmup` untimed then `iters` timed calls back to
+    back, in a shuffled order (the same on both ranks), timed as `ubep bench` times them:
+    `{(system, hidden): [[dispatch us ...], [combine us ...]]}`."""
+    perf = time.perf_counter_ns
+    order = sorted(systems)
+    rng.shuffle(order)
+    out = {}
+    gc.collect()
+    gc.disable()            # a collection inside a timed call lands on one system at random
+    try:
+        for key in order:
+            s = systems[key]
+            t = np.empty((2, iters))
+            for it in range(-warmup, iters):
+                sync.barrier()
+                t0 = perf()
+                s.dispatch()
+                t1 = perf()
+                sync.barrier()
+                t2 = perf()
+                s.combine()
+                t3 = perf()
+                if it >= 0:
+                    t[:, it] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+            out[(key[1], key[0])] = t.tolist()
+    finally:
+        gc.enable()
+    return out
+
+
+def _open_segments(segments, me: int) -> dict:
+    maps = []
+    for path, size in segments:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            maps.append(mmap.mmap(fd, size))
+        finally:
+            os.close(fd)
+    bufs = [np.frombuffer(m, np.uint8) for m in maps]
+    spin = hostbench.SpinBarrier(bufs[0].ctypes.data + bufs[0].nbytes - hostbench.PAGE, me,
+                                 len(bufs))
+    return {"maps": maps, "own": bufs[me], "peer": bufs[(me + 1) % len(bufs)], "spin": spin,
+            "me": me, "setups": {}, "epoch": 2}
+
+
+def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
+    """One rank of the interleaved validation (run by `ubep.testing.run_ranks`): bound to
+    its core, every shm system of every batch built and checked against the oracle once
+    (untimed), then the events of `schedule`, all ranks in step. Returns `{"tables":
+    [...], "bench": [...], "t": [(start, end) s], "rtt_us": [start, end]}`."""
+    import torch
+
+    from ubep import reference
+    from ubep.bench.config import BenchConfig
+    from ubep.bench.flags import HostSync
+    from ubep.bench.runner import _checked_call, _inputs, _pin
+    from ubep.bench.systems import make_system
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    _pin(rank, world)
+    job = os.environ.get("UBEP_JOB_ID", f"c{os.getpid()}")
+    sync = HostSync.create(rank, world, job, timeout_s=60.0)
+    state = _open_segments(spec.segments, rank)
+    state["seconds"] = spec.seconds
+    systems: dict = {}
+    out: dict = {"tables": [], "bench": [], "t": [], "rtt_us": []}
+    try:
+        out["rtt_us"].append(sync.flag_round_trip_us())
+        for b in spec.batches:
+            cfg = BenchConfig(ranks=(world,), hiddens=HIDDENS, batches=(b,),
+                              top_k=host.TOP_K, experts=host.EXPERTS,
+                              systems=tuple(host.SYSTEMS), iters=spec.iters,
+                              warmup=spec.warmup, block=spec.iters, seed=spec.seed)
+            for h in HIDDENS:
+                inputs = [_inputs(cfg, r, b, h) for r in range(world)]
+                ref = reference.dispatch([i[0] for i in inputs], [i[1] for i in inputs],
+                                         [i[2] for i in inputs], cfg.experts)[rank]
+                x, idx, w = inputs[rank]
+                for name in host.SYSTEMS:
+                    s = systems[(b, h, name)] = make_system(name, cfg, h)
+                    sync.barrier()
+                    _checked_call(s, x, idx, w, ref)
+        rng = random.Random(spec.seed)
+        for kind, b, _, _ in schedule(spec.batches, spec.rounds, spec.chunks):
+            sync.barrier()
+            t0 = time.monotonic()
+            if kind == "table":
+                tab = _time_table(b, state, rng)
+                out["tables"].append({g: {str(f): v for f, v in d.items()}
+                                      for g, d in tab.items()})
+            else:
+                mine = {(h, n): s for (bb, h, n), s in systems.items() if bb == b}
+                got = _time_bench(mine, sync, spec.iters, spec.warmup, rng)
+                out["bench"].append({f"{n}:{h}": v for (n, h), v in got.items()})
+            out["t"].append((t0, time.monotonic()))
+        out["rtt_us"].append(sync.flag_round_trip_us())
+    finally:
+        for s in systems.values():
+            s.close()
+        sync.close()
+        state.pop("setups").clear()
+        for m in state.pop("maps"):
+            try:
+                m.close()
+            except BufferError:             # a view still alive; the process ends anyway
+                pass
+    return out
+
+
+# -- the driver --------------------------------------------------------------------------------
+def merge_ranks(spec: ChunkSpec, per_rank: list[dict]) -> dict:
+    """The ranks' results as one record: per table event the median over ranks of each
+    (pass, footprint), per bench event the max over ranks of each call (as `ubep bench`);
+    events in `schedule` order with their kind, batch, round, index and rank 0's times."""
+    events, ti, bi = [], 0, 0
+    t0 = per_rank[0]["t"][0][0] if per_rank[0]["t"] else 0.0
+    for i, (kind, b, r, j) in enumerate(schedule(spec.batches, spec.rounds, spec.chunks)):
+        start, end = per_rank[0]["t"][i]
+        ev = {"kind": kind, "batch": b, "round": r, "index": j,
+              "t_s": [start - t0, end - t0]}
+        if kind == "table":
+            ns = {}
+            for g, names in ((g, hostbench.EXCHANGES.get(g, (g,))) for g in GROUPS):
+                for k, name in enumerate(names):
+                    fps = sorted(per_rank[0]["tables"][ti][g], key=int)
+                    ns[name] = {f: float(np.median([pr["tables"][ti][g][f][k]
+                                                    for pr in per_rank])) for f in fps}
+            ev["ns_per_byte"] = ns
+            ti += 1
+        else:
+            ev["us"] = {key: np.max(np.array([pr["bench"][bi][key] for pr in per_rank]),
+                                    axis=0).tolist() for key in per_rank[0]["bench"][bi]}
+            bi += 1
+        events.append(ev)
+    rtts = [v for pr in per_rank[:1] for v in pr["rtt_us"] if v is not None]
+    return {"spec": {k: v for k, v in asdict(spec).items() if k != "segments"},
+            "rtt_us": min(rtts) if rtts else 0.0, "events": events}
+
+
+def run_chunks(out: Path, spec: ChunkSpec | None = None) -> dict:
+    """Run `chunk_rank` on two ranks (the caller holds the bench lock) with a CPU watch;
+    write and return the merged record (`out/chunks.json`)."""
+    from ubep.sim.cpuwatch import CpuWatch
+    from ubep.testing import run_ranks
+
+    spec = spec or ChunkSpec()
+    size = 2 * max(host.model_footprints(spec.batches)) + 2 * hostbench.PAGE
+    segs = hostbench._segments(host.RANKS, size)
+    try:
+        spec = ChunkSpec(**{**asdict(spec), "segments": tuple(segs)})
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        t = time.monotonic()
+        with CpuWatch() as watch:
+            per_rank = run_ranks(chunk_rank, host.RANKS, spec, timeout_s=900.0)
+        rec = merge_ranks(spec, per_rank)
+    finally:
+        for path, _ in segs:
+            os.unlink(path)
+    rec.update(load=load, wall_s=time.monotonic() - t, others=watch.result.to_dict(),
+               others_text=watch.result.describe())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chunks.json").write_text(json.dumps(rec, indent=0))
+    return rec
+
+
+def table_of(ev: dict) -> hostbench.CopyTable:
+    """A table event's `CopyTable` (two ranks at once)."""
+    ns = ev["ns_per_byte"]
+    fps = tuple(sorted(int(f) for f in next(iter(ns.values()))))
+    return hostbench.CopyTable(row_bytes=host.HIDDEN * host.BYTES_PER_ELEMENT,
+                               footprints=fps,
+                               ns_per_byte={(p, 2): tuple(v[str(f)] for f in fps)
+                                            for p, v in ns.items()})
+
+
+def _medians(ev: dict, batch: int) -> dict:
+    """A bench event's `{(system, hidden, batch, op): median us}`."""
+    med = {}
+    for key, t in ev["us"].items():
+        system, hidden = key.rsplit(":", 1)
+        for i, op in enumerate(("dispatch", "combine")):
+            med[(system, int(hidden), batch, op)] = float(np.median(t[i]))
+    return med
+
+
+def chunk_predictions(rec: dict, faults: dict | None = None) -> dict:
+    """`{(system, batch, op): [(predicted from the table before, after, measured, per-call
+    us), ...]}`: every bench chunk predicted from each of its two tables (`host.validate`,
+    per-call overhead from the chunk's own hidden-64 medians; the last element is the mean
+    of the two tables')."""
+    evs = rec["events"]
+    tables = {(e["batch"], e["round"], e["index"]): table_of(e) for e in evs
+              if e["kind"] == "table"}
+    out: dict = {}
+    for e in evs:
+        if e["kind"] != "bench":
+            continue
+        b, r, j = e["batch"], e["round"], e["index"]
+        med = _medians(e, b)
+        sides = []
+        for tab in (tables[(b, r, j)], tables[(b, r, j + 1)]):
+            hc = host.constants(med, rec["rtt_us"], tab, faults, batches=(b,))
+            sides.append(host.validate(med, hc, batches=(b,)))
+        for before, after in zip(*sides):
+            out.setdefault((before["system"], b, before["op"]), []).append(
+                (before["predicted_us"], after["predicted_us"], before["measured_us"],
+                 (before["call_us"] + after["call_us"]) / 2))
+    return out
+
+
+def validate_chunks(rec: dict, faults: dict | None = None, tol: float = TOLERANCE
+                    ) -> list[dict]:
+    """`host.validate`'s rows for the interleaved run `rec`: per point `pair_point` of its
+    chunks (with `chunks`, `kept`, ranges and the chunks' errors)."""
+    per = chunk_predictions(rec, faults)
+    faults = faults or {}
+    rows = []
+    for system in host.SYSTEMS:
+        for b in rec["spec"]["batches"]:
+            for op in ("dispatch", "combine"):
+                row = {"system": system, "batch": b, "op": op,
+                       "footprint_MB": host.footprint_bytes(system, b) / 1e6,
+                       "faults": faults.get((system, op, b), 0.0),
+                       "call_us": float(np.median([c[3] for c in per[(system, b, op)]]))}
+                row.update(pair_point([c[:3] for c in per[(system, b, op)]], tol))
+                rows.append(row)
+    return rows
+
+
+def states(rec: dict) -> dict:
+    """What the tables saw of the host's state, per batch: us per 14 KB row of the
+    one-worker dispatch's cross-core write (`record_write_fanout_peer`) at the batch's
+    hidden-7168 one-worker footprint, and of the direct dispatch (`copy_scatter`) at its
+    own, one value per table in time order."""
+    rb = host.HIDDEN * host.BYTES_PER_ELEMENT
+    out: dict = {}
+    for e in rec["events"]:
+        if e["kind"] != "table":
+            continue
+        b = e["batch"]
+        for name, system in (("record_write_fanout_peer", "shm-ubep"),
+                             ("copy_scatter", "shm-direct")):
+            f = str(host.footprint_bytes(system, b))
+            out.setdefault(b, {}).setdefault(name, []).append(
+                e["ns_per_byte"][name][f] * rb / 1e3)
+    return out

@@ -1,0 +1,151 @@
+"""The interleaved host validation's pairing (`ubep.sim.hostchunks`): which tables a bench
+chunk is predicted from, which chunks are dropped, how a point is summarised. Synthetic
+records; no timed assertion (one tiny real run checks the record's shape only)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from ubep.sim import host, hostbench, hostchunks
+from ubep.sim.hostchunks import ChunkSpec, pair_point, schedule, settled
+
+
+def test_every_bench_chunk_sits_between_two_tables_of_its_batch():
+    ev = schedule((1, 8), rounds=2, chunks=3)
+    assert len(ev) == 2 * 2 * (2 * 3 + 1)
+    for i, (kind, b, r, j) in enumerate(ev):
+        if kind == "bench":
+            assert ev[i - 1] == ("table", b, r, j) and ev[i + 1] == ("table", b, r, j + 1)
+    benches = [e for e in ev if e[0] == "bench"]
+    assert sorted({(b, r, j) for _, b, r, j in benches}) == \
+        [(b, r, j) for b in (1, 8) for r in range(2) for j in range(3)]
+    assert [b for k, b, r, j in ev if k == "table" and j == 0] == [1, 8, 1, 8]  # in turn
+
+
+def test_tables_agree_within_the_tolerance_either_way():
+    assert settled(100.0, 125.0) and settled(125.0, 100.0)
+    assert not settled(100.0, 126.0) and not settled(126.0, 100.0)
+    assert settled(100.0, 140.0, tol=0.5) and not settled(0.0, 0.0)
+
+
+def test_a_chunk_across_a_state_change_is_dropped_and_the_rest_paired():
+    chunks = [(100.0, 104.0, 95.0),       # cheap state around it: +7.4%
+              (100.0, 300.0, 280.0),      # the host switched during it: dropped
+              (300.0, 310.0, 290.0),      # dear: +5.2%
+              (98.0, 102.0, 200.0)]       # its bench alone in the other state: kept, -50%
+    p = pair_point(chunks)
+    assert (p["chunks"], p["kept"], p["unsettled"]) == (4, 3, False)
+    errs = [102 / 95 - 1, 305 / 290 - 1, 100 / 200 - 1]
+    assert p["chunk_errors"] == pytest.approx(errs)
+    assert p["error"] == pytest.approx(float(np.median(errs)))
+    assert (p["predicted_lo_us"], p["predicted_hi_us"]) == (100.0, 305.0)
+    assert (p["measured_lo_us"], p["measured_hi_us"]) == (95.0, 290.0)
+    assert p["measured_us"] == 200.0 and p["predicted_us"] == 102.0
+
+
+def test_a_point_with_no_settled_chunk_uses_all_and_says_so():
+    p = pair_point([(100.0, 300.0, 150.0), (300.0, 100.0, 250.0)])
+    assert p["unsettled"] and (p["kept"], p["chunks"]) == (0, 2)
+    assert p["error"] == pytest.approx(np.median([200 / 150 - 1, 200 / 250 - 1]))
+    with pytest.raises(ValueError, match="chunks"):
+        pair_point([])
+
+
+def test_spec_names_a_bad_argument():
+    for kw, name in (({"rounds": 0}, "rounds"), ({"chunks": 0}, "chunks"),
+                     ({"iters": 0}, "iters"), ({"warmup": -1}, "warmup"),
+                     ({"batches": (3,)}, "batches")):
+        with pytest.raises(ValueError, match=name):
+            ChunkSpec(**kw)
+
+
+def _ns(batch: int, scale: float) -> dict:
+    fps = host.model_footprints((batch,))
+    return {p: {str(f): 0.05 * scale for f in fps} for p in host.model_passes()}
+
+
+def _record(batch: int, scales: list[float], measured) -> dict:
+    """A one-batch, one-round record: tables with every pass at 0.05 ns/B x `scales[j]`,
+    bench chunk j's calls all taking `measured(j, system, hidden, op)` us."""
+    events = []
+    for kind, b, r, j in schedule((batch,), 1, len(scales) - 1):
+        ev = {"kind": kind, "batch": b, "round": r, "index": j, "t_s": [0.0, 0.0]}
+        if kind == "table":
+            ev["ns_per_byte"] = _ns(b, scales[j])
+        else:
+            ev["us"] = {f"{s}:{h}": [[measured(j, s, h, "dispatch")] * 3,
+                                     [measured(j, s, h, "combine")] * 3]
+                        for s in host.SYSTEMS for h in hostchunks.HIDDENS}
+        events.append(ev)
+    return {"spec": {"batches": [batch]}, "rtt_us": 0.2, "events": events}
+
+
+def _model(batch: int, scale: float, call: float = 20.0) -> dict:
+    """The model's hidden-7168 predictions on a table at `scale`, hidden-64 calls `call` us."""
+    t = hostchunks.table_of({"ns_per_byte": _ns(batch, scale)})
+    med = {(s, host.TINY_HIDDEN, batch, o): call for s in host.SYSTEMS
+           for o in ("dispatch", "combine")}
+    hc = host.constants(med, 0.2, t, batches=(batch,))
+    return {(r["system"], r["op"]): r["predicted_us"]
+            for r in host.validate(med, hc, batches=(batch,))}
+
+
+def test_each_chunk_is_predicted_from_the_two_tables_around_it():
+    """Tables cheap, cheap, dear (3x), dear: chunk 0 between two cheap ones, chunk 1 across
+    the switch (dropped where the predictions differ by more than 25%), chunk 2 between
+    two dear ones; each bench 10% slower than the prediction of its own state."""
+    b = 16
+    cheap, dear = _model(b, 1.0), _model(b, 3.0)
+    state = {0: cheap, 1: dear, 2: dear}
+
+    def measured(j, s, h, op):
+        return 20.0 if h == host.TINY_HIDDEN else 1.1 * state[j][(s, op)]
+
+    rows = hostchunks.validate_chunks(_record(b, [1.0, 1.0, 3.0, 3.0], measured))
+    assert len(rows) == len(host.SYSTEMS) * 2
+    for r in rows:
+        c, d = cheap[(r["system"], r["op"])], dear[(r["system"], r["op"])]
+        assert d > 1.25 * c                     # the switch shows in every point
+        assert (r["chunks"], r["kept"]) == (3, 2)
+        assert r["chunk_errors"] == pytest.approx([1 / 1.1 - 1] * 2)
+        assert r["error"] == pytest.approx(1 / 1.1 - 1)
+        assert r["predicted_lo_us"] == pytest.approx(c)
+        assert r["predicted_hi_us"] == pytest.approx(d)
+
+
+def test_ranks_merge_as_the_bench_does():
+    """Tables: the median (mean of two) over ranks per pass and footprint; bench: the max
+    over ranks of each call."""
+    spec = ChunkSpec(batches=(1,), rounds=1, chunks=1, iters=2)
+    fps = host.model_footprints((1,))
+
+    def rank(v):
+        tab = {g: {str(f): ((v, 2 * v) if g in hostbench.EXCHANGES else (v,)) for f in fps}
+               for g in hostchunks.GROUPS}
+        bench = {"shm-ubep:7168": [[v, 10 - v], [1.0, 1.0]]}
+        return {"tables": [tab, tab], "bench": [bench], "t": [(0.0, 1.0)] * 3,
+                "rtt_us": [0.3, 0.2]}
+
+    rec = hostchunks.merge_ranks(spec, [rank(1.0), rank(3.0)])
+    t0, bench, _ = rec["events"]
+    assert t0["ns_per_byte"]["copy_fanout"][str(fps[0])] == 2.0
+    assert t0["ns_per_byte"]["record_read_peer"][str(fps[0])] == 4.0       # read half
+    assert bench["us"]["shm-ubep:7168"] == [[3.0, 9.0], [1.0, 1.0]]
+    assert rec["rtt_us"] == 0.2
+
+
+def test_a_tiny_interleaved_run_prices_every_point(tmp_path):
+    """The real ranks (two processes, the runtime and the microbenchmark's kernels), one
+    batch, one chunk: every point has a finite positive prediction and measurement, and
+    nothing is left in /dev/shm. Shape only, no timing."""
+    spec = ChunkSpec(batches=(1,), rounds=1, chunks=1, iters=2, warmup=1, seconds=0.001)
+    rec = hostchunks.run_chunks(tmp_path, spec)
+    assert [e["kind"] for e in rec["events"]] == ["table", "bench", "table"]
+    rows = hostchunks.validate_chunks(rec)
+    assert len(rows) == len(host.SYSTEMS) * 2
+    for r in rows:
+        assert 0 < r["predicted_us"] < 1e6 and 0 < r["measured_us"] < 1e6
+        assert r["chunks"] == 1
+    assert (tmp_path / "chunks.json").exists()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("ubep-hostbench")]
