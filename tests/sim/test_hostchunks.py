@@ -62,7 +62,8 @@ def test_spec_names_a_bad_argument():
 
 def _ns(batch: int, scale: float) -> dict:
     fps = host.model_footprints((batch,))
-    return {p: {str(f): 0.05 * scale for f in fps} for p in host.model_passes()}
+    return {p: {str(f): [0.05 * scale, 0.04 * scale] for f in fps}
+            for p in host.model_passes()}
 
 
 def _record(batch: int, scales: list[float], measured) -> dict:
@@ -129,8 +130,11 @@ def test_ranks_merge_as_the_bench_does():
 
     rec = hostchunks.merge_ranks(spec, [rank(1.0), rank(3.0)])
     t0, bench, _ = rec["events"]
-    assert t0["ns_per_byte"]["copy_fanout"][str(fps[0])] == 2.0
-    assert t0["ns_per_byte"]["record_read_peer"][str(fps[0])] == 4.0       # read half
+    assert t0["ns_per_byte"]["copy_fanout"][str(fps[0])] == [1.0, 3.0]
+    assert t0["ns_per_byte"]["record_read_peer"][str(fps[0])] == [2.0, 6.0]  # read half
+    f = fps[0]
+    assert hostchunks.table_of(t0).cost_ns_per_byte("record_read_peer", f) == 6.0
+    assert hostchunks.table_of(t0, "median").cost_ns_per_byte("record_read_peer", f) == 4.0
     assert bench["us"]["shm-ubep:7168"] == [[3.0, 9.0], [1.0, 1.0]]
     assert rec["rtt_us"] == 0.2
 

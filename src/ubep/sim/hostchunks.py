@@ -261,9 +261,9 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
 
 # -- the driver --------------------------------------------------------------------------------
 def merge_ranks(spec: ChunkSpec, per_rank: list[dict]) -> dict:
-    """The ranks' results as one record: per table event the median over ranks of each
-    (pass, footprint), per bench event the max over ranks of each call (as `ubep bench`);
-    events in `schedule` order with their kind, batch, round, index and rank 0's times."""
+    """The ranks' results as one record: per table event each rank's ns/B of each (pass,
+    footprint), per bench event the max over ranks of each call (as `ubep bench`); events
+    in `schedule` order with their kind, batch, round, index and rank 0's times."""
     events, ti, bi = [], 0, 0
     t0 = per_rank[0]["t"][0][0] if per_rank[0]["t"] else 0.0
     for i, (kind, b, r, j) in enumerate(schedule(spec.batches, spec.rounds, spec.chunks)):
@@ -275,8 +275,8 @@ def merge_ranks(spec: ChunkSpec, per_rank: list[dict]) -> dict:
             for g, names in ((g, hostbench.EXCHANGES.get(g, (g,))) for g in GROUPS):
                 for k, name in enumerate(names):
                     fps = sorted(per_rank[0]["tables"][ti][g], key=int)
-                    ns[name] = {f: float(np.median([pr["tables"][ti][g][f][k]
-                                                    for pr in per_rank])) for f in fps}
+                    ns[name] = {f: [float(pr["tables"][ti][g][f][k]) for pr in per_rank]
+                                for f in fps}
             ev["ns_per_byte"] = ns
             ti += 1
         else:
@@ -315,13 +315,27 @@ def run_chunks(out: Path, spec: ChunkSpec | None = None) -> dict:
     return rec
 
 
-def table_of(ev: dict) -> hostbench.CopyTable:
-    """A table event's `CopyTable` (two ranks at once)."""
+#: how a table combines its two processes' costs of a point (`table_of`)
+STATS = {"max": max, "median": lambda v: float(np.median(v))}
+
+
+def table_of(ev: dict, stat: str = "max") -> hostbench.CopyTable:
+    """A table event's `CopyTable` (two ranks at once), each point the `stat` of the two
+    processes' costs. "max" (the model's): the two cores are not equally fast (in an
+    exchange one process's halves took 1.2-1.3 us per row, the other's 1.8-1.9, which one
+    flipping between runs), and every call of the bench waits on the slower one: its
+    sends are the rows the other rank waits for, and the bench takes the max over ranks;
+    so the slower core's passes are a call's. "median": their mean (the earlier tables')."""
     ns = ev["ns_per_byte"]
     fps = tuple(sorted(int(f) for f in next(iter(ns.values()))))
+    pick = STATS[stat]
+
+    def one(v) -> float:
+        return float(pick(v)) if isinstance(v, list) else float(v)
+
     return hostbench.CopyTable(row_bytes=host.HIDDEN * host.BYTES_PER_ELEMENT,
                                footprints=fps,
-                               ns_per_byte={(p, 2): tuple(v[str(f)] for f in fps)
+                               ns_per_byte={(p, 2): tuple(one(v[str(f)]) for f in fps)
                                             for p, v in ns.items()})
 
 
@@ -335,13 +349,13 @@ def _medians(ev: dict, batch: int) -> dict:
     return med
 
 
-def chunk_predictions(rec: dict, faults: dict | None = None) -> dict:
+def chunk_predictions(rec: dict, faults: dict | None = None, stat: str = "max") -> dict:
     """`{(system, batch, op): [(predicted from the table before, after, measured, per-call
     us), ...]}`: every bench chunk predicted from each of its two tables (`host.validate`,
     per-call overhead from the chunk's own hidden-64 medians; the last element is the mean
     of the two tables')."""
     evs = rec["events"]
-    tables = {(e["batch"], e["round"], e["index"]): table_of(e) for e in evs
+    tables = {(e["batch"], e["round"], e["index"]): table_of(e, stat) for e in evs
               if e["kind"] == "table"}
     out: dict = {}
     for e in evs:
@@ -360,11 +374,11 @@ def chunk_predictions(rec: dict, faults: dict | None = None) -> dict:
     return out
 
 
-def validate_chunks(rec: dict, faults: dict | None = None, tol: float = TOLERANCE
-                    ) -> list[dict]:
+def validate_chunks(rec: dict, faults: dict | None = None, tol: float = TOLERANCE,
+                    stat: str = "max") -> list[dict]:
     """`host.validate`'s rows for the interleaved run `rec`: per point `pair_point` of its
-    chunks (with `chunks`, `kept`, ranges and the chunks' errors)."""
-    per = chunk_predictions(rec, faults)
+    chunks (with `chunks`, `kept`, ranges and the chunks' errors); tables by `stat`."""
+    per = chunk_predictions(rec, faults, stat)
     faults = faults or {}
     rows = []
     for system in host.SYSTEMS:
@@ -383,7 +397,7 @@ def states(rec: dict) -> dict:
     """What the tables saw of the host's state, per batch: us per 14 KB row of the
     one-worker dispatch's cross-core write (`record_write_fanout_peer`) at the batch's
     hidden-7168 one-worker footprint, and of the direct dispatch (`copy_scatter`) at its
-    own, one value per table in time order."""
+    own, per table in time order each process's value."""
     rb = host.HIDDEN * host.BYTES_PER_ELEMENT
     out: dict = {}
     for e in rec["events"]:
@@ -393,6 +407,7 @@ def states(rec: dict) -> dict:
         for name, system in (("record_write_fanout_peer", "shm-ubep"),
                              ("copy_scatter", "shm-direct")):
             f = str(host.footprint_bytes(system, b))
+            v = e["ns_per_byte"][name][f]
             out.setdefault(b, {}).setdefault(name, []).append(
-                e["ns_per_byte"][name][f] * rb / 1e3)
+                [x * rb / 1e3 for x in (v if isinstance(v, list) else [v])])
     return out
