@@ -354,57 +354,9 @@ def test_spin_barrier_passes_when_all_arrived_and_names_a_missing_peer_by_deadli
         pair.wait()                             # round 4: the other never arrives
 
 
-def _bench_folder(folder, medians: dict, rtt: float) -> None:
-    """A `ubep bench` output folder holding `medians` {(system, hidden, batch, op): us}."""
-    import json
-
-    folder.mkdir(parents=True)
-    lines = ["system,ranks,hidden,batch,op,median_us"]
-    lines += [f"{s},2,{h},{b},{o},{v}" for (s, h, b, o), v in medians.items()]
-    lines += ["bound,2,7168,1,dispatch,1.0", "shm-ubep,2,7168,1,total,99.0"]  # not read
-    (folder / "bench.csv").write_text("\n".join(lines) + "\n")
-    (folder / "run.json").write_text(json.dumps({"flag_round_trip_us": {"2": rtt}}))
-
-
 def _points(value: float) -> dict:
     return {(s, h, b, o): value for s in host.SYSTEMS for h in (host.TINY_HIDDEN, host.HIDDEN)
             for b in host.BATCHES for o in ("dispatch", "combine")}
-
-
-def test_each_bench_run_is_predicted_from_the_table_timed_before_it(tmp_path):
-    """Three runs, each with its own table and bench medians: every run is validated on
-    its own table, and a point is the median over runs of the prediction and of the
-    measurement (one run's slow bench or dear table does not move it)."""
-    import json
-
-    import numpy as np
-
-    tables = {"rep1": flat_table(0.02), "rep2": flat_table(0.08), "rep3": flat_table(0.04)}
-    benches = {"rep1": _points(100.0), "rep2": _points(300.0), "rep3": _points(110.0)}
-    for name in tables:
-        _bench_folder(tmp_path / name, benches[name], 0.2)
-        (tmp_path / name / "host_copy_table.json").write_text(
-            json.dumps(tables[name].to_dict()))
-    (tmp_path / "bench_runs.json").write_text(json.dumps([{"folder": n} for n in tables]))
-    rows = host.validate_runs(tmp_path)
-    alone = {n: host.validate(benches[n], host.constants(benches[n], 0.2, tables[n]))
-             for n in tables}
-    assert len(rows) == len(host.SYSTEMS) * len(host.BATCHES) * 2
-    for i, r in enumerate(rows):
-        preds = sorted(alone[n][i]["predicted_us"] for n in tables)
-        assert r["predicted_us"] == pytest.approx(preds[1])
-        assert (r["predicted_lo_us"], r["predicted_hi_us"]) == (preds[0], preds[2])
-        assert r["measured_us"] == 110.0
-        assert (r["measured_lo_us"], r["measured_hi_us"]) == (100.0, 300.0)
-        assert r["run_errors"] == [alone[n][i]["error"] for n in tables]   # paired
-        assert r["error"] == pytest.approx(float(np.median(r["run_errors"])))
-    # one run in the folder itself (the layout before repeated runs), its table beside it
-    one = tmp_path / "one"
-    _bench_folder(one, benches["rep1"], 0.2)
-    (one / "host_copy_table.json").write_text(json.dumps(tables["rep1"].to_dict()))
-    for r, a in zip(host.validate_runs(one), alone["rep1"]):
-        assert r["predicted_us"] == pytest.approx(a["predicted_us"])
-        assert r["measured_us"] == 100.0 and r["run_errors"] == [a["error"]]
 
 
 def test_the_model_times_exactly_its_passes_at_the_validations_footprints():

@@ -43,17 +43,11 @@ Then the engine predicts the bench medians of shm-bsp, shm-ubep and shm-direct a
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import functools
-import json
 import math
-import os
-import subprocess
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -65,9 +59,6 @@ BATCHES = (1, 8, 16, 128)
 HIDDEN, TINY_HIDDEN, TOP_K, EXPERTS, RANKS = 7168, 64, 8, 16, 2
 BYTES_PER_ELEMENT = 2
 BENCH_LOCK = "/tmp/ubep-bench.lock"
-#: runs per validation (each: a table, then the bench, per batch); a point's error is the
-#: median of its runs' paired errors
-BENCH_REPEATS = 3
 #: the passes over rows of each path and op: {side: ((pass, rows it applies to), ...)}, the
 #: sender's and the receiver's; "remote" rows go to / come from the peer, "all" every row.
 #: The one-worker path's records cross cores: a sender writes lines of the peer's window that
@@ -240,16 +231,6 @@ def model_footprints(batches=BATCHES) -> tuple[int, ...]:
                          for h in (TINY_HIDDEN, HIDDEN)}))
 
 
-def measure_table(faults: bool = False, rounds: int = 3, batches=BATCHES) -> CopyTable:
-    """The model's passes (`model_passes`) at the footprints of `batches`
-    (`model_footprints`), two processes at once: the table one bench run is predicted
-    from, timed right before it (the caller holds the bench lock)."""
-    from ubep.sim import hostbench
-
-    return hostbench.measure(passes=model_passes(faults), footprints=model_footprints(batches),
-                             procs=(2,), rounds=rounds)
-
-
 def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = None,
               batches=BATCHES) -> HostConstants:
     """Per-call overheads from the hidden-64 points of the bench run: at each batch, what
@@ -326,105 +307,6 @@ def bench_lock(path: str = BENCH_LOCK):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def run_bench(out: Path, iters: int = 30, python: str | None = None,
-              batches=BATCHES) -> Path:
-    """Run `ubep bench` (P=2, hidden 64 and 7168 bf16, top-8, `batches`, the three shm
-    systems); returns its output folder. The caller holds the bench lock."""
-    cmd = [python or sys.executable, "-m", "ubep.cli", "bench",
-           "--ranks", str(RANKS), "--hidden", str(TINY_HIDDEN), str(HIDDEN),
-           "--tokens", *map(str, batches), "--top-k", str(TOP_K), "--experts", str(EXPERTS),
-           "--systems", *SYSTEMS, "--iters", str(iters), "--warmup", "5", "--out", str(out)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return out
-
-
-def run_benches(out: Path, repeats: int = BENCH_REPEATS, iters: int = 30,
-                python: str | None = None, faults: bool = False) -> list[dict]:
-    """`repeats` times, for each batch: the model's passes timed at that batch's
-    footprints (`measure_table`, into `out/repN-bB/host_copy_table.json`, ~2 s), then
-    `run_bench` of that batch into `out/repN-bB` (~4 s). Each bench is predicted from the
-    table timed right before it: on this host what a pass over rows costs switches with
-    time between states ~3x apart, for seconds at a time (the one-worker path's records
-    crossing cores: 0.4-0.6 or ~2.7 us per 14 KB row, in the microbenchmark and in the
-    bench alike; a pass at 18 MiB: 0.2 or 0.6 us per row), so a bench and a table timed a
-    minute apart disagree where seconds apart they agree. Each part is watched for other
-    processes' CPU time (`CpuWatch`: the bench lock does not stop a process that does not
-    take it). Returns and writes (`out/bench_runs.json`) one record per bench. The caller
-    holds the lock."""
-    from ubep.sim.cpuwatch import CpuWatch
-
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats!r} must be >= 1")
-    runs = []
-    for i in range(1, repeats + 1):
-        for b in BATCHES:
-            folder = out / f"rep{i}-b{b}"
-            folder.mkdir(parents=True, exist_ok=True)
-            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-            with CpuWatch() as wt:
-                table = measure_table(faults, batches=(b,))
-            (folder / "host_copy_table.json").write_text(json.dumps(table.to_dict(),
-                                                                    indent=1))
-            with CpuWatch() as wb:
-                run_bench(folder, iters, python, batches=(b,))
-            runs.append({"folder": folder.name, "rep": i, "batch": b, "load": load,
-                         "others_table": wt.result.to_dict(), "others": wb.result.to_dict(),
-                         "others_text": f"table: {wt.result.describe()}; bench: "
-                                        f"{wb.result.describe()}"})
-            (out / "bench_runs.json").write_text(json.dumps(runs, indent=1))
-    return runs
-
-
-def read_bench(out: Path) -> tuple[dict, float]:
-    """`{(system, hidden, batch, op): median us}` and the flag round trip of a bench run."""
-    med = {}
-    with (out / "bench.csv").open() as f:
-        for r in csv.DictReader(f):
-            if r["system"] in SYSTEMS and r["op"] in ("dispatch", "combine"):
-                med[(r["system"], int(r["hidden"]), int(r["batch"]), r["op"])] = \
-                    float(r["median_us"])
-    run = json.loads((out / "run.json").read_text())
-    rtt = float(run.get("flag_round_trip_us", {}).get(str(RANKS), 0.0) or 0.0)
-    return med, rtt
-
-
-def validate_runs(out: Path, faults: dict | None = None) -> list[dict]:
-    """`validate` of every bench run in `out` with the table timed before it (`run_benches`;
-    or one run in `out` itself with `out/host_copy_table.json`), then per point, over the
-    runs that measured it: the median prediction and measured median with the range of
-    each (`predicted_lo_us` ... `measured_hi_us`), each run's own error (`run_errors`) and
-    as `error` their median -- a run is a prediction paired with the bench it was timed
-    for, so a run whose table and bench met different states of the host is one outlier,
-    not a shift of either median."""
-    runs_file = out / "bench_runs.json"
-    folders = [out / r["folder"] for r in json.loads(runs_file.read_text())] \
-        if runs_file.exists() else [out]
-    per_run = []
-    for f in folders:
-        tf = f / "host_copy_table.json"
-        table = CopyTable.from_dict(json.loads((tf if tf.exists() else
-                                                out / "host_copy_table.json").read_text()))
-        med, rtt = read_bench(f)
-        per_run.append(validate(med, constants(med, rtt, table, faults)))
-    rows = []
-    for i, r in enumerate(per_run[0]):
-        same = [run[i] for run in per_run if run[i]["measured_us"] is not None]
-        if not same:
-            rows.append(r)
-            continue
-        pred = [x["predicted_us"] for x in same]
-        meas = [x["measured_us"] for x in same]
-        row = dict(r)
-        row.update(predicted_us=float(np.median(pred)), measured_us=float(np.median(meas)),
-                   predicted_lo_us=min(pred), predicted_hi_us=max(pred),
-                   measured_lo_us=min(meas), measured_hi_us=max(meas),
-                   call_us=float(np.median([x["call_us"] for x in same])),
-                   run_errors=[x["error"] for x in same])
-        row["error"] = float(np.median(row["run_errors"]))
-        rows.append(row)
-    return rows
 
 
 def _fault_rank(rank: int, world: int, batches, calls: int) -> dict:

@@ -15,7 +15,9 @@ A table is the model's passes (`host.model_passes`) at exactly that batch's foot
 (`host.model_footprints`), each point timed once (~0.2-0.7 s); a bench chunk is every
 shm system at hidden 64 and 7168, `iters` timed calls each after `warmup` untimed ones,
 timed as `ubep bench` times them (`ubep.bench.runner`: a cross-process barrier before
-each dispatch and each combine, the max over ranks per call; ~0.05-0.2 s). Each bench
+each dispatch and each combine, the max over ranks per call; ~0.05-0.2 s). A table's
+point is the slower of the two processes' costs (`table_of`: the cores are not equally
+fast and every call waits on the slower). Each bench
 chunk is predicted from the two tables around it (the mean of their predictions, the
 per-call overhead from the chunk's own hidden-64 medians), and its paired error is
 prediction / measured median - 1. A chunk whose two tables disagree by more than the
