@@ -125,8 +125,9 @@ def test_ranks_merge_as_the_bench_does():
         tab = {g: {str(f): ((v, 2 * v) if g in hostbench.EXCHANGES else (v,)) for f in fps}
                for g in hostchunks.GROUPS}
         bench = {"shm-ubep:7168": [[v, 10 - v], [1.0, 1.0]]}
-        return {"tables": [tab, tab], "bench": [bench], "t": [(0.0, 1.0)] * 3,
-                "rtt_us": [0.3, 0.2]}
+        phases = {"shm-ubep:7168": [{"dispatch:send": v}, {"dispatch:send": 10 - v}]}
+        return {"tables": [tab, tab], "bench": [bench], "phases": [phases],
+                "t": [(0.0, 1.0)] * 3, "rtt_us": [0.3, 0.2]}
 
     rec = hostchunks.merge_ranks(spec, [rank(1.0), rank(3.0)])
     t0, bench, _ = rec["events"]
@@ -136,6 +137,7 @@ def test_ranks_merge_as_the_bench_does():
     assert hostchunks.table_of(t0).cost_ns_per_byte("record_read_peer", f) == 6.0
     assert hostchunks.table_of(t0, "median").cost_ns_per_byte("record_read_peer", f) == 4.0
     assert bench["us"]["shm-ubep:7168"] == [[3.0, 9.0], [1.0, 1.0]]
+    assert bench["phases_us"]["shm-ubep:7168"] == {"dispatch:send": 6.0}   # median(3, 9)
     assert rec["rtt_us"] == 0.2
 
 
@@ -152,4 +154,5 @@ def test_a_tiny_interleaved_run_prices_every_point(tmp_path):
         assert 0 < r["predicted_us"] < 1e6 and 0 < r["measured_us"] < 1e6
         assert r["chunks"] == 1
     assert (tmp_path / "chunks.json").exists()
+    assert "dispatch:send" in rec["events"][1]["phases_us"]["shm-ubep:7168"]
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("ubep-hostbench")]

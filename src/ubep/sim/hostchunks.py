@@ -151,14 +151,16 @@ def _time_table(batch: int, state: dict, rng: random.Random) -> dict:
     return out
 
 
-def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random) -> dict:
+def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random
+                ) -> tuple[dict, dict]:
     """Every (hidden, system) of one batch: `warmup` untimed then `iters` timed calls back to
     back, in a shuffled order (the same on both ranks), timed as `ubep bench` times them:
-    `{(system, hidden): [[dispatch us ...], [combine us ...]]}`."""
+    `{(system, hidden): [[dispatch us ...], [combine us ...]]}`, and the backend's phases
+    of each timed call (`{(system, hidden): [{"<op>:<phase>": us}, ...]}`, read after it)."""
     perf = time.perf_counter_ns
     order = sorted(systems)
     rng.shuffle(order)
-    out = {}
+    out, phases = {}, {}
     gc.collect()
     gc.disable()            # a collection inside a timed call lands on one system at random
     try:
@@ -176,10 +178,11 @@ def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random
                 t3 = perf()
                 if it >= 0:
                     t[:, it] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+                    phases.setdefault((key[1], key[0]), []).append(s.phases())
             out[(key[1], key[0])] = t.tolist()
     finally:
         gc.enable()
-    return out
+    return out, phases
 
 
 def _open_segments(segments, me: int) -> dict:
@@ -217,7 +220,7 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
     state = _open_segments(spec.segments, rank)
     state["seconds"] = spec.seconds
     systems: dict = {}
-    out: dict = {"tables": [], "bench": [], "t": [], "rtt_us": []}
+    out: dict = {"tables": [], "bench": [], "phases": [], "t": [], "rtt_us": []}
     try:
         out["rtt_us"].append(sync.flag_round_trip_us())
         for b in spec.batches:
@@ -244,8 +247,9 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
                                       for g, d in tab.items()})
             else:
                 mine = {(h, n): s for (bb, h, n), s in systems.items() if bb == b}
-                got = _time_bench(mine, sync, spec.iters, spec.warmup, rng)
+                got, ph = _time_bench(mine, sync, spec.iters, spec.warmup, rng)
                 out["bench"].append({f"{n}:{h}": v for (n, h), v in got.items()})
+                out["phases"].append({f"{n}:{h}": v for (n, h), v in ph.items()})
             out["t"].append((t0, time.monotonic()))
         out["rtt_us"].append(sync.flag_round_trip_us())
     finally:
@@ -284,11 +288,24 @@ def merge_ranks(spec: ChunkSpec, per_rank: list[dict]) -> dict:
         else:
             ev["us"] = {key: np.max(np.array([pr["bench"][bi][key] for pr in per_rank]),
                                     axis=0).tolist() for key in per_rank[0]["bench"][bi]}
+            ev["phases_us"] = _phase_medians([pr["phases"][bi] for pr in per_rank]) \
+                if "phases" in per_rank[0] else {}
             bi += 1
         events.append(ev)
     rtts = [v for pr in per_rank[:1] for v in pr["rtt_us"] if v is not None]
     return {"spec": {k: v for k, v in asdict(spec).items() if k != "segments"},
             "rtt_us": min(rtts) if rtts else 0.0, "events": events}
+
+
+def _phase_medians(ranks: list[dict]) -> dict:
+    """`{system:hidden: {"<op>:<phase>": us}}`: each phase's max over ranks per call, the
+    median over calls (as `ubep bench`'s phases.csv)."""
+    out = {}
+    for key, calls in ranks[0].items():
+        names = sorted({p for c in calls for p in c})
+        out[key] = {p: float(np.median([max(r[key][i].get(p, 0.0) for r in ranks)
+                                        for i in range(len(calls))])) for p in names}
+    return out
 
 
 def run_chunks(out: Path, spec: ChunkSpec | None = None) -> dict:
