@@ -113,6 +113,9 @@ def test_each_chunk_is_predicted_from_the_two_tables_around_it():
         assert r["error"] == pytest.approx(1 / 1.1 - 1)
         assert r["predicted_lo_us"] == pytest.approx(c)
         assert r["predicted_hi_us"] == pytest.approx(d)
+    md = host.markdown_table(rows[:0] + [dict(r, batch=bb) for bb in host.BATCHES
+                                         for r in rows])
+    assert "(err, chunks kept)" in md and ", 2/3)" in md
 
 
 def test_ranks_merge_as_the_bench_does():

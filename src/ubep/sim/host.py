@@ -274,8 +274,10 @@ def markdown_table(rows: list[dict]) -> str:
     in brackets the range over the runs when there were several), and the count within
     +-25%."""
     by = {(r["system"], r["batch"], r["op"]): r for r in rows}
-    lines = ["| system | batch | footprint MB | faulted pages (d / c) | dispatch model / "
-             "measured (err) | combine model / measured (err) |", "|---|---|---|---|---|---|"]
+    err = "err, chunks kept" if all("chunks" in r for r in rows) else "err"
+    lines = [f"| system | batch | footprint MB | faulted pages (d / c) | dispatch model / "
+             f"measured ({err}) | combine model / measured ({err}) |",
+             "|---|---|---|---|---|---|"]
 
     def rng(r: dict, what: str) -> str:
         lo, hi = r.get(f"{what}_lo_us"), r.get(f"{what}_hi_us")
