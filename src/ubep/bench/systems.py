@@ -159,9 +159,11 @@ class RawCollectives:
     `prepare` runs dispatch and combine of a torch-backend Buffer (untimed) and reads from
     the stats of the last call which collectives it issued with how many bytes to and from
     each peer (`Stats.extra["collectives"]`); `dispatch()` and `combine()` then replay
-    exactly those `all_to_all_single` calls on preallocated buffers (the send side written:
-    an untouched `torch.zeros` block maps every page to the kernel's one zero page, which a
-    socket copy reads from cache, faster than any real rows). Two calls, because the
+    exactly those `all_to_all_single` calls, made as the backend makes them
+    (`torch_backend.all_to_all`: on the process group object, not through the Python
+    wrapper), on preallocated buffers (the send side written: an untouched `torch.zeros`
+    block maps every page to the kernel's one zero page, which a socket copy reads from
+    cache, faster than any real rows). Two calls, because the
     backend sizes dispatch's first collective from the previous call (how many tokens ride
     inline): the second is the steady state the timed Buffer runs in. The torch backend's
     time over this line is what its own packing, reordering and reduction cost. The backend
@@ -192,8 +194,11 @@ class RawCollectives:
     def _replay(self, op: str) -> None:
         import torch.distributed as dist
 
+        from ubep.runtime.torch_backend import all_to_all
+
+        pg = dist.group.WORLD       # the group the Buffer above runs on
         for out, inp, recv, send in self._calls[op]:
-            dist.all_to_all_single(out, inp, recv, send)
+            all_to_all(pg, out, inp, recv, send)
 
     def dispatch(self) -> None:
         self._replay("dispatch")
