@@ -343,3 +343,32 @@ def test_bag_sums_match_the_oracle_sum(dtype, weighted):
     assert torch.equal(got.masked_fill(nan, 0).view(torch.uint8),
                        want.masked_fill(nan, 0).view(torch.uint8))
     assert got.isinf().any()
+
+
+def _run_cases_subgroup(rank, world, cases, members):
+    """`_run_cases` on a process group of `members` (global ranks), not the default one;
+    the other ranks only join the group's creation (every rank must)."""
+    import torch.distributed as dist
+
+    import ubep
+
+    group = dist.new_group(members)
+    if rank not in members:
+        return None
+    outs = []
+    for case in cases:
+        with ubep.Buffer(group, num_experts=case.num_experts, hidden=case.hidden,
+                         max_tokens_per_rank=max(case.tokens), backend="torch") as buf:
+            outs.append(run_case(buf, case, dist.get_rank(group)))
+    return outs
+
+
+def test_torch_backend_on_a_subgroup():
+    """The collectives run on the group object the Buffer was given (group-local ranks), as
+    `dist.all_to_all_single(group=...)` would run them: ranks 0 and 2 of 3 as a group of 2."""
+    cases = _cases(2)[:3]
+    members = [0, 2]
+    per_rank = run_ranks(_run_cases_subgroup, 3, cases, members, timeout_s=180)
+    assert per_rank[1] is None
+    for i, case in enumerate(cases):
+        check_case(case, [per_rank[m][i] for m in members])
