@@ -76,13 +76,18 @@ from ubep.handle import (
 )
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
-    bag_sums,
+    bag_sums_at,
     final_sums_bf16,
+    final_sums_bf16_at,
     final_sums_f32,
+    final_sums_f32_at,
     gather_rows,
+    gather_rows_at,
     pack_send,
+    pack_send_at,
     read_headers,
     recv_gather_cpu,
+    recv_gather_cpu_at,
     recv_plan,
     recv_plan_cpu,
     send_plan,
@@ -103,8 +108,8 @@ _NP = {torch.uint16: np.uint16, torch.float32: np.float32}
 #: bits as embedding_bag, which the device path and fp16 use)
 _FINAL_SUMS = {torch.bfloat16: final_sums_bf16, torch.float32: final_sums_f32}
 #: the CPU combine by partial dtype: (row word, source-side sums)
-_CPU_COMBINE = {torch.bfloat16: (torch.uint16, final_sums_bf16),
-                torch.float32: (torch.float32, final_sums_f32)}
+_CPU_COMBINE = {torch.bfloat16: (torch.uint16, final_sums_bf16_at),
+                torch.float32: (torch.float32, final_sums_f32_at)}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -565,10 +570,21 @@ class TorchBackend:
         hidden = x.shape[1]
 
         t0 = _now_us()
-        xw = x.view(word).numpy().reshape(-1)
-        (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
-         num_back) = pack_send(topk_idx.numpy(), topk_weights.numpy(), xw, sendn, sendw,
-                               row_bytes, per_rank, world, me, meta_k, C, hrows)
+        # x, topk_idx and topk_weights are contiguous CPU tensors of checked dtypes (Buffer's
+        # checks): the kernels read them by address, x as words of `word` when aligned so
+        xa = x.data_ptr()
+        x_words = num_tokens * row_bytes // nword.itemsize
+        if xa % nword.itemsize:
+            xa = None
+            xw = x.view(word).numpy().reshape(-1)
+            (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
+             num_back) = pack_send(topk_idx.numpy(), topk_weights.numpy(), xw, sendn, sendw,
+                                   row_bytes, per_rank, world, me, meta_k, C, hrows)
+        else:
+            (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
+             num_back) = pack_send_at(topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
+                                      top_k, xa, x_words, sendn, sendw, row_bytes, per_rank,
+                                      world, me, meta_k, C, hrows)
         t1 = _now_us()
 
         recv1_rows = send1_rows
@@ -622,16 +638,26 @@ class TorchBackend:
                 workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world, False)
             num_recv = len(gather)
             pool = self._owned_rows(num_recv, row_bytes)
-            gather_rows(workn.view(nword), xw, gather, num_remote, own_tokens,
-                        pool.reshape(-1).view(nword), rw)
+            if xa is None:
+                gather_rows(workn.view(nword), xw, gather, num_remote, own_tokens,
+                            pool.reshape(-1).view(nword), rw)
+            else:
+                gather_rows_at(workn.view(nword), xa, x_words, gather, num_remote, own_tokens,
+                               pool.reshape(-1).view(nword), rw)
         else:               # plan and rows in one call, into room for every pair named
             if global_max > C:
                 pool = None                      # (an unused array is the pool's again)
                 pool = self._owned_rows(num_bags * pairs, row_bytes)
-            (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
-             num_recv) = recv_gather_cpu(
-                workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world,
-                workn.view(nword), xw, own_tokens, pool.reshape(-1).view(nword), rw)
+            if xa is None:
+                (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets,
+                 num_remote_bags, num_recv) = recv_gather_cpu(
+                    workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world,
+                    workn.view(nword), xw, own_tokens, pool.reshape(-1).view(nword), rw)
+            else:
+                (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets,
+                 num_remote_bags, num_recv) = recv_gather_cpu_at(
+                    workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world,
+                    workn.view(nword), xa, x_words, own_tokens, pool.reshape(-1).view(nword), rw)
         if num_recv:
             recv_x = torch.from_numpy(pool[:num_recv]).view(x.dtype)
         else:       # torch reads an empty array's strides as 0 and refuses the view
@@ -752,9 +778,10 @@ class TorchBackend:
         partials summed at the source (`final_sums_*`) into y."""
         t0 = _now_us()
         word, final_sums = _CPU_COMBINE[pdtype]
-        rows = (expert_out if pdtype == expert_out.dtype else expert_out.to(pdtype))
-        rows = rows.view(word).numpy()
-        hidden = rows.shape[1]
+        # contiguous (Buffer's checks): the kernels read its rows by address
+        src = expert_out if pdtype == expert_out.dtype else expert_out.to(pdtype)
+        rows, (num_rows, hidden) = src.data_ptr(), src.shape
+        itemsize = src.element_size()
         back, own, nret = st.num_back, st.num_own, st.num_remote_bags
         key = ("combine", pdtype, hidden, nret, own, back)
         v = self._shapes.get(key)
@@ -762,15 +789,16 @@ class TorchBackend:
             v = self._shapes[key] = self._combine_views(pdtype, hidden, nret, own, back,
                                                         expert_out.device)
         sendn, ownn, backn, recv_flat, send_flat = v
-        send_splits, recv_splits, coll = self._splits(st, rows.itemsize * hidden)
+        send_splits, recv_splits, coll = self._splits(st, itemsize * hidden)
         bag_rows, bag_offsets, weights = st.bag_rows_np, st.bag_offsets_np, st.recv_weights
-        bag_sums(rows, weights, weighted, bag_rows, bag_offsets, 0, nret, sendn)
-        if nret * rows.itemsize * hidden <= _INLINE_BYTES:
+        bag_sums_at(rows, num_rows, weights, weighted, bag_rows, bag_offsets, 0, nret, sendn)
+        if nret * itemsize * hidden <= _INLINE_BYTES:
             # a small collective is latency: own tokens' partials (they do not travel) are
             # summed while it runs
             work = all_to_all(self._pg, recv_flat, send_flat, recv_splits, send_splits,
                               async_op=True)
-            bag_sums(rows, weights, weighted, bag_rows, bag_offsets, nret, nret + own, ownn)
+            bag_sums_at(rows, num_rows, weights, weighted, bag_rows, bag_offsets, nret,
+                        nret + own, ownn)
             t2 = _now_us()
             work.wait()
             t3 = _now_us()
@@ -778,22 +806,20 @@ class TorchBackend:
             t2 = _now_us()
             all_to_all(self._pg, recv_flat, send_flat, recv_splits, send_splits)
             t3 = _now_us()
-            bag_sums(rows, weights, weighted, bag_rows, bag_offsets, nret, nret + own, ownn)
+            bag_sums_at(rows, num_rows, weights, weighted, bag_rows, bag_offsets, nret,
+                        nret + own, ownn)
         dtype = expert_out.dtype
         into_out = out is not None and pdtype == dtype and out.is_contiguous()
-        yn = (out.view(word).numpy() if into_out
-              else np.empty((st.num_tokens, hidden), dtype=_NP[word]))
-        final_sums(backn, ownn, st.final_rows_np, st.final_offsets_np, back, yn)
-        if into_out:
-            y = out
-        else:
-            y = torch.from_numpy(yn).view(pdtype)
+        y = out if into_out else torch.empty((st.num_tokens, hidden), dtype=pdtype)
+        final_sums(backn, ownn, st.final_rows_np, st.final_offsets_np, back, y.data_ptr(),
+                   st.num_tokens)
+        if not into_out:
             if pdtype != dtype:
                 y = y.to(dtype)
             if out is not None:
                 y = out.copy_(y)
         t4 = _now_us()
-        nbytes = rows.itemsize * hidden
+        nbytes = itemsize * hidden
         return new_combine_result(y, DeferredStats.of(
             _cpu_combine_stats, self.config.rank, (t0, t2, t3, t4), nret * nbytes,
             back * nbytes, coll))

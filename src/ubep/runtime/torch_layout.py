@@ -17,7 +17,7 @@ Row layout they describe (the torch backend moves the bytes):
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 
@@ -524,3 +524,71 @@ def bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
                     acc[h] += w0 * _widen(s0[h])
             _store(o[c0:c0 + n], acc, ab, n)
     return out
+
+
+# -- the same kernels on tensors' memory by address -------------------------------------------
+# A tensor's memory reaches numpy through `view(word).numpy()` (bf16 has no numpy type), and
+# a result comes back through `torch.from_numpy(..).view(dtype)`: a few µs per call each when
+# warm, 10-20 µs at batch 1 between gloo collectives on a slow host. These take the address
+# of a contiguous CPU tensor the caller holds (Buffer checked it) and its size instead.
+
+@intrinsic
+def _voidptr(typingctx, addr):
+    """The integer `addr` as a `void*` (for `carray`)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+    return types.voidptr(addr), codegen
+
+
+@njit(nogil=True, cache=True)
+def pack_send_at(idx_addr, w_addr, num_tokens, top_k, x_addr, x_words, flat, send, row_bytes,
+                 per_rank, world, me, meta_k, inline, hrows):
+    """`pack_send` with topk_idx (int64), topk_weights (float32) `[T, K]` and x (`x_words`
+    words of `send`'s type) given by address."""
+    idx = carray(_voidptr(idx_addr), (num_tokens, top_k), np.int64)
+    weights = carray(_voidptr(w_addr), (num_tokens, top_k), np.float32)
+    x = carray(_voidptr(x_addr), (x_words,), send.dtype)
+    return pack_send(idx, weights, x, flat, send, row_bytes, per_rank, world, me, meta_k,
+                     inline, hrows)
+
+
+@njit(nogil=True, cache=True)
+def recv_gather_cpu_at(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank,
+                       world, work_words, x_addr, x_words, own_tokens, out, rw):
+    """`recv_gather_cpu` with x (`x_words` words of `work_words`' type) by address."""
+    x = carray(_voidptr(x_addr), (x_words,), work_words.dtype)
+    return recv_gather_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank,
+                           world, work_words, x, own_tokens, out, rw)
+
+
+@njit(nogil=True, cache=True)
+def gather_rows_at(work, x_addr, x_words, gather, num_remote, own_tokens, out, rw):
+    """`gather_rows` with x (`x_words` words of `work`'s type) by address."""
+    x = carray(_voidptr(x_addr), (x_words,), work.dtype)
+    return gather_rows(work, x, gather, num_remote, own_tokens, out, rw)
+
+
+@njit(nogil=True, cache=True)
+def bag_sums_at(rows_addr, num_rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
+    """`bag_sums` with the rows (`[num_rows, hidden]` of `out`'s type) by address."""
+    rows = carray(_voidptr(rows_addr), (num_rows, out.shape[1]), out.dtype)
+    return bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out)
+
+
+@njit(nogil=True, cache=True)
+def final_sums_bf16_at(back_rows, own_rows, final_rows, final_offsets, num_back, y_addr,
+                       num_tokens):
+    """`final_sums_bf16` into y (`[num_tokens, hidden]` bfloat16 bits) by address."""
+    y = carray(_voidptr(y_addr), (num_tokens, own_rows.shape[1]), own_rows.dtype)
+    final_sums_bf16(back_rows, own_rows, final_rows, final_offsets, num_back, y)
+
+
+@njit(nogil=True, cache=True)
+def final_sums_f32_at(back_rows, own_rows, final_rows, final_offsets, num_back, y_addr,
+                      num_tokens):
+    """`final_sums_f32` into y (`[num_tokens, hidden]` float32) by address."""
+    y = carray(_voidptr(y_addr), (num_tokens, own_rows.shape[1]), own_rows.dtype)
+    final_sums_f32(back_rows, own_rows, final_rows, final_offsets, num_back, y)
