@@ -37,18 +37,21 @@ bookkeeping is compiled (`ubep.runtime.torch_layout`) instead of ~80 numpy/torch
 CPU the rows move in the same compiled calls: `pack_send` writes the send buffer (headers,
 routing words, rows), `recv_gather_cpu` lays out recv_x from the received rows and, for
 this rank's own tokens, straight from x; combine's `bag_sums` writes the partials straight
-into the send buffer and `final_sums_*` read the received partials and this rank's own where
-they lie (the source-side rounding as `embedding_bag`'s). What needs nothing from the peers
-runs while a collective is in flight (`async_op=True`, then `wait()`, which keeps the
-group's timeout): dispatch prepares this rank's part of the layout, combine sums this rank's
-own tokens' partials. Per-shape sizes, splits and scratch views are computed once and
-dropped whenever a scratch buffer is reallocated. On other devices the rows move with
-`index_select`/`embedding_bag`. Send/receive scratch is kept and grown, not allocated per
-call. `Stats.extra["collectives"]` lists each collective's bytes to/from every peer:
-`ubep bench` replays exactly those calls, bare (synchronous: there is nothing to overlap),
-as its "raw collectives" line. Every collective is called on the process group object
-(`all_to_all`), not through `dist.all_to_all_single`'s Python wrapper, whose checks cost
-15-20 µs a call on a slow host; the raw line calls it the same way.
+into the send buffer and `final_sums_*` read the received partials and this rank's own
+where they lie (the source-side rounding as `embedding_bag`'s). The kernels take x, the
+routing, expert_out and y by address (`*_at`: contiguous CPU tensors Buffer checked), not
+through `view(word).numpy()`/`from_numpy`, which cost 10-20 µs each between collectives on
+a slow host. What needs nothing from the peers runs while a collective is in flight
+(`async_op=True`, then `wait()`, which keeps the group's timeout): dispatch prepares this
+rank's part of the layout, combine sums this rank's own tokens' partials. Per-shape sizes,
+splits and scratch views are computed once and dropped whenever a scratch buffer is
+reallocated. On other devices the rows move with `index_select`/`embedding_bag`.
+Send/receive scratch is kept and grown, not allocated per call.
+`Stats.extra["collectives"]` lists each collective's bytes to/from every peer: `ubep bench`
+replays exactly those calls, bare (synchronous: there is nothing to overlap), as its "raw
+collectives" line. Every collective is called on the process group object (`all_to_all`),
+not through `dist.all_to_all_single`'s Python wrapper, whose checks cost 15-20 µs a call on
+a slow host; the raw line calls it the same way.
 
 On a host with one core per rank (2 ranks on 2 cores, gloo) the overlap is partial: gloo
 runs a collective on its own threads (a worker, a socket loop), ~100 µs of CPU per rank per
