@@ -84,12 +84,9 @@ from ubep.runtime.torch_layout import (
     final_sums_bf16_at,
     final_sums_f32,
     final_sums_f32_at,
-    gather_rows,
     gather_rows_at,
-    pack_send,
     pack_send_at,
     read_headers,
-    recv_gather_cpu,
     recv_gather_cpu_at,
     recv_plan,
     recv_plan_cpu,
@@ -576,18 +573,14 @@ class TorchBackend:
         # x, topk_idx and topk_weights are contiguous CPU tensors of checked dtypes (Buffer's
         # checks): the kernels read them by address, x as words of `word` when aligned so
         xa = x.data_ptr()
+        if xa % nword.itemsize:     # rows off the word grid (a view at an odd offset): copy
+            x = x.clone()
+            xa = x.data_ptr()
         x_words = num_tokens * row_bytes // nword.itemsize
-        if xa % nword.itemsize:
-            xa = None
-            xw = x.view(word).numpy().reshape(-1)
-            (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
-             num_back) = pack_send(topk_idx.numpy(), topk_weights.numpy(), xw, sendn, sendw,
-                                   row_bytes, per_rank, world, me, meta_k, C, hrows)
-        else:
-            (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
-             num_back) = pack_send_at(topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
-                                      top_k, xa, x_words, sendn, sendw, row_bytes, per_rank,
-                                      world, me, meta_k, C, hrows)
+        (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
+         num_back) = pack_send_at(topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
+                                  top_k, xa, x_words, sendn, sendw, row_bytes, per_rank, world,
+                                  me, meta_k, C, hrows)
         t1 = _now_us()
 
         recv1_rows = send1_rows
@@ -641,26 +634,16 @@ class TorchBackend:
                 workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world, False)
             num_recv = len(gather)
             pool = self._owned_rows(num_recv, row_bytes)
-            if xa is None:
-                gather_rows(workn.view(nword), xw, gather, num_remote, own_tokens,
-                            pool.reshape(-1).view(nword), rw)
-            else:
-                gather_rows_at(workn.view(nword), xa, x_words, gather, num_remote, own_tokens,
-                               pool.reshape(-1).view(nword), rw)
+            gather_rows_at(workn.view(nword), xa, x_words, gather, num_remote, own_tokens,
+                           pool.reshape(-1).view(nword), rw)
         else:               # plan and rows in one call, into room for every pair named
             if global_max > C:
                 pool = None                      # (an unused array is the pool's again)
                 pool = self._owned_rows(num_bags * pairs, row_bytes)
-            if xa is None:
-                (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets,
-                 num_remote_bags, num_recv) = recv_gather_cpu(
-                    workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world,
-                    workn.view(nword), xw, own_tokens, pool.reshape(-1).view(nword), rw)
-            else:
-                (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets,
-                 num_remote_bags, num_recv) = recv_gather_cpu_at(
-                    workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world,
-                    workn.view(nword), xa, x_words, own_tokens, pool.reshape(-1).view(nword), rw)
+            (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
+             num_recv) = recv_gather_cpu_at(
+                workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world,
+                workn.view(nword), xa, x_words, own_tokens, pool.reshape(-1).view(nword), rw)
         if num_recv:
             recv_x = torch.from_numpy(pool[:num_recv]).view(x.dtype)
         else:       # torch reads an empty array's strides as 0 and refuses the view
