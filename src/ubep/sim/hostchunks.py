@@ -19,7 +19,9 @@ each dispatch and each combine, the max over ranks per call; ~0.05-0.2 s). A tab
 point is the slower of the two processes' costs (`table_of`: the cores are not equally
 fast and every call waits on the slower). Each bench
 chunk is predicted from the two tables around it (the mean of their predictions, the
-per-call overhead from the chunk's own hidden-64 medians), and its paired error is
+per-call overhead from the chunk's own hidden-64 calls, each timed right after a hidden-7168
+call, whose traffic evicts the caller's working set as it does for a hidden-7168 call:
+`_time_cold`), and its paired error is
 prediction / measured median - 1. A chunk whose two tables disagree by more than the
 tolerance tested (`settled`) saw the host change state during it: which state its bench
 met is not known, so its prediction is not determined to the tolerance and the chunk is
@@ -185,6 +187,49 @@ def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random
     return out, phases
 
 
+def _time_cold(systems, sync, iters: int, warmup: int, rng: random.Random) -> dict:
+    """The per-call overhead as a hidden-7168 call meets it: for each system, `warmup` untimed
+    then `iters` timed hidden-64 calls, each right after an untimed hidden-7168 dispatch and
+    combine of the same system and batch (timed as `_time_bench`): `{(system, 64): [[dispatch
+    us ...], [combine us ...]]}`.
+
+    Why: a hidden-64 call after a hidden-64 call finds its working set (interpreter, torch,
+    the kernels' state) in cache; a hidden-7168 call finds it evicted by the megabytes the
+    call before it moved. Measured side by side at batch 8 (P=2), a hidden-64 dispatch cost
+    52-59 us after a hidden-64 call and 86-98 us after a hidden-7168 one (combine 40-48 vs
+    49-60): a call's fixed part, taken from back-to-back hidden-64 calls, is the warm one.
+    """
+    perf = time.perf_counter_ns
+    names = sorted({n for _, n in systems})
+    rng.shuffle(names)
+    out = {}
+    gc.collect()
+    gc.disable()
+    try:
+        for n in names:
+            big, small = systems[(host.HIDDEN, n)], systems[(host.TINY_HIDDEN, n)]
+            t = np.empty((2, iters))
+            for it in range(-warmup, iters):
+                sync.barrier()
+                big.dispatch()
+                sync.barrier()
+                big.combine()
+                sync.barrier()
+                t0 = perf()
+                small.dispatch()
+                t1 = perf()
+                sync.barrier()
+                t2 = perf()
+                small.combine()
+                t3 = perf()
+                if it >= 0:
+                    t[:, it] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+            out[(n, host.TINY_HIDDEN)] = t.tolist()
+    finally:
+        gc.enable()
+    return out
+
+
 def _open_segments(segments, me: int) -> dict:
     maps = []
     for path, size in segments:
@@ -220,7 +265,7 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
     state = _open_segments(spec.segments, rank)
     state["seconds"] = spec.seconds
     systems: dict = {}
-    out: dict = {"tables": [], "bench": [], "phases": [], "t": [], "rtt_us": []}
+    out: dict = {"tables": [], "bench": [], "phases": [], "cold": [], "t": [], "rtt_us": []}
     try:
         out["rtt_us"].append(sync.flag_round_trip_us())
         for b in spec.batches:
@@ -250,6 +295,8 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
                 got, ph = _time_bench(mine, sync, spec.iters, spec.warmup, rng)
                 out["bench"].append({f"{n}:{h}": v for (n, h), v in got.items()})
                 out["phases"].append({f"{n}:{h}": v for (n, h), v in ph.items()})
+                cold = _time_cold(mine, sync, spec.iters, spec.warmup, rng)
+                out["cold"].append({f"{n}:{h}": v for (n, h), v in cold.items()})
             out["t"].append((t0, time.monotonic()))
         out["rtt_us"].append(sync.flag_round_trip_us())
     finally:
@@ -290,6 +337,9 @@ def merge_ranks(spec: ChunkSpec, per_rank: list[dict]) -> dict:
                                     axis=0).tolist() for key in per_rank[0]["bench"][bi]}
             ev["phases_us"] = _phase_medians([pr["phases"][bi] for pr in per_rank]) \
                 if "phases" in per_rank[0] else {}
+            if per_rank[0].get("cold"):
+                ev["cold_us"] = {key: np.max(np.array([pr["cold"][bi][key] for pr in per_rank]),
+                                             axis=0).tolist() for key in per_rank[0]["cold"][bi]}
             bi += 1
         events.append(ev)
     rtts = [v for pr in per_rank[:1] for v in pr["rtt_us"] if v is not None]
@@ -358,17 +408,29 @@ def table_of(ev: dict, stat: str = "max") -> hostbench.CopyTable:
                                             for p, v in ns.items()})
 
 
-def _medians(ev: dict, batch: int) -> dict:
-    """A bench event's `{(system, hidden, batch, op): median us}`."""
+#: where the per-call overhead comes from (`_medians`): "cold", hidden-64 calls each right
+#: after a hidden-7168 call (`_time_cold`, the model's); "warm", the bench's back-to-back ones
+OVERHEADS = ("cold", "warm")
+
+
+def _medians(ev: dict, batch: int, overhead: str = "cold") -> dict:
+    """A bench event's `{(system, hidden, batch, op): median us}`; `overhead` "cold": the
+    hidden-64 points are the event's `_time_cold` calls (when it has them)."""
+    if overhead not in OVERHEADS:
+        raise ValueError(f"overhead={overhead!r} must be one of {OVERHEADS}")
     med = {}
-    for key, t in ev["us"].items():
+    series = dict(ev["us"])
+    if overhead == "cold":
+        series.update(ev.get("cold_us", {}))
+    for key, t in series.items():
         system, hidden = key.rsplit(":", 1)
         for i, op in enumerate(("dispatch", "combine")):
             med[(system, int(hidden), batch, op)] = float(np.median(t[i]))
     return med
 
 
-def chunk_predictions(rec: dict, faults: dict | None = None, stat: str = "max") -> dict:
+def chunk_predictions(rec: dict, faults: dict | None = None, stat: str = "max",
+                      overhead: str = "cold") -> dict:
     """`{(system, batch, op): [(predicted from the table before, after, measured, per-call
     us), ...]}`: every bench chunk predicted from each of its two tables (`host.validate`,
     per-call overhead from the chunk's own hidden-64 medians; the last element is the mean
@@ -381,7 +443,7 @@ def chunk_predictions(rec: dict, faults: dict | None = None, stat: str = "max") 
         if e["kind"] != "bench":
             continue
         b, r, j = e["batch"], e["round"], e["index"]
-        med = _medians(e, b)
+        med = _medians(e, b, overhead)
         sides = []
         for tab in (tables[(b, r, j)], tables[(b, r, j + 1)]):
             hc = host.constants(med, rec["rtt_us"], tab, faults, batches=(b,))
@@ -394,10 +456,10 @@ def chunk_predictions(rec: dict, faults: dict | None = None, stat: str = "max") 
 
 
 def validate_chunks(rec: dict, faults: dict | None = None, tol: float = TOLERANCE,
-                    stat: str = "max") -> list[dict]:
+                    stat: str = "max", overhead: str = "cold") -> list[dict]:
     """`host.validate`'s rows for the interleaved run `rec`: per point `pair_point` of its
     chunks (with `chunks`, `kept`, ranges and the chunks' errors); tables by `stat`."""
-    per = chunk_predictions(rec, faults, stat)
+    per = chunk_predictions(rec, faults, stat, overhead)
     faults = faults or {}
     rows = []
     for system in host.SYSTEMS:
