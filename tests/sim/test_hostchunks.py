@@ -3,6 +3,7 @@ chunk is predicted from, which chunks are dropped, how a point is summarised. Sy
 records; no timed assertion (one tiny real run checks the record's shape only)."""
 
 import os
+import random
 
 import numpy as np
 import pytest
@@ -129,7 +130,8 @@ def test_ranks_merge_as_the_bench_does():
                for g in hostchunks.GROUPS}
         bench = {"shm-ubep:7168": [[v, 10 - v], [1.0, 1.0]]}
         phases = {"shm-ubep:7168": [{"dispatch:send": v}, {"dispatch:send": 10 - v}]}
-        return {"tables": [tab, tab], "bench": [bench], "phases": [phases],
+        cold = {"shm-ubep:64": [[v, 2 * v], [3.0, 4.0 - v]]}
+        return {"tables": [tab, tab], "bench": [bench], "phases": [phases], "cold": [cold],
                 "t": [(0.0, 1.0)] * 3, "rtt_us": [0.3, 0.2]}
 
     rec = hostchunks.merge_ranks(spec, [rank(1.0), rank(3.0)])
@@ -141,7 +143,66 @@ def test_ranks_merge_as_the_bench_does():
     assert hostchunks.table_of(t0, "median").cost_ns_per_byte("record_read_peer", f) == 4.0
     assert bench["us"]["shm-ubep:7168"] == [[3.0, 9.0], [1.0, 1.0]]
     assert bench["phases_us"]["shm-ubep:7168"] == {"dispatch:send": 6.0}   # median(3, 9)
+    assert bench["cold_us"]["shm-ubep:64"] == [[3.0, 6.0], [3.0, 3.0]]
     assert rec["rtt_us"] == 0.2
+
+
+def test_the_per_call_overhead_is_the_cold_hidden_64_calls():
+    """With `cold_us` in a bench event, the hidden-64 calls timed right after a hidden-7168
+    call set the per-call overhead (overhead="cold", the default); "warm" takes the bench's
+    back-to-back ones; each prediction moves by the difference; a bad name is an error."""
+    b = 8
+    rec = _record(b, [1.0, 1.0], lambda j, s, h, op: 20.0 if h == host.TINY_HIDDEN else 500.0)
+    for ev in rec["events"]:
+        if ev["kind"] == "bench":
+            ev["cold_us"] = {f"{s}:{host.TINY_HIDDEN}": [[50.0] * 3, [35.0] * 3]
+                             for s in host.SYSTEMS}
+    cold = hostchunks.validate_chunks(rec)
+    warm = hostchunks.validate_chunks(rec, overhead="warm")
+    for c, w in zip(cold, warm):
+        extra = 30.0 if c["op"] == "dispatch" else 15.0
+        assert c["call_us"] == pytest.approx(w["call_us"] + extra)
+        assert c["predicted_us"] == pytest.approx(w["predicted_us"] + extra, rel=1e-6)
+        assert c["measured_us"] == w["measured_us"] == 500.0
+    for ev in rec["events"]:                # no cold calls recorded: the warm ones
+        ev.pop("cold_us", None)
+    assert [r["call_us"] for r in hostchunks.validate_chunks(rec)] == \
+        [r["call_us"] for r in warm]
+    with pytest.raises(ValueError, match="overhead='hot' must be one of"):
+        hostchunks.validate_chunks(rec, overhead="hot")
+
+
+def test_each_cold_call_follows_a_big_call_of_its_system():
+    """`_time_cold`: every hidden-64 call (warm-up and timed) right after a hidden-7168
+    dispatch and combine of the same system; one series per system, `iters` calls each."""
+    log = []
+
+    class Fake:
+        def __init__(self, name, h):
+            self.key = (name, h)
+
+        def dispatch(self):
+            log.append(("d",) + self.key)
+
+        def combine(self):
+            log.append(("c",) + self.key)
+
+    class Sync:
+        def barrier(self):
+            pass
+
+    names = ("shm-bsp", "shm-ubep")
+    systems = {(h, n): Fake(n, h) for n in names for h in hostchunks.HIDDENS}
+    out = hostchunks._time_cold(systems, Sync(), 3, 2, random.Random(0))
+    assert sorted(out) == [(n, host.TINY_HIDDEN) for n in names]
+    assert all(np.array(v).shape == (2, 3) for v in out.values())
+    assert len(log) == 2 * 5 * 4
+    for i in range(0, len(log), 4):
+        (d1, n1, h1), (c1, n2, h2), (d2, n3, h3), (c2, n4, h4) = log[i:i + 4]
+        assert (d1, c1, d2, c2) == ("d", "c", "d", "c")
+        assert n1 == n2 == n3 == n4
+        assert (h1, h2, h3, h4) == (host.HIDDEN, host.HIDDEN, host.TINY_HIDDEN,
+                                    host.TINY_HIDDEN)
 
 
 def test_a_tiny_interleaved_run_prices_every_point(tmp_path):
@@ -158,4 +219,6 @@ def test_a_tiny_interleaved_run_prices_every_point(tmp_path):
         assert r["chunks"] == 1
     assert (tmp_path / "chunks.json").exists()
     assert "dispatch:send" in rec["events"][1]["phases_us"]["shm-ubep:7168"]
+    assert sorted(rec["events"][1]["cold_us"]) == sorted(f"{s}:{host.TINY_HIDDEN}"
+                                                         for s in host.SYSTEMS)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("ubep-hostbench")]

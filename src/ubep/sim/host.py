@@ -35,7 +35,9 @@ predicted:
 * per-call overhead (Python, torch tensors, planning, counts, per-row bookkeeping): the same
   bench run at hidden 64 (a row of 128 bytes, a call's rows at most 256 KB) at the same
   batch, minus the model's data movement for that call. Measured at every batch, so
-  bookkeeping that grows with the rows is measured, not assumed.
+  bookkeeping that grows with the rows is measured, not assumed; and each of those calls
+  right after a hidden-7168 call (`hostchunks._time_cold`), whose traffic leaves the
+  caller's working set out of cache, as every hidden-7168 call finds it.
 
 Then the engine predicts the bench medians of shm-bsp, shm-ubep and shm-direct at hidden
 7168 bf16, top-8, P=2.
