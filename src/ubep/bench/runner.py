@@ -154,11 +154,10 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
         order = list(systems.values())
         times = {s.name: np.empty((2, cfg.iters)) for s in order}
         phases = {s.name: [] for s in order if hasattr(s, "phases")}
-        perf = time.perf_counter_ns
         gc.collect()
         gc.disable()  # a collection inside a timed call would land on one system at random
         try:
-            _timed_loop(cfg, order, sync, times, phases, perf)
+            _timed_loop(cfg, order, sync, times, phases)
         finally:
             gc.enable()
         for name, t in times.items():
@@ -167,7 +166,24 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
             out["phases"][(name, hidden, batch)] = per_iter
 
 
-def _timed_loop(cfg, order, sync, times, phases, perf) -> None:
+def timed_pair(sync, system) -> tuple[float, float]:
+    """One dispatch and one combine of `system`, each started right after a barrier of every
+    rank (`HostSync`): (dispatch µs, combine µs) on this rank. The harness's one way to time
+    a call (also `ubep.sim.hostchunks`), so what the host validation predicts is timed as
+    `ubep bench` times it."""
+    perf = time.perf_counter_ns
+    sync.barrier()
+    t0 = perf()
+    system.dispatch()
+    t1 = perf()
+    sync.barrier()
+    t2 = perf()
+    system.combine()
+    t3 = perf()
+    return (t1 - t0) / 1e3, (t3 - t2) / 1e3
+
+
+def _timed_loop(cfg, order, sync, times, phases) -> None:
     """`warmup` untimed iterations of every system, then `iters` timed ones, in blocks.
 
     In each round every system runs `cfg.block` iterations back to back (the way a decode
@@ -186,18 +202,11 @@ def _timed_loop(cfg, order, sync, times, phases, perf) -> None:
         for s in shuffled:
             n = cfg.block if done[s.name] >= 0 else -done[s.name]
             for _ in range(min(n, cfg.iters - done[s.name])):
-                sync.barrier()
-                t0 = perf()
-                s.dispatch()
-                t1 = perf()
-                sync.barrier()
-                t2 = perf()
-                s.combine()
-                t3 = perf()
+                dc = timed_pair(sync, s)
                 it = done[s.name]
                 done[s.name] += 1
                 if it >= 0:
-                    times[s.name][:, it] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+                    times[s.name][:, it] = dc
                     if s.name in phases:  # after the timed region
                         phases[s.name].append(s.phases())
 

@@ -523,20 +523,25 @@ def time_pass(pass_: str, footprint: int, row_bytes: int, seconds: float,
     return float(np.median(times)) / nbytes
 
 
+def map_segments(segments) -> tuple[list[mmap.mmap], list[np.ndarray]]:
+    """Map each `(path, size)` of `segments` read-write: (the mappings, each as uint8)."""
+    maps = []
+    for path, size in segments:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            maps.append(mmap.mmap(fd, size))
+        finally:
+            os.close(fd)
+    return maps, [np.frombuffer(m, np.uint8) for m in maps]
+
+
 def _worker(core: int, points, row_bytes: int, seconds: float, barrier, queue,
             segments, mine: int) -> None:
     try:
         os.sched_setaffinity(0, {core})
     except (AttributeError, OSError):
         pass
-    maps = []
-    for path, size in segments:                  # the exchanges' shared buffers
-        fd = os.open(path, os.O_RDWR)
-        try:
-            maps.append(mmap.mmap(fd, size))
-        finally:
-            os.close(fd)
-    bufs = [np.frombuffer(m, np.uint8) for m in maps]
+    maps, bufs = map_segments(segments)          # the exchanges' shared buffers
     # the exchanges' barrier: words on the last page of the first buffer (no exchange
     # reaches it: each uses at most twice its footprint), spun on rather than slept in
     spin = SpinBarrier(bufs[0].ctypes.data + bufs[0].nbytes - PAGE, mine, len(bufs)) \

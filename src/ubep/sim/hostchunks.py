@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import gc
 import json
-import mmap
 import os
 import random
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ubep.bench.runner import timed_pair
 from ubep.sim import host, hostbench
 
 #: bench chunks per batch per round; rounds per validation (the batches in turn each round)
@@ -159,7 +159,6 @@ def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random
     back, in a shuffled order (the same on both ranks), timed as `ubep bench` times them:
     `{(system, hidden): [[dispatch us ...], [combine us ...]]}`, and the backend's phases
     of each timed call (`{(system, hidden): [{"<op>:<phase>": us}, ...]}`, read after it)."""
-    perf = time.perf_counter_ns
     order = sorted(systems)
     rng.shuffle(order)
     out, phases = {}, {}
@@ -170,16 +169,9 @@ def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random
             s = systems[key]
             t = np.empty((2, iters))
             for it in range(-warmup, iters):
-                sync.barrier()
-                t0 = perf()
-                s.dispatch()
-                t1 = perf()
-                sync.barrier()
-                t2 = perf()
-                s.combine()
-                t3 = perf()
+                dc = timed_pair(sync, s)
                 if it >= 0:
-                    t[:, it] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+                    t[:, it] = dc
                     phases.setdefault((key[1], key[0]), []).append(s.phases())
             out[(key[1], key[0])] = t.tolist()
     finally:
@@ -199,7 +191,6 @@ def _time_cold(systems, sync, iters: int, warmup: int, rng: random.Random) -> di
     52-59 us after a hidden-64 call and 86-98 us after a hidden-7168 one (combine 40-48 vs
     49-60): a call's fixed part, taken from back-to-back hidden-64 calls, is the warm one.
     """
-    perf = time.perf_counter_ns
     names = sorted({n for _, n in systems})
     rng.shuffle(names)
     out = {}
@@ -210,20 +201,10 @@ def _time_cold(systems, sync, iters: int, warmup: int, rng: random.Random) -> di
             big, small = systems[(host.HIDDEN, n)], systems[(host.TINY_HIDDEN, n)]
             t = np.empty((2, iters))
             for it in range(-warmup, iters):
-                sync.barrier()
-                big.dispatch()
-                sync.barrier()
-                big.combine()
-                sync.barrier()
-                t0 = perf()
-                small.dispatch()
-                t1 = perf()
-                sync.barrier()
-                t2 = perf()
-                small.combine()
-                t3 = perf()
+                timed_pair(sync, big)           # untimed: it only evicts
+                dc = timed_pair(sync, small)
                 if it >= 0:
-                    t[:, it] = ((t1 - t0) / 1e3, (t3 - t2) / 1e3)
+                    t[:, it] = dc
             out[(n, host.TINY_HIDDEN)] = t.tolist()
     finally:
         gc.enable()
@@ -231,14 +212,7 @@ def _time_cold(systems, sync, iters: int, warmup: int, rng: random.Random) -> di
 
 
 def _open_segments(segments, me: int) -> dict:
-    maps = []
-    for path, size in segments:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            maps.append(mmap.mmap(fd, size))
-        finally:
-            os.close(fd)
-    bufs = [np.frombuffer(m, np.uint8) for m in maps]
+    maps, bufs = hostbench.map_segments(segments)
     spin = hostbench.SpinBarrier(bufs[0].ctypes.data + bufs[0].nbytes - hostbench.PAGE, me,
                                  len(bufs))
     return {"maps": maps, "own": bufs[me], "peer": bufs[(me + 1) % len(bufs)], "spin": spin,
