@@ -266,6 +266,8 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
             "## Other results", "",
             "- `docs/results/e2e.md` — MoE decoding, time per output token per backend",
             "- `docs/results/simulator.md` — the paper's experiments on modelled superpods",
+            "- `docs/results/torch_backend.md` — the torch backend against its raw "
+            "collectives: where the time goes, and the floor on this host",
             "- `docs/results/sync.md` — the Data-as-Flag variants",
             "- `docs/results/scheduler.md` — the token-to-core scheduler",
             "- `docs/results/gpu.md` — the Triton path", ""]
