@@ -80,9 +80,7 @@ from ubep.handle import (
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
     bag_sums_at,
-    final_sums_bf16,
     final_sums_bf16_at,
-    final_sums_f32,
     final_sums_f32_at,
     gather_rows_at,
     pack_send_at,
@@ -103,11 +101,8 @@ _INLINE_BYTES = 64 << 10
 HOST_MOVES_ROWS = True
 #: numpy word type by size: the CPU path copies rows as the widest word dividing a row
 _WORDS = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.uint64}
-_NP = {torch.uint16: np.uint16, torch.float32: np.float32}
-#: the source side's sum of a token's partials, compiled, by partial dtype (CPU; the same
-#: bits as embedding_bag, which the device path and fp16 use)
-_FINAL_SUMS = {torch.bfloat16: final_sums_bf16, torch.float32: final_sums_f32}
-#: the CPU combine by partial dtype: (row word, source-side sums)
+#: the CPU combine by partial dtype: (row word, source-side sums, compiled: the same bits as
+#: embedding_bag, which the device path and fp16 use)
 _CPU_COMBINE = {torch.bfloat16: (torch.uint16, final_sums_bf16_at),
                 torch.float32: (torch.float32, final_sums_f32_at)}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
@@ -373,22 +368,15 @@ class TorchBackend:
         send1_rows = (world - 1) * blk
         send = self._buffer("send", send1_rows + sum(send2), row_bytes, device)
         meta_u8 = meta.reshape(-1).view(np.uint8)
-        host = on_cpu and HOST_MOVES_ROWS
         sendn = send.numpy() if on_cpu else None
-        xn = xb.numpy() if host else None
 
         def put(row: int, first: int, n: int, meta_at: int, rows_at: int) -> None:
             """Routing words of tokens first..first+n at byte `meta_at` of row `row`, their
             rows from row `rows_at` on."""
             words = meta_u8[first * meta_bytes:(first + n) * meta_bytes]
-            if host:
-                sendn[row:].reshape(-1)[meta_at:meta_at + len(words)] = words
-                np.take(xn, token_of[first:first + n], axis=0, mode="clip",
-                        out=sendn[rows_at:rows_at + n])
-            else:
-                send[row:].view(-1)[meta_at:meta_at + len(words)].copy_(dev(words))
-                torch.index_select(xb, 0, dev(token_of[first:first + n]),
-                                   out=send[rows_at:rows_at + n])
+            send[row:].view(-1)[meta_at:meta_at + len(words)].copy_(dev(words))
+            torch.index_select(xb, 0, dev(token_of[first:first + n]),
+                               out=send[rows_at:rows_at + n])
 
         header = np.zeros((world, _HEADER_BYTES // 4), dtype=np.int32)
         header[:, 0], header[:, 1] = per_dest, my_max
@@ -453,12 +441,7 @@ class TorchBackend:
         self._inline = global_max if global_max <= cap else 0
         t4 = _now_us()
         own = slice(first := sum(dests[:me]), first + n_me)
-        if host:
-            workn = work.numpy()
-            if n_me:
-                np.take(xn, token_of[own], axis=0, mode="clip", out=workn[num_remote:])
-            head = workn[:num_remote].reshape(-1)
-        elif n_me:
+        if n_me:
             torch.index_select(xb, 0, dev(token_of[own]), out=work[num_remote:])
         # segments of received tokens in bag order: (source, count, routing byte, first row)
         segs = []
@@ -475,24 +458,18 @@ class TorchBackend:
                 segs.append((s, n - C if C else n, row2 * row_bytes,
                              row2 + recv2[s] - (n - C if C else n)))
             row2 += recv2[s]
-        if not host:    # only the routing words come to the host, not the rows
-            flat = work.view(-1)
-            head = np.empty(num_remote * row_bytes, dtype=np.uint8)
-            for _, n, off, _ in segs:
-                if n:
-                    head[off:off + n * meta_bytes] = flat[off:off + n * meta_bytes].cpu().numpy()
+        flat = work.view(-1)   # only the routing words come to the host, not the rows
+        head = np.empty(num_remote * row_bytes, dtype=np.uint8)
+        for _, n, off, _ in segs:
+            if n:
+                head[off:off + n * meta_bytes] = flat[off:off + n * meta_bytes].cpu().numpy()
         bf16 = x.dtype == torch.bfloat16
         (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
          bag_offsets2, weights2, num_remote_bags) = recv_plan(
             head, np.array(segs, dtype=np.int64).reshape(-1, 4), meta[own], num_remote, me,
             per_rank, world, bf16)
         num_recv = len(gather)
-        if host and num_recv:
-            recv_x = torch.from_numpy(np.take(workn, gather, axis=0, mode="clip",
-                                              out=self._owned_rows(num_recv, row_bytes)))
-        else:
-            recv_x = torch.index_select(work, 0, dev(gather))
-        recv_x = recv_x.view(x.dtype)                # [N, row_bytes] bytes -> [N, hidden]
+        recv_x = torch.index_select(work, 0, dev(gather)).view(x.dtype)  # bytes -> [N, hidden]
         t5 = _now_us()
 
         state = _TorchState(
@@ -731,21 +708,13 @@ class TorchBackend:
         all_to_all(self._pg, self._flat("combine", 0, back * prow_bytes),
                    flat[:nret * prow_bytes], recv_splits, send_splits)
         t2 = _now_us()
-        final = _FINAL_SUMS.get(pdtype) if expert_out.is_cpu and HOST_MOVES_ROWS else None
-        if final is not None:   # own partials read where they are, not copied
-            word = torch.uint16 if pdtype == torch.bfloat16 else pdtype   # numpy has no bf16
-            yn = final(self._numpy("combine", back, hidden, word),
-                       partial.view(word).numpy()[nret:], st.final_rows_np, st.final_offsets_np,
-                       back, np.empty((st.num_tokens, hidden), dtype=_NP[word]))
-            y = torch.from_numpy(yn).view(pdtype)
-        else:
-            if own:     # after the collective: work before one slows it more than it costs
-                self._flat("combine", back * prow_bytes, own * prow_bytes).copy_(
-                    flat[nret * prow_bytes:])
-            if st.final_rows is None:
-                st.final_rows = torch.from_numpy(st.final_rows_np).to(device)
-                st.final_offsets = torch.from_numpy(st.final_offsets_np).to(device)
-            y = _bag_sum(work.view(pdtype), st.final_rows, st.final_offsets)
+        if own:     # after the collective: work before one slows it more than it costs
+            self._flat("combine", back * prow_bytes, own * prow_bytes).copy_(
+                flat[nret * prow_bytes:])
+        if st.final_rows is None:
+            st.final_rows = torch.from_numpy(st.final_rows_np).to(device)
+            st.final_offsets = torch.from_numpy(st.final_offsets_np).to(device)
+        y = _bag_sum(work.view(pdtype), st.final_rows, st.final_offsets)
         if pdtype != dtype:
             y = y.to(dtype)
         if out is not None:
