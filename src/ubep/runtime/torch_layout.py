@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import carray, njit, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
+
+from ubep.runtime.shm.atomics import bits_to_f32, void_ptr
 
 
 @njit(nogil=True, cache=True)
@@ -94,8 +96,11 @@ def send_plan(idx, weights, per_rank, world, me, meta_k):
 
 @njit(nogil=True, cache=True)
 def _bf16_bits(bits):
-    """float32 bits -> bfloat16 bits, round to nearest even (as `.to(torch.bfloat16)`)."""
+    """float32 bits (the low 32 of integer `bits`) -> bfloat16 bits, to nearest even as
+    `.to(torch.bfloat16)`; NaN stays a quiet NaN of its sign."""
     b = np.int64(bits) & 0xFFFFFFFF
+    if (b & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16(((b >> 16) & 0x8000) | 0x7FC0)
     return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
 
 
@@ -429,32 +434,9 @@ def final_sums_f32(back_rows, own_rows, final_rows, final_offsets, num_back, y):
     return y
 
 
-@njit(nogil=True, cache=True)
-def _bf16_rne(b):
-    """float32 bits `b` (uint32) -> bfloat16 bits, to nearest even as `.to(torch.bfloat16)`;
-    NaN stays a quiet NaN of its sign."""
-    if (b & 0x7FFFFFFF) > 0x7F800000:
-        return np.uint16(((b >> 16) & 0x8000) | 0x7FC0)
-    return np.uint16((np.uint64(b) + 0x7FFF + ((b >> 16) & 1)) >> 16)
-
-
 #: elements of a row the bag sums take at a time: accumulator and widened rows stay in L1
 #: (whole 7168-element rows through fp32 scratch ran at L2 speed, ~3x slower)
 _CHUNK = 512
-
-
-@intrinsic
-def _f32_of_bits(typingctx, bits):
-    """float32 whose bits are the low 32 of integer `bits` (a register bitcast: vectorizes,
-    unlike a round trip through an array view)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        word = builder.trunc(args[0], context.get_value_type(types.uint32)) \
-            if sig.args[0].bitwidth > 32 else args[0]
-        return builder.bitcast(word, context.get_value_type(types.float32))
-    return types.float32(bits), codegen
 
 
 def _widen(v):
@@ -464,7 +446,7 @@ def _widen(v):
 @overload(_widen, inline="always")
 def _widen_impl(v):
     if v == types.uint16:
-        return lambda v: _f32_of_bits(np.uint32(v) << np.uint32(16))
+        return lambda v: bits_to_f32(np.uint32(v) << np.uint32(16))   # a register bitcast
     if v == types.float32:
         return lambda v: v
     return None
@@ -480,7 +462,7 @@ def _store_impl(out, acc, acc_bits, n):
     if out.dtype == types.uint16:
         def store_bf16(out, acc, acc_bits, n):
             for h in range(n):
-                out[h] = _bf16_rne(acc_bits[h])
+                out[h] = _bf16_bits(acc_bits[h])
         return store_bf16
 
     def store_f32(out, acc, acc_bits, n):
@@ -532,25 +514,14 @@ def bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
 # warm, 10-20 µs at batch 1 between gloo collectives on a slow host. These take the address
 # of a contiguous CPU tensor the caller holds (Buffer checked it) and its size instead.
 
-@intrinsic
-def _voidptr(typingctx, addr):
-    """The integer `addr` as a `void*` (for `carray`)."""
-    if not isinstance(addr, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
-    return types.voidptr(addr), codegen
-
-
 @njit(nogil=True, cache=True)
 def pack_send_at(idx_addr, w_addr, num_tokens, top_k, x_addr, x_words, flat, send, row_bytes,
                  per_rank, world, me, meta_k, inline, hrows):
     """`pack_send` with topk_idx (int64), topk_weights (float32) `[T, K]` and x (`x_words`
     words of `send`'s type) given by address."""
-    idx = carray(_voidptr(idx_addr), (num_tokens, top_k), np.int64)
-    weights = carray(_voidptr(w_addr), (num_tokens, top_k), np.float32)
-    x = carray(_voidptr(x_addr), (x_words,), send.dtype)
+    idx = carray(void_ptr(idx_addr), (num_tokens, top_k), np.int64)
+    weights = carray(void_ptr(w_addr), (num_tokens, top_k), np.float32)
+    x = carray(void_ptr(x_addr), (x_words,), send.dtype)
     return pack_send(idx, weights, x, flat, send, row_bytes, per_rank, world, me, meta_k,
                      inline, hrows)
 
@@ -559,7 +530,7 @@ def pack_send_at(idx_addr, w_addr, num_tokens, top_k, x_addr, x_words, flat, sen
 def recv_gather_cpu_at(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank,
                        world, work_words, x_addr, x_words, own_tokens, out, rw):
     """`recv_gather_cpu` with x (`x_words` words of `work_words`' type) by address."""
-    x = carray(_voidptr(x_addr), (x_words,), work_words.dtype)
+    x = carray(void_ptr(x_addr), (x_words,), work_words.dtype)
     return recv_gather_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank,
                            world, work_words, x, own_tokens, out, rw)
 
@@ -567,14 +538,14 @@ def recv_gather_cpu_at(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me
 @njit(nogil=True, cache=True)
 def gather_rows_at(work, x_addr, x_words, gather, num_remote, own_tokens, out, rw):
     """`gather_rows` with x (`x_words` words of `work`'s type) by address."""
-    x = carray(_voidptr(x_addr), (x_words,), work.dtype)
+    x = carray(void_ptr(x_addr), (x_words,), work.dtype)
     return gather_rows(work, x, gather, num_remote, own_tokens, out, rw)
 
 
 @njit(nogil=True, cache=True)
 def bag_sums_at(rows_addr, num_rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
     """`bag_sums` with the rows (`[num_rows, hidden]` of `out`'s type) by address."""
-    rows = carray(_voidptr(rows_addr), (num_rows, out.shape[1]), out.dtype)
+    rows = carray(void_ptr(rows_addr), (num_rows, out.shape[1]), out.dtype)
     return bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out)
 
 
@@ -582,7 +553,7 @@ def bag_sums_at(rows_addr, num_rows, weights, weighted, bag_rows, bag_offsets, j
 def final_sums_bf16_at(back_rows, own_rows, final_rows, final_offsets, num_back, y_addr,
                        num_tokens):
     """`final_sums_bf16` into y (`[num_tokens, hidden]` bfloat16 bits) by address."""
-    y = carray(_voidptr(y_addr), (num_tokens, own_rows.shape[1]), own_rows.dtype)
+    y = carray(void_ptr(y_addr), (num_tokens, own_rows.shape[1]), own_rows.dtype)
     final_sums_bf16(back_rows, own_rows, final_rows, final_offsets, num_back, y)
 
 
@@ -590,5 +561,5 @@ def final_sums_bf16_at(back_rows, own_rows, final_rows, final_offsets, num_back,
 def final_sums_f32_at(back_rows, own_rows, final_rows, final_offsets, num_back, y_addr,
                       num_tokens):
     """`final_sums_f32` into y (`[num_tokens, hidden]` float32) by address."""
-    y = carray(_voidptr(y_addr), (num_tokens, own_rows.shape[1]), own_rows.dtype)
+    y = carray(void_ptr(y_addr), (num_tokens, own_rows.shape[1]), own_rows.dtype)
     final_sums_f32(back_rows, own_rows, final_rows, final_offsets, num_back, y)

@@ -109,6 +109,19 @@ f32_ptr = _pointer_intrinsic("f32_ptr", types.float32, "The raw address as `floa
 
 
 @intrinsic
+def void_ptr(typingctx, addr):
+    """The raw address as `void*`: for `carray(void_ptr(addr), shape, dtype)` of any dtype."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = context.cast(builder, args[0], signature.args[0], types.int64)
+        return builder.inttoptr(a, context.get_value_type(types.voidptr))
+
+    return types.voidptr(addr), codegen
+
+
+@intrinsic
 def bits_to_f32(typingctx, bits):
     """Reinterpret a uint32 bit pattern as float32 (bf16 -> fp32 is `bits << 16`)."""
     if not isinstance(bits, types.Integer):
