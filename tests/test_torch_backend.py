@@ -406,3 +406,30 @@ def test_torch_backend_misaligned_rows():
     per_rank = run_ranks(_run_cases_misaligned, 2, cases, timeout_s=180)
     for i, case in enumerate(cases):
         check_case(case, [per_rank[r][i] for r in range(2)])
+
+
+def test_gather_rows_by_memcpy_and_its_bounds():
+    """recv_x's gather (rows copied by memcpy): row i is `work[gather[i]]` for a received
+    row, `x[own_tokens[...]]` for an own one, byte for byte; an index past either array
+    raises instead of copying out of bounds."""
+    import numpy as np
+
+    from ubep.runtime.torch_layout import gather_rows
+
+    rng = np.random.default_rng(5)
+    rw, num_remote, num_own = 37, 6, 4            # an odd row of uint64 words
+    work = rng.integers(0, 2**63, (num_remote, rw), dtype=np.int64).view(np.uint64)
+    x = rng.integers(0, 2**63, (num_own, rw), dtype=np.int64).view(np.uint64)
+    own_tokens = np.array([3, 0, 2, 1], np.int64)
+    gather = np.array([5, 0, 7, 0, 9, 2, 6], np.int64)  # >= num_remote: own row (via own_tokens)
+    out = np.zeros(len(gather) * rw, np.uint64)
+    gather_rows(work.reshape(-1), x.reshape(-1), gather, num_remote, own_tokens, out, rw)
+    want = np.stack([work[g] if g < num_remote else x[own_tokens[g - num_remote]]
+                     for g in gather])
+    assert np.array_equal(out.reshape(-1, rw), want)
+    with pytest.raises(IndexError, match="out of its arrays' bounds"):
+        gather_rows(work.reshape(-1), x.reshape(-1), np.array([num_remote]), num_remote,
+                    np.array([num_own], np.int64), out, rw)
+    with pytest.raises(IndexError, match="out of its arrays' bounds"):
+        gather_rows(work.reshape(-1), x.reshape(-1), gather, num_remote, own_tokens,
+                    out[:-1], rw)
