@@ -300,3 +300,28 @@ def test_combine_cast_matches_torch_outside_nan_payloads():
             nan = torch.isnan(want.float()).repeat_interleave(want.element_size(), dim=1)
             assert bool((same | nan).all())
             assert torch.isnan(got.float()).equal(torch.isnan(want.float()))
+
+
+def test_direct_rows_copied_by_memcpy_then_fenced():
+    """The direct path's row copy (here its combine copy-in) goes through memcpy, whose
+    string stores x86 may make visible out of order, so an `sfence` must follow it before
+    the word that publishes the rows; the bytes land where they should."""
+    import platform
+
+    from numba import njit
+
+    from ubep.runtime.shm.kernels.direct import copy_rows_for_peers
+
+    fresh = njit(nogil=True)(copy_rows_for_peers.py_func)   # uncached: inspectable
+    rb, n = 24, 5
+    src = np.arange(rb * n, dtype=np.uint8)
+    dst = np.zeros(rb * n, np.uint8)
+    src_rank = np.array([1, 0, 0, 1, 0], np.int64)      # rows of rank 0 (me) stay
+    fresh(dst.ctypes.data, src.ctypes.data, rb, src_rank, 0, n)
+    rows, got = src.reshape(n, rb), dst.reshape(n, rb)
+    assert np.array_equal(got[src_rank == 1], rows[src_rank == 1])
+    assert not got[src_rank == 0].any()
+    asm = fresh.inspect_asm(fresh.signatures[0])
+    assert "memcpy" in asm
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert "sfence" in asm

@@ -6,8 +6,11 @@ depends on the hardware:
 
 * x86-64: total store order (stores become visible in program order) plus a release store
   of the flag/marker word written after the payload; the release store compiles to a plain
-  `mov` and matters as a compiler barrier. The payload must be copied by our own loops, not
-  `memcpy`/`rep movsb`, whose fast-string stores may become visible out of order.
+  `mov` and matters as a compiler barrier. A window block is copied by our own loops, not
+  `memcpy`/`rep movsb`, whose fast-string stores may become visible out of order among
+  themselves (a marker can be the block's own last word). The direct path's rows, each
+  guarded by a separate meta word, are copied by `memcpy` and then `sfence`d, which orders
+  string and non-temporal stores before the meta word.
 * other CPUs (aarch64, ppc64le, riscv64 ...): release/acquire atomics: the payload stores
   happen-before the release store of the flag, which synchronizes with the reader's
   acquire load (`stlr`/`ldar` on Arm).
@@ -144,8 +147,10 @@ def sync_info(machine: str | None = None, *, check: bool = False) -> SyncInfo:
             memory_model="x86-TSO", verify_model="tso", atomic_store_bytes=8,
             flag_store="LLVM `store atomic i64 release` (a plain mov on x86) after the payload",
             flag_load="LLVM `load atomic i64 acquire` in a spin loop with pause and a deadline",
-            payload_copy="our own word loops before the flag store; never memcpy/rep movsb, "
-                         "whose fast-string stores may become visible out of order")
+            payload_copy="window blocks: our own word loops before the flag store, never "
+                         "memcpy/rep movsb, whose fast-string stores may become visible out "
+                         "of order; the direct path's rows: memcpy, then sfence, then their "
+                         "separate meta word")
     else:
         order = "release/acquire atomics order the payload before the flag"
         info = dict(

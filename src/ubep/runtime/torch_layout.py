@@ -17,43 +17,21 @@ Row layout they describe (the torch backend moves the bytes):
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import carray, njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
-from ubep.runtime.shm.atomics import bits_to_f32, void_ptr
-
-
-@intrinsic
-def _memcpy(typingctx, dst_addr, src_addr, nbytes):
-    """`nbytes` from address `src_addr` to `dst_addr` by libc's memcpy (LLVM's intrinsic).
-
-    A row of the torch backend is copied whole and read only after a collective or by this
-    thread, so no store order matters here, unlike the shm runtime's rows, which a flag
-    word guards and which are therefore copied by its own loops. memcpy's string stores
-    write a line without first reading it: a 14 KiB row gather ran 1.3-2.6x faster than
-    the vectorized word loop on a cache-cold destination (docs/results/torch_backend.md)."""
-    if not all(isinstance(a, types.Integer) for a in (dst_addr, src_addr, nbytes)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        d, s, n = (context.cast(builder, a, t, types.intp)
-                   for a, t in zip(args, signature.args))
-        cgutils.raw_memcpy(builder, builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), n, 1)
-        return context.get_dummy_value()
-
-    return types.void(dst_addr, src_addr, nbytes), codegen
+from ubep.runtime.shm.atomics import bits_to_f32, memcpy_at, void_ptr
 
 
 @njit(nogil=True, cache=True)
 def _copy_row(dst, d, src, s, n):
-    """Words `src[s:s + n]` into `dst[d:d + n]` (flat arrays of one word type)."""
+    """Words `src[s:s + n]` into `dst[d:d + n]` (flat arrays of one word type) by memcpy:
+    nothing orders the torch backend's rows but the collectives around them, and memcpy's
+    string stores write a cold line without reading it first (docs/results/torch_backend.md)."""
     if d < 0 or s < 0 or d + n > dst.shape[0] or s + n > src.shape[0]:
         raise IndexError("torch backend: a row copy out of its arrays' bounds")
     size = dst.itemsize
-    _memcpy(dst.ctypes.data + d * size, src.ctypes.data + s * size, n * size)
+    memcpy_at(dst.ctypes.data + d * size, src.ctypes.data + s * size, n * size)
 
 
 @njit(nogil=True, cache=True)

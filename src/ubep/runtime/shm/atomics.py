@@ -84,6 +84,24 @@ def cpu_pause(typingctx):
     return types.void(), codegen
 
 
+@intrinsic
+def store_fence(typingctx):
+    """Every store before it visible before any store after it, string and non-temporal
+    stores included: `sfence` on x86 (which does not order those otherwise), a release
+    fence elsewhere. Between a payload copied by `memcpy_at` and the flag that guards it."""
+
+    def codegen(context, builder, signature, args):
+        if _IS_X86:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence")
+            builder.call(fn, [])
+        else:
+            builder.fence("release")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 def _pointer_intrinsic(name, elem, doc):
     ptr_t = types.CPointer(elem)
 
@@ -122,6 +140,30 @@ def void_ptr(typingctx, addr):
 
 
 @intrinsic
+def memcpy_at(typingctx, dst_addr, src_addr, nbytes):
+    """`nbytes` from address `src_addr` to `dst_addr` by libc's memcpy (LLVM's intrinsic).
+
+    memcpy's string stores write a cache line without reading it first, where a loop of
+    plain stores reads every line it writes to: a batch-128 dispatch of the direct path
+    copied ~18% faster. For rows nothing orders (the torch backend's) and for rows guarded
+    by a *separate* flag word, stored after a `store_fence` (the direct path's meta words):
+    within one string operation stores may become visible out of order, so window blocks,
+    whose marker can be the block's own last word, are copied by
+    `kernels.records.copy_bytes`."""
+    if not all(isinstance(a, types.Integer) for a in (dst_addr, src_addr, nbytes)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        d, s, n = (context.cast(builder, a, t, types.intp)
+                   for a, t in zip(args, signature.args))
+        cgutils.raw_memcpy(builder, builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), n, 1)
+        return context.get_dummy_value()
+
+    return types.void(dst_addr, src_addr, nbytes), codegen
+
+
+@intrinsic
 def bits_to_f32(typingctx, bits):
     """Reinterpret a uint32 bit pattern as float32 (bf16 -> fp32 is `bits << 16`)."""
     if not isinstance(bits, types.Integer):
@@ -137,7 +179,9 @@ def bits_to_f32(typingctx, bits):
 #: Which ordering guarantee the runtime relies on here (see `ubep.runtime.shm.memory_model`).
 MEMORY_MODEL = (
     "x86-TSO: stores become visible in program order; a release store of the flag/marker "
-    "word written after the payload (by our own copy loops, never memcpy) and an acquire "
-    "load on the reader side suffice" if _IS_X86 else
+    "word written after the payload and an acquire load on the reader side suffice. Window "
+    "blocks are copied by our own loops (one string operation's stores may become visible "
+    "out of order, and a marker can be the block's last word); the direct path's rows by "
+    "memcpy, then sfence, then the row's separate meta word" if _IS_X86 else
     "release/acquire atomics: the payload stores happen-before the flag/marker release store, "
     "which synchronizes with the reader's acquire load")

@@ -14,8 +14,10 @@ parallel. Shared words are addressed by raw address (`bases[d]` + offset, see `r
 Rules:
 
 * every flag/marker read is `load_acquire` (a plain load in a spin loop gets hoisted);
-* rows are copied by our own byte loops (not `memcpy`, whose store order is not defined),
-  and each block's marker word is written last with `store_release`;
+* window blocks are copied by our own byte loops (not `memcpy`, whose store order within
+  one copy is not defined), and each block's marker word is written last with
+  `store_release`; the direct path's rows, each guarded by a separate meta word, are
+  copied by `memcpy_at` (no read of the lines it overwrites) and `store_fence`d before it;
 * waits are bounded: a poll kernel spins at most `spins` rounds with `cpu_pause` and returns
   what is still missing; the Python side (`waits.py`) backs off, checks deadline and
   liveness, and re-enters;

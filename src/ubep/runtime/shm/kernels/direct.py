@@ -17,13 +17,14 @@ from ubep.runtime.shm.atomics import (
     f32_ptr,
     i64_ptr,
     load_acquire,
+    memcpy_at,
+    store_fence,
     store_release,
     u16_ptr,
 )
 from ubep.runtime.shm.kernels import jit
 from ubep.runtime.shm.kernels.combine import sum_slots
 from ubep.runtime.shm.kernels.local import poll_words_at_least
-from ubep.runtime.shm.kernels.records import copy_bytes
 from ubep.runtime.shm.kernels.slots import poll_slots
 from ubep.runtime.shm.region import (
     D_COMB_OFF,
@@ -144,13 +145,14 @@ def send_rows_direct(bases, dlay, epoch, x_addr, rb, idx, weights, pos, el, t_lo
             d = e // el
             row = pos[t, k]
             if dst != 0 and d == me:
-                copy_bytes(dst + row * rb, src, rb)
+                memcpy_at(dst + row * rb, src, rb)
                 src_slot[row] = k
                 wts[row] = weights[t, k]
                 src_tok[row] = t
                 continue
             base = bases[d]
-            copy_bytes(base + tails[d, DC_RECV] + row * rb, src, rb)
+            memcpy_at(base + tails[d, DC_RECV] + row * rb, src, rb)
+            store_fence()           # the row before its meta word, string stores included
             m = base + meta_off + row * 16
             carray(i64_ptr(m), 1)[0] = np.int64(t) | (np.int64(k) << np.int64(32))
             store_release(m + 8, ep | np.int64(wbits[t, k]))
@@ -188,7 +190,7 @@ def recv_meta(base, dlay, epoch, lo, hi, src_tok, src_slot, wts, dst, roff, rb, 
             if missing == 0:
                 first = i + 1
             if dst != 0:
-                copy_bytes(dst + i * rb, area + i * rb, rb)
+                memcpy_at(dst + i * rb, area + i * rb, rb)
             ts = carray(i64_ptr(meta + i * 16), 1)[0]
             src_slot[i] = ts >> np.int64(32)
             wv[i] = np.uint32(v & np.int64(0xFFFFFFFF))
@@ -341,8 +343,9 @@ def copy_rows_for_peers(dst_addr, src_addr, rb, src_rank, me, n):
         j = i + 1
         while j < n and src_rank[j] != me:
             j += 1
-        copy_bytes(dst_addr + i * rb, src_addr + i * rb, (j - i) * rb)
+        memcpy_at(dst_addr + i * rb, src_addr + i * rb, (j - i) * rb)
         i = j
+    store_fence()                   # every row before the caller publishes them
 
 
 # -- one worker, routing and outputs by address ---------------------------------------------------
