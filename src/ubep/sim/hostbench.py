@@ -19,8 +19,9 @@ eighth of what it writes and stays in cache, while the other passes stream both 
 * record_write: `write_record` of rows as tff blocks, one place per row (the one-worker
   combine sends a peer's expert outputs back);
 * record_read: `blocks_ready` + `read_record` (the one-worker dispatch's receive from a peer);
-* reduce: `sum_slots` of a token's 8 rows lying contiguous into its bf16 output (the direct
-  combine; the one-worker combine's rows of its own experts, read in place);
+* reduce: `sum_slots` (four rows a pass) of a token's 8 rows lying contiguous into its bf16
+  output (the direct combine; the one-worker combine's rows of its own experts, read in
+  place);
 * reduce_blocks: the same over rows in tff blocks (the one-worker combine's rows from a
   peer's window);
 * first_touch: writing fresh anonymous memory, one store per 4 KiB page (the page faults a

@@ -109,6 +109,34 @@ def accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y):
 
 
 @jit
+def _add_fours(srcs, blks, wgts, m, b, n, elem, a):
+    """`a[i] += w_j * row_j[i]` for rows j = 0, 1, ... four at a time (bf16 or fp32 rows,
+    block `b`), each sum in slot order as one row at a time would do it: one pass over `a`
+    per four rows instead of per row (the batch-128 combine's sums ~20% faster). Returns
+    the rows done (a multiple of four); the caller adds the rest."""
+    j = 0
+    while j + 3 < m:
+        s0, s1 = srcs[j] + b * blks[j], srcs[j + 1] + b * blks[j + 1]
+        s2, s3 = srcs[j + 2] + b * blks[j + 2], srcs[j + 3] + b * blks[j + 3]
+        w0, w1, w2, w3 = wgts[j], wgts[j + 1], wgts[j + 2], wgts[j + 3]
+        if elem == ELEM_BF16:
+            v0, v1 = carray(u16_ptr(s0), n), carray(u16_ptr(s1), n)
+            v2, v3 = carray(u16_ptr(s2), n), carray(u16_ptr(s3), n)
+            for i in range(n):
+                a[i] = (((a[i] + w0 * bits_to_f32(np.uint32(v0[i]) << np.uint32(16)))
+                         + w1 * bits_to_f32(np.uint32(v1[i]) << np.uint32(16)))
+                        + w2 * bits_to_f32(np.uint32(v2[i]) << np.uint32(16))) \
+                    + w3 * bits_to_f32(np.uint32(v3[i]) << np.uint32(16))
+        else:
+            f0, f1 = carray(f32_ptr(s0), n), carray(f32_ptr(s1), n)
+            f2, f3 = carray(f32_ptr(s2), n), carray(f32_ptr(s3), n)
+            for i in range(n):
+                a[i] = (((a[i] + w0 * f0[i]) + w1 * f1[i]) + w2 * f2[i]) + w3 * f3[i]
+        j += 4
+    return j
+
+
+@jit
 def sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, y, out16):
     """One token's sum: `sum_j wgts[j] * row_j` over the m rows at `srcs[:m]`, in fp32.
 
@@ -126,7 +154,10 @@ def sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, y, out16):
         for i in range(n):
             a[i] = 0.0
         b = c0 // epb
-        for j in range(m):
+        j0 = 0
+        if elem == ELEM_BF16 or elem == ELEM_F32:
+            j0 = _add_fours(srcs, blks, wgts, m, b, n, elem, a)
+        for j in range(j0, m):
             src = srcs[j] + b * blks[j]
             wgt = wgts[j]
             if elem == ELEM_F32:

@@ -3,7 +3,8 @@
 With one worker per rank the same dependency order as the pool path's roles runs in one
 thread: counts first, then rows, then the wait for peers' counts, offsets, and reordering.
 Rows go through the windows as `dispatch`/`combine` lay them out (packed at the call's row
-size, one window per source; see `region`), compiled into these entries.
+size, one window per source; see `region`), compiled into these entries; a token's rows are
+summed by `combine.sum_slots` (Numba's cache sees only this file: edit it when that changes).
 """
 
 from __future__ import annotations
