@@ -13,7 +13,7 @@ matters: a dispatch sends each token row to top-k places, so its source (the bat
 eighth of what it writes and stays in cache, while the other passes stream both sides.
 
 * copy_fanout: `copy_bytes` of rows into place, each source row to 8 places in turn (the
-  direct path's dispatch; the one-worker receive of a rank's rows for itself, from `x`);
+  one-worker receive of a rank's rows for itself, from `x`);
 * record_write_fanout: `write_record` of rows as tff blocks, each source row to 8 places
   (the one-worker path's dispatch send to a peer);
 * record_write: `write_record` of rows as tff blocks, one place per row (the one-worker
@@ -46,8 +46,9 @@ pass of its own in the table:
 * direct: the direct path's dispatch as the runtime runs it (`copy_scatter`): each source
   row to its 8 places, a row for one of the peer's experts straight into the PEER's
   receive area, at its place in the runtime's layout (expert-major, the two sources' rows
-  of an expert one after the other: a rank's rows sit between the peer's), each followed
-  by its 16-byte meta word (release) in the destination's meta array, then the wait until
+  of an expert one after the other: a rank's rows sit between the peer's), copied by
+  memcpy and each followed by a store fence and its 16-byte meta word (release) in the
+  destination's meta array, then the wait until
   every row for me has its meta word (the dispatch returns when the peer's rows arrived);
   then `sum_slots` of each of my tokens' 8 rows where they lie, in either area
   (`reduce_scatter`: the direct combine, which reads a token's rows right after its
@@ -77,7 +78,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ubep.runtime.shm.atomics import cpu_pause, load_acquire, store_release
+from ubep.runtime.shm.atomics import (
+    cpu_pause,
+    load_acquire,
+    memcpy_at,
+    store_fence,
+    store_release,
+)
 from ubep.runtime.shm.kernels import jit
 from ubep.runtime.shm.kernels.combine import ELEM_BF16, sum_slots
 from ubep.runtime.shm.kernels.direct import SUM_CHUNK
@@ -286,12 +293,14 @@ def direct_places(t_n: int, fan: int = FAN, experts: int = 2 * FAN
 @jit
 def _copy_direct(src, fan, dest, place, areas, metas, epoch):
     """Row i of my sources (`src[i // fan]`) to row `place[i]` of destination `dest[i]`'s
-    area (address `areas[d]`), then its meta word (release) at `metas[d] + 16 * place`."""
+    area (address `areas[d]`) by memcpy and a store fence, then its meta word (release) at
+    `metas[d] + 16 * place`: as the runtime's `send_rows_direct` writes a row."""
     rb = src.shape[1]
     for i in range(dest.shape[0]):
         d = dest[i]
         q = place[i]
-        copy_bytes(areas[d] + q * rb, src[i // fan].ctypes.data, rb)
+        memcpy_at(areas[d] + q * rb, src[i // fan].ctypes.data, rb)
+        store_fence()
         store_release(metas[d] + q * 16 + 8, epoch)
 
 
