@@ -2,9 +2,11 @@
 
 Once every rank's per-expert counts are known, the row of (my token t, slot k) has a fixed
 place in its destination's expert-major output, so the sender copies it there and nowhere
-else; combine then reads the expert outputs where they lie. The rules of `kernels/__init__.py` hold:
-flags are read with `load_acquire`, rows are copied by our own loops, and the flag word is
-release-stored after the row it guards (here: the row's meta word, which carries the epoch).
+else; combine then reads the expert outputs where they lie. The rules of `kernels/__init__.py`
+hold: flags are read with `load_acquire`, and the flag word is release-stored after the row
+it guards (here: the row's meta word, which carries the epoch). A row is a payload of its
+own, so it is copied by memcpy (`memcpy_at`: string stores, no read of the lines they
+overwrite) and a `store_fence` orders it before its meta word.
 """
 
 from __future__ import annotations
