@@ -384,3 +384,108 @@ def test_the_table_shows_the_runs_ranges():
         r.update(predicted_lo_us=50.0, predicted_hi_us=70.0, measured_lo_us=90.0,
                  measured_hi_us=300.0)
     assert "[50-70] / 100 [90-300] (" in host.markdown_table(rows)
+
+
+def test_the_model_runs_the_benchs_own_routing():
+    """`host.predict` plans the routing `ubep bench` runs at that batch and hidden (its
+    `_inputs`), and the passes are weighted by that routing's share of rows for the peer."""
+    import numpy as np
+
+    from ubep.bench.config import BenchConfig
+    from ubep.bench.runner import _inputs
+    from ubep.sim.api import SimConfig, prepare
+
+    for b, h in ((1, host.HIDDEN), (1, host.TINY_HIDDEN), (8, host.HIDDEN)):
+        cfg = BenchConfig(ranks=(2,), hiddens=(h,), batches=(b,), top_k=host.TOP_K,
+                          experts=host.EXPERTS, systems=tuple(host.SYSTEMS))
+        want = np.stack([_inputs(cfg, r, b, h)[1].numpy() for r in range(host.RANKS)])
+        got = host.bench_topk(b, h)
+        assert got.shape == (host.RANKS, b, host.TOP_K) and np.array_equal(got, want)
+        owner = want // (host.EXPERTS // host.RANKS)
+        share = (owner != np.arange(host.RANKS)[:, None, None]).mean()
+        assert host.remote_share(b, h) == pytest.approx(share)
+        prep = prepare(host.host_topology(), SimConfig(
+            tokens_per_rank=b, hidden=h, top_k=host.TOP_K, num_experts=host.EXPERTS,
+            mode="ubep", op="dispatch"), topk=got)
+        assert np.array_equal(prep.topk, want)
+        # every rank's plan sends its rows to the ranks the bench's routing names
+        for r, plan in enumerate(prep.plans):
+            dests = np.sort(np.asarray(plan.sends)[:, 2])
+            assert np.array_equal(dests, np.sort(owner[r].ravel()))
+
+
+def test_prepare_names_a_routing_of_the_wrong_shape_or_experts():
+    import numpy as np
+
+    from ubep.sim.api import SimConfig, prepare
+
+    cfg = SimConfig(tokens_per_rank=2, hidden=64, top_k=2, num_experts=4, op="dispatch")
+    topo = host.host_topology()
+    with pytest.raises(ValueError, match="topk must be an integer array of shape"):
+        prepare(topo, cfg, topk=np.zeros((2, 3, 2), np.int64))
+    with pytest.raises(ValueError, match="topk must hold expert ids"):
+        prepare(topo, cfg, topk=np.full((2, 2, 2), 4, np.int64))
+    ok = prepare(topo, cfg, topk=np.array([[[0, 1], [2, 3]], [[3, 2], [1, 0]]]))
+    assert ok.topk.shape == (2, 2, 2)
+
+
+def test_the_window_exchanges_lie_apart_and_run_in_the_benchs_order():
+    """Dispatch and combine windows of each parity: separate parts of the buffers (as the
+    runtime's windows), together within the footprint; rounds cycle through all four."""
+    import numpy as np
+
+    f = 1 << 21
+    own, peer = hostbench._aligned(2 * f), hostbench._aligned(2 * f)
+    ws = hostbench.window_setups(f, R, own, peer, 0, copies=2)
+    assert list(ws) == [("dispatch_peer", 0), ("combine_peer", 0), ("dispatch_peer", 1),
+                        ("combine_peer", 1)]
+    spans = []
+    for k, (write, _, n) in ws.items():
+        before = peer.copy()
+        write(5)
+        hit = np.flatnonzero(peer != before)
+        assert hit.size and n > 0, k
+        spans.append((hit[0], hit[-1]))
+    spans.sort()
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:]))       # no overlap
+    assert spans[-1][1] < f
+    order = hostbench.bench_order(list(ws), 2)
+    assert [k for k, _ in order] == list(ws) * 3
+    assert [t for _, t in order] == [False] * 4 + [True] * 8        # first cycle untimed
+
+
+def test_rounds_are_timed_in_the_given_order_with_fresh_epochs():
+    calls = []
+
+    class Barrier:
+        waits = 0
+
+        def wait(self):
+            Barrier.waits += 1
+
+    def setup(name):
+        return (lambda e: calls.append((name, "w", e)), lambda e: calls.append((name, "r", e)),
+                1000)
+
+    order = hostbench.bench_order(["x", "y"], 2)
+    got = hostbench.time_rounds({p: setup(p) for p in "xy"}, order, Barrier(), epoch0=10)
+    assert Barrier.waits == 2 * len(order)
+    # each round: the write then the read of one exchange, both with the round's own epoch
+    assert calls == [c for i, (p, _) in enumerate(order) for c in ((p, "w", 10 + i),
+                                                                   (p, "r", 10 + i))]
+    assert {k: len(v) for k, v in got.items()} == {"x": 2, "y": 2}
+    assert all(w >= 0 and r >= 0 for v in got.values() for w, r in v)
+
+
+def test_window_passes_come_from_their_own_exchanges_rounds():
+    """One process alone (its peer buffer is its own): every pass of the four priced."""
+    f = 1 << 20
+    buf = hostbench._aligned(4 * f)
+
+    class Alone:
+        def wait(self):
+            pass
+
+    ns = hostbench.time_windows(f, R, buf, buf, 0.0, Alone(), 0, copies=2)
+    want = {p for n in hostbench.WINDOWS for p in hostbench.EXCHANGES[n]}
+    assert set(ns) == want and all(v > 0 for v in ns.values())

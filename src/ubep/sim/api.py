@@ -151,10 +151,12 @@ def model_send_chunk(topology, config: SimConfig, num_experts: int, token_worker
 
 
 def prepare(topology, config: SimConfig, *, ranks: int | None = None,
-            params: CostParams | None = None) -> Prepared:
+            params: CostParams | None = None, topk: np.ndarray | None = None) -> Prepared:
     """Route and plan every rank. Only the count-worker choice and the hierarchical send
     chunk (when `config.count_workers` / `config.send_chunk` is 0) depend on the cost
-    constants `params` (default: the calibrated ones)."""
+    constants `params` (default: the calibrated ones). `topk`: a given routing,
+    `[ranks, tokens_per_rank, top_k]` expert ids, planned instead of drawing one from
+    `config` (the host model runs the bench's own)."""
     topo = resolve_topology(topology, ranks)
     P = topo.num_ranks
     workers = config.workers or topo.workers_per_rank
@@ -166,9 +168,18 @@ def prepare(topology, config: SimConfig, *, ranks: int | None = None,
         raise ValueError(f"top_k={config.top_k} must be <= num_experts={E}")
     if config.count_workers >= workers:
         raise ValueError(f"count_workers={config.count_workers} must be < workers={workers}")
-    topk = make_topk(P, config.tokens_per_rank, config.top_k, E, routing=config.routing,
-                     hot_experts=config.hot_experts, hot_weight=config.hot_weight,
-                     seed=config.seed)
+    if topk is None:
+        topk = make_topk(P, config.tokens_per_rank, config.top_k, E, routing=config.routing,
+                         hot_experts=config.hot_experts, hot_weight=config.hot_weight,
+                         seed=config.seed)
+    else:
+        topk = np.asarray(topk)
+        want = (P, config.tokens_per_rank, config.top_k)
+        if topk.shape != want or not np.issubdtype(topk.dtype, np.integer):
+            raise ValueError(f"topk must be an integer array of shape {want} (ranks, "
+                             f"tokens_per_rank, top_k), got {topk.dtype} {topk.shape}")
+        if topk.size and (topk.min() < 0 or topk.max() >= E):
+            raise ValueError(f"topk must hold expert ids in [0, num_experts={E})")
     nc = config.count_workers
     if config.mode == "ubep" and nc == 0:
         nc = model_count_workers(topo, config, E, workers, params)

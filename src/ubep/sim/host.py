@@ -99,12 +99,27 @@ def path_of(system: str) -> str:
     return "direct" if SYSTEMS[system][1] else "single"
 
 
-def remote_share(batch: int, top_k: int = TOP_K) -> float:
-    """Share of a rank's (token, expert) rows whose expert lives on the other rank, in the
-    routing the engine simulates (uniform, seed 0)."""
-    from ubep.sim.workload import make_topk
+@functools.cache
+def bench_topk(batch: int, hidden: int = HIDDEN, seed: int = 0) -> np.ndarray:
+    """The routing `ubep bench` runs at this batch and hidden (`ubep.bench.runner._inputs`,
+    seed `seed`, as the validation's chunks run it): `[RANKS, batch, TOP_K]` int64, each
+    rank's `topk_idx`. The model simulates this routing, not one of its own: at batch 1 a
+    rank's 8 rows split 5/3 or 4/4 between the ranks in the bench where the simulator's
+    own draw (seed 0) splits them 5/3 and 1/7, a different call."""
+    from ubep.bench.config import BenchConfig
+    from ubep.bench.runner import _inputs
 
-    topk = make_topk(RANKS, batch, top_k, EXPERTS)
+    cfg = BenchConfig(ranks=(RANKS,), hiddens=(hidden,), batches=(batch,), top_k=TOP_K,
+                      experts=EXPERTS, systems=tuple(SYSTEMS), seed=seed)
+    out = np.stack([_inputs(cfg, r, batch, hidden)[1].numpy() for r in range(RANKS)])
+    out.setflags(write=False)
+    return out
+
+
+def remote_share(batch: int, hidden: int = HIDDEN, seed: int = 0) -> float:
+    """Share of the ranks' (token, expert) rows whose expert lives on the other rank, in the
+    bench's routing at this batch and hidden (`bench_topk`)."""
+    topk = bench_topk(batch, hidden, seed)
     owner = topk // (EXPERTS // RANKS)
     return float((owner != np.arange(RANKS)[:, None, None]).mean())
 
@@ -127,7 +142,7 @@ def footprint_bytes(system: str, batch: int, hidden: int = HIDDEN,
     x, out = batch * rb, batch * rb
     if path_of(system) == "direct":
         return x + rows * (rb + 16) + out
-    remote = round(rows * remote_share(batch, top_k))
+    remote = round(rows * remote_share(batch, hidden))
     wins = window_copies() * remote * (record_wire_bytes(rb) + record_wire_bytes(rb, 0))
     return x + wins + 2 * rows * rb + out
 
@@ -185,21 +200,22 @@ def _bw(ns_per_byte: float) -> float:
 
 
 def pass_ns_per_byte(system: str, op: str, side: str, batch: int, table: CopyTable,
-                     footprint: float) -> float:
+                     footprint: float, hidden: int = HIDDEN, seed: int = 0) -> float:
     """ns per payload byte of a row on `side` ("send"/"recv") of `system`'s `op`: the path's
-    passes priced at `footprint`, weighted by the share of rows each applies to."""
-    share = remote_share(batch)
+    passes priced at `footprint`, weighted by the share of rows each applies to (in the
+    bench's routing at `batch` and `hidden`)."""
+    share = remote_share(batch, hidden, seed)
     weight = {"remote": share, "local": 1.0 - share, "all": 1.0}
     return sum(weight[rows] * table.cost_ns_per_byte(p, footprint)
                for p, rows in ROW_PASSES[(path_of(system), op)][side])
 
 
 def call_params(system: str, op: str, hidden: int, batch: int, table: CopyTable,
-                flag_rtt_us: float, call_us: float = 0.0, faults: float = 0.0):
+                flag_rtt_us: float, call_us: float = 0.0, faults: float = 0.0, seed: int = 0):
     """The host model's `CostParams` for one call: the row passes of `system`'s path priced
     at this call's footprint; `faults` fresh pages and `call_us` as its fixed part."""
     fp = footprint_bytes(system, batch, hidden)
-    send, recv = (pass_ns_per_byte(system, op, side, batch, table, fp)
+    send, recv = (pass_ns_per_byte(system, op, side, batch, table, fp, hidden, seed)
                   for side in ("send", "recv"))
     fixed = call_us + (faults * PAGE * table.cost_ns_per_byte("first_touch", faults * PAGE)
                        / 1e3 if faults else 0.0)
@@ -207,8 +223,9 @@ def call_params(system: str, op: str, hidden: int, batch: int, table: CopyTable,
                        launch_us=fixed)
 
 
-def predict(system: str, op: str, hidden: int, batch: int, params) -> float:
-    """The model's latency of one call (the slower rank), us."""
+def predict(system: str, op: str, hidden: int, batch: int, params, seed: int = 0) -> float:
+    """The model's latency of one call (the slower rank), us, on the bench's routing
+    (`bench_topk`)."""
     from ubep.sim.api import SimConfig, execute, prepare
 
     mode, direct = SYSTEMS[system]
@@ -216,7 +233,8 @@ def predict(system: str, op: str, hidden: int, batch: int, params) -> float:
                     bytes_per_element=BYTES_PER_ELEMENT, mode=mode, sync="tff",
                     schedule="static" if mode == "bsp" else "hierarchical", op=op,
                     direct=direct)
-    return execute(prepare(host_topology(), cfg, params=params), params).latency_us
+    prep = prepare(host_topology(), cfg, params=params, topk=bench_topk(batch, hidden, seed))
+    return execute(prep, params).latency_us
 
 
 def model_passes(faults: bool = False) -> tuple[str, ...]:
@@ -234,10 +252,11 @@ def model_footprints(batches=BATCHES) -> tuple[int, ...]:
 
 
 def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = None,
-              batches=BATCHES) -> HostConstants:
+              batches=BATCHES, seed: int = 0) -> HostConstants:
     """Per-call overheads from the hidden-64 points of the bench run: at each batch, what
     the call cost beyond the model's data movement for its 128-byte rows (never < 0).
-    `faults`: pages faulted per call at hidden 7168 (`count_faults`; none if omitted)."""
+    `faults`: pages faulted per call at hidden 7168 (`count_faults`; none if omitted);
+    `seed`: the bench's routing seed (`bench_topk`)."""
     call = {}
     for system in SYSTEMS:
         for op in ("dispatch", "combine"):
@@ -245,13 +264,15 @@ def constants(med: dict, rtt: float, table: CopyTable, faults: dict | None = Non
                 m = med.get((system, TINY_HIDDEN, b, op))
                 if m is None:
                     continue
-                p = call_params(system, op, TINY_HIDDEN, b, table, rtt)
-                call[(system, op, b)] = max(0.0, m - predict(system, op, TINY_HIDDEN, b, p))
+                p = call_params(system, op, TINY_HIDDEN, b, table, rtt, seed=seed)
+                call[(system, op, b)] = max(0.0, m - predict(system, op, TINY_HIDDEN, b, p,
+                                                             seed))
     return HostConstants(table=table, flag_rtt_us=rtt, call_us=call, faults=dict(faults or {}))
 
 
-def validate(med: dict, hc: HostConstants, batches=BATCHES) -> list[dict]:
-    """Predicted vs measured for every system, batch (of `batches`) and op at hidden 7168."""
+def validate(med: dict, hc: HostConstants, batches=BATCHES, seed: int = 0) -> list[dict]:
+    """Predicted vs measured for every system, batch (of `batches`) and op at hidden 7168,
+    on the bench's routing of `seed`."""
     rows = []
     for system in SYSTEMS:
         for batch in batches:
@@ -259,8 +280,8 @@ def validate(med: dict, hc: HostConstants, batches=BATCHES) -> list[dict]:
                 call = hc.call_us.get((system, op, batch), 0.0)
                 faults = hc.faults.get((system, op, batch), 0.0)
                 p = call_params(system, op, HIDDEN, batch, hc.table, hc.flag_rtt_us, call,
-                                faults)
-                pred = predict(system, op, HIDDEN, batch, p)
+                                faults, seed)
+                pred = predict(system, op, HIDDEN, batch, p, seed)
                 meas = med.get((system, HIDDEN, batch, op))
                 rows.append({"system": system, "batch": batch, "op": op,
                              "footprint_MB": footprint_bytes(system, batch) / 1e6,

@@ -104,6 +104,8 @@ EXCHANGES = {"dispatch_peer": ("record_write_fanout_peer", "record_read_peer"),
              "combine_peer": ("record_write_peer", "reduce_blocks_peer"),
              "direct": ("copy_scatter", "reduce_scatter")}
 PASSES = CYCLED + tuple(p for pair in EXCHANGES.values() for p in pair)
+#: the one-worker path's exchanges, in the order a call pair reaches their windows
+WINDOWS = ("dispatch_peer", "combine_peer")
 #: passes over lines the other process touched last (not monotone in footprint)
 CROSS_CORE = EXCHANGES["dispatch_peer"] + EXCHANGES["combine_peer"]
 #: footprints timed: 256 KiB .. 128 MiB, two per octave
@@ -510,6 +512,88 @@ def time_exchange(name: str, footprint: int, row_bytes: int, own: np.ndarray,
             tw.append(t1 - t0)
             tr.append(t3 - t2)
     return float(np.median(tw)) / nbytes, float(np.median(tr)) / nbytes
+
+
+def window_setups(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndarray,
+                  me: int = 0, copies: int = 2) -> dict:
+    """The one-worker path's windows as the bench's calls use them: `{(exchange, copy):
+    setup}` for the dispatch and the combine exchange (`_exchange_setup`) and each of
+    `copies` window sets (the runtime's parities), every one on its own part of `own` and
+    `peer` (none overlapping, as the runtime's windows do not), all of them together about
+    `footprint` bytes of this process's own (each sized for `footprint / (2 * copies)`)."""
+    part = footprint // (2 * copies)
+    step = -(-part // PAGE) * PAGE
+    out, k = {}, 0
+    for c in range(copies):
+        for name in WINDOWS:
+            o = k * step
+            out[(name, c)] = _exchange_setup(name, part, row_bytes, own[o:o + step],
+                                             peer[o:o + step], me)
+            k += 1
+    return out
+
+
+def bench_order(keys, cycles: int) -> list:
+    """`[(key, timed), ...]`: `keys` in turn, `cycles` + 1 times (the first cycle untimed),
+    the order the bench's calls reach the windows `keys` name (dispatch, combine, then the
+    next parity's)."""
+    return [(k, c > 0) for c in range(cycles + 1) for k in keys]
+
+
+def time_rounds(setups: dict, order: list, barrier, epoch0: int = 2) -> dict:
+    """One round of exchange `setups[key]` for each `(key, timed)` of `order`, in that order:
+    all processes write (into their peer's buffer), meet at `barrier`, read (their own), meet
+    again. Returns `{key: [(write ns/B, read ns/B), ...]}` of the timed rounds. Round i uses
+    epoch `epoch0 + i` (the order must be the same on every process); a caller timing the
+    same buffers again starts past `epoch0 + len(order)`."""
+    out: dict = {k: [] for k, _ in order}
+    for i, (k, timed) in enumerate(order):
+        write, read, nbytes = setups[k]
+        barrier.wait()
+        t0 = time.perf_counter_ns()
+        write(epoch0 + i)
+        t1 = time.perf_counter_ns()
+        barrier.wait()
+        t2 = time.perf_counter_ns()
+        read(epoch0 + i)
+        t3 = time.perf_counter_ns()
+        if timed:
+            out[k].append(((t1 - t0) / nbytes, (t3 - t2) / nbytes))
+    return out
+
+
+def time_windows(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndarray,
+                 seconds: float, barrier, me: int = 0, copies: int = 2, setup=None,
+                 epoch0: int = 2) -> dict:
+    """ns per payload byte of the one-worker path's four cross-core passes at `footprint`,
+    timed as the bench's calls meet its windows (`window_setups`, `bench_order`): the
+    dispatch's and the combine's exchange in turn, each parity's windows in turn, so a
+    window is written again only after the other three were used, as in the bench. Per
+    pass the median over its rounds of both parities: `{pass: ns/B}`. Uses
+    `len(setup) * (window_cycles(footprint, seconds) + 1)` epochs from `epoch0`.
+
+    Why: a window visited again right after its last round (an exchange's rounds back to
+    back) finds its lines where that round left them, in the peer's caches; measured side
+    by side at the batch-1 footprint, 8 records a round: 3.05-3.1 us per row written into
+    the peer's slots and 3.4-3.5 us per row summed back to back, 1.7-1.8 and 1.9 when each
+    round came after other work, as the bench's calls do (the same at batch 8 either
+    way)."""
+    setups = setup or window_setups(footprint, row_bytes, own, peer, me, copies)
+    keys = list(setups)
+    got = time_rounds(setups, bench_order(keys, window_cycles(footprint, seconds)), barrier,
+                      epoch0)
+    out = {}
+    for name, (wname, rname) in ((n, EXCHANGES[n]) for n in WINDOWS):
+        rounds = [v for (n, _), vs in got.items() if n == name for v in vs]
+        out[wname] = float(np.median([w for w, _ in rounds]))
+        out[rname] = float(np.median([r for _, r in rounds]))
+    return out
+
+
+def window_cycles(footprint: int, seconds: float) -> int:
+    """Timed cycles (a round of every window each) `time_windows` runs at `footprint`: as
+    many as an exchange's rounds there (`exchange_rounds`)."""
+    return exchange_rounds(footprint, seconds)
 
 
 def time_pass(pass_: str, footprint: int, row_bytes: int, seconds: float,

@@ -129,26 +129,43 @@ def _table_points(batch: int) -> list[tuple[str, int]]:
 
 def _time_table(batch: int, state: dict, rng: random.Random) -> dict:
     """Every (group, footprint) of `batch` timed once, in a shuffled order (the same on both
-    ranks): `{group: {footprint: (ns/B,) or (write ns/B, read ns/B)}}`."""
+    ranks): `{group: {footprint: (ns/B,) or (write ns/B, read ns/B)}}`. The one-worker
+    path's two exchanges at a footprint are timed together, as the bench's calls meet their
+    windows (`hostbench.time_windows`); the direct exchange's write and read back to back,
+    as the bench's direct dispatch and combine meet its one receive area."""
     rb = host.HIDDEN * host.BYTES_PER_ELEMENT
     pts = _table_points(batch)
     rng.shuffle(pts)
     out: dict = {}
     spin, own, peer, me = state["spin"], state["own"], state["peer"], state["me"]
+    setups, sec = state["setups"], state["seconds"]
     for g, f in pts:
         key = (g, f)
-        if g in hostbench.EXCHANGES:
-            if key not in state["setups"]:
-                state["setups"][key] = hostbench._exchange_setup(g, f, rb, own, peer, me)
+        if g in hostbench.WINDOWS:
+            if f in out.get(g, {}):
+                continue                        # timed with the other window exchange
+            wkey = ("windows", f)
+            if wkey not in setups:
+                setups[wkey] = hostbench.window_setups(f, rb, own, peer, me,
+                                                       host.window_copies())
             e0 = state["epoch"]
-            state["epoch"] += hostbench.exchange_rounds(f, state["seconds"]) + 1
-            v = hostbench.time_exchange(g, f, rb, own, peer, state["seconds"], spin, me,
-                                        setup=state["setups"][key], epoch0=e0)
+            state["epoch"] += len(setups[wkey]) * (hostbench.window_cycles(f, sec) + 1)
+            ns = hostbench.time_windows(f, rb, own, peer, sec, spin, me, setup=setups[wkey],
+                                        epoch0=e0)
+            for x in hostbench.WINDOWS:
+                out.setdefault(x, {})[f] = tuple(ns[p] for p in hostbench.EXCHANGES[x])
+            continue
+        if g in hostbench.EXCHANGES:
+            if key not in setups:
+                setups[key] = hostbench._exchange_setup(g, f, rb, own, peer, me)
+            e0 = state["epoch"]
+            state["epoch"] += hostbench.exchange_rounds(f, sec) + 1
+            v = hostbench.time_exchange(g, f, rb, own, peer, sec, spin, me,
+                                        setup=setups[key], epoch0=e0)
         else:
-            if key not in state["setups"]:
-                state["setups"][key] = hostbench._setup(g, f, rb)
-            v = (hostbench.time_pass(g, f, rb, state["seconds"], spin,
-                                     setup=state["setups"][key]),)
+            if key not in setups:
+                setups[key] = hostbench._setup(g, f, rb)
+            v = (hostbench.time_pass(g, f, rb, sec, spin, setup=setups[key]),)
         out.setdefault(g, {})[f] = v
     return out
 
@@ -410,6 +427,7 @@ def chunk_predictions(rec: dict, faults: dict | None = None, stat: str = "max",
     per-call overhead from the chunk's own hidden-64 medians; the last element is the mean
     of the two tables')."""
     evs = rec["events"]
+    seed = int(rec["spec"].get("seed", 0))
     tables = {(e["batch"], e["round"], e["index"]): table_of(e, stat) for e in evs
               if e["kind"] == "table"}
     out: dict = {}
@@ -420,8 +438,8 @@ def chunk_predictions(rec: dict, faults: dict | None = None, stat: str = "max",
         med = _medians(e, b, overhead)
         sides = []
         for tab in (tables[(b, r, j)], tables[(b, r, j + 1)]):
-            hc = host.constants(med, rec["rtt_us"], tab, faults, batches=(b,))
-            sides.append(host.validate(med, hc, batches=(b,)))
+            hc = host.constants(med, rec["rtt_us"], tab, faults, batches=(b,), seed=seed)
+            sides.append(host.validate(med, hc, batches=(b,), seed=seed))
         for before, after in zip(*sides):
             out.setdefault((before["system"], b, before["op"]), []).append(
                 (before["predicted_us"], after["predicted_us"], before["measured_us"],
