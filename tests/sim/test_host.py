@@ -489,3 +489,26 @@ def test_window_passes_come_from_their_own_exchanges_rounds():
     ns = hostbench.time_windows(f, R, buf, buf, 0.0, Alone(), 0, copies=2)
     want = {p for n in hostbench.WINDOWS for p in hostbench.EXCHANGES[n]}
     assert set(ns) == want and all(v > 0 for v in ns.values())
+
+
+def test_each_combine_window_sends_back_what_its_dispatch_received():
+    """As the runtime's combine sends `expert_out` (the dispatch's `recv_x`): one process
+    alone, its dispatch reads its records (bytes of 1) into the rows its combine then
+    sends, in place of the bf16 ones the combine's rows held before."""
+    import numpy as np
+
+    f = 1 << 20
+    buf = hostbench._aligned(4 * f)
+    ws = hostbench.window_setups(f, R, buf, buf, 0, copies=1)
+    (dw, dr, _), (cw, _, _) = ws[("dispatch_peer", 0)], ws[("combine_peer", 0)]
+    before = buf.copy()
+    cw(3)
+    sent = np.flatnonzero(buf != before)
+    assert set(np.unique(buf[sent])) >= {0x80, 0x3F}        # bf16 1.0 = 0x3F80
+    dw(4)
+    assert dr(4) == 0                                        # every record complete
+    cw(5)
+    rows_sent = buf[sent]
+    assert np.count_nonzero(rows_sent == 0x01) > 0.9 * np.count_nonzero(rows_sent == 0x80) + 1
+    with pytest.raises(ValueError, match="rows must be uint8"):
+        hostbench._exchange_setup("combine_peer", f, R, buf, buf, rows=np.zeros((1, R), np.uint8))

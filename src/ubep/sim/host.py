@@ -19,7 +19,8 @@ predicted:
   between two processes (`hostbench.EXCHANGES`), not by a copy within one core.
   The direct path copies each row once into its final place in expert-major order
   (dispatch) and sums the rows where they lie (combine), where the rank reads back rows it
-  wrote itself one call before. Rows for the peer vs for itself: `remote_share`;
+  wrote itself one call before. Rows for the peer vs for itself: `remote_share` (of the
+  bench's routing);
 * a pass's cost per byte depends on the call's footprint: the bytes a rank's calls cycle
   through (its input, windows or its receive area, outputs),
   looked up in the microbenchmark's table of the same pass timed on that footprint with
@@ -40,7 +41,8 @@ predicted:
   caller's working set out of cache, as every hidden-7168 call finds it.
 
 Then the engine predicts the bench medians of shm-bsp, shm-ubep and shm-direct at hidden
-7168 bf16, top-8, P=2.
+7168 bf16, top-8, P=2, on the routing the bench runs (`bench_topk`: the bench's own draw
+at each batch and hidden, not the simulator's).
 """
 
 from __future__ import annotations

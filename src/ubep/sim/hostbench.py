@@ -391,13 +391,23 @@ def _setup(pass_: str, footprint: int, row_bytes: int):
     raise ValueError(f"pass {pass_!r} is not one of {CYCLED}")
 
 
+def _rows(rows: np.ndarray, n: int, rb: int) -> np.ndarray:
+    """The first `n` rows of `rows` (uint8, `[>= n, rb]`), named if too few."""
+    if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != rb or rows.shape[0] < n:
+        raise ValueError(f"rows must be uint8 [>= {n}, {rb}], got {rows.dtype} {rows.shape}")
+    return rows[:n]
+
+
 def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
-                    peer: np.ndarray, me: int = 0):
+                    peer: np.ndarray, me: int = 0, rows: np.ndarray | None = None):
     """(write(epoch), read(epoch), payload bytes of each) of exchange `name` with ~`footprint`
     bytes of this process's own: the write goes into `peer` (the other process's shared
     buffer, or `own` when alone), the read comes from `own`, which the peer wrote; direct:
     into either, as the routing says, and `me` (0 or 1) is this process's rank. Buffers
-    hold at least 2 * `footprint` bytes."""
+    hold at least 2 * `footprint` bytes. `rows` (one-worker exchanges): the dispatch's
+    receive area / the combine's source rows, `[n, row_bytes]` uint8 of at least the rows
+    the exchange moves (default: its own): the combine sends back what the dispatch
+    received, as the runtime's combine sends its `expert_out`, the dispatch's `recv_x`."""
     rb = row_bytes
     hidden = rb // 2
     if name == "dispatch_peer":
@@ -405,14 +415,14 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
         n = max(FAN, footprint // (wire + rb + rb // FAN) // FAN * FAN)
         src = _aligned(n // FAN * rb).reshape(n // FAN, rb)
         src[:] = 1
-        out = _aligned(n * rb).reshape(n, rb)
+        out = _aligned(n * rb).reshape(n, rb) if rows is None else _rows(rows, n, rb)
         places = expert_places(n)
         return (lambda e: _record_write_places(src, peer, places, FAN, wire, HEAD_BYTES, e),
                 lambda e: _record_read(own, out, wire, 1, e), n * rb)
     if name == "combine_peer":
         wire = record_wire_bytes(rb, 0)
         n = max(TOP_K, footprint // (wire + rb + rb // TOP_K) // TOP_K * TOP_K)
-        src = _aligned(n * rb).reshape(n, rb)
+        src = _aligned(n * rb).reshape(n, rb) if rows is None else _rows(rows, n, rb)
         src.view(np.uint16)[:] = _BF16_ONE
         out16 = _aligned(n // TOP_K * rb).view(np.uint16).reshape(n // TOP_K, hidden)
         # the expert side sends its rows in its (expert-major) order to slot token*8 + k
@@ -520,15 +530,20 @@ def window_setups(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndar
     setup}` for the dispatch and the combine exchange (`_exchange_setup`) and each of
     `copies` window sets (the runtime's parities), every one on its own part of `own` and
     `peer` (none overlapping, as the runtime's windows do not), all of them together about
-    `footprint` bytes of this process's own (each sized for `footprint / (2 * copies)`)."""
+    `footprint` bytes of this process's own (each sized for `footprint / (2 * copies)`).
+    Each copy's combine sends back the rows its dispatch received (the runtime's combine
+    sends `expert_out`, the dispatch's `recv_x`, which this core has just written)."""
     part = footprint // (2 * copies)
     step = -(-part // PAGE) * PAGE
+    wire = min(record_wire_bytes(row_bytes), record_wire_bytes(row_bytes, 0))
+    n = max(FAN, part // (wire + row_bytes + row_bytes // FAN) // FAN * FAN)
     out, k = {}, 0
     for c in range(copies):
+        received = _aligned(n * row_bytes).reshape(n, row_bytes)
         for name in WINDOWS:
             o = k * step
             out[(name, c)] = _exchange_setup(name, part, row_bytes, own[o:o + step],
-                                             peer[o:o + step], me)
+                                             peer[o:o + step], me, rows=received)
             k += 1
     return out
 

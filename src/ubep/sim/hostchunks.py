@@ -12,7 +12,11 @@ its core as `ubep bench` binds them) alternate, per batch:
     table, bench chunk, table, bench chunk, ..., bench chunk, table      (`schedule`)
 
 A table is the model's passes (`host.model_passes`) at exactly that batch's footprints
-(`host.model_footprints`), each point timed once (~0.2-0.7 s); a bench chunk is every
+(`host.model_footprints`), each point timed once (~0.2-0.7 s), each exchange in the order
+the bench's calls reach its buffers: the one-worker path's dispatch and combine windows
+in turn, each parity's in turn (`hostbench.time_windows`: never one window twice in a row,
+which at batch 1 costs ~1.8x per row), the direct path's write and read of one area back to
+back (its dispatch then its combine); a bench chunk is every
 shm system at hidden 64 and 7168, `iters` timed calls each after `warmup` untimed ones,
 timed as `ubep bench` times them (`ubep.bench.runner`: a cross-process barrier before
 each dispatch and each combine, the max over ranks per call; ~0.05-0.2 s). A table's
