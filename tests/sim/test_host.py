@@ -512,3 +512,16 @@ def test_each_combine_window_sends_back_what_its_dispatch_received():
     assert np.count_nonzero(rows_sent == 0x01) > 0.9 * np.count_nonzero(rows_sent == 0x80) + 1
     with pytest.raises(ValueError, match="rows must be uint8"):
         hostbench._exchange_setup("combine_peer", f, R, buf, buf, rows=np.zeros((1, R), np.uint8))
+
+
+def test_faults_are_free_when_the_table_did_not_time_first_touch():
+    """The validation's tables time only the row passes; a stray fault counted then must
+    not stop the pricing (the CLI says faults are priced at 0)."""
+    full = flat_table()
+    rows_only = CopyTable(R, full.footprints, {k: v for k, v in full.ns_per_byte.items()
+                                               if k[0] != "first_touch"})
+    args = ("shm-ubep", "combine", host.HIDDEN, 128)
+    bare = host.call_params(*args, rows_only, 0.2, 5.0)
+    assert host.call_params(*args, rows_only, 0.2, 5.0, faults=0.025).launch_us == \
+        pytest.approx(bare.launch_us) == pytest.approx(5.0)
+    assert host.call_params(*args, full, 0.2, 5.0, faults=2.0).launch_us > 5.0
