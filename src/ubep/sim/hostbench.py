@@ -510,18 +510,24 @@ def time_exchange(name: str, footprint: int, row_bytes: int, own: np.ndarray,
     write, read, nbytes = setup or _exchange_setup(name, footprint, row_bytes, own, peer, me)
     tw, tr = [], []
     for r in range(exchange_rounds(footprint, seconds) + 1):
-        barrier.wait()
-        t0 = time.perf_counter_ns()
-        write(epoch0 + r)
-        t1 = time.perf_counter_ns()
-        barrier.wait()
-        t2 = time.perf_counter_ns()
-        read(epoch0 + r)
-        t3 = time.perf_counter_ns()
+        w, rd = _timed_round(write, read, epoch0 + r, barrier)
         if r:
-            tw.append(t1 - t0)
-            tr.append(t3 - t2)
+            tw.append(w)
+            tr.append(rd)
     return float(np.median(tw)) / nbytes, float(np.median(tr)) / nbytes
+
+
+def _timed_round(write, read, epoch: int, barrier) -> tuple[int, int]:
+    """One round of an exchange: every process writes (epoch `epoch`), meets at `barrier`,
+    reads; (write ns, read ns) of this process."""
+    barrier.wait()
+    t0 = time.perf_counter_ns()
+    write(epoch)
+    t1 = time.perf_counter_ns()
+    barrier.wait()
+    t2 = time.perf_counter_ns()
+    read(epoch)
+    return t1 - t0, time.perf_counter_ns() - t2
 
 
 def window_setups(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndarray,
@@ -564,16 +570,9 @@ def time_rounds(setups: dict, order: list, barrier, epoch0: int = 2) -> dict:
     out: dict = {k: [] for k, _ in order}
     for i, (k, timed) in enumerate(order):
         write, read, nbytes = setups[k]
-        barrier.wait()
-        t0 = time.perf_counter_ns()
-        write(epoch0 + i)
-        t1 = time.perf_counter_ns()
-        barrier.wait()
-        t2 = time.perf_counter_ns()
-        read(epoch0 + i)
-        t3 = time.perf_counter_ns()
+        w, rd = _timed_round(write, read, epoch0 + i, barrier)
         if timed:
-            out[k].append(((t1 - t0) / nbytes, (t3 - t2) / nbytes))
+            out[k].append((w / nbytes, rd / nbytes))
     return out
 
 
