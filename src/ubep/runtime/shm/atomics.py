@@ -28,6 +28,13 @@ def _ptr(builder, addr):
     return builder.inttoptr(addr, _I64.as_pointer())
 
 
+def _call_void(builder, name: str) -> None:
+    """Call the argument-less, void LLVM intrinsic `name` (e.g. `llvm.x86.sse2.pause`)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                        name)
+    builder.call(fn, [])
+
+
 @intrinsic
 def load_acquire(typingctx, addr):
     """`load atomic i64 acquire` from the 8-byte aligned address `addr`."""
@@ -76,9 +83,7 @@ def cpu_pause(typingctx):
 
     def codegen(context, builder, signature, args):
         if _IS_X86:
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
-            builder.call(fn, [])
+            _call_void(builder, "llvm.x86.sse2.pause")
         return context.get_dummy_value()
 
     return types.void(), codegen
@@ -92,9 +97,7 @@ def store_fence(typingctx):
 
     def codegen(context, builder, signature, args):
         if _IS_X86:
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence")
-            builder.call(fn, [])
+            _call_void(builder, "llvm.x86.sse.sfence")
         else:
             builder.fence("release")
         return context.get_dummy_value()
@@ -102,8 +105,8 @@ def store_fence(typingctx):
     return types.void(), codegen
 
 
-def _pointer_intrinsic(name, elem, doc):
-    ptr_t = types.CPointer(elem)
+def _pointer_intrinsic(name, ptr_t, doc):
+    """An intrinsic `name(addr)`: the integer address `addr` as a pointer of type `ptr_t`."""
 
     def typer(typingctx, addr):
         if not isinstance(addr, types.Integer):
@@ -120,23 +123,17 @@ def _pointer_intrinsic(name, elem, doc):
     return intrinsic(typer)
 
 
-u8_ptr = _pointer_intrinsic("u8_ptr", types.uint8, "The raw address as `uint8*` (for carray).")
-u16_ptr = _pointer_intrinsic("u16_ptr", types.uint16, "The raw address as `uint16*`.")
-i64_ptr = _pointer_intrinsic("i64_ptr", types.int64, "The raw address as `int64*`.")
-f32_ptr = _pointer_intrinsic("f32_ptr", types.float32, "The raw address as `float32*`.")
-
-
-@intrinsic
-def void_ptr(typingctx, addr):
-    """The raw address as `void*`: for `carray(void_ptr(addr), shape, dtype)` of any dtype."""
-    if not isinstance(addr, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        a = context.cast(builder, args[0], signature.args[0], types.int64)
-        return builder.inttoptr(a, context.get_value_type(types.voidptr))
-
-    return types.voidptr(addr), codegen
+u8_ptr = _pointer_intrinsic("u8_ptr", types.CPointer(types.uint8),
+                            "The raw address as `uint8*` (for carray).")
+u16_ptr = _pointer_intrinsic("u16_ptr", types.CPointer(types.uint16),
+                             "The raw address as `uint16*`.")
+i64_ptr = _pointer_intrinsic("i64_ptr", types.CPointer(types.int64),
+                             "The raw address as `int64*`.")
+f32_ptr = _pointer_intrinsic("f32_ptr", types.CPointer(types.float32),
+                             "The raw address as `float32*`.")
+void_ptr = _pointer_intrinsic("void_ptr", types.voidptr,
+                              "The raw address as `void*`: for `carray(void_ptr(addr), shape, "
+                              "dtype)` of any dtype.")
 
 
 @intrinsic
