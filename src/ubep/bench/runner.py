@@ -13,6 +13,7 @@ Two launchers share `bench_rank`: `ubep.testing.run_ranks` (gloo group; no MPI) 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
@@ -154,16 +155,25 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
         order = list(systems.values())
         times = {s.name: np.empty((2, cfg.iters)) for s in order}
         phases = {s.name: [] for s in order if hasattr(s, "phases")}
-        gc.collect()
-        gc.disable()  # a collection inside a timed call would land on one system at random
-        try:
+        with gc_paused():
             _timed_loop(cfg, order, sync, times, phases)
-        finally:
-            gc.enable()
         for name, t in times.items():
             out["times"][(name, hidden, batch)] = t
         for name, per_iter in phases.items():
             out["phases"][(name, hidden, batch)] = per_iter
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic GC collected once, then off for the block: a collection inside a
+    timed call would land on one system at random. The harness's timed loops run in it
+    (also `ubep.sim.hostchunks`)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def timed_pair(sync, system) -> tuple[float, float]:

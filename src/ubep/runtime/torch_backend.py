@@ -217,7 +217,6 @@ class TorchBackend:
 
     def __init__(self, config: BufferConfig, group, buffer_id: int):
         self.config = config
-        self.group = group
         #: the process group object the collectives run on (`group`, or the default one)
         self._pg = group if group is not None else dist.group.WORLD
         self.buffer_id = buffer_id

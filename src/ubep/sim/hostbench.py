@@ -584,7 +584,8 @@ def time_windows(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndarr
     dispatch's and the combine's exchange in turn, each parity's windows in turn, so a
     window is written again only after the other three were used, as in the bench. Per
     pass the median over its rounds of both parities: `{pass: ns/B}`. Uses
-    `len(setup) * (window_cycles(footprint, seconds) + 1)` epochs from `epoch0`.
+    `len(setup) * (exchange_rounds(footprint, seconds) + 1)` epochs from `epoch0` (as
+    many cycles as an exchange's rounds there).
 
     Why: a window visited again right after its last round (an exchange's rounds back to
     back) finds its lines where that round left them, in the peer's caches; measured side
@@ -594,7 +595,7 @@ def time_windows(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndarr
     way)."""
     setups = setup or window_setups(footprint, row_bytes, own, peer, me, copies)
     keys = list(setups)
-    got = time_rounds(setups, bench_order(keys, window_cycles(footprint, seconds)), barrier,
+    got = time_rounds(setups, bench_order(keys, exchange_rounds(footprint, seconds)), barrier,
                       epoch0)
     out = {}
     for name, (wname, rname) in ((n, EXCHANGES[n]) for n in WINDOWS):
@@ -602,12 +603,6 @@ def time_windows(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndarr
         out[wname] = float(np.median([w for w, _ in rounds]))
         out[rname] = float(np.median([r for _, r in rounds]))
     return out
-
-
-def window_cycles(footprint: int, seconds: float) -> int:
-    """Timed cycles (a round of every window each) `time_windows` runs at `footprint`: as
-    many as an exchange's rounds there (`exchange_rounds`)."""
-    return exchange_rounds(footprint, seconds)
 
 
 def time_pass(pass_: str, footprint: int, row_bytes: int, seconds: float,

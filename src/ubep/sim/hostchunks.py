@@ -34,7 +34,6 @@ dropped (counted and reported). A point's error is the median of its kept chunks
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import random
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ubep.bench.runner import timed_pair
+from ubep.bench.runner import gc_paused, timed_pair
 from ubep.sim import host, hostbench
 
 #: bench chunks per batch per round; rounds per validation (the batches in turn each round)
@@ -153,7 +152,7 @@ def _time_table(batch: int, state: dict, rng: random.Random) -> dict:
                 setups[wkey] = hostbench.window_setups(f, rb, own, peer, me,
                                                        host.window_copies())
             e0 = state["epoch"]
-            state["epoch"] += len(setups[wkey]) * (hostbench.window_cycles(f, sec) + 1)
+            state["epoch"] += len(setups[wkey]) * (hostbench.exchange_rounds(f, sec) + 1)
             ns = hostbench.time_windows(f, rb, own, peer, sec, spin, me, setup=setups[wkey],
                                         epoch0=e0)
             for x in hostbench.WINDOWS:
@@ -183,9 +182,7 @@ def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random
     order = sorted(systems)
     rng.shuffle(order)
     out, phases = {}, {}
-    gc.collect()
-    gc.disable()            # a collection inside a timed call lands on one system at random
-    try:
+    with gc_paused():
         for key in order:
             s = systems[key]
             t = np.empty((2, iters))
@@ -195,8 +192,6 @@ def _time_bench(systems: dict, sync, iters: int, warmup: int, rng: random.Random
                     t[:, it] = dc
                     phases.setdefault((key[1], key[0]), []).append(s.phases())
             out[(key[1], key[0])] = t.tolist()
-    finally:
-        gc.enable()
     return out, phases
 
 
@@ -215,9 +210,7 @@ def _time_cold(systems, sync, iters: int, warmup: int, rng: random.Random) -> di
     names = sorted({n for _, n in systems})
     rng.shuffle(names)
     out = {}
-    gc.collect()
-    gc.disable()
-    try:
+    with gc_paused():
         for n in names:
             big, small = systems[(host.HIDDEN, n)], systems[(host.TINY_HIDDEN, n)]
             t = np.empty((2, iters))
@@ -227,8 +220,6 @@ def _time_cold(systems, sync, iters: int, warmup: int, rng: random.Random) -> di
                 if it >= 0:
                     t[:, it] = dc
             out[(n, host.TINY_HIDDEN)] = t.tolist()
-    finally:
-        gc.enable()
     return out
 
 
