@@ -433,3 +433,66 @@ def test_gather_rows_by_memcpy_and_its_bounds():
     with pytest.raises(IndexError, match="out of its arrays' bounds"):
         gather_rows(work.reshape(-1), x.reshape(-1), gather, num_remote, own_tokens,
                     out[:-1], rw)
+
+
+def _late_all_to_all(rank, world, delay_s):
+    """Rank 1 enters the collective `delay_s` late (past `POLL_S`); every rank returns what
+    it received."""
+    import time
+
+    import torch.distributed as dist
+
+    from ubep.runtime.torch_backend import POLL_S, all_to_all
+
+    assert delay_s > 5 * POLL_S
+    if rank == 1:
+        time.sleep(delay_s)
+    inp = torch.arange(4 * world, dtype=torch.int64) + 100 * rank
+    out = torch.empty_like(inp)
+    all_to_all(dist.group.WORLD, out, inp, [4] * world, [4] * world)
+    return out.tolist()
+
+
+def test_gloo_wait_outlasts_its_poll():
+    """A synchronous collective whose peer arrives after the poll window (`POLL_S`) still
+    returns the peer's bytes: the wait falls back to blocking, it does not give up."""
+    got = run_ranks(_late_all_to_all, 2, 0.05, timeout_s=60)
+    for r in range(2):
+        assert got[r] == [100 * s + 4 * r + i for s in range(2) for i in range(4)]
+
+
+class _Work:
+    """A collective's `Work` that completes on its `n`-th `is_completed` poll."""
+
+    def __init__(self, n: int):
+        self.n, self.polls, self.waits = n, 0, 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.polls >= self.n
+
+    def wait(self) -> bool:
+        self.waits += 1
+        return True
+
+
+class _Group:
+    def __init__(self, name: str):
+        self._name = name
+
+    def name(self) -> str:
+        return self._name
+
+
+def test_wait_polls_only_host_collectives():
+    """gloo: polled until complete, then `wait()` (which raises a failed collective's error
+    and keeps the group's timeout); a device backend (NCCL): `wait()` alone, whose host side
+    does not block, so polling it would only synchronise the host with the device."""
+    from ubep.runtime.torch_backend import wait
+
+    w = _Work(3)
+    wait(w, _Group("gloo"))
+    assert (w.polls, w.waits) == (3, 1)
+    w = _Work(3)
+    wait(w, _Group("nccl"))
+    assert (w.polls, w.waits) == (0, 1)
