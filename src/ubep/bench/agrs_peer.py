@@ -13,7 +13,9 @@ dispatch ends with the rows routed to this rank's experts laid out as `ubep.Buff
 them (expert-major, then source rank, then token): the gather a grouped expert GEMM needs,
 which vLLM's fused MoE does inside the expert kernel. The collectives run on the default
 process group (gloo here); one all-gather carries rows and routing packed together, one
-reduce-scatter brings the sums back.
+reduce-scatter brings the sums back. Their waits poll as the torch backend's do
+(`ubep.runtime.torch_backend.wait`), so neither side of a ratio pays a blocked thread's
+wake-up that the other does not.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from ubep.runtime.torch_backend import wait
 
 _SUMMED_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,6 +54,7 @@ class AgRsPeer:
 
     def __init__(self, num_experts: int, group=None):
         self.group = group
+        self.pg = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if num_experts % self.world:
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
@@ -80,7 +85,7 @@ class AgRsPeer:
                                                                              4 * top_k)
         route[num_tokens:, :8 * top_k] = 255             # padding tokens: ids -1
         gathered = torch.empty(world * max_tokens, packed, dtype=torch.uint8)
-        dist.all_gather_single(gathered, send, group=self.group)
+        wait(dist.all_gather_single(gathered, send, group=self.group, async_op=True), self.pg)
 
         g = gathered.numpy()
         ids = np.ascontiguousarray(g[:, row_bytes:row_bytes + 8 * top_k]).view(np.int64)
@@ -121,5 +126,6 @@ class AgRsPeer:
             r = rows.index_select(0, d.slot_row[k])
             partial.addcmul_(r if dtype in _SUMMED_AS_IS else r.float(), w[:, k:k + 1])
         out = torch.empty(d.max_tokens, hidden, dtype=dtype)
-        dist.reduce_scatter_single(out, partial.to(dtype), group=self.group)
+        wait(dist.reduce_scatter_single(out, partial.to(dtype), group=self.group,
+                                        async_op=True), self.pg)
         return out[:d.num_tokens]
