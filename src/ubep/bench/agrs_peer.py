@@ -27,8 +27,11 @@ import torch
 import torch.distributed as dist
 
 from ubep.runtime.torch_backend import wait
+from ubep.runtime.torch_layout import bag_sums
 
 _SUMMED_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
+#: output dtypes the compiled sums take (as words of this type)
+_WORDS = {torch.bfloat16: torch.uint16, torch.float32: torch.float32}
 
 
 @dataclass
@@ -45,6 +48,10 @@ class AgRsDispatch:
     # expert_out holding its output (N = a zero row: not routed to this rank), and its weight
     slot_row: torch.Tensor           # [K, P * max_tokens] int64
     slot_weight: torch.Tensor        # [P * max_tokens, K] float32
+    # the same as bags for the compiled sums: gathered token j's rows of expert_out in slot
+    # order are bag_rows[bag_offsets[j]:bag_offsets[j + 1]]
+    bag_rows: np.ndarray             # [N] int64
+    bag_offsets: np.ndarray          # [P * max_tokens] int64
     num_tokens: int
     max_tokens: int
 
@@ -101,6 +108,8 @@ class AgRsPeer:
         slot_row[tok, slot] = np.arange(num_recv)
         slot_weight = np.zeros((world * max_tokens, top_k), dtype=np.float32)
         slot_weight[tok, slot] = weights[tok, slot]
+        bag_rows = np.lexsort((slot, tok))                  # by gathered token, then slot
+        bag_offsets = np.searchsorted(tok[bag_rows], np.arange(world * max_tokens))
         return AgRsDispatch(
             recv_x=recv_x.view(x.dtype).view(num_recv, hidden),
             recv_weights=torch.from_numpy(weights[tok, slot]),
@@ -109,8 +118,8 @@ class AgRsPeer:
             recv_src_token=torch.from_numpy(tok % max_tokens),
             recv_src_slot=torch.from_numpy(slot),
             slot_row=torch.from_numpy(slot_row.T.copy()),
-            slot_weight=torch.from_numpy(slot_weight), num_tokens=num_tokens,
-            max_tokens=max_tokens)
+            slot_weight=torch.from_numpy(slot_weight), bag_rows=bag_rows,
+            bag_offsets=bag_offsets, num_tokens=num_tokens, max_tokens=max_tokens)
 
     def combine(self, expert_out: torch.Tensor, d: AgRsDispatch,
                 weighted: bool = True) -> torch.Tensor:
@@ -119,13 +128,23 @@ class AgRsPeer:
         Returns `[T, hidden]` in `expert_out.dtype`: this rank's tokens' sums over all ranks.
         """
         hidden, dtype = expert_out.shape[1], expert_out.dtype
-        rows = torch.cat([expert_out, expert_out.new_zeros(1, hidden)])
-        w = d.slot_weight if weighted else (d.slot_row.T < expert_out.shape[0]).float()
-        partial = torch.zeros(d.slot_weight.shape[0], hidden, dtype=torch.float32)
-        for k in range(d.slot_row.shape[0]):
-            r = rows.index_select(0, d.slot_row[k])
-            partial.addcmul_(r if dtype in _SUMMED_AS_IS else r.float(), w[:, k:k + 1])
+        word = _WORDS.get(dtype)
+        if word is not None and expert_out.is_cpu and expert_out.is_contiguous():
+            # one pass over the rows, as a fused MoE kernel sums a token's experts in its
+            # epilogue (`bag_sums`: fp32 weights and accumulation, slot order, one rounding)
+            partial = torch.empty(d.slot_weight.shape[0], hidden, dtype=dtype)
+            bag_sums(expert_out.view(word).numpy(), d.recv_weights.numpy(), bool(weighted),
+                     d.bag_rows, d.bag_offsets, 0, len(d.bag_offsets),
+                     partial.view(word).numpy())
+        else:
+            rows = torch.cat([expert_out, expert_out.new_zeros(1, hidden)])
+            w = d.slot_weight if weighted else (d.slot_row.T < expert_out.shape[0]).float()
+            acc = torch.zeros(d.slot_weight.shape[0], hidden, dtype=torch.float32)
+            for k in range(d.slot_row.shape[0]):
+                r = rows.index_select(0, d.slot_row[k])
+                acc.addcmul_(r if dtype in _SUMMED_AS_IS else r.float(), w[:, k:k + 1])
+            partial = acc.to(dtype)
         out = torch.empty(d.max_tokens, hidden, dtype=dtype)
-        wait(dist.reduce_scatter_single(out, partial.to(dtype), group=self.group,
-                                        async_op=True), self.pg)
+        wait(dist.reduce_scatter_single(out, partial, group=self.group, async_op=True),
+             self.pg)
         return out[:d.num_tokens]
