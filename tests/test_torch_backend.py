@@ -496,3 +496,27 @@ def test_wait_polls_only_host_collectives():
     w = _Work(3)
     wait(w, _Group("nccl"))
     assert (w.polls, w.waits) == (0, 1)
+
+
+def _completes_without_wait(rank, world):
+    """Whether an async all_to_all_single's Work reports completion before `wait()` is
+    called (polled up to 20 s)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    work = dist.all_to_all_single(torch.empty(4 * world), torch.ones(4 * world), async_op=True)
+    end = time.monotonic() + 20
+    while not work.is_completed() and time.monotonic() < end:
+        os.sched_yield()
+    done = work.is_completed()
+    work.wait()
+    return done
+
+
+def test_gloo_all_to_all_completes_without_wait():
+    """`torch_backend.wait` polls `is_completed()` before blocking: that only pays if gloo
+    completes an all-to-all on its own threads, as it does (a reduce-scatter it completes
+    inside `wait()`); a torch that changed this would make every poll spin its window."""
+    assert run_ranks(_completes_without_wait, 2, timeout_s=60) == [True, True]

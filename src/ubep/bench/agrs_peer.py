@@ -13,9 +13,11 @@ dispatch ends with the rows routed to this rank's experts laid out as `ubep.Buff
 them (expert-major, then source rank, then token): the gather a grouped expert GEMM needs,
 which vLLM's fused MoE does inside the expert kernel. The collectives run on the default
 process group (gloo here); one all-gather carries rows and routing packed together, one
-reduce-scatter brings the sums back. Their waits poll as the torch backend's do
-(`ubep.runtime.torch_backend.wait`), so neither side of a ratio pays a blocked thread's
-wake-up that the other does not.
+reduce-scatter brings the sums back. Both wait as torch's `wait()` does (blocking), as
+vLLM's communicator calls them; the torch backend polls its all-to-alls instead
+(`ubep.runtime.torch_backend.wait`), which would not help here: gloo completes a
+reduce-scatter inside `wait()` (its `Work` never reports completion before), so a poll
+would only spin.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ubep.runtime.torch_backend import wait
 from ubep.runtime.torch_layout import bag_sums
 
 _SUMMED_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,7 +62,6 @@ class AgRsPeer:
 
     def __init__(self, num_experts: int, group=None):
         self.group = group
-        self.pg = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if num_experts % self.world:
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
@@ -92,7 +92,7 @@ class AgRsPeer:
                                                                              4 * top_k)
         route[num_tokens:, :8 * top_k] = 255             # padding tokens: ids -1
         gathered = torch.empty(world * max_tokens, packed, dtype=torch.uint8)
-        wait(dist.all_gather_single(gathered, send, group=self.group, async_op=True), self.pg)
+        dist.all_gather_single(gathered, send, group=self.group)
 
         g = gathered.numpy()
         ids = np.ascontiguousarray(g[:, row_bytes:row_bytes + 8 * top_k]).view(np.int64)
@@ -145,6 +145,5 @@ class AgRsPeer:
                 acc.addcmul_(r if dtype in _SUMMED_AS_IS else r.float(), w[:, k:k + 1])
             partial = acc.to(dtype)
         out = torch.empty(d.max_tokens, hidden, dtype=dtype)
-        wait(dist.reduce_scatter_single(out, partial, group=self.group, async_op=True),
-             self.pg)
+        dist.reduce_scatter_single(out, partial, group=self.group)
         return out[:d.num_tokens]

@@ -152,8 +152,8 @@ _HOST_BACKENDS = ("gloo",)
 
 
 def wait(work, group) -> None:
-    """`work.wait()`; on a gloo group, after polling `is_completed()` for up to `POLL_S`,
-    yielding the core between polls.
+    """`work.wait()` of an `all_to_all_single`; on a gloo group, after polling
+    `is_completed()` for up to `POLL_S`, yielding the core between polls.
 
     `wait()` blocks the caller on a condition variable: gloo's thread that completes the
     collective must then wake it, and on a VM whose core went idle meanwhile that wake-up
@@ -163,7 +163,10 @@ def wait(work, group) -> None:
     16 B 83 -> 64 µs, 56 KiB 120 -> 109 µs, 1.75 MiB 1,160 -> 1,156 µs. A pure spin
     (no yield) starves gloo's threads (p90 3.3 ms). `wait()` still ends every wait: it
     raises the collective's error and keeps the group's timeout. NCCL and other device
-    groups are not polled: their `wait()` does not block the host."""
+    groups are not polled: their `wait()` does not block the host. Only for a collective
+    that gloo completes on its own threads (all-to-all, all-gather, all-reduce): a gloo
+    reduce-scatter completes inside `wait()`, and a poll of it would spin its whole window
+    (`test_gloo_all_to_all_completes_without_wait` holds the property this relies on)."""
     if group.name() in _HOST_BACKENDS:
         end = time.perf_counter() + POLL_S
         while not work.is_completed() and time.perf_counter() < end:
