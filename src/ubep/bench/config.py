@@ -23,6 +23,10 @@ SYSTEMS = (*BUFFER_SYSTEMS, "mpi", "agrs")
 BOUND = "bound"
 #: the torch backend's own collectives, replayed bare on the same bytes (runs with "torch")
 RAW = "raw"
+#: the AgRs peer's all-gather and reduce-scatter, bare on the same bytes (runs with "agrs")
+AGRS_RAW = "agrs-raw"
+#: each system's bare-collectives line: what its "x raw+copy" is taken against
+RAW_OF = {"agrs": AGRS_RAW, AGRS_RAW: AGRS_RAW}
 DTYPES = ("bfloat16", "float16", "float32")
 
 

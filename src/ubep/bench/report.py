@@ -9,11 +9,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ubep.bench.config import BOUND, RAW
+from ubep.bench.config import AGRS_RAW, BOUND, RAW
 from ubep.bench.run import BenchResult
 
-_ORDER = ("shm-ubep", "shm-direct", "shm-owned", "shm-bsp", "torch", RAW, "mpi", "agrs", BOUND)
-_LABELS = {BOUND: "copy bound", RAW: "raw collectives"}
+_ORDER = ("shm-ubep", "shm-direct", "shm-owned", "shm-bsp", "torch", RAW, "mpi", "agrs",
+          AGRS_RAW, BOUND)
+_LABELS = {BOUND: "copy bound", RAW: "raw collectives", AGRS_RAW: "agrs collectives"}
+#: lines that are bounds or bare collectives, not systems (dimmed in tables and plots)
+_FLOORS = (BOUND, RAW, AGRS_RAW)
 
 
 def _label(name: str) -> str:
@@ -21,7 +24,7 @@ def _label(name: str) -> str:
 
 
 def _has_raw(res: BenchResult) -> bool:
-    return any(r["system"] == RAW for r in res.rows)
+    return any(r["system"] in (RAW, AGRS_RAW) for r in res.rows)
 
 
 def _system_key(name: str) -> int:
@@ -77,7 +80,7 @@ def tables(res: BenchResult) -> list[Table]:
                           _x(cells[2]["x_ubep"]), _x(cells[2]["x_bound"]),
                           *([_x(cells[2].get("x_raw_copy"))] if raw else []),
                           end_section=i == len(names) - 1,
-                          style="dim" if name in (BOUND, RAW) else None)
+                          style="dim" if name in _FLOORS else None)
         out.append(t)
     return out
 
@@ -249,7 +252,7 @@ def write_png(res: BenchResult, out_dir: Path, filename: str = "bench.png") -> P
             xs, ys = zip(*pts)
             style = dict(linestyle="--", color="black", label="copy bound + flag RTT") \
                 if system == BOUND else dict(linestyle=":", color="gray", label=_label(system)) \
-                if system == RAW else dict(marker="o", label=system)
+                if system in (RAW, AGRS_RAW) else dict(marker="o", label=system)
             ax.plot(xs, ys, **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -67,6 +67,10 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
         add(f"torch / (raw collectives + copy bound), batch {b}", "≤ 1.5×",
             tuple(ix.get(("torch", h, b, "total"), {}).get("x_raw_copy") for ix in runs),
             lambda v: v <= 1.5)
+    for b in (1, 128):
+        add(f"agrs / (its collectives + copy bound), batch {b} (how far the AgRs peer is from "
+            "its own floor)", "(competence)",
+            tuple(ix.get(("agrs", h, b, "total"), {}).get("x_raw_copy") for ix in runs), None)
     bound = [ix.get((BOUND, h, 1, "total"), {}) for ix in runs]
     add("copy bound batch 1 p99 / median (the host's own tail for the same bytes)", "(floor)",
         tuple(None if not r else r["p99_us"] / r["median_us"] for r in bound), None)
@@ -121,13 +125,19 @@ _SYSTEM_ROWS = (
      '(`Stats.extra["collectives"]`): at batch 1 one per dispatch (counts, routing and rows '
      'in one block per peer) and one per combine; called synchronously, where the backend '
      'starts them async and prepares what needs nothing from the peers before it waits'),
+    ('agrs collectives',
+     "the AgRs peer's all-gather (every rank's packed rows and routing) and reduce-scatter "
+     '(the partial sums in the rows\' dtype) alone, on preallocated buffers of the sizes it '
+     'moves, called as it calls them; its `× raw+copy` and the AgRs row\'s are taken '
+     'against this line, not the torch backend\'s'),
     ('`mpi`',
      '`ubep.bench.mpi_peer`: `MPI_Alltoall` counts, two concurrent `MPI_Ialltoallv` (rows; '
      'token, slot, weight), numpy reordering (MPICH wheel, `mpiexec`)'),
     ('`agrs`',
      "`ubep.bench.agrs_peer`: vLLM's CPU expert parallelism (`AgRsAll2AllManager`): one "
      "all-gather of every rank's rows and routing, this rank's experts' rows laid out, "
-     'per-token partial sums reduce-scattered in bf16 (gloo)'),
+     "each gathered token's local rows summed in one compiled pass (fp32, as a fused MoE "
+     "kernel's epilogue would), the partial sums reduce-scattered in bf16 (gloo)"),
     ('copy bound',
      'the bytes dispatch and combine must move on each rank (every routed row once each '
      "way), memcpy'd contiguously by one core per rank at the same time, plus one flag "
@@ -268,7 +278,8 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
     out += ["## Figures against the targets (hidden 7168)", "", *figures(turns, inter), "",
             "× raw+copy: a system's median over (raw collectives + copy bound) medians of the "
             "same run — for `torch`, how much its own packing, reordering and reduction add "
-            "to the collectives it cannot avoid.", "",
+            "to the collectives it cannot avoid; for `agrs` (and its own line) against the "
+            "AgRs peer's collectives (`agrs collectives`) instead.", "",
             "![dispatch+combine latency vs batch, turns of 20](figures/bench_peers.png)", "",
             "## Run 1: turns of 20 back-to-back iterations", "", markdown(turns),
             "## Run 2: every iteration interleaved", "", markdown(inter),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ubep.bench.config import BOUND, RAW, BenchConfig
+from ubep.bench.config import BOUND, RAW, RAW_OF, BenchConfig
 
 OPS = ("dispatch", "combine", "total")
 
@@ -204,7 +204,7 @@ def _summarise(res: BenchResult) -> None:
                                                   key=lambda kv: (kv[0][1:], kv[0][0])):
         ubep_med = med.get(("shm-ubep", world, hidden, batch))
         bound_med = med.get((BOUND, world, hidden, batch))
-        raw_med = med.get((RAW, world, hidden, batch))
+        raw_med = med.get((RAW_OF.get(name, RAW), world, hidden, batch))
         nbytes = res.bytes.get((world, hidden, batch), (None, None))
         for i, op in enumerate(OPS):
             m = float(np.median(t[i]))
@@ -215,7 +215,8 @@ def _summarise(res: BenchResult) -> None:
                 "samples": t.shape[1],
                 "x_ubep": m / ubep_med[i] if ubep_med is not None else None,
                 "x_bound": m / bound_med[i] if bound_med is not None else None,
-                # against the torch backend's bare collectives plus one copy pass
+                # against bare collectives plus one copy pass: the torch backend's (the
+                # AgRs peer's for it and its own line)
                 "x_raw_copy": m / (raw_med[i] + bound_med[i])
                 if raw_med is not None and bound_med is not None else None,
                 "dtype": cfg.dtype, "top_k": cfg.top_k, "experts": cfg.experts,

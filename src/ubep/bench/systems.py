@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ubep.bench.config import BOUND, BUFFER_SYSTEMS, RAW, BenchConfig
+from ubep.bench.config import AGRS_RAW, BOUND, BUFFER_SYSTEMS, RAW, BenchConfig
 from ubep.reference import ReferenceDispatch
 
 
@@ -115,6 +115,47 @@ class AgRsSystem(MpiSystem):
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         # every rank has the same batch here; vLLM knows all ranks' sizes before the layer
         self._args = (x, topk_idx, topk_weights, x.shape[0])
+
+
+class AgRsCollectives:
+    """The AgRs peer's two collectives alone, on the bytes it moves: `dispatch()` is its
+    all-gather of every rank's packed rows and routing (`[max_tokens, row + 12 K]` bytes a
+    rank), `combine()` its reduce-scatter of the `[P * max_tokens, hidden]` partial sums in
+    the rows' dtype; preallocated, the send side written, called as the peer calls them.
+    The AgRs peer's time over this line is what its layout and sums cost."""
+
+    def __init__(self, name: str, cfg: BenchConfig, hidden: int):
+        import torch.distributed as dist
+
+        self.name = name
+        self.world = dist.get_world_size()
+        self._bufs: tuple = ()
+
+    def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
+        t, k = topk_idx.shape
+        packed = x.shape[1] * x.element_size() + 12 * k
+        self._bufs = (torch.empty(self.world * t, packed, dtype=torch.uint8),
+                      torch.ones(t, packed, dtype=torch.uint8),
+                      torch.empty(t, x.shape[1], dtype=x.dtype),
+                      torch.ones(self.world * t, x.shape[1], dtype=x.dtype))
+
+    def dispatch(self) -> None:
+        import torch.distributed as dist
+
+        gathered, send = self._bufs[:2]
+        dist.all_gather_single(gathered, send)
+
+    def combine(self) -> None:
+        import torch.distributed as dist
+
+        out, partial = self._bufs[2:]
+        dist.reduce_scatter_single(out, partial)
+
+    def check(self, ref: ReferenceDispatch) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self._bufs = ()
 
 
 class CopyBound:
@@ -225,4 +266,6 @@ def make_system(name: str, cfg: BenchConfig, hidden: int, comm=None):
         return CopyBound(name, cfg, hidden)
     if name == RAW:
         return RawCollectives(name, cfg, hidden)
+    if name == AGRS_RAW:
+        return AgRsCollectives(name, cfg, hidden)
     raise ValueError(f"system {name!r} is unknown")
