@@ -234,7 +234,14 @@ backend's measured host time in each gap; the backend's own collectives still ru
 *AgRs.* vLLM's path moves every token to every rank whatever the routing (one all-gather)
 and reduce-scatters a `[all tokens, hidden]` tensor of partial sums: fewer rows than a
 per-expert all-to-all when top-k covers most ranks (here 8 of 16 experts over 2 ranks), but
-every rank computes and sends partial sums for every token.
+every rank computes and sends partial sums for every token. Its `agrs collectives` line is
+the all-gather and the reduce-scatter alone on the same bytes; what the peer adds over them
+is its layout (recv_x gathered by memcpy) and its sums (one compiled pass, as a fused MoE
+kernel would do them). Before those two were made competent (and its workspaces kept, as a
+serving engine keeps them) the peer ran 2-4x slower at batch 128 (combine ~30 ms, its
+reduce-scatter ~7 ms of that): every "x agrs" before 2026-12-01 evening overstated ubep's lead.
+gloo's reduce-scatter completes inside `wait()`, so the AgRs peer waits as torch's calls do
+(blocking); the torch backend polls its all-to-alls (docs/results/torch_backend.md).
 """
 
 
