@@ -25,8 +25,11 @@ BOUND = "bound"
 RAW = "raw"
 #: the AgRs peer's all-gather and reduce-scatter, bare on the same bytes (runs with "agrs")
 AGRS_RAW = "agrs-raw"
-#: each system's bare-collectives line: what its "x raw+copy" is taken against
-RAW_OF = {"agrs": AGRS_RAW, AGRS_RAW: AGRS_RAW}
+#: the MPI peer's collectives, bare on the same bytes (runs with "mpi")
+MPI_RAW = "mpi-raw"
+#: each system's bare-collectives line: what its "x raw+copy" is taken against (the torch
+#: backend's for the rest)
+RAW_OF = {"agrs": AGRS_RAW, AGRS_RAW: AGRS_RAW, "mpi": MPI_RAW, MPI_RAW: MPI_RAW}
 DTYPES = ("bfloat16", "float16", "float32")
 
 

@@ -9,14 +9,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ubep.bench.config import AGRS_RAW, BOUND, RAW
+from ubep.bench.config import AGRS_RAW, BOUND, MPI_RAW, RAW
 from ubep.bench.run import BenchResult
 
-_ORDER = ("shm-ubep", "shm-direct", "shm-owned", "shm-bsp", "torch", RAW, "mpi", "agrs",
-          AGRS_RAW, BOUND)
-_LABELS = {BOUND: "copy bound", RAW: "raw collectives", AGRS_RAW: "agrs collectives"}
+_ORDER = ("shm-ubep", "shm-direct", "shm-owned", "shm-bsp", "torch", RAW, "mpi", MPI_RAW,
+          "agrs", AGRS_RAW, BOUND)
+_LABELS = {BOUND: "copy bound", RAW: "raw collectives", AGRS_RAW: "agrs collectives",
+           MPI_RAW: "mpi collectives"}
 #: lines that are bounds or bare collectives, not systems (dimmed in tables and plots)
-_FLOORS = (BOUND, RAW, AGRS_RAW)
+_FLOORS = (BOUND, RAW, AGRS_RAW, MPI_RAW)
 
 
 def _label(name: str) -> str:
@@ -24,7 +25,7 @@ def _label(name: str) -> str:
 
 
 def _has_raw(res: BenchResult) -> bool:
-    return any(r["system"] in (RAW, AGRS_RAW) for r in res.rows)
+    return any(r["system"] in _FLOORS[1:] for r in res.rows)
 
 
 def _system_key(name: str) -> int:
@@ -252,7 +253,7 @@ def write_png(res: BenchResult, out_dir: Path, filename: str = "bench.png") -> P
             xs, ys = zip(*pts)
             style = dict(linestyle="--", color="black", label="copy bound + flag RTT") \
                 if system == BOUND else dict(linestyle=":", color="gray", label=_label(system)) \
-                if system in (RAW, AGRS_RAW) else dict(marker="o", label=system)
+                if system in _FLOORS[1:] else dict(marker="o", label=system)
             ax.plot(xs, ys, **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -67,10 +67,12 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
         add(f"torch / (raw collectives + copy bound), batch {b}", "≤ 1.5×",
             tuple(ix.get(("torch", h, b, "total"), {}).get("x_raw_copy") for ix in runs),
             lambda v: v <= 1.5)
-    for b in (1, 128):
-        add(f"agrs / (its collectives + copy bound), batch {b} (how far the AgRs peer is from "
-            "its own floor)", "(competence)",
-            tuple(ix.get(("agrs", h, b, "total"), {}).get("x_raw_copy") for ix in runs), None)
+    for peer in ("mpi", "agrs"):
+        for b in (1, 128):
+            add(f"{peer} / (its collectives + copy bound), batch {b} (how far the peer is "
+                "from its own floor)", "(competence)",
+                tuple(ix.get((peer, h, b, "total"), {}).get("x_raw_copy") for ix in runs),
+                None)
     bound = [ix.get((BOUND, h, 1, "total"), {}) for ix in runs]
     add("copy bound batch 1 p99 / median (the host's own tail for the same bytes)", "(floor)",
         tuple(None if not r else r["p99_us"] / r["median_us"] for r in bound), None)
@@ -130,6 +132,10 @@ _SYSTEM_ROWS = (
      '(the partial sums in the rows\' dtype) alone, on preallocated buffers of the sizes it '
      'moves, called as it calls them; its `× raw+copy` and the AgRs row\'s are taken '
      'against this line, not the torch backend\'s'),
+    ('mpi collectives',
+     "the MPI peer's `Alltoall` of counts, two `Ialltoallv` (rows; token, slot, weight) and "
+     "the combine's `Alltoallv` alone, on preallocated buffers of its last dispatch's sizes; "
+     "`mpi`'s `× raw+copy` is taken against this line"),
     ('`mpi`',
      '`ubep.bench.mpi_peer`: `MPI_Alltoall` counts, two concurrent `MPI_Ialltoallv` (rows; '
      'token, slot, weight), numpy reordering (MPICH wheel, `mpiexec`)'),
@@ -285,8 +291,9 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
     out += ["## Figures against the targets (hidden 7168)", "", *figures(turns, inter), "",
             "× raw+copy: a system's median over (raw collectives + copy bound) medians of the "
             "same run — for `torch`, how much its own packing, reordering and reduction add "
-            "to the collectives it cannot avoid; for `agrs` (and its own line) against the "
-            "AgRs peer's collectives (`agrs collectives`) instead.", "",
+            "to the collectives it cannot avoid; for `agrs` and `mpi` (and their own lines) "
+            "against that peer's collectives (`agrs collectives`, `mpi collectives`) "
+            "instead.", "",
             "![dispatch+combine latency vs batch, turns of 20](figures/bench_peers.png)", "",
             "## Run 1: turns of 20 back-to-back iterations", "", markdown(turns),
             "## Run 2: every iteration interleaved", "", markdown(inter),

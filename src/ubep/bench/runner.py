@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ubep import reference
-from ubep.bench.config import AGRS_RAW, BOUND, RAW, BenchConfig
+from ubep.bench.config import AGRS_RAW, BOUND, MPI_RAW, RAW, BenchConfig
 from ubep.bench.flags import HostSync
 from ubep.bench.systems import make_system
 from ubep.testing import make_routing, make_tokens
@@ -83,7 +83,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
         xcopy = sync.cross_core_copy_us(xbytes)
         out["xcopy"] = None if xcopy is None else (xbytes, *xcopy)
         names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else []),
-                 *([AGRS_RAW] if "agrs" in cfg.systems else [])]
+                 *([AGRS_RAW] if "agrs" in cfg.systems else []),
+                 *([MPI_RAW] if "mpi" in cfg.systems else [])]
         for hidden in cfg.hiddens:
             systems = {}
             for name in names:

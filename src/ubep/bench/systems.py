@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ubep.bench.config import AGRS_RAW, BOUND, BUFFER_SYSTEMS, RAW, BenchConfig
+from ubep.bench.config import AGRS_RAW, BOUND, BUFFER_SYSTEMS, MPI_RAW, RAW, BenchConfig
 from ubep.reference import ReferenceDispatch
 
 
@@ -100,6 +100,56 @@ class MpiSystem:
 
     def close(self) -> None:
         pass
+
+
+class MpiCollectives:
+    """The MPI peer's collectives alone, on the bytes its last dispatch moved: `dispatch()`
+    its `Alltoall` of per-expert counts and its two concurrent `Ialltoallv` (rows; their
+    12-byte token, slot, weight), `combine()` its `Alltoallv` of the rows back; on
+    preallocated buffers (the send side written), called as the peer calls them. The MPI
+    peer's time over this line is what its sorting, reordering and sums cost."""
+
+    def __init__(self, name: str, cfg: BenchConfig, hidden: int, comm):
+        from ubep.bench.mpi_peer import MpiPeer
+
+        if comm is None:
+            raise RuntimeError("not launched under mpiexec (use `ubep bench --peers`)")
+        self.name = name
+        self.comm = comm
+        self.peer = MpiPeer(comm, cfg.experts)
+        self._args: tuple = ()
+
+    def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
+        from mpi4py import MPI
+
+        d = self.peer.dispatch(x, topk_idx, topk_weights)          # its splits, untimed
+        rb = x.shape[1] * x.element_size()
+        counts = np.ones(self.peer.num_experts, np.int64)
+
+        def vec(rows: np.ndarray, width: int, fill: int):
+            n = rows * width
+            buf = np.full(int(n.sum()), fill, np.uint8)
+            return [buf, (n, np.concatenate(([0], np.cumsum(n)[:-1]))), MPI.BYTE]
+
+        s, r = d.send_splits, d.recv_splits
+        self._args = (counts, np.empty_like(counts), (vec(s, rb, 1), vec(r, rb, 0)),
+                      (vec(s, 12, 1), vec(r, 12, 0)), (vec(r, rb, 1), vec(s, rb, 0)))
+
+    def dispatch(self) -> None:
+        from mpi4py import MPI
+
+        counts, got, rows, meta, _ = self._args
+        self.comm.Alltoall(counts, got)
+        MPI.Request.Waitall([self.comm.Ialltoallv(*rows), self.comm.Ialltoallv(*meta)])
+
+    def combine(self) -> None:
+        self.comm.Alltoallv(*self._args[4])
+
+    def check(self, ref: ReferenceDispatch) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self._args = ()
 
 
 class AgRsSystem(MpiSystem):
@@ -268,4 +318,6 @@ def make_system(name: str, cfg: BenchConfig, hidden: int, comm=None):
         return RawCollectives(name, cfg, hidden)
     if name == AGRS_RAW:
         return AgRsCollectives(name, cfg, hidden)
+    if name == MPI_RAW:
+        return MpiCollectives(name, cfg, hidden, comm)
     raise ValueError(f"system {name!r} is unknown")
