@@ -88,6 +88,13 @@ def test_bench_peers_under_mpiexec(tmp_path):
     assert main(["bench", *TINY, "--peers", "--out", str(out)]) == 0
     rows, run = _read(out)
     _check_complete(rows, run, ["shm-ubep", "shm-direct", "shm-bsp", "torch", "mpi", "agrs"])
+    # each peer beside its own bare collectives: its x raw+copy is taken against them
+    got = {(r["system"], r["op"]): r for r in rows if r["ranks"] == "2" and r["batch"] == "5"}
+    for peer, raw in (("mpi", "mpi-raw"), ("agrs", "agrs-raw"), ("torch", "raw")):
+        assert (raw, "total") in got, raw
+        want = float(got[(peer, "total")]["median_us"]) / (
+            float(got[(raw, "total")]["median_us"]) + float(got[("bound", "total")]["median_us"]))
+        assert float(got[(peer, "total")]["x_raw_copy"]) == pytest.approx(want, rel=1e-3)
 
 
 def _args(*argv):
