@@ -231,7 +231,9 @@ take a second; combine takes one. gloo spends ~0.1-0.3 ms on each even for a few
 `strace`, ~50% of a core per rank). What the backend adds, on CPU all in compiled passes:
 the send buffer written, recv_x gathered (the expert-major expansion: one pass over the
 received rows), the partial sums and their sum at the source; a small collective is started
-async and what needs nothing from the peers is done before its wait. ~33 µs a pair at batch
+async and what needs nothing from the peers is done before its wait, which polls the
+collective (yielding the core) before it blocks: a blocked thread's wake-up cost tens of µs
+and a 3-5 ms p99 on this VM (docs/results/torch_backend.md). ~33 µs a pair at batch
 1 in one process (was ~60), ~1.5-2× that in place, where gloo's threads share the two cores.
 `tests/runtime/bench_torch_floor.py` replays the raw collectives with a busy wait of the
 backend's measured host time in each gap; the backend's own collectives still run
@@ -248,6 +250,13 @@ serving engine keeps them) the peer ran 2-4x slower at batch 128 (combine ~30 ms
 reduce-scatter ~7 ms of that): every "x agrs" before 2026-12-01 evening overstated ubep's lead.
 gloo's reduce-scatter completes inside `wait()`, so the AgRs peer waits as torch's calls do
 (blocking); the torch backend polls its all-to-alls (docs/results/torch_backend.md).
+
+*MPI.* The peer a competent MPI programmer would write in Python: counts by `Alltoall`, rows
+and their routing by two concurrent `Ialltoallv`, numpy to sort and reorder, one compiled
+pass for the sums (until 2026-12-01 evening K torch multiply-adds over `[T, hidden]`, ~5 ms
+of its ~5.5 ms batch-128 combine at hidden 7168: "x mpi" figures before then overstated
+ubep's lead at large batches). Its `mpi collectives` line is those four calls alone; at
+batch 1 the peer takes several times that line: its per-call numpy bookkeeping, not MPI.
 """
 
 
