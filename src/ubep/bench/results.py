@@ -253,10 +253,11 @@ gloo's reduce-scatter completes inside `wait()`, so the AgRs peer waits as torch
 
 *MPI.* The peer a competent MPI programmer would write in Python: counts by `Alltoall`, rows
 and their routing by two concurrent `Ialltoallv`, numpy to sort and reorder, one compiled
-pass for the sums (until 2026-12-01 evening K torch multiply-adds over `[T, hidden]`, ~5 ms
-of its ~5.5 ms batch-128 combine at hidden 7168: "x mpi" figures before then overstated
-ubep's lead at large batches). Its `mpi collectives` line is those four calls alone; at
-batch 1 the peer takes several times that line: its per-call numpy bookkeeping, not MPI.
+pass for the sums (until 2026-12-01 evening K torch multiply-adds over `[T, hidden]`: ~5 ms
+alone at batch 128, hidden 7168; the peer's batch-128 combine 25.0 ms before, 4.6 ms after in
+one A/B on a busy host: "x mpi" figures before then overstated ubep's lead at large
+batches). Its `mpi collectives` line is those four calls alone; at batch 1 the peer
+takes several times that line: its per-call numpy bookkeeping, not MPI.
 """
 
 
