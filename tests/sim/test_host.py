@@ -449,9 +449,54 @@ def test_the_window_exchanges_lie_apart_and_run_in_the_benchs_order():
     spans.sort()
     assert all(a[1] < b[0] for a, b in zip(spans, spans[1:]))       # no overlap
     assert spans[-1][1] < f
-    order = hostbench.bench_order(list(ws), 2)
+    order = hostbench.bench_order(list(ws), 4, warmup=2)
     assert [k for k, _ in order] == list(ws) * 3
     assert [t for _, t in order] == [False] * 4 + [True] * 8        # first cycle untimed
+
+
+def test_the_bench_order_times_the_calls_a_bench_chunk_times():
+    """A call is a dispatch window then its combine window, the parities in turn; `warmup`
+    untimed calls, then `calls` timed ones (a chunk's 3 + 10)."""
+    keys = ["d0", "c0", "d1", "c1"]
+    order = hostbench.bench_order(keys, 10, warmup=3)
+    assert len(order) == 2 * 13
+    assert [k for k, _ in order[:8]] == keys * 2
+    assert [k for k, _ in order[6:10]] == ["d1", "c1", "d0", "c0"]   # call 4 is parity 1
+    assert [t for _, t in order] == [False] * 6 + [True] * 20
+    assert hostbench.bench_order(keys, 1, warmup=0) == [("d0", True), ("c0", True)]
+    for bad in ({"calls": 0}, {"calls": 1, "warmup": -1}, {"calls": 1, "per_call": 0}):
+        with pytest.raises(ValueError, match="must be >= "):
+            hostbench.bench_order(keys, **{"warmup": 2, **bad})
+
+
+def test_an_exchange_times_the_rounds_after_its_warmup(monkeypatch):
+    """`time_exchange(warmup=w, rounds=n)`: w + n rounds with consecutive epochs, each a
+    write then a read between barriers; the medians come from the last n only (each round's
+    times here are its epoch, so which rounds went in is exact)."""
+    calls = []
+
+    class Barrier:
+        waits = 0
+
+        def wait(self):
+            Barrier.waits += 1
+
+    real = hostbench._timed_round
+
+    def timed_round(write, read, epoch, barrier):
+        real(write, read, epoch, barrier)
+        return 1000 * epoch, 10 * epoch
+
+    monkeypatch.setattr(hostbench, "_timed_round", timed_round)
+    setup = (lambda e: calls.append(("w", e)), lambda e: calls.append(("r", e)), 1000)
+    w, r = hostbench.time_exchange("direct", 1, R, None, None, 0.0, Barrier(), setup=setup,
+                                   epoch0=7, warmup=3, rounds=4)
+    assert calls == [(h, 7 + i) for i in range(7) for h in ("w", "r")]
+    assert Barrier.waits == 2 * 7
+    assert (w, r) == (11.5, 0.115)          # epochs 10..13: median 11.5 (x1000, x10) / 1000 B
+    with pytest.raises(ValueError, match="rounds=0"):
+        hostbench.time_exchange("direct", 1, R, None, None, 0.0, Barrier(), setup=setup,
+                                warmup=1, rounds=0)
 
 
 def test_rounds_are_timed_in_the_given_order_with_fresh_epochs():
@@ -467,7 +512,7 @@ def test_rounds_are_timed_in_the_given_order_with_fresh_epochs():
         return (lambda e: calls.append((name, "w", e)), lambda e: calls.append((name, "r", e)),
                 1000)
 
-    order = hostbench.bench_order(["x", "y"], 2)
+    order = hostbench.bench_order(["x", "y"], 2, warmup=1)
     got = hostbench.time_rounds({p: setup(p) for p in "xy"}, order, Barrier(), epoch0=10)
     assert Barrier.waits == 2 * len(order)
     # each round: the write then the read of one exchange, both with the round's own epoch

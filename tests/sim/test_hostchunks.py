@@ -222,3 +222,41 @@ def test_a_tiny_interleaved_run_prices_every_point(tmp_path):
     assert sorted(rec["events"][1]["cold_us"]) == sorted(f"{s}:{host.TINY_HIDDEN}"
                                                          for s in host.SYSTEMS)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("ubep-hostbench")]
+
+
+def test_a_table_times_each_exchange_as_a_chunk_times_a_systems_calls(monkeypatch):
+    """Every exchange of a table runs the chunk's `warmup` untimed then `iters` timed rounds
+    (calls), and the epochs it used are counted past: the bench's calls 4-13 of a run are
+    priced by rounds 4-13, not by the first rounds after other work."""
+    seen = []
+
+    def windows(f, rb, own, peer, sec, spin, me, setup=None, epoch0=0, warmup=None,
+                calls=None):
+        seen.append(("windows", f, epoch0, warmup, calls))
+        return {p: 1.0 for n in hostbench.WINDOWS for p in hostbench.EXCHANGES[n]}
+
+    def exchange(g, f, rb, own, peer, sec, spin, me, setup=None, epoch0=0, warmup=None,
+                 rounds=None):
+        seen.append((g, f, epoch0, warmup, rounds))
+        return (1.0, 1.0)
+
+    monkeypatch.setattr(hostbench, "time_windows", windows)
+    monkeypatch.setattr(hostbench, "time_exchange", exchange)
+    monkeypatch.setattr(hostbench, "window_setups", lambda *a, **k: {})
+    monkeypatch.setattr(hostbench, "_exchange_setup", lambda *a, **k: None)
+    monkeypatch.setattr(hostbench, "_setup", lambda *a, **k: None)
+    monkeypatch.setattr(hostbench, "time_pass", lambda *a, **k: 1.0)
+    state = {"spin": None, "own": None, "peer": None, "me": 0, "setups": {}, "epoch": 2,
+             "seconds": 0.02, "warmup": 3, "iters": 10}
+    tab = hostchunks._time_table(128, state, random.Random(0))
+    fps = host.model_footprints((128,))
+    assert sorted(f for g, f, *_ in seen if g == "windows") == sorted(fps)
+    assert sorted(f for g, f, *_ in seen if g == "direct") == sorted(fps)
+    assert all((w, n) == (3, 10) for *_, w, n in seen)
+    # epochs: consecutive blocks, a window point 13 calls of 2 rounds, a direct one 13 rounds
+    e = 2
+    for g, _, e0, _, _ in seen:
+        assert e0 == e
+        e += 13 * (len(hostbench.WINDOWS) if g == "windows" else 1)
+    assert state["epoch"] == e
+    assert set(tab) == set(hostchunks.GROUPS)

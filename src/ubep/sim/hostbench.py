@@ -500,18 +500,29 @@ def exchange_rounds(footprint: int, seconds: float) -> int:
 
 def time_exchange(name: str, footprint: int, row_bytes: int, own: np.ndarray,
                   peer: np.ndarray, seconds: float, barrier, me: int = 0, setup=None,
-                  epoch0: int = 2) -> tuple[float, float]:
+                  epoch0: int = 2, warmup: int = 1, rounds: int | None = None
+                  ) -> tuple[float, float]:
     """ns per payload byte of the write and of the read half of exchange `name`: every
     round, all processes write (into their peer's buffer), meet at `barrier`, read (their
-    own), meet again; the median round of each half (after one untimed round). `setup`:
+    own), meet again; `warmup` untimed rounds, then `rounds` timed ones (default
+    `exchange_rounds(footprint, seconds)`), the median timed round of each half. `setup`:
     an `_exchange_setup` result to reuse (timed again and again); rounds use epochs
-    `epoch0`, `epoch0 + 1`, ... (`exchange_rounds` + 1 of them), which a caller timing the
-    same buffers again starts past the last ones used, so no stale word reads as new."""
+    `epoch0`, `epoch0 + 1`, ... (`warmup + rounds` of them), which a caller timing the
+    same buffers again starts past the last ones used, so no stale word reads as new.
+
+    Which rounds are timed matters at large footprints: after other memory traffic a round
+    of the direct exchange at the batch-128 footprint (18 MB a rank) cost 1.7 us per row,
+    and each further round of the same exchange less, ~0.8 after 12-15 rounds (the
+    runtime's calls alike, side by side). So a table that predicts calls 4-13 of a run of
+    the bench's calls times rounds 4-13 (`warmup=3, rounds=10`), not rounds 2-6."""
     write, read, nbytes = setup or _exchange_setup(name, footprint, row_bytes, own, peer, me)
+    rounds = exchange_rounds(footprint, seconds) if rounds is None else rounds
+    if warmup < 0 or rounds < 1:
+        raise ValueError(f"warmup={warmup} must be >= 0 and rounds={rounds} >= 1")
     tw, tr = [], []
-    for r in range(exchange_rounds(footprint, seconds) + 1):
+    for r in range(warmup + rounds):
         w, rd = _timed_round(write, read, epoch0 + r, barrier)
-        if r:
+        if r >= warmup:
             tw.append(w)
             tr.append(rd)
     return float(np.median(tw)) / nbytes, float(np.median(tr)) / nbytes
@@ -554,11 +565,18 @@ def window_setups(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndar
     return out
 
 
-def bench_order(keys, cycles: int) -> list:
-    """`[(key, timed), ...]`: `keys` in turn, `cycles` + 1 times (the first cycle untimed),
-    the order the bench's calls reach the windows `keys` name (dispatch, combine, then the
-    next parity's)."""
-    return [(k, c > 0) for c in range(cycles + 1) for k in keys]
+def bench_order(keys, calls: int, warmup: int = 2, per_call: int = len(WINDOWS)) -> list:
+    """`[(key, timed), ...]`: `keys` in turn, `per_call` of them a bench call (a dispatch's
+    and its combine's window: the bench's dispatch, combine, then the next call's parity's),
+    for `warmup` untimed calls, then `calls` timed ones: the order the bench's calls reach
+    the windows `keys` name, and the calls of a run it times (`ubep bench` and the
+    validation's chunks time calls `warmup + 1 ...` of each run)."""
+    if warmup < 0 or calls < 1 or per_call < 1:
+        raise ValueError(f"calls={calls} and per_call={per_call} must be >= 1, "
+                         f"warmup={warmup} >= 0")
+    n = len(keys)
+    return [(keys[(c * per_call + j) % n], c >= warmup) for c in range(warmup + calls)
+            for j in range(per_call)]
 
 
 def time_rounds(setups: dict, order: list, barrier, epoch0: int = 2) -> dict:
@@ -578,14 +596,15 @@ def time_rounds(setups: dict, order: list, barrier, epoch0: int = 2) -> dict:
 
 def time_windows(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndarray,
                  seconds: float, barrier, me: int = 0, copies: int = 2, setup=None,
-                 epoch0: int = 2) -> dict:
+                 epoch0: int = 2, warmup: int = 2, calls: int | None = None) -> dict:
     """ns per payload byte of the one-worker path's four cross-core passes at `footprint`,
     timed as the bench's calls meet its windows (`window_setups`, `bench_order`): the
     dispatch's and the combine's exchange in turn, each parity's windows in turn, so a
-    window is written again only after the other three were used, as in the bench. Per
-    pass the median over its rounds of both parities: `{pass: ns/B}`. Uses
-    `len(setup) * (exchange_rounds(footprint, seconds) + 1)` epochs from `epoch0` (as
-    many cycles as an exchange's rounds there).
+    window is written again only after the other three were used, as in the bench;
+    `warmup` untimed calls (a dispatch and a combine round each), then `calls` timed ones
+    (default: two per `exchange_rounds(footprint, seconds)`). Per pass the median over its
+    rounds of both parities: `{pass: ns/B}`. Uses `len(bench_order(...))` =
+    `(warmup + calls) * len(WINDOWS)` epochs from `epoch0`.
 
     Why: a window visited again right after its last round (an exchange's rounds back to
     back) finds its lines where that round left them, in the peer's caches; measured side
@@ -595,8 +614,8 @@ def time_windows(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndarr
     way)."""
     setups = setup or window_setups(footprint, row_bytes, own, peer, me, copies)
     keys = list(setups)
-    got = time_rounds(setups, bench_order(keys, exchange_rounds(footprint, seconds)), barrier,
-                      epoch0)
+    calls = 2 * exchange_rounds(footprint, seconds) if calls is None else calls
+    got = time_rounds(setups, bench_order(keys, calls, warmup), barrier, epoch0)
     out = {}
     for name, (wname, rname) in ((n, EXCHANGES[n]) for n in WINDOWS):
         rounds = [v for (n, _), vs in got.items() if n == name for v in vs]

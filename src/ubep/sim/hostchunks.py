@@ -66,7 +66,7 @@ class ChunkSpec:
     chunks: int = CHUNKS
     iters: int = ITERS
     warmup: int = WARMUP
-    seconds: float = 0.02               # per table point (`hostbench.exchange_rounds`)
+    seconds: float = 0.02               # per cycled table point (`hostbench.time_pass`)
     segments: tuple = ()                # ((path, size), ...) one per rank
     seed: int = 0
 
@@ -135,13 +135,23 @@ def _time_table(batch: int, state: dict, rng: random.Random) -> dict:
     ranks): `{group: {footprint: (ns/B,) or (write ns/B, read ns/B)}}`. The one-worker
     path's two exchanges at a footprint are timed together, as the bench's calls meet their
     windows (`hostbench.time_windows`); the direct exchange's write and read back to back,
-    as the bench's direct dispatch and combine meet its one receive area."""
+    as the bench's direct dispatch and combine meet its one receive area.
+
+    Each exchange runs as many rounds as a bench chunk runs calls of one system, and times
+    the same ones: `warmup` untimed, then `iters` timed (`state`). Why: after other memory
+    traffic the first rounds on a footprint cost more, and each further round of the same
+    exchange less (the direct exchange at the batch-128 footprint: 1.7 us per row in the
+    first round, ~0.8 after 12-15, the runtime's own calls alike side by side); a table that
+    timed rounds 2-6 priced the bench's calls 4-13 (its median ~1.4x theirs)."""
     rb = host.HIDDEN * host.BYTES_PER_ELEMENT
     pts = _table_points(batch)
     rng.shuffle(pts)
     out: dict = {}
     spin, own, peer, me = state["spin"], state["own"], state["peer"], state["me"]
     setups, sec = state["setups"], state["seconds"]
+    # an exchange's rounds as the bench chunk's calls of one system: `warmup` untimed, then
+    # `iters` timed (the cost of a round falls with the rounds of it before, see below)
+    warmup, iters = state["warmup"], state["iters"]
     for g, f in pts:
         key = (g, f)
         if g in hostbench.WINDOWS:
@@ -152,9 +162,9 @@ def _time_table(batch: int, state: dict, rng: random.Random) -> dict:
                 setups[wkey] = hostbench.window_setups(f, rb, own, peer, me,
                                                        host.window_copies())
             e0 = state["epoch"]
-            state["epoch"] += len(setups[wkey]) * (hostbench.exchange_rounds(f, sec) + 1)
+            state["epoch"] += (warmup + iters) * len(hostbench.WINDOWS)
             ns = hostbench.time_windows(f, rb, own, peer, sec, spin, me, setup=setups[wkey],
-                                        epoch0=e0)
+                                        epoch0=e0, warmup=warmup, calls=iters)
             for x in hostbench.WINDOWS:
                 out.setdefault(x, {})[f] = tuple(ns[p] for p in hostbench.EXCHANGES[x])
             continue
@@ -162,9 +172,10 @@ def _time_table(batch: int, state: dict, rng: random.Random) -> dict:
             if key not in setups:
                 setups[key] = hostbench._exchange_setup(g, f, rb, own, peer, me)
             e0 = state["epoch"]
-            state["epoch"] += hostbench.exchange_rounds(f, sec) + 1
+            state["epoch"] += warmup + iters
             v = hostbench.time_exchange(g, f, rb, own, peer, sec, spin, me,
-                                        setup=setups[key], epoch0=e0)
+                                        setup=setups[key], epoch0=e0, warmup=warmup,
+                                        rounds=iters)
         else:
             if key not in setups:
                 setups[key] = hostbench._setup(g, f, rb)
@@ -249,7 +260,7 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
     job = os.environ.get("UBEP_JOB_ID", f"c{os.getpid()}")
     sync = HostSync.create(rank, world, job, timeout_s=60.0)
     state = _open_segments(spec.segments, rank)
-    state["seconds"] = spec.seconds
+    state.update(seconds=spec.seconds, warmup=spec.warmup, iters=spec.iters)
     systems: dict = {}
     out: dict = {"tables": [], "bench": [], "phases": [], "cold": [], "t": [], "rtt_us": []}
     try:
