@@ -124,15 +124,31 @@ def test_row_passes_are_timed_passes_and_cross_cores_exactly_for_the_peers_rows(
                                          for p in hostbench.EXCHANGES[x]}
 
 
-def test_a_cross_core_pass_may_be_cheaper_at_a_larger_footprint():
-    """Lines in the peer's private cache cost more than lines already in the shared one: the
-    cross-core passes keep their measured shape; every other pass is a running maximum."""
+def test_an_exchange_pass_may_be_cheaper_at_a_larger_footprint():
+    """Lines in the peer's private cache cost more than lines already in the shared one, and
+    an exchange round's fixed costs (the wait for the peer's rows) are shared by more rows
+    at a larger footprint: every exchange pass keeps its measured shape (the direct one's
+    too); every pass one process cycles is a running maximum."""
     fps = (1 << 18, 1 << 22, 1 << 26)
     t = CopyTable(R, fps, {(p, 2): (0.5, 0.05, 0.1) for p in hostbench.PASSES})
+    assert set(hostbench.EXCHANGE_PASSES) == set(hostbench.PASSES) - set(hostbench.CYCLED)
+    assert {"copy_scatter", "reduce_scatter"} <= set(hostbench.EXCHANGE_PASSES)
     for p in hostbench.PASSES:
         got = [t.cost_ns_per_byte(p, f) for f in fps]
-        want = [0.5, 0.05, 0.1] if p in hostbench.CROSS_CORE else [0.5, 0.5, 0.5]
+        want = [0.5, 0.05, 0.1] if p in hostbench.EXCHANGE_PASSES else [0.5, 0.5, 0.5]
         assert got == pytest.approx(want), p
+
+
+def test_the_direct_exchange_never_moves_less_than_a_token():
+    """At the hidden-64 footprints (a few KB) the direct exchange still moves one token's 8
+    rows of 14 KB: its price per byte there is a one-token round's, fixed costs included,
+    which is why a running maximum must not carry it to the larger footprints."""
+    buf = hostbench._aligned(1 << 21)
+    small = host.footprint_bytes("shm-direct", 8, host.TINY_HIDDEN)
+    assert small < 8 * R
+    assert hostbench._exchange_setup("direct", small, R, buf, buf, 0)[2] == 8 * R
+    big = host.footprint_bytes("shm-direct", 8)
+    assert hostbench._exchange_setup("direct", big, R, buf, buf, 0)[2] == 64 * R
 
 
 def test_expert_places_lay_rows_out_expert_major():

@@ -106,8 +106,13 @@ EXCHANGES = {"dispatch_peer": ("record_write_fanout_peer", "record_read_peer"),
 PASSES = CYCLED + tuple(p for pair in EXCHANGES.values() for p in pair)
 #: the one-worker path's exchanges, in the order a call pair reaches their windows
 WINDOWS = ("dispatch_peer", "combine_peer")
-#: passes over lines the other process touched last (not monotone in footprint)
+#: passes over lines the other process touched last
 CROSS_CORE = EXCHANGES["dispatch_peer"] + EXCHANGES["combine_peer"]
+#: the exchanges' passes: not forced monotone in footprint (`CopyTable.cost_ns_per_byte`),
+#: as a pass one process cycles through its own buffers is: a round of two processes
+#: carries fixed costs (the wait for the peer's rows) that fewer rows share, and it never
+#: moves less than a token's rows
+EXCHANGE_PASSES = tuple(p for pair in EXCHANGES.values() for p in pair)
 #: footprints timed: 256 KiB .. 128 MiB, two per octave
 FOOTPRINTS = tuple(int(2 ** (k / 2)) for k in range(36, 55))
 #: fan-out passes: places each source row is written to (a token row goes to top-k experts)
@@ -141,14 +146,20 @@ class CopyTable:
     def cost_ns_per_byte(self, pass_: str, footprint: float, procs: int = 2) -> float:
         """ns per byte of `pass_` for a call whose footprint is `footprint` bytes.
 
-        Linear in log(footprint) between the timed points, the end values beyond them, and
-        never cheaper than at a smaller footprint (a larger footprint cannot make a cache
-        faster; the running maximum removes timing noise that says otherwise), except a
-        cross-core pass (`CROSS_CORE`): its lines sit in the peer's cache while they fit
-        there (dear), in the shared cache beyond (cheaper), in DRAM beyond that.
+        Linear in log(footprint) between the timed points, the end values beyond them. A
+        pass one process cycles through its own buffers is never cheaper than at a smaller
+        footprint (a larger footprint cannot make a cache faster; the running
+        maximum removes timing noise that says otherwise). An exchange's passes
+        (`EXCHANGE_PASSES`) keep their measured shape: a cross-core pass's lines sit in the
+        peer's cache while they fit there (dear), in the shared cache beyond (cheaper), in
+        DRAM beyond that; and every exchange round has fixed costs (the wait for the peer's
+        rows) that fewer rows share:
+        the direct exchange at the hidden-64 footprints moves one token's 8 rows of 14 KB
+        (its minimum) at 0.7-0.9 us a row, at the batch-8 footprint 64 rows at 0.44-0.48;
+        a running maximum priced the batch-8 call's rows at the one-token price.
         """
         y = np.asarray(self.ns_per_byte[(pass_, procs)], dtype=float)
-        if pass_ not in CROSS_CORE:
+        if pass_ not in EXCHANGE_PASSES:
             y = np.maximum.accumulate(y)
         x = np.log(np.asarray(self.footprints, dtype=float))
         return float(np.interp(np.log(max(float(footprint), 1.0)), x, y))
