@@ -148,15 +148,15 @@ class CopyTable:
 
         Linear in log(footprint) between the timed points, the end values beyond them. A
         pass one process cycles through its own buffers is never cheaper than at a smaller
-        footprint (a larger footprint cannot make a cache faster; the running
-        maximum removes timing noise that says otherwise). An exchange's passes
-        (`EXCHANGE_PASSES`) keep their measured shape: a cross-core pass's lines sit in the
-        peer's cache while they fit there (dear), in the shared cache beyond (cheaper), in
-        DRAM beyond that; and every exchange round has fixed costs (the wait for the peer's
-        rows) that fewer rows share:
-        the direct exchange at the hidden-64 footprints moves one token's 8 rows of 14 KB
-        (its minimum) at 0.7-0.9 us a row, at the batch-8 footprint 64 rows at 0.44-0.48;
-        a running maximum priced the batch-8 call's rows at the one-token price.
+        footprint (a larger footprint cannot make a cache faster; the running maximum
+        removes timing noise that says otherwise). An exchange's passes (`EXCHANGE_PASSES`)
+        keep their measured shape: a cross-core pass's lines sit in the peer's cache while
+        they fit there (dear), in the shared cache beyond (cheaper), in DRAM beyond that;
+        and every exchange round has fixed costs (the wait for the peer's rows) that fewer
+        rows share: the direct exchange at the hidden-64 footprints moves one token's 8
+        rows of 14 KB (its minimum) at 0.7-0.9 us a row, at the batch-8 footprint 64 rows
+        at 0.44-0.48; a running maximum priced the batch-8 call's rows at the one-token
+        price.
         """
         y = np.asarray(self.ns_per_byte[(pass_, procs)], dtype=float)
         if pass_ not in EXCHANGE_PASSES:

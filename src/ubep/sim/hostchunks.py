@@ -16,7 +16,9 @@ A table is the model's passes (`host.model_passes`) at exactly that batch's foot
 the bench's calls reach its buffers: the one-worker path's dispatch and combine windows
 in turn, each parity's in turn (`hostbench.time_windows`: never one window twice in a row,
 which at batch 1 costs ~1.8x per row), the direct path's write and read of one area back to
-back (its dispatch then its combine); a bench chunk is every
+back (its dispatch then its combine), each exchange for the chunk's `warmup` untimed and
+`iters` timed calls of one system (a round's cost falls with the rounds on the same memory
+before it: `_time_table`); a bench chunk is every
 shm system at hidden 64 and 7168, `iters` timed calls each after `warmup` untimed ones,
 timed as `ubep bench` times them (`ubep.bench.runner`: a cross-process barrier before
 each dispatch and each combine, the max over ranks per call; ~0.05-0.2 s). A table's
@@ -150,7 +152,7 @@ def _time_table(batch: int, state: dict, rng: random.Random) -> dict:
     spin, own, peer, me = state["spin"], state["own"], state["peer"], state["me"]
     setups, sec = state["setups"], state["seconds"]
     # an exchange's rounds as the bench chunk's calls of one system: `warmup` untimed, then
-    # `iters` timed (the cost of a round falls with the rounds of it before, see below)
+    # `iters` timed (the cost of a round falls with the rounds of it before: see above)
     warmup, iters = state["warmup"], state["iters"]
     for g, f in pts:
         key = (g, f)
