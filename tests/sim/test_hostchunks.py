@@ -260,3 +260,81 @@ def test_a_table_times_each_exchange_as_a_chunk_times_a_systems_calls(monkeypatc
         e += 13 * (len(hostbench.WINDOWS) if g == "windows" else 1)
     assert state["epoch"] == e
     assert set(tab) == set(hostchunks.GROUPS)
+
+
+def test_a_hidden_64_pool_lends_exactly_the_outputs_the_hidden_7168_one_does():
+    """`lend_as_at`: at every row count a bench call's outputs have (each batch's tokens and
+    the rows a dispatch receives, around the pool's 256 KiB threshold too), a pool scaled to
+    hidden 64 lends from its kept blocks exactly when a plain pool at hidden 7168 does (the
+    dispatch's `recv_x` at batch 8: both lend; the combine's output at batch 8: neither)."""
+    import torch
+
+    from ubep.runtime.shm.outputs import MIN_BYTES, OutputPool
+
+    def lends(pool, rows, hidden) -> bool:
+        pool.empty(rows, hidden, torch.bfloat16)
+        return bool(pool._blocks)
+
+    edge = MIN_BYTES // (host.HIDDEN * host.BYTES_PER_ELEMENT)
+    rows = sorted({r for b in host.BATCHES for r in (b, b * host.TOP_K - 1, b * host.TOP_K,
+                                                     b * host.TOP_K + 1)}
+                  | {edge - 1, edge, edge + 1, edge + 2})
+    got = []
+    for r in rows:
+        small = OutputPool()
+        hostchunks.lend_as_at(small, host.TINY_HIDDEN)
+        big = lends(OutputPool(), r, host.HIDDEN)
+        assert lends(small, r, host.TINY_HIDDEN) == big, r
+        assert not lends(OutputPool(), r, host.TINY_HIDDEN) or big, r   # never less
+        got.append(big)
+    assert any(got) and not all(got)
+    assert lends(OutputPool(), 64, host.HIDDEN) and not lends(OutputPool(), 8, host.HIDDEN)
+    with pytest.raises(ValueError, match="hidden=0"):
+        hostchunks.lend_as_at(OutputPool(), 0)
+
+
+def test_output_pool_names_a_system_without_one():
+    """`output_pool` finds a shm system's pool through its Buffer and path; anything else
+    is an error naming `system`."""
+    from types import SimpleNamespace
+
+    from ubep.runtime.shm.outputs import OutputPool
+
+    pool = OutputPool()
+    fake = SimpleNamespace(buf=SimpleNamespace(_backend=SimpleNamespace(
+        _path=SimpleNamespace(_lend=pool))))
+    assert hostchunks.output_pool(fake) is pool
+    with pytest.raises(TypeError, match="system="):
+        hostchunks.output_pool(SimpleNamespace(buf=None))
+
+
+def _pools_rank(rank, world):
+    from ubep.bench.config import BenchConfig
+    from ubep.bench.systems import make_system
+
+    cfg = BenchConfig(ranks=(world,), hiddens=(host.TINY_HIDDEN,), batches=(8,),
+                      top_k=host.TOP_K, experts=host.EXPERTS, systems=tuple(host.SYSTEMS))
+    out = {}
+    for name in host.SYSTEMS:
+        s = make_system(name, cfg, host.TINY_HIDDEN)
+        try:
+            pool = hostchunks.output_pool(s)
+            before = pool._min
+            hostchunks.lend_as_at(pool, host.TINY_HIDDEN)
+            out[name] = (before, pool._min)
+        finally:
+            s.close()
+    return out
+
+
+def test_every_shm_system_of_the_validation_has_a_pool_to_scale():
+    """The real shm systems (one-worker and direct path, two ranks): `output_pool` reaches
+    each one's pool, and `lend_as_at` scales its threshold by 64 / 7168, rounded up."""
+    from ubep.runtime.shm.outputs import MIN_BYTES
+    from ubep.testing import run_ranks
+
+    for got in run_ranks(_pools_rank, 2):
+        assert sorted(got) == sorted(host.SYSTEMS)
+        for before, after in got.values():
+            assert before == MIN_BYTES
+            assert after == -(-MIN_BYTES * host.TINY_HIDDEN // host.HIDDEN)

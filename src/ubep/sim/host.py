@@ -36,9 +36,12 @@ predicted:
 * per-call overhead (Python, torch tensors, planning, counts, per-row bookkeeping): the same
   bench run at hidden 64 (a row of 128 bytes, a call's rows at most 256 KB) at the same
   batch, minus the model's data movement for that call. Measured at every batch, so
-  bookkeeping that grows with the rows is measured, not assumed; and each of those calls
+  bookkeeping that grows with the rows is measured, not assumed; each of those calls
   right after a hidden-7168 call (`hostchunks._time_cold`), whose traffic leaves the
-  caller's working set out of cache, as every hidden-7168 call finds it.
+  caller's working set out of cache, as every hidden-7168 call finds it; and each lending
+  its outputs as the hidden-7168 call does (`hostchunks.lend_as_at`: the runtime's output
+  pool lends 256 KiB and more from kept blocks, in Python, and leaves smaller outputs to
+  `torch.empty`, so by bytes alone a hidden-64 call would take the cheaper way).
 
 Then the engine predicts the bench medians of shm-bsp, shm-ubep and shm-direct at hidden
 7168 bf16, top-8, P=2, on the routing the bench runs (`bench_topk`: the bench's own draw

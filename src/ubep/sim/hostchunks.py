@@ -27,7 +27,8 @@ fast and every call waits on the slower). Each bench
 chunk is predicted from the two tables around it (the mean of their predictions, the
 per-call overhead from the chunk's own hidden-64 calls, each timed right after a hidden-7168
 call, whose traffic evicts the caller's working set as it does for a hidden-7168 call:
-`_time_cold`), and its paired error is
+`_time_cold`; their outputs lent as the hidden-7168 calls' are: `lend_as_at`), and its
+paired error is
 prediction / measured median - 1. A chunk whose two tables disagree by more than the
 tolerance tested (`settled`) saw the host change state during it: which state its bench
 met is not known, so its prediction is not determined to the tolerance and the chunk is
@@ -236,6 +237,39 @@ def _time_cold(systems, sync, iters: int, warmup: int, rng: random.Random) -> di
     return out
 
 
+def output_pool(system):
+    """The `OutputPool` a bench system of the shm backend (`ubep.bench.systems.BufferSystem`)
+    lends its `recv_x` and combine outputs from; an error naming `system` if it has none."""
+    from ubep.runtime.shm.outputs import OutputPool
+
+    pool = system
+    for attr in ("buf", "_backend", "_path", "_lend"):
+        pool = getattr(pool, attr, None)
+    if not isinstance(pool, OutputPool):
+        raise TypeError(f"system={system!r} must be a shm BufferSystem whose path lends its "
+                        "outputs from an OutputPool")
+    return pool
+
+
+def lend_as_at(pool, hidden: int, like: int = host.HIDDEN) -> None:
+    """Make `pool` (of a system at `hidden`) lend an output of r rows from its kept blocks
+    exactly when the same pool at `like` would (its byte threshold scaled by `hidden /
+    like`, rounded up): the per-call overhead's hidden-64 calls then allocate their outputs
+    as the hidden-7168 calls they stand for do.
+
+    Why: `OutputPool.empty` lends outputs of 256 KiB and more from its blocks (a numpy view,
+    a weak reference, `torch.from_numpy`, a dtype view: Python) and leaves smaller ones to
+    `torch.empty`. At batch 8 the hidden-7168 dispatch's `recv_x` (63 rows, 0.9 MB) takes
+    the pool, the hidden-64 one's (8 KB) `torch.empty`; side by side in one process pair
+    (hostval6) the pool's lending cost 38-41 us inside the hidden-7168 dispatch against
+    8-9 us for `torch.empty` in the hidden-64 one, and the hidden-64 dispatch made to lend
+    from the pool cost 114 us instead of 99 (median over calls of the max over ranks), a
+    cost of the call's fixed part that the overhead missed at batches 8-128."""
+    if hidden < 1 or like < 1:
+        raise ValueError(f"hidden={hidden} and like={like} must be >= 1")
+    pool._min = -(-pool._min * hidden // like)
+
+
 def _open_segments(segments, me: int) -> dict:
     maps, bufs = hostbench.map_segments(segments)
     spin = hostbench.SpinBarrier(bufs[0].ctypes.data + bufs[0].nbytes - hostbench.PAGE, me,
@@ -279,6 +313,8 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
                 x, idx, w = inputs[rank]
                 for name in host.SYSTEMS:
                     s = systems[(b, h, name)] = make_system(name, cfg, h)
+                    if h != host.HIDDEN:        # outputs lent as the hidden-7168 call's
+                        lend_as_at(output_pool(s), h)
                     sync.barrier()
                     _checked_call(s, x, idx, w, ref)
         rng = random.Random(spec.seed)
