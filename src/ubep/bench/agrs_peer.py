@@ -30,11 +30,9 @@ import torch.distributed as dist
 from numba import njit
 
 from ubep.runtime.shm.outputs import OutputPool
-from ubep.runtime.torch_layout import _copy_row, bag_sums
+from ubep.runtime.torch_layout import BAG_WORDS, _copy_row, bag_sums_into, bags_by_token
 
 _SUMMED_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
-#: output dtypes the compiled sums take (as words of this type)
-_WORDS = {torch.bfloat16: torch.uint16, torch.float32: torch.float32}
 
 
 @njit(nogil=True, cache=True)
@@ -134,8 +132,7 @@ class AgRsPeer:
         slot_row[tok, slot] = np.arange(num_recv)
         slot_weight = np.zeros((world * max_tokens, top_k), dtype=np.float32)
         slot_weight[tok, slot] = weights[tok, slot]
-        bag_rows = np.lexsort((slot, tok))                  # by gathered token, then slot
-        bag_offsets = np.searchsorted(tok[bag_rows], np.arange(world * max_tokens))
+        bag_rows, bag_offsets = bags_by_token(tok, slot, world * max_tokens)
         return AgRsDispatch(
             recv_x=recv_x.view(x.dtype).view(num_recv, hidden),
             recv_weights=torch.from_numpy(weights[tok, slot]),
@@ -154,14 +151,12 @@ class AgRsPeer:
         Returns `[T, hidden]` in `expert_out.dtype`: this rank's tokens' sums over all ranks.
         """
         hidden, dtype = expert_out.shape[1], expert_out.dtype
-        word = _WORDS.get(dtype)
-        if word is not None and expert_out.is_cpu and expert_out.is_contiguous():
+        if dtype in BAG_WORDS and expert_out.is_cpu and expert_out.is_contiguous():
             # one pass over the rows, as a fused MoE kernel sums a token's experts in its
             # epilogue (`bag_sums`: fp32 weights and accumulation, slot order, one rounding)
-            partial = self._kept("partial", d.slot_weight.shape[0], hidden, dtype)
-            bag_sums(expert_out.view(word).numpy(), d.recv_weights.numpy(), bool(weighted),
-                     d.bag_rows, d.bag_offsets, 0, len(d.bag_offsets),
-                     partial.view(word).numpy())
+            partial = bag_sums_into(expert_out, d.recv_weights.numpy(), weighted, d.bag_rows,
+                                    d.bag_offsets,
+                                    self._kept("partial", d.slot_weight.shape[0], hidden, dtype))
         else:
             rows = torch.cat([expert_out, expert_out.new_zeros(1, hidden)])
             w = d.slot_weight if weighted else (d.slot_row.T < expert_out.shape[0]).float()

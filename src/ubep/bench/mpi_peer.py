@@ -22,11 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ubep.runtime.torch_layout import bag_sums
-
-#: output dtypes the compiled sums take, as numpy / torch words
-_WORDS = {torch.bfloat16: np.uint16, torch.float32: np.float32}
-_TORCH_WORDS = {torch.bfloat16: torch.uint16, torch.float32: torch.float32}
+from ubep.runtime.torch_layout import BAG_WORDS, bag_sums_into, bags_by_token
 
 
 @dataclass
@@ -146,7 +142,7 @@ class MpiPeer:
         recv_meta = np.take(recv_meta.view(np.int32).reshape(num_recv, 3), to_expert_major,
                             axis=0)
         src_rank = np.repeat(np.arange(world), recv_splits)[to_expert_major]
-        bag_rows = np.lexsort((send_slot, send_token))     # by token, then slot
+        bag_rows, bag_offsets = bags_by_token(send_token, send_slot, num_tokens)
         return MpiDispatch(
             recv_x=_rows(recv_x, x.dtype, hidden),
             recv_weights=torch.from_numpy(recv_meta[:, 2].copy().view(np.float32)),
@@ -158,8 +154,7 @@ class MpiPeer:
             send_weight=send_weight, send_splits=send_splits, recv_splits=recv_splits,
             to_expert_major=to_expert_major, slot_index=torch.from_numpy(pos),
             slot_weights=torch.where(routed, topk_weights, 0.0),
-            slot_routed=routed.to(torch.float32), bag_rows=bag_rows,
-            bag_offsets=np.searchsorted(send_token[bag_rows], np.arange(num_tokens)))
+            slot_routed=routed.to(torch.float32), bag_rows=bag_rows, bag_offsets=bag_offsets)
 
     def combine(self, expert_out: torch.Tensor, d: MpiDispatch,
                 weighted: bool = True) -> torch.Tensor:
@@ -170,17 +165,13 @@ class MpiPeer:
         arrival = np.empty_like(outb)
         arrival[d.to_expert_major] = outb       # back to arrival order, per source contiguous
         back = self._alltoallv(arrival, d.recv_splits, d.send_splits, row_bytes)
-        word = _WORDS.get(dtype)
-        if word is not None:
+        back = _rows(back.reshape(-1, row_bytes), dtype, hidden)
+        if dtype in BAG_WORDS:
             # each token's rows in one compiled pass: fp32 weights and accumulation, slot
             # order, one rounding (`bag_sums`; K torch multiply-adds over [T, hidden] took
             # ~5 ms at batch 128, the whole combine's time)
-            y = torch.empty(d.slot_weights.shape[0], hidden, dtype=dtype)
-            bag_sums(back.view(word).reshape(-1, hidden), d.send_weight, bool(weighted),
-                     d.bag_rows, d.bag_offsets, 0, len(d.bag_offsets),
-                     y.view(_TORCH_WORDS[dtype]).numpy())
-            return y
-        back = _rows(back.reshape(-1, row_bytes), dtype, hidden)
+            return bag_sums_into(back, d.send_weight, weighted, d.bag_rows, d.bag_offsets,
+                                 torch.empty(d.slot_weights.shape[0], hidden, dtype=dtype))
         # rows to token-major [T, K, hidden] (unrouted slots zero), then per slot, in slot
         # order, y += w[:, k] * rows[:, k] in fp32 (one pass over the rows, no fp32 copy)
         num_tokens, top_k = d.slot_weights.shape

@@ -82,6 +82,7 @@ from ubep.handle import (
 )
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
+    BAG_WORDS,
     bag_sums_at,
     final_sums_bf16_at,
     final_sums_f32_at,
@@ -106,8 +107,8 @@ HOST_MOVES_ROWS = True
 _WORDS = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.uint64}
 #: the CPU combine by partial dtype: (row word, source-side sums, compiled: the same bits as
 #: embedding_bag, which the device path and fp16 use)
-_CPU_COMBINE = {torch.bfloat16: (torch.uint16, final_sums_bf16_at),
-                torch.float32: (torch.float32, final_sums_f32_at)}
+_CPU_COMBINE = {dt: (BAG_WORDS[dt], fn) for dt, fn in ((torch.bfloat16, final_sums_bf16_at),
+                                                        (torch.float32, final_sums_f32_at))}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

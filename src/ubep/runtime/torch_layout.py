@@ -17,6 +17,7 @@ Row layout they describe (the torch backend moves the bytes):
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import carray, njit, types
 from numba.extending import overload
 
@@ -569,6 +570,29 @@ def bag_sums_at(rows_addr, num_rows, weights, weighted, bag_rows, bag_offsets, j
     """`bag_sums` with the rows (`[num_rows, hidden]` of `out`'s type) by address."""
     rows = carray(void_ptr(rows_addr), (num_rows, out.shape[1]), out.dtype)
     return bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out)
+
+
+#: the output dtypes `bag_sums` writes (bf16 as its bits), by the word its rows are read as
+BAG_WORDS = {torch.bfloat16: torch.uint16, torch.float32: torch.float32}
+
+
+def bags_by_token(token: np.ndarray, slot: np.ndarray, num_tokens: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """`(bag_rows, bag_offsets)` for `bag_sums`: bag t is the rows i with `token[i] == t`,
+    in slot order, for t in `[0, num_tokens)` (an empty bag sums to zeros)."""
+    bag_rows = np.lexsort((slot, token))
+    return bag_rows, np.searchsorted(token[bag_rows], np.arange(num_tokens))
+
+
+def bag_sums_into(rows: torch.Tensor, weights: np.ndarray, weighted: bool,
+                  bag_rows: np.ndarray, bag_offsets: np.ndarray,
+                  out: torch.Tensor) -> torch.Tensor:
+    """`bag_sums` of every bag into `out` (`[bags, hidden]`) from `rows` (`[N, hidden]`),
+    contiguous CPU tensors of one `BAG_WORDS` dtype; returns `out`."""
+    word = BAG_WORDS[out.dtype]
+    bag_sums(rows.view(word).numpy(), weights, bool(weighted), bag_rows, bag_offsets, 0,
+             len(bag_offsets), out.view(word).numpy())
+    return out
 
 
 @njit(nogil=True, cache=True)
