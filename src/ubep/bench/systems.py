@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ubep.bench.config import AGRS_RAW, BOUND, BUFFER_SYSTEMS, MPI_RAW, RAW, BenchConfig
 from ubep.reference import ReferenceDispatch
+from ubep.runtime.torch_backend import all_to_all
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -118,6 +120,7 @@ class MpiCollectives:
         self.comm = comm
         self.peer = MpiPeer(comm, cfg.experts)
         self._args: tuple = ()
+        self._waitall = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         from mpi4py import MPI
@@ -132,15 +135,14 @@ class MpiCollectives:
             return [buf, (n, np.concatenate(([0], np.cumsum(n)[:-1]))), MPI.BYTE]
 
         s, r = d.send_splits, d.recv_splits
+        self._waitall = MPI.Request.Waitall          # not looked up inside the timed call
         self._args = (counts, np.empty_like(counts), (vec(s, rb, 1), vec(r, rb, 0)),
                       (vec(s, 12, 1), vec(r, 12, 0)), (vec(r, rb, 1), vec(s, rb, 0)))
 
     def dispatch(self) -> None:
-        from mpi4py import MPI
-
         counts, got, rows, meta, _ = self._args
         self.comm.Alltoall(counts, got)
-        MPI.Request.Waitall([self.comm.Ialltoallv(*rows), self.comm.Ialltoallv(*meta)])
+        self._waitall([self.comm.Ialltoallv(*rows), self.comm.Ialltoallv(*meta)])
 
     def combine(self) -> None:
         self.comm.Alltoallv(*self._args[4])
@@ -175,8 +177,6 @@ class AgRsCollectives:
     The AgRs peer's time over this line is what its layout and sums cost."""
 
     def __init__(self, name: str, cfg: BenchConfig, hidden: int):
-        import torch.distributed as dist
-
         self.name = name
         self.world = dist.get_world_size()
         self._bufs: tuple = ()
@@ -190,14 +190,10 @@ class AgRsCollectives:
                       torch.ones(self.world * t, x.shape[1], dtype=x.dtype))
 
     def dispatch(self) -> None:
-        import torch.distributed as dist
-
         gathered, send = self._bufs[:2]
         dist.all_gather_single(gathered, send)
 
     def combine(self) -> None:
-        import torch.distributed as dist
-
         out, partial = self._bufs[2:]
         dist.reduce_scatter_single(out, partial)
 
@@ -283,10 +279,6 @@ class RawCollectives:
                 for _, send, recv in st.extra["collectives"]]
 
     def _replay(self, op: str) -> None:
-        import torch.distributed as dist
-
-        from ubep.runtime.torch_backend import all_to_all
-
         pg = dist.group.WORLD       # the group the Buffer above runs on
         for out, inp, recv, send in self._calls[op]:
             all_to_all(pg, out, inp, recv, send)
