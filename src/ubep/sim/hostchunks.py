@@ -267,7 +267,7 @@ def lend_as_at(pool, hidden: int, like: int = host.HIDDEN) -> None:
     cost of the call's fixed part that the overhead missed at batches 8-128."""
     if hidden < 1 or like < 1:
         raise ValueError(f"hidden={hidden} and like={like} must be >= 1")
-    pool._min = -(-pool._min * hidden // like)
+    pool.min_bytes = -(-pool.min_bytes * hidden // like)
 
 
 def _open_segments(segments, me: int) -> dict:

@@ -48,6 +48,17 @@ class OutputPool:
         self._blocks: list[np.ndarray] = []          # uint8, page-aligned
         self._lent: list[weakref.ref | None] = []    # per block: the view lent last
 
+    @property
+    def min_bytes(self) -> int:
+        """Outputs smaller than this are plain `torch.empty`; larger ones are lent."""
+        return self._min
+
+    @min_bytes.setter
+    def min_bytes(self, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"min_bytes={value} must be >= 0")
+        self._min = int(value)
+
     def empty(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized `[rows, cols]` tensor of `dtype` nobody else uses."""
         es = dtype.itemsize
