@@ -73,7 +73,7 @@ from ubep.runtime.shm.region import (
     D_NRECV,
     D_RECV_OFF,
 )
-from ubep.runtime.shm.waits import SPINS, deadline_after, now_us
+from ubep.runtime.shm.waits import INLINE_SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES
 
@@ -206,7 +206,8 @@ class DirectPath:
             area, keep = 0, None
         roff = self._recv_off + area * self._area
         left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
-                                            self.num_experts, code, roff, counts, tails, got, 8)
+                                            self.num_experts, code, roff, counts, tails, got,
+                                            INLINE_SPINS)
         if left:
             b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, tails, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
@@ -228,7 +229,7 @@ class DirectPath:
             if self.owned:              # `pos` goes with the handle: any handle combinable
                 n_recv, missing, pos_addr = DK.dispatch_rows_own(
                     bases, dlay, b.rank, epoch, code, tails, counts, self.el, idx_addr, w_addr,
-                    t_n, k_n, keep, tpe, ints, wts, x.data_ptr(), rb, dst, 8)
+                    t_n, k_n, keep, tpe, ints, wts, x.data_ptr(), rb, dst, INLINE_SPINS)
                 if recv_x is None and n_recv >= 0:
                     recv_x = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype)
             else:                       # kept scratch: only the latest dispatch combinable
@@ -236,7 +237,7 @@ class DirectPath:
                 n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, tails,
                                                       counts, self.el, idx_addr, w_addr, t_n,
                                                       k_n, pos_addr, tpe, ints, wts,
-                                                      x.data_ptr(), rb, dst, 8)
+                                                      x.data_ptr(), rb, dst, INLINE_SPINS)
             if n_recv < 0:
                 raise self._dtype_error(x.dtype, missing)
             if missing:
@@ -449,7 +450,7 @@ class DirectPath:
         left = DK.combine_begin_at(b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n,
                                    src_rank, idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
                                    self.el, rb, es, ecode, lut, ready, done, y_addr, out_addr,
-                                   hidden, 8)
+                                   hidden, INLINE_SPINS)
         if left < 0:
             raise self._combine_dtype_error(dtype, -left - 1)
         t1 = now_us()
@@ -480,7 +481,7 @@ class DirectPath:
         read all it needed of mine (my expert outputs are then the caller's again)."""
         b = self.ctx
         first, world = self._done_first, b.world
-        if not DK.done_reading(self._done_mine, first, world, epoch, SPINS):  # first poll inline
+        if not DK.done_reading(self._done_mine, first, world, epoch, INLINE_SPINS):
             return
         b.wait(lambda s: poll_words_at_least(first, world, epoch, s), "combine/done",
                lambda: [r for r in range(world) if int(self._done[r]) < epoch],
