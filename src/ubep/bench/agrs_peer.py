@@ -30,7 +30,13 @@ import torch.distributed as dist
 from numba import njit
 
 from ubep.runtime.shm.outputs import OutputPool
-from ubep.runtime.torch_layout import BAG_WORDS, _copy_row, bag_sums_into, bags_by_token
+from ubep.runtime.torch_layout import (
+    BAG_WORDS,
+    _copy_row,
+    bag_sums_into,
+    bags_by_token,
+    source_order,
+)
 
 _SUMMED_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -39,8 +45,12 @@ _SUMMED_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
 def _gather_rows(src, stride, rows, rb, out):
     """The first `rb` bytes of row `rows[i]` of `src` (flat, `stride` bytes a row) into row i
     of `out` (flat, `rb` bytes a row), by memcpy: the expert-major layout in one pass, as the
-    torch backend gathers recv_x (a strided `index_select` of the packed rows took ~3x)."""
+    torch backend gathers recv_x (a strided `index_select` of the packed rows took ~3x),
+    source by source (`torch_layout.source_order`)."""
+    n_src = 0
     for i in range(rows.shape[0]):
+        n_src = max(n_src, rows[i] + 1)
+    for i in source_order(rows, n_src):
         _copy_row(out, i * rb, src, rows[i] * stride, rb)
 
 

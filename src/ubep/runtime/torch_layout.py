@@ -377,11 +377,40 @@ def recv_gather_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, p
 
 
 @njit(nogil=True, cache=True)
+def source_order(rows, num_sources):
+    """The indices i of `rows` (values in `[0, num_sources)`) grouped by `rows[i]`, ascending
+    (a counting sort): the order in which to copy a gather so that each source row is read
+    while still in cache for all its copies.
+
+    recv_x is expert-major: a token routed to k local experts is copied k times, to places
+    far apart. Copied in destination order, each source row is read again from memory for
+    each copy; copied source by source, once. Batch 128 (1,057 rows of 14 KB from 256
+    sources, one process, 2026-12-01): 0.88-0.90 ms against 1.33-1.36 ms in destination
+    order, and 1.31-1.34 ms for one memcpy of the same 1,057 rows
+    (docs/results/torch_backend.md)."""
+    first = np.zeros(num_sources + 1, np.int64)
+    for i in range(rows.shape[0]):
+        first[rows[i] + 1] += 1
+    for s in range(num_sources):
+        first[s + 1] += first[s]
+    order = np.empty(rows.shape[0], np.int64)
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        order[first[r]] = i
+        first[r] += 1
+    return order
+
+
+@njit(nogil=True, cache=True)
 def gather_rows(work, x, gather, num_remote, own_tokens, out, rw):
     """Row i of `out` = row `gather[i]` of `work`, or row `own_tokens[gather[i] - num_remote]`
     of `x` for this rank's own tokens (`gather[i] >= num_remote`): recv_x in one pass, own
-    rows straight from x. Flat arrays of one word type, `rw` words a row."""
+    rows straight from x, source by source (`source_order`). Flat arrays of one word type,
+    `rw` words a row."""
+    n_src = num_remote
     for i in range(gather.shape[0]):
+        n_src = max(n_src, gather[i] + 1)
+    for i in source_order(gather, n_src):
         g = gather[i]
         src = work if g < num_remote else x
         if g >= num_remote:
