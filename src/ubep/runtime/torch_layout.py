@@ -432,28 +432,35 @@ def final_sums_bf16(back_rows, own_rows, final_rows, final_offsets, num_back, y)
     rounded once to bfloat16 as `embedding_bag` does it on CPU (to nearest, ties away from
     zero), so the bits are those the backend gave before: row r < `num_back` of the combine
     work buffer is `back_rows[r]` (received), row r >= `num_back` is `own_rows[r -
-    num_back]` (this rank's own partials, read where they were made, not copied)."""
+    num_back]` (this rank's own partials, read where they were made, not copied).
+
+    `_CHUNK` elements at a time, the accumulator in L1 (as `bag_sums`): whole rows through
+    fp32 scratch took 0.68 ms for 128 tokens x 2 partials, 0.46 ms so (same bits)."""
     num_tokens, hidden = y.shape
-    acc = np.empty(hidden, dtype=np.float32)
-    tmp = np.empty(hidden, dtype=np.uint32)
-    tf = tmp.view(np.float32)
-    ab = acc.view(np.uint32)
     end = final_rows.shape[0]
+    acc = np.empty(_CHUNK, dtype=np.float32)
+    ab = acc.view(np.uint32)
     for t in range(num_tokens):
-        acc[:] = 0.0
+        q0 = final_offsets[t]
         q1 = final_offsets[t + 1] if t + 1 < num_tokens else end
-        for q in range(final_offsets[t], q1):
-            r = final_rows[q]
-            _bf16_row(back_rows[r] if r < num_back else own_rows[r - num_back], tmp)
-            for h in range(hidden):
-                acc[h] += tf[h]
         out = y[t]
-        for h in range(hidden):
-            b = ab[h]
-            if (b & 0x7FFFFFFF) > 0x7F800000:
-                out[h] = 0x7FC0
-            else:
-                out[h] = np.uint16((np.uint64(b) + 0x8000) >> 16)
+        for c0 in range(0, hidden, _CHUNK):
+            n = min(_CHUNK, hidden - c0)
+            a = acc[:n]                  # views from 0: indices provably >= 0, loops vectorize
+            for h in range(n):
+                a[h] = 0.0
+            for q in range(q0, q1):
+                r = final_rows[q]
+                s = (back_rows[r] if r < num_back else own_rows[r - num_back])[c0:c0 + n]
+                for h in range(n):
+                    a[h] += _widen(s[h])
+            o = out[c0:c0 + n]
+            for h in range(n):
+                b = ab[h]
+                if (b & 0x7FFFFFFF) > 0x7F800000:
+                    o[h] = 0x7FC0
+                else:
+                    o[h] = np.uint16((np.uint64(b) + 0x8000) >> 16)
     return y
 
 
