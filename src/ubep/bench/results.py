@@ -198,6 +198,24 @@ core has just written them take 2.3-2.7x as long (the probe in the header above;
 9.6 vs 3.5 µs on the Intel VM), the coherence traffic every transport between two processes
 pays at least once per row.
 
+*Where a batch-1 call's time goes, warm and cold.* Timestamps at 38 points of the one-worker
+`direct="owned"` path (a temporary instrumented copy; one process, 1-rank group, 2,000 calls,
+medians; 2026-12-01, 18:30 UTC), calls back to back against calls each after 16 MB of other
+memory traffic (what an attention layer does between two MoE layers): dispatch 27 -> 111 µs,
+combine 25 -> 56 µs. Warm, the kernels are ~1/3 of the call and Python the rest, spread thin
+(no line above 4 µs). Cold, the Python and torch glue triples or worse: entering `Buffer.dispatch`
+and deciding eager vs autograd 1.6 -> 15.6 µs, input validation 3.7 -> 14.8, choosing the
+receive area 1.7 -> 9.5, making `recv_x` (one `as_strided` view) 2.5 -> 17.2, handle, stats
+and result 4.7 -> 13.2, combine's output tensor (`torch.empty`) 3.6 -> 13.4; the kernels with
+their entries 16 -> 39. Each torch call's first touch after the caches were flushed costs
+5-40 µs here (attribute reads ~5, `torch.empty` ~30-75, a numba call taking 8 arrays ~40 against
+~7 for 20 integers). This is the regime of run 2 (interleaved) and of a model; what would
+shrink it is a call path touching fewer torch and numpy entry points, not faster kernels. One
+fix landed: the first poll of each wait spins ~5 µs inside its kernel before returning to
+Python (`waits.INLINE_SPINS`, was ~0.2 µs), so a peer a few µs behind is met there instead of
+after entering and leaving the Python wait (~3 µs each): in-process A/B, 2 ranks, batch 1,
+dispatch+combine median 61.3 -> 60.3 µs owned, 61.8 -> 59.5 direct; batches 8 and 128 unchanged.
+
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
 started before, stay free: bound with the rank to its one core, every gloo collective there
@@ -225,19 +243,21 @@ layers.
 
 *torch.* Each token crosses to a rank once (however many of its experts live there) and one
 partial sum per (token, rank) comes back. Dispatch's first `all_to_all_single` carries the
-counts and, up to 64 KiB in all, the tokens themselves (batch 1: one collective); the rest
-take a second; combine takes one. gloo spends ~0.1-0.3 ms on each even for a few KB (its
+counts and, up to 64 KiB in all, the tokens themselves (batch 1: one collective); the rest take
+a second; combine takes one. gloo spends ~0.1-0.3 ms on each even for a few KB (its
 `gloo_tcp_loop` thread polls: ~30 `epoll_wait` and ~35 `recvfrom` calls per collective under
-`strace`, ~50% of a core per rank). What the backend adds, on CPU all in compiled passes:
-the send buffer written, recv_x gathered (the expert-major expansion: one pass over the
-received rows), the partial sums and their sum at the source; a small collective is started
-async and what needs nothing from the peers is done before its wait, which polls the
-collective (yielding the core) before it blocks: a blocked thread's wake-up cost tens of µs
-and a 3-5 ms p99 on this VM (docs/results/torch_backend.md). ~33 µs a pair at batch
-1 in one process (was ~60), ~1.5-2× that in place, where gloo's threads share the two cores.
+`strace`, ~50% of a core per rank). What the backend adds, on CPU all in compiled passes: the
+send buffer written, recv_x gathered (the expert-major expansion: one pass over the received
+rows, source by source so each token is read once for its k copies), the partial sums and their
+sum at the source (in L1-sized chunks; the two changes took 6-8% off a batch-128
+dispatch+combine in an in-process A/B, docs/results/torch_backend.md); a small collective is
+started async and what needs nothing from the peers is done before its wait, which polls the
+collective (yielding the core) before it blocks: a blocked thread's wake-up cost tens of µs and
+a 3-5 ms p99 on this VM (docs/results/torch_backend.md). ~33 µs a pair at batch 1 in one
+process (was ~60), ~1.5-2× that in place, where gloo's threads share the two cores.
 `tests/runtime/bench_torch_floor.py` replays the raw collectives with a busy wait of the
-backend's measured host time in each gap; the backend's own collectives still run
-1.1-1.3× slower than the bare ones, which is most of what is left at batch 1.
+backend's measured host time in each gap; the backend's own collectives still run 1.1-1.3×
+slower than the bare ones, which is most of what is left at batch 1.
 
 *AgRs.* vLLM's path moves every token to every rank whatever the routing (one all-gather)
 and reduce-scatters a `[all tokens, hidden]` tensor of partial sums: fewer rows than a
