@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ubep.testing import Case, check_case, run_case, run_ranks
 
@@ -224,13 +226,14 @@ def test_bf16_weight_split_matches_torch():
     assert np.all(np.abs(hi_f + lo_f - w) <= np.abs(w) * 2.0 ** -16)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world,hidden", [(2, 48), (3, 48), (4, 48), (2, 1100)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_final_sums_match_embedding_bag(world, dtype):
+def test_final_sums_match_embedding_bag(world, hidden, dtype):
     """The compiled source-side sum of each token's partials (CPU path) gives the same bits
     as `embedding_bag` over the partials laid out [received | own] (what the device path
     and the backend before it compute): tokens with 0..P partials, ties included, NaN/inf
-    rows, own partials read from their own array."""
+    rows, own partials read from their own array; rows longer than the kernels' 512-element
+    chunks, with a remainder."""
     import numpy as np
     import torch
 
@@ -239,7 +242,7 @@ def test_final_sums_match_embedding_bag(world, dtype):
 
     dt = getattr(torch, dtype)
     rng = np.random.default_rng(world)
-    tokens, hidden = 40, 48
+    tokens = 40
     per_token = [sorted(rng.choice(world, rng.integers(0, world + 1), replace=False))
                  for _ in range(tokens)]
     num_back = sum(len([r for r in ranks if r]) for ranks in per_token)
@@ -406,6 +409,21 @@ def test_torch_backend_misaligned_rows():
     per_rank = run_ranks(_run_cases_misaligned, 2, cases, timeout_s=180)
     for i, case in enumerate(cases):
         check_case(case, [per_rank[r][i] for r in range(2)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=40), st.integers(0, 5))
+def test_source_order_groups_rows_by_source(rows, extra):
+    """`source_order` (the gathers' copy order) is a permutation of the indices that lists
+    them by source, ascending, each source's in their original order."""
+    import numpy as np
+
+    from ubep.runtime.torch_layout import source_order
+
+    rows = np.array(rows, np.int64)
+    order = source_order(rows, int(rows.max(initial=-1)) + 1 + extra)
+    assert sorted(order.tolist()) == list(range(len(rows)))
+    assert order.tolist() == sorted(range(len(rows)), key=lambda i: (rows[i], i))
 
 
 def test_gather_rows_by_memcpy_and_its_bounds():
