@@ -424,6 +424,11 @@ def test_source_order_groups_rows_by_source(rows, extra):
     order = source_order(rows, int(rows.max(initial=-1)) + 1 + extra)
     assert sorted(order.tolist()) == list(range(len(rows)))
     assert order.tolist() == sorted(range(len(rows)), key=lambda i: (rows[i], i))
+    if len(rows):
+        with pytest.raises(IndexError, match="outside"):
+            source_order(rows, int(rows.max()))
+        with pytest.raises(IndexError, match="outside"):
+            source_order(rows - int(rows.max()) - 1, 10)
 
 
 def test_gather_rows_by_memcpy_and_its_bounds():

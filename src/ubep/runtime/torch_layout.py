@@ -390,6 +390,8 @@ def source_order(rows, num_sources):
     (docs/results/torch_backend.md)."""
     first = np.zeros(num_sources + 1, np.int64)
     for i in range(rows.shape[0]):
+        if rows[i] < 0 or rows[i] >= num_sources:
+            raise IndexError("source_order: a row index outside [0, num_sources)")
         first[rows[i] + 1] += 1
     for s in range(num_sources):
         first[s + 1] += first[s]
