@@ -203,18 +203,21 @@ pays at least once per row.
 medians; 2026-12-01, 18:30 UTC), calls back to back against calls each after 16 MB of other
 memory traffic (what an attention layer does between two MoE layers): dispatch 27 -> 111 µs,
 combine 25 -> 56 µs. Warm, the kernels are ~1/3 of the call and Python the rest, spread thin
-(no line above 4 µs). Cold, the Python and torch glue triples or worse: entering `Buffer.dispatch`
-and deciding eager vs autograd 1.6 -> 15.6 µs, input validation 3.7 -> 14.8, choosing the
-receive area 1.7 -> 9.5, making `recv_x` (one `as_strided` view) 2.5 -> 17.2, handle, stats
-and result 4.7 -> 13.2, combine's output tensor (`torch.empty`) 3.6 -> 13.4; the kernels with
-their entries 16 -> 39. Each torch call's first touch after the caches were flushed costs
-5-40 µs here (attribute reads ~5, `torch.empty` ~30-75, a numba call taking 8 arrays ~40 against
-~7 for 20 integers). This is the regime of run 2 (interleaved) and of a model; what would
-shrink it is a call path touching fewer torch and numpy entry points, not faster kernels. One
-fix landed: the first poll of each wait spins ~5 µs inside its kernel before returning to
-Python (`waits.INLINE_SPINS`, was ~0.2 µs), so a peer a few µs behind is met there instead of
-after entering and leaving the Python wait (~3 µs each): in-process A/B, 2 ranks, batch 1,
-dispatch+combine median 61.3 -> 60.3 µs owned, 61.8 -> 59.5 direct; batches 8 and 128 unchanged.
+(no line above 4 µs). Cold, the Python and torch glue triples or worse: entering
+`Buffer.dispatch` and deciding eager vs autograd 1.6 -> 15.6 µs, input validation 3.7 -> 14.8,
+choosing the receive area 1.7 -> 9.5, making `recv_x` (one `as_strided` view) 2.5 -> 17.2,
+handle, stats and result 4.7 -> 13.2, combine's output tensor (`torch.empty`) 3.6 -> 13.4; the
+kernels with their entries 16 -> 39. Each torch call's first touch after the caches were
+flushed costs 5-40 µs here (attribute reads ~5, `torch.empty` ~30-75). Passing the first kernel
+its five kept arrays as addresses instead (a numba call with arrays costs more than one with
+integers when measured alone, fully cold) changed nothing in place: dispatch 100.1 vs 101.0 and
+86.7 vs 87.3 µs cold, 24.4 vs 24.7 warm (in-process A/B, alternating every call). This is the
+regime of run 2 (interleaved) and of a model; what would shrink it is a call path touching
+fewer torch and numpy entry points, not faster kernels. One fix landed: the first poll of each
+wait spins ~5 µs inside its kernel before returning to Python (`waits.INLINE_SPINS`, was ~0.2
+µs), so a peer a few µs behind is met there instead of after entering and leaving the Python
+wait (~3 µs each): in-process A/B, 2 ranks, batch 1, dispatch+combine median 61.3 -> 60.3 µs
+owned, 61.8 -> 59.5 direct; batches 8 and 128 unchanged.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
