@@ -217,7 +217,8 @@ fewer torch and numpy entry points, not faster kernels. One fix landed: the firs
 wait spins ~5 µs inside its kernel before returning to Python (`waits.INLINE_SPINS`, was ~0.2
 µs), so a peer a few µs behind is met there instead of after entering and leaving the Python
 wait (~3 µs each): in-process A/B, 2 ranks, batch 1, dispatch+combine median 61.3 -> 60.3 µs
-owned, 61.8 -> 59.5 direct; batches 8 and 128 unchanged.
+owned, 61.8 -> 59.5 direct, 89.2 -> 79.0 owned on a busier host
+(`tests/runtime/bench_shm_spins.py`); batches 8 and 128 unchanged.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
