@@ -276,12 +276,16 @@ gloo's reduce-scatter completes inside `wait()`, so the AgRs peer waits as torch
 (blocking); the torch backend polls its all-to-alls (docs/results/torch_backend.md).
 
 *MPI.* The peer a competent MPI programmer would write in Python: counts by `Alltoall`, rows
-and their routing by two concurrent `Ialltoallv`, numpy to sort and reorder, one compiled
-pass for the sums (until 2026-12-01 evening K torch multiply-adds over `[T, hidden]`: ~5 ms
-alone at batch 128, hidden 7168; the peer's batch-128 combine 25.0 ms before, 4.6 ms after in
-one A/B on a busy host: "x mpi" figures before then overstated ubep's lead at large
-batches). Its `mpi collectives` line is those four calls alone; at batch 1 the peer
-takes several times that line: its per-call numpy bookkeeping, not MPI.
+and their routing by two concurrent `Ialltoallv`, numpy to sort and reorder, one compiled pass
+for the sums (until 2026-12-01 evening K torch multiply-adds over `[T, hidden]`: ~5 ms alone at
+batch 128, hidden 7168; the peer's batch-128 combine 25.0 ms before, 4.6 ms after in one A/B on
+a busy host: "x mpi" figures before then overstated ubep's lead at large batches). Its `mpi
+collectives` line is those four calls alone. At batch 1 the peer took 7.4-7.5x that line (plus
+the copy bound) while its bookkeeping was ~30 numpy calls; in three compiled passes (sort and
+pack the sends, unpack into expert-major order, scatter outputs back) 3.1-3.8x, its batch-1
+dispatch 322-385 -> 133-167 µs (`ubep bench --peers --systems mpi --tokens 1 128`, the previous
+and the new peer alternated twice, 2026-12-01 night); what is left is mpi4py's per-call
+argument handling and the result's tensors. Batch 128 unchanged (1.23-1.35x).
 """
 
 
