@@ -83,16 +83,20 @@ from ubep.handle import (
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
-    bag_sums_at,
+    bag_sums_bf16_at,
+    bag_sums_f32_at,
     final_sums_bf16_at,
     final_sums_f32_at,
     gather_rows_at,
     pack_send_at,
-    read_headers,
-    recv_gather_cpu_at,
+    read_headers_at,
+    recv_gather_at,
     recv_plan,
     recv_plan_cpu,
+    res_offsets,
     send_plan,
+    ws_size,
+    ws_views,
 )
 from ubep.stats import DeferredStats, Stats
 
@@ -103,12 +107,11 @@ _HEADER_BYTES = 16
 _INLINE_BYTES = 64 << 10
 #: on CPU, move rows with numpy (tests turn it off to run the device path's torch ops on CPU)
 HOST_MOVES_ROWS = True
-#: numpy word type by size: the CPU path copies rows as the widest word dividing a row
-_WORDS = {1: torch.uint8, 2: torch.uint16, 4: torch.int32, 8: torch.uint64}
-#: the CPU combine by partial dtype: (row word, source-side sums, compiled: the same bits as
-#: embedding_bag, which the device path and fp16 use)
-_CPU_COMBINE = {dt: (BAG_WORDS[dt], fn) for dt, fn in ((torch.bfloat16, final_sums_bf16_at),
-                                                        (torch.float32, final_sums_f32_at))}
+#: the CPU combine by partial dtype: (row word, expert-side sums, source-side sums,
+#: compiled: the same bits as embedding_bag, which the device path and fp16 use)
+_CPU_COMBINE = {
+    torch.bfloat16: (BAG_WORDS[torch.bfloat16], bag_sums_bf16_at, final_sums_bf16_at),
+    torch.float32: (BAG_WORDS[torch.float32], bag_sums_f32_at, final_sums_f32_at)}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -218,31 +221,54 @@ class _TorchState:
     first (rank order), this rank's own tokens last. Source side: `final_rows`/
     `final_offsets` pick each of this rank's tokens' partials from the combine work buffer
     [partials returned by each remote rank, in rank order | own partials].
+
+    A CPU dispatch keeps them all in one int64 array `res` (`torch_layout.res_offsets`), and
+    `at` = their addresses `(recv_weights, bag_rows, bag_offsets, final_rows,
+    final_offsets)` with their sizes `(num_pairs, num_bags, sends)`: the compiled combine
+    takes ints, not arrays; numpy views of them are made only for the torch-op fallback.
     """
 
     __slots__ = ("bag_rows", "bag_offsets", "recv_weights", "weights_by_dtype", "bag_rows2",
                  "bag_offsets2", "final_rows", "final_offsets", "sent_per_rank", "recv_per_rank",
                  "num_back", "num_own", "num_remote_bags", "num_tokens", "final_rows_np",
-                 "final_offsets_np", "bag_rows_np", "bag_offsets_np", "splits")
+                 "final_offsets_np", "bag_rows_np", "bag_offsets_np", "splits", "res", "at",
+                 "sizes", "offsets")
 
     def __init__(self, **kw):
+        self.res = None
         for k, v in kw.items():
             setattr(self, k, v)
 
     @classmethod
-    def cpu(cls, bag_rows, bag_offsets, recv_weights, final_rows, final_offsets, num_tokens,
-            sent_per_rank, recv_per_rank, num_back, num_own, num_remote_bags) -> _TorchState:
-        """A CPU dispatch's state: the index arrays as numpy (the compiled combine reads
-        them so); their torch tensors, for `embedding_bag` (fp16 outputs), made on need."""
+    def cpu(cls, res: np.ndarray, res_addr: int, offsets: tuple, recv_weights: np.ndarray,
+            num_pairs: int, num_bags: int, sends: int, num_tokens: int, sent_per_rank: list,
+            recv_per_rank: list, num_back: int, num_own: int,
+            num_remote_bags: int) -> _TorchState:
+        """A CPU dispatch's state: `res` laid out at `offsets` (`res_offsets`); the numpy
+        and torch index arrays, for `embedding_bag` (fp16 outputs), made on need."""
         st = cls.__new__(cls)
-        st.bag_rows_np, st.bag_offsets_np, st.recv_weights = bag_rows, bag_offsets, recv_weights
-        st.final_rows_np, st.final_offsets_np = final_rows, final_offsets
+        _, o_br, o_bo, _, o_fr, o_fo, o_w, _ = offsets
+        st.res, st.offsets, st.recv_weights = res, offsets, recv_weights
+        st.at = (res_addr + 8 * o_w, res_addr + 8 * o_br, res_addr + 8 * o_bo,
+                 res_addr + 8 * o_fr, res_addr + 8 * o_fo)
+        st.sizes = (num_pairs, num_bags, sends)
         st.num_tokens, st.sent_per_rank, st.recv_per_rank = num_tokens, sent_per_rank, recv_per_rank
         st.num_back, st.num_own, st.num_remote_bags = num_back, num_own, num_remote_bags
+        st.bag_rows_np = st.bag_offsets_np = st.final_rows_np = st.final_offsets_np = None
         st.bag_rows = st.bag_offsets = st.bag_rows2 = st.bag_offsets2 = None
         st.final_rows = st.final_offsets = st.splits = None
         st.weights_by_dtype = {}
         return st
+
+    def numpy_plan(self) -> None:
+        """A CPU dispatch's index arrays as numpy views of `res` (for the torch ops)."""
+        if self.res is not None and self.bag_rows_np is None:
+            _, o_br, o_bo, _, o_fr, o_fo, _, _ = self.offsets
+            n, j, sends = self.sizes
+            res = self.res
+            self.bag_rows_np, self.bag_offsets_np = res[o_br:o_br + n], res[o_bo:o_bo + j]
+            self.final_rows_np = res[o_fr:o_fr + sends]
+            self.final_offsets_np = res[o_fo:o_fo + self.num_tokens]
 
 
 class TorchBackend:
@@ -255,7 +281,7 @@ class TorchBackend:
         self.buffer_id = buffer_id
         self._scratch: dict[str, torch.Tensor] = {}
         self._views: dict[tuple, torch.Tensor] = {}
-        self._owned: list[np.ndarray] = []
+        self._owned: list[tuple[np.ndarray, int]] = []
         #: tokens per peer that ride in dispatch's first collective; every rank computes the
         #: same value from the same headers (starts at what max_tokens_per_rank could need)
         self._inline = config.max_tokens_per_rank
@@ -309,25 +335,30 @@ class TorchBackend:
                                        .reshape(rows, cols))
         return view
 
-    def _owned_rows(self, rows: int, row_bytes: int) -> np.ndarray:
+    def _owned_rows(self, rows: int, row_bytes: int) -> tuple[np.ndarray, int]:
         """`[rows, row_bytes]` uint8 for a result the caller will own: an array of an
         earlier result that nothing references any more (no tensor, view or storage of it is
         alive), else a new one. Writing into fresh memory costs a page fault per 4 KiB
         (measured: 14.7 MB of rows 1.0 ms fresh against 0.6 ms reused); torch's CUDA caching
-        allocator does the same for GPU tensors."""
+        allocator does the same for GPU tensors.
+
+        Returns the array (at least `rows` rows) and its address (kept with it: numpy's
+        `.ctypes.data` costs ~2 µs)."""
         pool = self._owned
         for i in range(len(pool)):
-            a = pool[i]
-            # references: the pool, `a`, getrefcount's argument; more = still in use
+            a, addr = pool[i]
+            # references: the pool's pair, `a`, getrefcount's argument; more = still in use
             if a.shape[1] == row_bytes and sys.getrefcount(a) == 3:
                 if a.shape[0] >= rows:
-                    return a[:rows]
-                pool[i] = a = np.empty((rows + rows // 8, row_bytes), dtype=np.uint8)
-                return a[:rows]
+                    return a, addr
+                a = np.empty((rows + rows // 8, row_bytes), dtype=np.uint8)
+                pool[i] = (a, a.ctypes.data)
+                return pool[i]
         a = np.empty((rows + rows // 8, row_bytes), dtype=np.uint8)
         if len(pool) < 3:
-            pool.append(a)
-        return a[:rows]
+            pool.append((a, a.ctypes.data))
+            return pool[-1]
+        return a, a.ctypes.data
 
     def _stats(self, op: str, phases: dict[str, float], sent: int, recv: int,
                collectives: list) -> Stats:
@@ -528,8 +559,9 @@ class TorchBackend:
     def _cpu_shape(self, num_tokens: int, top_k: int, x: torch.Tensor) -> tuple:
         """What a CPU dispatch of `num_tokens` x `top_k` rows like `x` needs before its
         first collective, computed once per shape and inline capacity: sizes, the phase-1
-        splits, and the scratch views (send buffer as bytes and as words; phase-1 receive
-        region as a tensor and as bytes)."""
+        splits, the scratch views (send and phase-1 receive regions as tensors, and their
+        addresses) and the workspace the kernels keep their per-call plan in (`ws_size`;
+        with its numpy views and address)."""
         c = self.config
         world, me = c.world_size, c.rank
         row_bytes = x.shape[1] * x.element_size()
@@ -542,31 +574,32 @@ class TorchBackend:
         send1_rows = (world - 1) * blk
         # room for phase 1 and for every peer's phase 2 (at most all tokens to each peer)
         most = send1_rows + (world - 1) * (num_tokens + -(-num_tokens * meta_bytes // row_bytes))
-        word = _WORDS[row_bytes & -row_bytes if row_bytes & 7 else 8]
         self._buffer("send", most, row_bytes, x.device)
         self._buffer("recv", send1_rows, row_bytes, x.device)
         send, recv = self._scratch["send"], self._scratch["recv"]
-        sendn = send[:most * row_bytes].numpy()
         split1 = [0 if r == me else blk * row_bytes for r in range(world)]
         n1 = send1_rows * row_bytes
         if len(self._shapes) > 32:
             self._shapes.clear()
-        nword = torch.empty(0, dtype=word).numpy().dtype
+        ws = np.zeros(ws_size(world, num_tokens, top_k, meta_k), dtype=np.int64)
         # the collectives a call of this shape runs when no rank overflows (Stats)
         if C:
             coll1 = [("inline", split1, split1)]
         else:
             coll1 = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
-        return (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, word, nword,
-                sendn, sendn.view(nword), split1, recv[:n1], send[:n1], recv[:n1].numpy(),
-                coll1, sum(coll1[0][1]))
+        return (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1,
+                recv[:n1], send[:n1], coll1, sum(coll1[0][1]), send.data_ptr(),
+                most * row_bytes, recv.data_ptr(), n1, ws, ws.ctypes.data, len(ws),
+                ws_views(ws, world, num_tokens, top_k, meta_k))
 
     def _dispatch_cpu(self, x: torch.Tensor, topk_idx: torch.Tensor,
                       topk_weights: torch.Tensor, call: int):
         """`dispatch` for host memory: the same bytes on the wire as the device path below,
-        every pass over rows and indices compiled (`torch_layout.pack_send` before the first
-        collective; `read_headers`, `recv_gather_cpu` after), this rank's own
-        rows read straight from x into recv_x (no staging copy)."""
+        every pass over rows and indices compiled (`torch_layout.pack_send_at` before the
+        first collective; `read_headers_at`, `recv_gather_at` after), this rank's own
+        rows read straight from x into recv_x (no staging copy). The kernels take ints
+        (addresses, sizes) and keep their plan in a per-shape workspace; what the handle
+        keeps comes back as one array (`res`), whose parts are numpy views."""
         c = self.config
         world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
         num_tokens, top_k = topk_idx.shape
@@ -574,95 +607,106 @@ class TorchBackend:
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes[key] = self._cpu_shape(num_tokens, top_k, x)
-        (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, word, nword, sendn,
-         sendw, split1, recv1, send1, recvn1, coll1, bytes1) = shape
+        (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1, recv1, send1,
+         coll1, bytes1, send_addr, send_bytes, recv_addr, recv1_bytes, ws, ws_addr, ws_len,
+         wsv) = shape
         hidden = x.shape[1]
 
         t0 = _now_us()
         # x, topk_idx and topk_weights are contiguous CPU tensors of checked dtypes (Buffer's
-        # checks): the kernels read them by address, x as words of `word` when aligned so
-        xa = x.data_ptr()
-        if xa % nword.itemsize:     # rows off the word grid (a view at an odd offset): copy
-            x = x.clone()
-            xa = x.data_ptr()
-        x_words = num_tokens * row_bytes // nword.itemsize
-        (per_dest, send2, header, meta, token_of, final_rows, final_offsets,
-         num_back) = pack_send_at(topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
-                                  top_k, xa, x_words, sendn, sendw, row_bytes, per_rank, world,
-                                  me, meta_k, C, hrows)
+        # checks): the kernels read them by address (rows by memcpy: any alignment)
+        xa, x_bytes = x.data_ptr(), num_tokens * row_bytes
+        num_back, sends, first, n_me = pack_send_at(
+            topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens, top_k, xa, x_bytes,
+            send_addr, send_bytes, row_bytes, per_rank, world, me, meta_k, C, hrows, ws_addr,
+            ws_len)
+        per_dest, send2, srcs, recv2, header, token_of, final_rows, final_offsets, meta = wsv
         t1 = _now_us()
 
         recv1_rows = send1_rows
         pairs = min(meta_k, per_rank)          # most local experts one token can name
         if C:
             pending = all_to_all(self._pg, recv1, send1, split1, split1, async_op=True)
-            # while it runs, what needs nothing from the peers: this rank's own tokens'
-            # part of the plan and recv_x's array, with room for every pair the tokens of a
-            # call that fits inline could name (every peer sends <= C)
-            dests = per_dest.tolist()
-            first, n_me = sum(dests[:me]), dests[me]
-            pool = self._owned_rows(((world - 1) * C + n_me) * pairs, row_bytes)
+            # while it runs, what needs nothing from the peers: recv_x's array, with room
+            # for every pair the tokens of a call that fits inline could name (every peer
+            # sends <= C)
+            pool, pool_addr = self._owned_rows(((world - 1) * C + n_me) * pairs, row_bytes)
             wait(pending, self._pg)
-            srcs, global_max, num_bags = read_headers(recvn1, blk * row_bytes, me, world,
-                                                      header[me])
+            global_max, num_bags = read_headers_at(recv_addr, recv1_bytes, blk * row_bytes, me,
+                                                   world, ws_addr, ws_len)
         else:
             hdr_in = torch.empty((world, _HEADER_BYTES // 4), dtype=torch.int32)
             all_to_all(self._pg, hdr_in, torch.from_numpy(header), [], [])
             h = hdr_in.numpy()
-            srcs, global_max = h[:, 0].astype(np.int64), int(h[:, 1].max())
-            srcs[me] = per_dest[me]
-            dests = per_dest.tolist()
-            first, n_me = sum(dests[:me]), dests[me]
+            srcs[:] = h[:, 0]
+            srcs[me] = n_me
+            recv2[:] = 0
+            global_max, num_bags = int(h[:, 1].max()), int(srcs.sum())
             pool = None
         t2 = _now_us()
 
         if global_max > C:
-            recv2 = [0 if s == me or n <= C else -(-(n - C) * meta_bytes // row_bytes) + n - C
-                     for s, n in enumerate(srcs.tolist())]
+            r2 = [0 if s == me or n <= C else -(-(n - C) * meta_bytes // row_bytes) + n - C
+                  for s, n in enumerate(srcs.tolist())]
             s2 = send2.tolist()
-            num_remote = recv1_rows + sum(recv2)
+            num_remote = recv1_rows + sum(r2)
             work = self._buffer("recv", num_remote, row_bytes, x.device, keep=recv1_rows)
             all_to_all(
                 self._pg,
                 self._flat("recv", recv1_rows * row_bytes, (num_remote - recv1_rows) * row_bytes),
                 self._flat("send", send1_rows * row_bytes, sum(s2) * row_bytes),
-                [r * row_bytes for r in recv2], [r * row_bytes for r in s2])
-            recv2 = np.array(recv2, dtype=np.int64)
-            workn = work.numpy().reshape(-1)
+                [r * row_bytes for r in r2], [r * row_bytes for r in s2])
+            recv2[:] = r2
+            work_addr, work_bytes = work.data_ptr(), num_remote * row_bytes
         else:
-            recv2 = self._no_phase2
-            workn = recvn1
+            work, work_addr, work_bytes = None, recv_addr, recv1_bytes
         self._inline = global_max if global_max <= cap else 0
         t3 = _now_us()
 
-        own_meta, own_tokens, rw = meta[first:first + n_me], token_of[first:first + n_me], \
-            row_bytes // nword.itemsize
         if pool is None:    # large batches: the plan first, then recv_x's rows exactly
+            workn = (work if work is not None else recv1).numpy().reshape(-1)
             (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, _, _, _,
              num_remote_bags, num_remote) = recv_plan_cpu(
-                workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world, False)
+                workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me], me, per_rank,
+                world, False)
             num_recv = len(gather)
-            pool = self._owned_rows(num_recv, row_bytes)
-            gather_rows_at(workn.view(nword), xa, x_words, gather, num_remote, own_tokens,
-                           pool.reshape(-1).view(nword), rw)
+            pool, _ = self._owned_rows(num_recv, row_bytes)
+            gather_rows_at(workn, xa, x_bytes, gather, num_remote,
+                           token_of[first:first + n_me], pool.reshape(-1), row_bytes)
+            offsets = res_offsets(num_recv, num_bags, per_rank, sends, num_tokens)
+            _, o_br, o_bo, o_tpe, o_fr, o_fo, o_w, end = offsets
+            res = np.empty(end, dtype=np.int64)
+            res[:o_br] = origins.reshape(-1)
+            res[o_br:o_bo], res[o_bo:o_tpe], res[o_tpe:o_fr] = (bag_rows, bag_offsets,
+                                                                tokens_per_expert)
+            res[o_fr:o_fo], res[o_fo:o_w] = final_rows[:sends], final_offsets
+            res[o_w:end].view(np.float32)[:num_recv] = recv_weights
+            res_addr = res.ctypes.data
         else:               # plan and rows in one call, into room for every pair named
             if global_max > C:
                 pool = None                      # (an unused array is the pool's again)
-                pool = self._owned_rows(num_bags * pairs, row_bytes)
-            (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
-             num_recv) = recv_gather_cpu_at(
-                workn, srcs, recv2, C, hrows, row_bytes, own_meta, me, per_rank, world,
-                workn.view(nword), xa, x_words, own_tokens, pool.reshape(-1).view(nword), rw)
+                pool, pool_addr = self._owned_rows(num_bags * pairs, row_bytes)
+            res, res_addr, num_remote_bags, num_recv = recv_gather_at(
+                work_addr, work_bytes, xa, x_bytes, pool_addr, len(pool) * row_bytes,
+                row_bytes, C, hrows, me, per_rank, world, num_tokens, top_k, meta_k, first,
+                n_me, sends, ws_addr, ws_len)
+            offsets = res_offsets(num_recv, num_bags, per_rank, sends, num_tokens)
+            _, o_br, _, o_tpe, o_fr, _, o_w, end = offsets
+        tokens_per_expert = res[o_tpe:o_fr]
         if num_recv:
+            origins = res[:o_br].reshape(3, num_recv)
+            recv_weights = res[o_w:end].view(np.float32)[:num_recv]
             recv_x = torch.from_numpy(pool[:num_recv]).view(x.dtype)
-        else:       # torch reads an empty array's strides as 0 and refuses the view
+        else:   # torch reads an empty array's strides as 0 and refuses the view; empty
+            # views of `res` would be tensors at one address as two types (torch.save fails)
+            origins, recv_weights = np.empty((3, 0), np.int64), np.empty(0, np.float32)
             recv_x = x.new_empty((0, hidden))
         t4 = _now_us()
 
-        sent, got = dests.copy(), srcs.tolist()
+        sent, got = per_dest.tolist(), srcs.tolist()
         sent[me] = got[me] = 0
-        state = _TorchState.cpu(bag_rows, bag_offsets, recv_weights, final_rows, final_offsets,
-                                num_tokens, sent, got, num_back, n_me, num_remote_bags)
+        state = _TorchState.cpu(res, res_addr, offsets, recv_weights, num_recv, num_bags,
+                                sends, num_tokens, sent, got, num_back, n_me, num_remote_bags)
         handle = new_handle(self.buffer_id, call, num_tokens, num_recv, hidden, topk_idx,
                             topk_weights, origins, state)
         t5 = _now_us()
@@ -670,7 +714,7 @@ class TorchBackend:
             phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
                       "token_exchange": t3 - t2, "reorder": t4 - t3}
             stats = self._dispatch_stats(phases, C, blk * row_bytes, row_bytes,
-                                         (s2, recv2.tolist()))
+                                         (s2, r2))
         else:   # built when first read
             stats = DeferredStats.of(_cpu_dispatch_stats, c.rank, (t0, t1, t2, t3, t4, t5),
                                      bytes1, coll1)
@@ -713,9 +757,10 @@ class TorchBackend:
         st: _TorchState = handle.state
         dtype, device = expert_out.dtype, expert_out.device
         pdtype = dtype if dtype in _PARTIAL_DTYPES else torch.float32
-        if st.bag_rows_np is not None and pdtype in _CPU_COMBINE and HOST_MOVES_ROWS:
+        if st.res is not None and pdtype in _CPU_COMBINE and HOST_MOVES_ROWS:
             return self._combine_cpu(expert_out, st, weighted, out, pdtype)
         if st.bag_rows is None:     # a CPU dispatch's index arrays, for embedding_bag
+            st.numpy_plan()
             st.bag_rows = torch.from_numpy(st.bag_rows_np)
             st.bag_offsets = torch.from_numpy(st.bag_offsets_np)
         hidden = expert_out.shape[1]
@@ -764,7 +809,7 @@ class TorchBackend:
         partials (while a small collective runs, after a large one), then each token's
         partials summed at the source (`final_sums_*`) into y."""
         t0 = _now_us()
-        word, final_sums = _CPU_COMBINE[pdtype]
+        _, bag_sums, final_sums = _CPU_COMBINE[pdtype]
         # contiguous (Buffer's checks): the kernels read its rows by address
         src = expert_out if pdtype == expert_out.dtype else expert_out.to(pdtype)
         rows, (num_rows, hidden) = src.data_ptr(), src.shape
@@ -775,17 +820,19 @@ class TorchBackend:
         if v is None:
             v = self._shapes[key] = self._combine_views(pdtype, hidden, nret, own, back,
                                                         expert_out.device)
-        sendn, ownn, backn, recv_flat, send_flat = v
+        send_at, own_at, back_at, recv_flat, send_flat = v
         send_splits, recv_splits, coll = self._splits(st, itemsize * hidden)
-        bag_rows, bag_offsets, weights = st.bag_rows_np, st.bag_offsets_np, st.recv_weights
-        bag_sums_at(rows, num_rows, weights, weighted, bag_rows, bag_offsets, 0, nret, sendn)
+        w_at, rows_at, offs_at, fin_rows_at, fin_offs_at = st.at
+        num_pairs, num_bags, sends = st.sizes
+        bag_sums(rows, num_rows, hidden, w_at, weighted, rows_at, offs_at, num_pairs, num_bags,
+                 0, nret, send_at)
         if nret * itemsize * hidden <= _INLINE_BYTES:
             # a small collective is latency: own tokens' partials (they do not travel) are
             # summed while it runs
             work = all_to_all(self._pg, recv_flat, send_flat, recv_splits, send_splits,
                               async_op=True)
-            bag_sums_at(rows, num_rows, weights, weighted, bag_rows, bag_offsets, nret,
-                        nret + own, ownn)
+            bag_sums(rows, num_rows, hidden, w_at, weighted, rows_at, offs_at, num_pairs,
+                     num_bags, nret, nret + own, own_at)
             t2 = _now_us()
             wait(work, self._pg)
             t3 = _now_us()
@@ -793,13 +840,13 @@ class TorchBackend:
             t2 = _now_us()
             all_to_all(self._pg, recv_flat, send_flat, recv_splits, send_splits)
             t3 = _now_us()
-            bag_sums_at(rows, num_rows, weights, weighted, bag_rows, bag_offsets, nret,
-                        nret + own, ownn)
+            bag_sums(rows, num_rows, hidden, w_at, weighted, rows_at, offs_at, num_pairs,
+                     num_bags, nret, nret + own, own_at)
         dtype = expert_out.dtype
         into_out = out is not None and pdtype == dtype and out.is_contiguous()
         y = out if into_out else torch.empty((st.num_tokens, hidden), dtype=pdtype)
-        final_sums(backn, ownn, st.final_rows_np, st.final_offsets_np, back, y.data_ptr(),
-                   st.num_tokens)
+        final_sums(back_at, back, own_at, own, hidden, fin_rows_at, fin_offs_at, sends,
+                   st.num_tokens, y.data_ptr())
         if not into_out:
             if pdtype != dtype:
                 y = y.to(dtype)
@@ -813,18 +860,18 @@ class TorchBackend:
 
     def _combine_views(self, pdtype: torch.dtype, hidden: int, nret: int, own: int,
                        back: int, device) -> tuple:
-        """The scratch views a CPU combine of this shape reuses (kept in `_shapes`, so
-        dropped whenever a scratch buffer is reallocated): the send buffer [partials of
-        `nret` received tokens | `own` of this rank's] and its first part as words, the
-        `back` received partials as words; both collective buffers as flat bytes."""
+        """The scratch a CPU combine of this shape reuses (kept in `_shapes`, so dropped
+        whenever a scratch buffer is reallocated): the addresses of the send buffer
+        [partials of `nret` received tokens | `own` of this rank's], of its own part and of
+        the `back` received partials; both collective buffers as flat bytes."""
         word = _CPU_COMBINE[pdtype][0]
         prow_bytes = hidden * torch.empty(0, dtype=word).element_size()
         self._buffer("csend", nret + own, prow_bytes, device)
         self._buffer("combine", back, prow_bytes, device)
-        sendn = self._numpy("csend", nret + own, hidden, word)
+        send_at = self._scratch["csend"].data_ptr()
         if len(self._shapes) > 32:
             self._shapes.clear()
-        return (sendn, sendn[nret:], self._numpy("combine", back, hidden, word),
+        return (send_at, send_at + nret * prow_bytes, self._scratch["combine"].data_ptr(),
                 self._flat("combine", 0, back * prow_bytes),
                 self._flat("csend", 0, nret * prow_bytes))
 

@@ -49,9 +49,30 @@ def send_plan(idx, weights, per_rank, world, me, meta_k):
     own partials]`, in rank order; `num_back` = rows returned by remote ranks.
     """
     num_tokens, top_k = idx.shape
+    most = num_tokens * min(top_k, world)
+    per_dest = np.zeros(world, dtype=np.int64)
+    token_of = np.empty(most, dtype=np.int64)
+    meta = np.empty((most, 1 + 2 * meta_k), dtype=np.int32)
+    final_rows = np.empty(most, dtype=np.int64)
+    final_offsets = np.empty(num_tokens, dtype=np.int64)
+    num_back, total = _send_plan_into(idx, weights, per_rank, world, me, meta_k, per_dest,
+                                      token_of, meta, final_rows, final_offsets)
+    return (per_dest, token_of[:total], meta[:total], final_rows[:total], final_offsets,
+            num_back)
+
+
+@njit(nogil=True, cache=True)
+def _send_plan_into(idx, weights, per_rank, world, me, meta_k, per_dest, token_of, meta,
+                    final_rows, final_offsets):
+    """`send_plan` into the caller's arrays (`token_of`, `meta`, `final_rows` with room for
+    `T * min(K, P)` sends); returns `(num_back, sends)`."""
+    num_tokens, top_k = idx.shape
+    if (per_dest.shape[0] < world or final_offsets.shape[0] < num_tokens
+            or meta.shape[1] != 1 + 2 * meta_k):
+        raise IndexError("torch backend: send plan arrays too small")
     dests = np.empty((num_tokens, top_k), dtype=np.int64)   # token's ranks, ascending
     ndest = np.zeros(num_tokens, dtype=np.int64)
-    per_dest = np.zeros(world, dtype=np.int64)
+    per_dest[:world] = 0
     for t in range(num_tokens):
         n = 0
         for k in range(top_k):
@@ -74,7 +95,10 @@ def send_plan(idx, weights, per_rank, world, me, meta_k):
     start = np.zeros(world + 1, dtype=np.int64)
     for d in range(world):
         start[d + 1] = start[d] + per_dest[d]
-    num_back = start[world] - per_dest[me]
+    total = start[world]
+    if total > token_of.shape[0] or total > meta.shape[0] or total > final_rows.shape[0]:
+        raise IndexError("torch backend: send plan arrays too small")
+    num_back = total - per_dest[me]
     base = np.zeros(world, dtype=np.int64)                   # combine work row of rank d
     acc = 0
     for d in range(world):
@@ -82,12 +106,7 @@ def send_plan(idx, weights, per_rank, world, me, meta_k):
             base[d] = acc
             acc += per_dest[d]
     base[me] = num_back
-    total = start[world]
-    token_of = np.empty(total, dtype=np.int64)
-    meta = np.empty((total, 1 + 2 * meta_k), dtype=np.int32)
     wbits = weights.view(np.int32)
-    final_rows = np.empty(total, dtype=np.int64)
-    final_offsets = np.empty(num_tokens, dtype=np.int64)
     cursor = start[:world].copy()
     h = 0
     for t in range(num_tokens):
@@ -103,7 +122,7 @@ def send_plan(idx, weights, per_rank, world, me, meta_k):
                 meta[p, 1 + meta_k + k] = wbits[t, k] if k < top_k else 0
             final_rows[h] = base[d] + p - start[d]
             h += 1
-    return per_dest, token_of, meta, final_rows, final_offsets, num_back
+    return num_back, total
 
 
 @njit(nogil=True, cache=True)
@@ -140,19 +159,59 @@ def recv_plan(work, segs, own_meta, own_row, me, per_rank, world, bf16_weights):
     `bf16_weights`, `weights2` holds each pair's weight as bfloat16 `hi, lo` and
     `bag_rows2`/`bag_offsets2` list each row twice (empty otherwise).
     """
+    meta, bag_src, bag_row, num_remote_bags = _recv_bags(work, segs, own_meta, own_row, me)
+    num_bags = meta.shape[0]
+    counts = np.empty(per_rank * world, dtype=np.int64)
+    num_recv = _recv_count(meta, bag_src, me, per_rank, world, counts)
+    gather = np.empty(num_recv, dtype=np.int64)
+    origins = np.empty((3, num_recv), dtype=np.int64)
+    recv_weights = np.empty(num_recv, dtype=np.float32)
+    tokens_per_expert = np.empty(per_rank, dtype=np.int64)
+    bag_rows = np.empty(num_recv, dtype=np.int64)
+    bag_offsets = np.empty(num_bags, dtype=np.int64)
+    _recv_fill(meta, bag_src, bag_row, counts, me, per_rank, world, gather, origins,
+               recv_weights.view(np.int32), tokens_per_expert, bag_rows, bag_offsets)
+    n2 = 2 * num_recv if bf16_weights else 0
+    bag_rows2 = np.empty(n2, dtype=np.int64)
+    bag_offsets2 = np.empty(num_bags if bf16_weights else 0, dtype=np.int64)
+    weights2 = np.empty(n2, dtype=np.uint16)
+    if bf16_weights:
+        rw_bits = recv_weights.view(np.int32)
+        scratch = np.empty(1, dtype=np.float32)             # float <-> bits
+        scratch_bits = scratch.view(np.uint32)
+        for j in range(num_bags):
+            bag_offsets2[j] = 2 * bag_offsets[j]
+        for q in range(num_recv):
+            p = bag_rows[q]
+            hi = _bf16_bits(rw_bits[p])
+            scratch_bits[0] = np.uint32(hi) << 16
+            scratch[0] = recv_weights[p] - scratch[0]
+            bag_rows2[2 * q] = p
+            bag_rows2[2 * q + 1] = p
+            weights2[2 * q] = hi
+            weights2[2 * q + 1] = _bf16_bits(scratch_bits[0])
+    return (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
+            bag_offsets2, weights2, num_remote_bags)
+
+
+@njit(nogil=True, cache=True)
+def _recv_bags(work, segs, own_meta, own_row, me):
+    """The bags' routing words, sources and rows (`recv_plan`'s args): remote sources in
+    rank order, then this rank's own tokens. Returns `(meta, bag_src, bag_row,
+    num_remote_bags)`."""
     meta_words = own_meta.shape[1]
-    top_k = (meta_words - 1) // 2
     n_me = own_meta.shape[0]
     num_bags = n_me
     for i in range(segs.shape[0]):
         num_bags += segs[i, 1]
-    # the bags: remote sources in rank order, then this rank's own tokens
     meta = np.empty((num_bags, meta_words), dtype=np.int32)
     bag_src = np.empty(num_bags, dtype=np.int64)
     bag_row = np.empty(num_bags, dtype=np.int64)
     j = 0
     for i in range(segs.shape[0]):
         s, n, off, row = segs[i, 0], segs[i, 1], segs[i, 2], segs[i, 3]
+        if n and (off < 0 or off + 4 * meta_words * n > work.shape[0]):
+            raise IndexError("torch backend: routing words out of the received bytes")
         for t in range(n):
             for w in range(meta_words):
                 meta[j, w] = _word(work, off + 4 * w)
@@ -166,41 +225,44 @@ def recv_plan(work, segs, own_meta, own_row, me, per_rank, world, bf16_weights):
         bag_src[j] = me
         bag_row[j] = own_row + i
         j += 1
+    return meta, bag_src, bag_row, num_remote_bags
+
+
+@njit(nogil=True, cache=True)
+def _recv_count(meta, bag_src, me, per_rank, world, counts):
+    """Pairs per (local expert, source) into `counts`; returns their total."""
+    top_k = (meta.shape[1] - 1) // 2
     lo_e = me * per_rank
-    counts = np.zeros(per_rank * world, dtype=np.int64)     # pairs per (expert, source)
-    for j in range(num_bags):
+    counts[:] = 0
+    for j in range(meta.shape[0]):
         s = bag_src[j]
         for k in range(top_k):
             e = meta[j, 1 + k] - lo_e
             if 0 <= e < per_rank:
                 counts[e * world + s] += 1
+    return counts.sum()
+
+
+@njit(nogil=True, cache=True)
+def _recv_fill(meta, bag_src, bag_row, counts, me, per_rank, world, gather, origins, rw_bits,
+               tokens_per_expert, bag_rows, bag_offsets):
+    """`recv_plan`'s arrays written into the caller's (sized by `_recv_count`); `rw_bits`
+    the received weights' float32 bits (int32)."""
+    top_k = (meta.shape[1] - 1) // 2
+    lo_e = me * per_rank
     num_recv = 0
     pos = np.empty(per_rank * world, dtype=np.int64)
-    tokens_per_expert = np.zeros(per_rank, dtype=np.int64)
+    tokens_per_expert[:] = 0
     for b in range(per_rank * world):
         pos[b] = num_recv
         num_recv += counts[b]
         tokens_per_expert[b // world] += counts[b]
-    gather = np.empty(num_recv, dtype=np.int64)
-    origins = np.empty((3, num_recv), dtype=np.int64)
-    recv_weights = np.empty(num_recv, dtype=np.float32)
-    rw_bits = recv_weights.view(np.int32)
-    bag_rows = np.empty(num_recv, dtype=np.int64)
-    bag_offsets = np.empty(num_bags, dtype=np.int64)
-    n2 = 2 * num_recv if bf16_weights else 0
-    bag_rows2 = np.empty(n2, dtype=np.int64)
-    bag_offsets2 = np.empty(num_bags if bf16_weights else 0, dtype=np.int64)
-    weights2 = np.empty(n2, dtype=np.uint16)
-    scratch = np.empty(1, dtype=np.float32)                 # float <-> bits
-    scratch_bits = scratch.view(np.uint32)
     q = 0
     # bags of one source come in token order and sources in rank order within each
     # (expert, source) block, so filling blocks in bag order keeps the oracle's token order
-    for j in range(num_bags):
+    for j in range(meta.shape[0]):
         s = bag_src[j]
         bag_offsets[j] = q
-        if bf16_weights:
-            bag_offsets2[j] = 2 * q
         for k in range(top_k):
             e = meta[j, 1 + k] - lo_e
             if not 0 <= e < per_rank:
@@ -214,30 +276,90 @@ def recv_plan(work, segs, own_meta, own_row, me, per_rank, world, bf16_weights):
             origins[2, p] = k
             rw_bits[p] = meta[j, 1 + top_k + k]
             bag_rows[q] = p
-            if bf16_weights:
-                hi = _bf16_bits(rw_bits[p])
-                scratch_bits[0] = np.uint32(hi) << 16
-                scratch[0] = recv_weights[p] - scratch[0]
-                bag_rows2[2 * q] = p
-                bag_rows2[2 * q + 1] = p
-                weights2[2 * q] = hi
-                weights2[2 * q + 1] = _bf16_bits(scratch_bits[0])
             q += 1
-    return (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, bag_rows2,
-            bag_offsets2, weights2, num_remote_bags)
-
 
 
 # -- the CPU path: the bytes moved by the same compiled calls ---------------------------------
 # On CPU the rows are host memory, so the passes that lay out the send buffer and the one
-# that gathers recv_x are compiled too: a dispatch is then two calls before its first
-# collective's bytes are ready (`pack_send`) and three after (`read_headers`,
-# `recv_plan_cpu`, `gather_rows`), instead of ~40 numpy/torch calls with their Python glue.
-# The layout written is the one the device path writes with torch ops (see TorchBackend).
+# that gathers recv_x are compiled too: a batch-1 dispatch is three calls (`pack_send_at`
+# before its collective, `read_headers_at` and `recv_gather_at` after), instead of ~40
+# numpy/torch calls with their Python glue. The layout written is the one the device path
+# writes with torch ops (see TorchBackend).
+#
+# What a call costs besides its work is its arrays: numba boxes every array it returns
+# (~0.5 µs each warm, tens of µs after a layer's worth of other memory traffic) and unboxes
+# every array it is given, while ints are nearly free. So these kernels take addresses and
+# sizes: x, the routing and the send/receive scratch by address, the per-call scratch
+# (counts, send plan, routing words) in one kept int64 workspace (`ws_size` words, layout
+# `_ws`); what a dispatch hands to its caller and its combine comes back as ONE int64 array
+# (`res`, layout `res_offsets`). Sizes are checked against the arrays they describe: a
+# wrong one raises IndexError instead of reading or writing past them.
+
+#: int64 words of the workspace before its per-shape part: per_dest, send2, srcs, recv2
+#: [P] each, the header block to each peer [P, 4] int32
+_WS_HEAD = 6
+
+
+def ws_size(world: int, num_tokens: int, top_k: int, meta_k: int) -> int:
+    """int64 words of the workspace a CPU dispatch of `num_tokens` x `top_k` needs."""
+    most = num_tokens * min(top_k, world)
+    return _WS_HEAD * world + 2 * most + num_tokens + (most * (1 + 2 * meta_k) + 1) // 2
+
+
+def ws_views(ws: np.ndarray, world: int, num_tokens: int, top_k: int, meta_k: int) -> tuple:
+    """The workspace's parts as numpy views (`_ws`'s layout): `(per_dest, send2, srcs,
+    recv2, header [P, 4] int32, token_of, final_rows, final_offsets, meta [S, 1 + 2 meta_k]
+    int32)`, S = `num_tokens * min(top_k, world)` (the most sends)."""
+    most, mw = num_tokens * min(top_k, world), 1 + 2 * meta_k
+    o = _WS_HEAD * world
+    return (ws[:world], ws[world:2 * world], ws[2 * world:3 * world],
+            ws[3 * world:4 * world], ws[4 * world:o].view(np.int32).reshape(world, 4),
+            ws[o:o + most], ws[o + most:o + 2 * most],
+            ws[o + 2 * most:o + 2 * most + num_tokens],
+            ws[o + 2 * most + num_tokens:].view(np.int32)[:most * mw].reshape(most, mw))
+
+
+@njit(nogil=True, cache=True)
+def _i64_at(addr, at, n):
+    """`n` int64 at word `at` of address `addr`."""
+    return carray(void_ptr(addr + 8 * at), (n,), np.int64)
+
+
+@njit(nogil=True, cache=True)
+def _ws(addr, size, world, num_tokens, top_k, meta_k):
+    """`ws_views` inside a kernel, over `size` int64 words at `addr` (checked)."""
+    most, mw = num_tokens * min(top_k, world), 1 + 2 * meta_k
+    if size < _WS_HEAD * world + 2 * most + num_tokens + (most * mw + 1) // 2:
+        raise IndexError("torch backend: workspace smaller than its layout")
+    o = _WS_HEAD * world
+    return (_i64_at(addr, 0, world), _i64_at(addr, world, world),
+            _i64_at(addr, 2 * world, world), _i64_at(addr, 3 * world, world),
+            carray(void_ptr(addr + 8 * 4 * world), (world, 4), np.int32),
+            _i64_at(addr, o, most), _i64_at(addr, o + most, most),
+            _i64_at(addr, o + 2 * most, num_tokens),
+            carray(void_ptr(addr + 8 * (o + 2 * most + num_tokens)), (most, mw), np.int32))
+
+
+@njit(nogil=True, cache=True)
+def res_offsets(num_recv, num_bags, per_rank, sends, num_tokens):
+    """Where `recv_gather_at`'s result array holds each part (int64 words): `(origins [3, N],
+    bag_rows [N], bag_offsets [J], tokens_per_expert [R], final_rows [S], final_offsets [T],
+    recv_weights [N] float32, end)`; N = `num_recv`, J = `num_bags`, R = `per_rank`,
+    S = `sends`, T = `num_tokens`."""
+    o_br = 3 * num_recv
+    o_bo = o_br + num_recv
+    o_tpe = o_bo + num_bags
+    o_fr = o_tpe + per_rank
+    o_fo = o_fr + sends
+    o_w = o_fo + num_tokens
+    return 0, o_br, o_bo, o_tpe, o_fr, o_fo, o_w, o_w + (num_recv + 1) // 2
+
 
 @njit(nogil=True, cache=True)
 def _put_bytes(dst, off, src):
     """Bytes of uint8 `src` into flat uint8 `dst` at byte `off`."""
+    if off < 0 or off + src.shape[0] > dst.shape[0]:
+        raise IndexError("torch backend: a byte copy out of its array's bounds")
     for i in range(src.shape[0]):
         dst[off + i] = src[i]
 
@@ -245,48 +367,57 @@ def _put_bytes(dst, off, src):
 @njit(nogil=True, cache=True)
 def _put_rows(send, row, x, token_of, first, n, rw):
     """Rows `x[token_of[first:first + n]]` into rows `row..row + n` of `send`: flat arrays of
-    one word type, `rw` words a row (the caller views the bytes as the widest word that
-    divides a row)."""
+    one word type, `rw` words a row."""
     for i in range(n):
         _copy_row(send, (row + i) * rw, x, token_of[first + i] * rw, rw)
 
 
 @njit(nogil=True, cache=True)
-def pack_send(idx, weights, x, flat, send, row_bytes, per_rank, world, me, meta_k, inline,
-              hrows):
-    """`send_plan`, then the send buffer written: phase 1 and phase 2 of every peer.
+def pack_send_at(idx_addr, w_addr, num_tokens, top_k, x_addr, x_bytes, send_addr, send_bytes,
+                 row_bytes, per_rank, world, me, meta_k, inline, hrows, ws_addr, ws_len):
+    """`send_plan` into the workspace, then the send buffer written: phase 1 and phase 2
+    of every peer.
 
-    `x` the rows, flat, viewed as words of some width (`row_bytes` bytes a row); `flat` the
-    send buffer's bytes (uint8) and `send` the same memory as `x`'s word type, with room for
-    `(world - 1) * (hrows + inline)` phase-1 rows and every peer's phase-2 rows. Phase 1
+    By address: topk_idx (int64) and topk_weights (float32) `[T, K]`, x (`x_bytes`), the
+    send buffer (`send_bytes`, room for `(world - 1) * (hrows + inline)` phase-1 rows and
+    every peer's phase-2 rows) and the workspace (`ws_len` int64 words, `_ws`). Phase 1
     (only when `inline` > 0): to each peer, in rank order, `hrows + inline` rows = [16-byte
     header: its token count, this rank's largest count to any peer][routing words of its
     first `inline` tokens][their rows]. Phase 2, from row `(world - 1) * (hrows + inline)`:
     to each peer with more than `inline` tokens, [routing words of the rest][their rows].
-    Returns `(per_dest, send2 [P] rows of phase 2 per peer, header [P, 4] int32 (what the
-    header block to each peer holds), meta, token_of, final_rows, final_offsets, num_back)`.
+    Writes the workspace's per_dest, send2 (rows of phase 2 per peer), header (what the
+    header block to each peer holds), token_of, meta, final_rows, final_offsets; returns
+    `(num_back, sends, first, n_me)`: partial rows that come back, (destination, token)
+    sends, where this rank's own tokens start among them and how many.
     """
-    per_dest, token_of, meta, final_rows, final_offsets, num_back = send_plan(
-        idx, weights, per_rank, world, me, meta_k)
-    rw = row_bytes // x.itemsize
+    idx = carray(void_ptr(idx_addr), (num_tokens, top_k), np.int64)
+    weights = carray(void_ptr(w_addr), (num_tokens, top_k), np.float32)
+    x = carray(void_ptr(x_addr), (x_bytes,), np.uint8)
+    flat = carray(void_ptr(send_addr), (send_bytes,), np.uint8)
+    (per_dest, send2, _, _, header, token_of, final_rows, final_offsets,
+     meta) = _ws(ws_addr, ws_len, world, num_tokens, top_k, meta_k)
+    num_back, sends = _send_plan_into(idx, weights, per_rank, world, me, meta_k, per_dest,
+                                      token_of, meta, final_rows, final_offsets)
     meta_bytes = 4 * meta.shape[1]
     my_max = 0
     for d in range(world):
         if d != me and per_dest[d] > my_max:
             my_max = per_dest[d]
-    header = np.zeros((world, 4), dtype=np.int32)
     for d in range(world):
         header[d, 0] = per_dest[d]
         header[d, 1] = my_max
-    meta_u8 = meta.reshape(-1).view(np.uint8)
-    head_u8 = header.reshape(-1).view(np.uint8)
+        header[d, 2] = 0
+        header[d, 3] = 0
+    meta_u8 = carray(void_ptr(meta.ctypes.data), (sends * meta_bytes,), np.uint8)
+    head_u8 = carray(void_ptr(header.ctypes.data), (16 * world,), np.uint8)
     blk = hrows + inline
-    send2 = np.zeros(world, dtype=np.int64)
     row2 = (world - 1) * blk
-    first, slot = 0, 0
+    first, slot, mine = 0, 0, 0
     for d in range(world):
         n = per_dest[d]
+        send2[d] = 0
         if d == me:
+            mine = first
             first += n
             continue
         n1 = min(n, inline)
@@ -295,48 +426,55 @@ def pack_send(idx, weights, x, flat, send, row_bytes, per_rank, world, me, meta_
             _put_bytes(flat, b0 * row_bytes, head_u8[16 * d:16 * d + 16])
             _put_bytes(flat, b0 * row_bytes + 16,
                        meta_u8[first * meta_bytes:(first + n1) * meta_bytes])
-            _put_rows(send, b0 + hrows, x, token_of, first, n1, rw)
+            _put_rows(flat, b0 + hrows, x, token_of, first, n1, row_bytes)
             slot += 1
         if n > n1:
             m = n - n1
             mrows = -(-(m * meta_bytes) // row_bytes)
             _put_bytes(flat, row2 * row_bytes,
                        meta_u8[(first + n1) * meta_bytes:(first + n) * meta_bytes])
-            _put_rows(send, row2 + mrows, x, token_of, first + n1, m, rw)
+            _put_rows(flat, row2 + mrows, x, token_of, first + n1, m, row_bytes)
             send2[d] = mrows + m
             row2 += send2[d]
         first += n
-    return per_dest, send2, header, meta, token_of, final_rows, final_offsets, num_back
+    return num_back, sends, mine, per_dest[me]
 
 
 @njit(nogil=True, cache=True)
-def read_headers(work, blk_bytes, me, world, own):
-    """Phase 1's headers: `(srcs [P] tokens each peer sends here, the largest count any rank
-    sends any peer, sum(srcs))`; `work` flat uint8, peer blocks of `blk_bytes` in rank order
-    (this rank skipped); `own` this rank's header row `[its own count, its largest count]`."""
-    srcs = np.empty(world, dtype=np.int64)
-    global_max = np.int64(own[1])
-    slot = 0
+def read_headers_at(work_addr, work_bytes, blk_bytes, me, world, ws_addr, ws_len):
+    """Phase 1's headers into the workspace's `srcs` (tokens each peer sends here; this
+    rank's own count from its header row) and `recv2` (zeros); returns `(the largest count
+    any rank sends any peer, sum(srcs))`. `work` (`work_bytes` at `work_addr`): peer blocks
+    of `blk_bytes` in rank order (this rank skipped)."""
+    work = carray(void_ptr(work_addr), (work_bytes,), np.uint8)
+    if world < 1 or ws_len < _WS_HEAD * world or (world - 1) * blk_bytes > work_bytes \
+            or (world > 1 and blk_bytes < 8):
+        raise IndexError("torch backend: headers out of their arrays' bounds")
+    ws = carray(void_ptr(ws_addr), (_WS_HEAD * world,), np.int64)
+    header = carray(void_ptr(ws_addr + 8 * 4 * world), (world, 4), np.int32)
+    srcs, recv2 = ws[2 * world:3 * world], ws[3 * world:4 * world]
+    global_max = np.int64(header[me, 1])
+    slot, total = 0, 0
     for r in range(world):
+        recv2[r] = 0
         if r == me:
-            srcs[r] = own[0]
-            continue
-        off = slot * blk_bytes
-        srcs[r] = _word(work, off)
-        m = np.int64(_word(work, off + 4))
-        if m > global_max:
-            global_max = m
-        slot += 1
-    return srcs, global_max, srcs.sum()
+            srcs[r] = header[me, 0]
+        else:
+            off = slot * blk_bytes
+            srcs[r] = _word(work, off)
+            m = np.int64(_word(work, off + 4))
+            if m > global_max:
+                global_max = m
+            slot += 1
+        total += srcs[r]
+    return global_max, total
 
 
 @njit(nogil=True, cache=True)
-def recv_plan_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank, world,
-                  bf16_weights):
-    """`recv_plan` for the layout `pack_send` writes: the received runs found from the
-    peers' counts (`srcs`) and phase-2 rows (`recv2`); this rank's own tokens are the bags
-    after `num_remote` (their rows stay in x: `gather_rows` reads them there). Returns
-    `recv_plan`'s tuple then `num_remote` (rows of `work` received)."""
+def _recv_segs(srcs, recv2, inline, hrows, row_bytes, me, world):
+    """The runs of received tokens in the layout `pack_send_at` writes, found from the
+    peers' counts (`srcs`) and phase-2 rows (`recv2`): `(segs [S, 4] as `recv_plan` takes
+    them, num_remote = rows received)`."""
     blk = hrows + inline
     segs = np.empty((2 * world, 4), dtype=np.int64)
     ns, slot = 0, 0
@@ -357,23 +495,60 @@ def recv_plan_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per
             segs[ns, 2], segs[ns, 3] = row2 * row_bytes, row2 + recv2[s] - (n - n1)
             ns += 1
         row2 += recv2[s]
-    plan = recv_plan(work, segs[:ns], own_meta, row2, me, per_rank, world, bf16_weights)
-    return plan + (row2,)
+    return segs[:ns], row2
 
 
 @njit(nogil=True, cache=True)
-def recv_gather_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank, world,
-                    work_words, x, own_tokens, out, rw):
-    """`recv_plan_cpu` then `gather_rows` in one call: recv_x's rows written into `out`
-    (flat words, room for at least as many rows as the plan has pairs). Returns
-    `(origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
-    num_recv)`."""
-    (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, _, _, _,
-     num_remote_bags, num_remote) = recv_plan_cpu(work, srcs, recv2, inline, hrows, row_bytes,
-                                                  own_meta, me, per_rank, world, False)
-    gather_rows(work_words, x, gather, num_remote, own_tokens, out, rw)
-    return (origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, num_remote_bags,
-            gather.shape[0])
+def recv_plan_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank, world,
+                  bf16_weights):
+    """`recv_plan` for the layout `pack_send_at` writes (`_recv_segs`); this rank's own
+    tokens are the bags after `num_remote` (their rows stay in x: `gather_rows` reads them
+    there). Returns `recv_plan`'s tuple then `num_remote` (rows of `work` received)."""
+    segs, num_remote = _recv_segs(srcs, recv2, inline, hrows, row_bytes, me, world)
+    plan = recv_plan(work, segs, own_meta, num_remote, me, per_rank, world, bf16_weights)
+    return plan + (num_remote,)
+
+
+@njit(nogil=True, cache=True)
+def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, row_bytes,
+                   inline, hrows, me, per_rank, world, num_tokens, top_k, meta_k, first, n_me,
+                   sends, ws_addr, ws_len):
+    """The receive side of a dispatch in one call: `recv_plan` of the received bytes
+    (`work`, by address) and this rank's own `n_me` tokens (sends `first..` of the
+    workspace's plan), then recv_x's rows written to `out` (room for `out_bytes`): received
+    rows from `work`, own rows straight from x. The workspace holds what `pack_send_at` and
+    `read_headers_at` wrote (`srcs`, `recv2`).
+
+    Returns `(res, its address, num_remote_bags, num_recv)`: `res` the one int64 array of what the
+    dispatch hands on, laid out as `res_offsets` says (origins, bag_rows, bag_offsets,
+    tokens_per_expert, final_rows and final_offsets copied from the workspace, the received
+    weights)."""
+    (_, _, srcs, recv2, _, token_of, final_rows, final_offsets,
+     meta) = _ws(ws_addr, ws_len, world, num_tokens, top_k, meta_k)
+    if first < 0 or first + n_me > sends or sends > token_of.shape[0]:
+        raise IndexError("torch backend: own sends out of the plan")
+    work = carray(void_ptr(work_addr), (work_bytes,), np.uint8)
+    x = carray(void_ptr(x_addr), (x_bytes,), np.uint8)
+    out = carray(void_ptr(out_addr), (out_bytes,), np.uint8)
+    segs, num_remote = _recv_segs(srcs, recv2, inline, hrows, row_bytes, me, world)
+    bag_meta, bag_src, bag_row, num_remote_bags = _recv_bags(
+        work, segs, meta[first:first + n_me], num_remote, me)
+    counts = np.empty(per_rank * world, dtype=np.int64)
+    num_recv = _recv_count(bag_meta, bag_src, me, per_rank, world, counts)
+    num_bags = bag_meta.shape[0]
+    _, o_br, o_bo, o_tpe, o_fr, o_fo, o_w, end = res_offsets(num_recv, num_bags, per_rank,
+                                                             sends, num_tokens)
+    res = np.empty(end, dtype=np.int64)
+    at = res.ctypes.data
+    gather = np.empty(num_recv, dtype=np.int64)
+    _recv_fill(bag_meta, bag_src, bag_row, counts, me, per_rank, world, gather,
+               carray(void_ptr(at), (3, num_recv), np.int64),
+               carray(void_ptr(at + 8 * o_w), (num_recv,), np.int32),
+               res[o_tpe:o_fr], res[o_br:o_bo], res[o_bo:o_tpe])
+    res[o_fr:o_fo] = final_rows[:sends]
+    res[o_fo:o_w] = final_offsets
+    gather_rows(work, x, gather, num_remote, token_of[first:first + n_me], out, row_bytes)
+    return res, at, num_remote_bags, num_recv
 
 
 @njit(nogil=True, cache=True)
@@ -576,27 +751,6 @@ def bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
 # of a contiguous CPU tensor the caller holds (Buffer checked it) and its size instead.
 
 @njit(nogil=True, cache=True)
-def pack_send_at(idx_addr, w_addr, num_tokens, top_k, x_addr, x_words, flat, send, row_bytes,
-                 per_rank, world, me, meta_k, inline, hrows):
-    """`pack_send` with topk_idx (int64), topk_weights (float32) `[T, K]` and x (`x_words`
-    words of `send`'s type) given by address."""
-    idx = carray(void_ptr(idx_addr), (num_tokens, top_k), np.int64)
-    weights = carray(void_ptr(w_addr), (num_tokens, top_k), np.float32)
-    x = carray(void_ptr(x_addr), (x_words,), send.dtype)
-    return pack_send(idx, weights, x, flat, send, row_bytes, per_rank, world, me, meta_k,
-                     inline, hrows)
-
-
-@njit(nogil=True, cache=True)
-def recv_gather_cpu_at(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank,
-                       world, work_words, x_addr, x_words, own_tokens, out, rw):
-    """`recv_gather_cpu` with x (`x_words` words of `work_words`' type) by address."""
-    x = carray(void_ptr(x_addr), (x_words,), work_words.dtype)
-    return recv_gather_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank,
-                           world, work_words, x, own_tokens, out, rw)
-
-
-@njit(nogil=True, cache=True)
 def gather_rows_at(work, x_addr, x_words, gather, num_remote, own_tokens, out, rw):
     """`gather_rows` with x (`x_words` words of `work`'s type) by address."""
     x = carray(void_ptr(x_addr), (x_words,), work.dtype)
@@ -604,10 +758,45 @@ def gather_rows_at(work, x_addr, x_words, gather, num_remote, own_tokens, out, r
 
 
 @njit(nogil=True, cache=True)
-def bag_sums_at(rows_addr, num_rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
-    """`bag_sums` with the rows (`[num_rows, hidden]` of `out`'s type) by address."""
-    rows = carray(void_ptr(rows_addr), (num_rows, out.shape[1]), out.dtype)
-    return bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out)
+def _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs,
+                 num_bags, j0, j1, out_addr):
+    """`bag_sums` of bags `j0..j1` over `rows`, the bags (`num_pairs` weights and bag rows,
+    `num_bags` offsets) and `out` (`[j1 - j0, hidden]`) by address; a bag row outside
+    `rows` or an offset outside the bag rows raises."""
+    num_rows, hidden = rows.shape
+    if not 0 <= j0 <= j1 <= num_bags:
+        raise IndexError("torch backend: bags out of the plan")
+    weights = carray(void_ptr(weights_addr), (num_pairs,), np.float32)
+    bag_rows = carray(void_ptr(bag_rows_addr), (num_pairs,), np.int64)
+    bag_offsets = carray(void_ptr(bag_offsets_addr), (num_bags,), np.int64)
+    for j in range(j0, j1):
+        q1 = bag_offsets[j + 1] if j + 1 < num_bags else num_pairs
+        if not 0 <= bag_offsets[j] <= q1 <= num_pairs:
+            raise IndexError("torch backend: a bag out of the plan")
+        for q in range(bag_offsets[j], q1):
+            if not 0 <= bag_rows[q] < min(num_rows, num_pairs):
+                raise IndexError("torch backend: a bag row out of expert_out")
+    out = carray(void_ptr(out_addr), (j1 - j0, hidden), rows.dtype)
+    bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out)
+
+
+@njit(nogil=True, cache=True)
+def bag_sums_bf16_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_rows_addr,
+                     bag_offsets_addr, num_pairs, num_bags, j0, j1, out_addr):
+    """`bag_sums` over bfloat16 rows (`[num_rows, hidden]` at `rows_addr`), all by
+    address (`_bag_sums_at`)."""
+    rows = carray(void_ptr(rows_addr), (num_rows, hidden), np.uint16)
+    _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs,
+                 num_bags, j0, j1, out_addr)
+
+
+@njit(nogil=True, cache=True)
+def bag_sums_f32_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_rows_addr,
+                    bag_offsets_addr, num_pairs, num_bags, j0, j1, out_addr):
+    """`bag_sums_bf16_at` for float32 rows."""
+    rows = carray(void_ptr(rows_addr), (num_rows, hidden), np.float32)
+    _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs,
+                 num_bags, j0, j1, out_addr)
 
 
 #: the output dtypes `bag_sums` writes (bf16 as its bits), by the word its rows are read as
@@ -634,16 +823,43 @@ def bag_sums_into(rows: torch.Tensor, weights: np.ndarray, weighted: bool,
 
 
 @njit(nogil=True, cache=True)
-def final_sums_bf16_at(back_rows, own_rows, final_rows, final_offsets, num_back, y_addr,
-                       num_tokens):
-    """`final_sums_bf16` into y (`[num_tokens, hidden]` bfloat16 bits) by address."""
-    y = carray(void_ptr(y_addr), (num_tokens, own_rows.shape[1]), own_rows.dtype)
-    final_sums_bf16(back_rows, own_rows, final_rows, final_offsets, num_back, y)
+def _final_plan(final_rows_addr, final_offsets_addr, sends, num_tokens, num_rows):
+    """The source-side plan by address (`sends` rows, `num_tokens` offsets), checked: every
+    row inside the `num_rows` of the combine work buffer, offsets ascending within it."""
+    final_rows = carray(void_ptr(final_rows_addr), (sends,), np.int64)
+    final_offsets = carray(void_ptr(final_offsets_addr), (num_tokens,), np.int64)
+    prev = 0
+    for t in range(num_tokens):
+        if not prev <= final_offsets[t] <= sends:
+            raise IndexError("torch backend: a token's partials out of the plan")
+        prev = final_offsets[t]
+    for q in range(sends):
+        if not 0 <= final_rows[q] < num_rows:
+            raise IndexError("torch backend: a partial row out of the combine buffer")
+    return final_rows, final_offsets
 
 
 @njit(nogil=True, cache=True)
-def final_sums_f32_at(back_rows, own_rows, final_rows, final_offsets, num_back, y_addr,
-                      num_tokens):
-    """`final_sums_f32` into y (`[num_tokens, hidden]` float32) by address."""
-    y = carray(void_ptr(y_addr), (num_tokens, own_rows.shape[1]), own_rows.dtype)
-    final_sums_f32(back_rows, own_rows, final_rows, final_offsets, num_back, y)
+def final_sums_bf16_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
+                       final_offsets_addr, sends, num_tokens, y_addr):
+    """`final_sums_bf16` with every array by address: the `num_back` received and
+    `num_own` own partial rows, the plan (`sends` rows, `num_tokens` offsets) and y
+    (`[num_tokens, hidden]` bfloat16 bits)."""
+    final_rows, final_offsets = _final_plan(final_rows_addr, final_offsets_addr, sends,
+                                            num_tokens, num_back + num_own)
+    back = carray(void_ptr(back_addr), (num_back, hidden), np.uint16)
+    own = carray(void_ptr(own_addr), (num_own, hidden), np.uint16)
+    y = carray(void_ptr(y_addr), (num_tokens, hidden), np.uint16)
+    final_sums_bf16(back, own, final_rows, final_offsets, num_back, y)
+
+
+@njit(nogil=True, cache=True)
+def final_sums_f32_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
+                      final_offsets_addr, sends, num_tokens, y_addr):
+    """`final_sums_bf16_at` for float32 partials."""
+    final_rows, final_offsets = _final_plan(final_rows_addr, final_offsets_addr, sends,
+                                            num_tokens, num_back + num_own)
+    back = carray(void_ptr(back_addr), (num_back, hidden), np.float32)
+    own = carray(void_ptr(own_addr), (num_own, hidden), np.float32)
+    y = carray(void_ptr(y_addr), (num_tokens, hidden), np.float32)
+    final_sums_f32(back, own, final_rows, final_offsets, num_back, y)

@@ -1,0 +1,104 @@
+"""The torch backend of this tree against another tree's (e.g. main's), in one process pair:
+both backends on one process group, alternating every 20 dispatch+combine calls, so the
+host's speed states (it flips between two ~1.7x apart every few seconds) hit both alike.
+The pair's time is the slower rank's; each rank's main thread is pinned to core `rank`.
+
+The other tree's `torch_backend.py`/`torch_layout.py` are copied to a temporary folder as
+modules of their own (so numba caches them there, not in that tree) and that backend is
+set on a second Buffer. Not a test (pytest does not collect it); the numbers are in
+docs/results/torch_backend.md.
+
+    .venv/bin/python tests/runtime/bench_torch_ab.py OTHER_SRC [BATCH [ROUNDS]]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _other_backend(src: str, folder: str):
+    """The TorchBackend class of the tree at `src` (its `ubep` package folder's parent)."""
+    rt = os.path.join(src, "ubep", "runtime")
+    with open(os.path.join(rt, "torch_layout.py")) as f:
+        layout = f.read()
+    with open(os.path.join(rt, "torch_backend.py")) as f:
+        backend = f.read().replace("from ubep.runtime.torch_layout import",
+                                   "from other_torch_layout import")
+    for name, text in (("other_torch_layout", layout), ("other_torch_backend", backend)):
+        with open(os.path.join(folder, name + ".py"), "w") as f:
+            f.write(text)
+    sys.path.insert(0, folder)
+    import other_torch_backend
+    return other_torch_backend.TorchBackend
+
+
+def _run(rank: int, path: str, other: str, folder: str, batch: int, rounds: int, q) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    os.sched_setaffinity(0, {rank})
+    import ubep
+    from ubep.testing import make_routing, make_tokens
+
+    other_cls = _other_backend(other, folder)
+    idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
+    x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
+    kw = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="torch")
+    res: dict[str, list[int]] = {"other": [], "this": []}
+    with ubep.Buffer(**kw) as this, ubep.Buffer(**kw) as buf:
+        buf._backend.close()
+        buf._backend = other_cls(buf.config, None, buf._id)
+        bufs = {"other": buf, "this": this}
+        for b in bufs.values():
+            for _ in range(30):
+                r = b.dispatch(x, idx, w)
+                b.combine(r.recv_x, r.handle)
+        for _ in range(rounds):
+            for m, b in bufs.items():
+                dist.barrier()
+                for _ in range(20):
+                    t = time.perf_counter_ns()
+                    r = b.dispatch(x, idx, w)
+                    b.combine(r.recv_x, r.handle)
+                    res[m].append(time.perf_counter_ns() - t)
+    q.put((rank, res))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    other = sys.argv[1]
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+    fd, path = tempfile.mkstemp(prefix="ubep-pg-")
+    os.close(fd)
+    os.unlink(path)
+    folder = tempfile.mkdtemp(prefix="ubep-ab-")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_run, args=(r, path, other, folder, batch, rounds, q))
+          for r in range(2)]
+    for p in ps:
+        p.start()
+    out = dict(q.get() for _ in ps)
+    for p in ps:
+        p.join()
+    if os.path.exists(path):
+        os.unlink(path)
+    med = {}
+    for m in out[0]:
+        t = np.maximum(np.array(out[0][m]), np.array(out[1][m])) / 1e3
+        med[m] = np.median(t)
+        print(f"batch {batch} {m}: median {med[m]:.1f} µs, p90 "
+              f"{np.percentile(t, 90):.1f} µs (dispatch+combine, slower rank)")
+    print(f"batch {batch} this/other: {med['this'] / med['other']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
