@@ -543,3 +543,80 @@ def test_gloo_all_to_all_completes_without_wait():
     completes an all-to-all on its own threads, as it does (a reduce-scatter it completes
     inside `wait()`); a torch that changed this would make every poll spin its window."""
     assert run_ranks(_completes_without_wait, 2, timeout_s=60) == [True, True]
+
+
+def _interleaved_handles(rank, world, cases):
+    """Every case dispatched first (same shapes and different ones: the kernels' workspace
+    and scratch are reused), then all combined in reverse order: a handle must keep its
+    own plan however many dispatches ran after it."""
+    import ubep
+    from ubep.testing import expert_fn
+
+    with ubep.Buffer(num_experts=cases[0].num_experts, hidden=cases[0].hidden,
+                     max_tokens_per_rank=16, max_top_k=4, backend="torch") as buf:
+        results = []
+        for case in cases:
+            x, idx, w = case.inputs(rank)
+            results.append(buf.dispatch(x, idx, w))
+        ys = [buf.combine(expert_fn(res.recv_x), res.handle, weighted=case.weighted)
+              for case, res in reversed(list(zip(cases, results)))][::-1]
+        return [{"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
+                 "tokens_per_expert": res.tokens_per_expert,
+                 "recv_src_rank": res.recv_src_rank, "recv_src_token": res.recv_src_token,
+                 "recv_src_slot": res.recv_src_slot, "y": y}
+                for res, y in zip(results, ys)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_backend_handles_combined_after_later_dispatches(world):
+    sizes = [1, 1, 3, 1, 16, 2, 0, 1]
+    cases = [Case(4 * world, 64, 4, tuple((s + r) % 17 for r in range(world)), "uniform",
+                  ("bf16", "fp32")[i % 2], seed=70 + i, weighted=i % 3 != 1)
+             for i, s in enumerate(sizes)]
+    per_rank = run_ranks(_interleaved_handles, world, cases, timeout_s=180)
+    for i, case in enumerate(cases):
+        check_case(case, [per_rank[r][i] for r in range(world)])
+
+
+def test_cpu_kernels_check_their_sizes():
+    """The CPU path's kernels take addresses and sizes: a size too small for what the plan
+    writes or reads raises IndexError instead of touching memory past it."""
+    import numpy as np
+
+    from ubep.runtime import torch_layout as tl
+
+    world, per_rank, me, T, K, row_bytes = 2, 2, 0, 3, 2, 32
+    idx = np.array([[0, 2], [3, 1], [2, 3]], np.int64)
+    w = np.full((T, K), 0.5, np.float32)
+    x = np.arange(T * row_bytes, dtype=np.uint8)
+    ws = np.zeros(tl.ws_size(world, T, K, K), np.int64)
+    send = np.zeros(64 * row_bytes, np.uint8)
+    hrows = 2
+    args = (idx.ctypes.data, w.ctypes.data, T, K, x.ctypes.data, x.nbytes, send.ctypes.data)
+    tail = (row_bytes, per_rank, world, me, K, 4, hrows, ws.ctypes.data)
+    num_back, sends, first, n_me = tl.pack_send_at(*args, send.nbytes, *tail, len(ws))
+    assert (num_back, sends, first, n_me) == (3, 5, 0, 2)
+    with pytest.raises(IndexError):             # the rows to the peer do not fit
+        tl.pack_send_at(*args, (hrows + 1) * row_bytes, *tail, len(ws))
+    with pytest.raises(IndexError):             # the workspace is too small for the plan
+        tl.pack_send_at(*args, send.nbytes, *tail, len(ws) - 1)
+    with pytest.raises(IndexError):             # x shorter than the tokens it names
+        tl.pack_send_at(*args[:5], x.nbytes - 1, *args[6:], send.nbytes, *tail, len(ws))
+    rows = np.ones((4, 8), np.float32)
+    plan = np.array([0, 3, 1, 2, 0, 2], np.int64)   # bag rows [0, 3, 1, 2], offsets [0, 2]
+    out = np.zeros((2, 8), np.float32)
+    halves = np.array([0.5, 1.0, 2.0, 0.25], np.float32)
+    tl.bag_sums_f32_at(rows.ctypes.data, 4, 8, halves.ctypes.data, True, plan.ctypes.data,
+                       plan.ctypes.data + 32, 4, 2, 0, 2, out.ctypes.data)
+    assert out[0].tolist() == [0.75] * 8 and out[1].tolist() == [3.0] * 8
+    with pytest.raises(IndexError):             # bag row 3 past expert_out's 3 rows
+        tl.bag_sums_f32_at(rows.ctypes.data, 3, 8, halves.ctypes.data, True, plan.ctypes.data,
+                           plan.ctypes.data + 32, 4, 2, 0, 2, out.ctypes.data)
+    y = np.zeros((2, 8), np.float32)
+    fin = np.array([0, 1, 0, 2], np.int64)      # final rows [0, 1], offsets [0, 2]
+    tl.final_sums_f32_at(rows.ctypes.data, 1, rows.ctypes.data, 1, 8, fin.ctypes.data,
+                         fin.ctypes.data + 16, 2, 2, y.ctypes.data)
+    assert y[0].tolist() == [2.0] * 8 and y[1].tolist() == [0.0] * 8
+    with pytest.raises(IndexError):             # row 1 past a work buffer of one row
+        tl.final_sums_f32_at(rows.ctypes.data, 1, rows.ctypes.data, 0, 8, fin.ctypes.data,
+                             fin.ctypes.data + 16, 2, 2, y.ctypes.data)

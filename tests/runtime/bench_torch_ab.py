@@ -52,6 +52,7 @@ def _run(rank: int, path: str, other: str, folder: str, batch: int, rounds: int,
     x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
     kw = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="torch")
     res: dict[str, list[int]] = {"other": [], "this": []}
+    phases: dict[str, dict[str, list[float]]] = {"other": {}, "this": {}}
     with ubep.Buffer(**kw) as this, ubep.Buffer(**kw) as buf:
         buf._backend.close()
         buf._backend = other_cls(buf.config, None, buf._id)
@@ -68,7 +69,10 @@ def _run(rank: int, path: str, other: str, folder: str, batch: int, rounds: int,
                     r = b.dispatch(x, idx, w)
                     b.combine(r.recv_x, r.handle)
                     res[m].append(time.perf_counter_ns() - t)
-    q.put((rank, res))
+                    for op, st in (("dispatch", r.stats), ("combine", b.last_stats)):
+                        for k, v in st.phases_us.items():
+                            phases[m].setdefault(f"{op}.{k}", []).append(v)
+    q.put((rank, (res, phases)))
     dist.destroy_process_group()
 
 
@@ -91,6 +95,12 @@ def main() -> None:
         p.join()
     if os.path.exists(path):
         os.unlink(path)
+    print("phase medians, rank 0 / rank 1 (µs):")
+    for k in out[0][1]["this"]:
+        print(f"  {k:28s}" + "   ".join(
+            f"{m} " + " / ".join(f"{np.median(out[r][1][m][k]):6.1f}" for r in range(2))
+            for m in ("other", "this")))
+    out = {r: out[r][0] for r in out}
     med = {}
     for m in out[0]:
         t = np.maximum(np.array(out[0][m]), np.array(out[1][m])) / 1e3

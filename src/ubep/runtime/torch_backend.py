@@ -686,11 +686,10 @@ class TorchBackend:
             if global_max > C:
                 pool = None                      # (an unused array is the pool's again)
                 pool, pool_addr = self._owned_rows(num_bags * pairs, row_bytes)
-            res, res_addr, num_remote_bags, num_recv = recv_gather_at(
+            res, res_addr, num_remote_bags, num_recv, offsets = recv_gather_at(
                 work_addr, work_bytes, xa, x_bytes, pool_addr, len(pool) * row_bytes,
                 row_bytes, C, hrows, me, per_rank, world, num_tokens, top_k, meta_k, first,
                 n_me, sends, ws_addr, ws_len)
-            offsets = res_offsets(num_recv, num_bags, per_rank, sends, num_tokens)
             _, o_br, _, o_tpe, o_fr, _, o_w, end = offsets
         tokens_per_expert = res[o_tpe:o_fr]
         if num_recv:

@@ -519,10 +519,10 @@ def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, 
     rows from `work`, own rows straight from x. The workspace holds what `pack_send_at` and
     `read_headers_at` wrote (`srcs`, `recv2`).
 
-    Returns `(res, its address, num_remote_bags, num_recv)`: `res` the one int64 array of what the
-    dispatch hands on, laid out as `res_offsets` says (origins, bag_rows, bag_offsets,
-    tokens_per_expert, final_rows and final_offsets copied from the workspace, the received
-    weights)."""
+    Returns `(res, its address, num_remote_bags, num_recv, offsets)`: `res` the one int64
+    array of what the dispatch hands on, laid out at `offsets` (`res_offsets`: origins,
+    bag_rows, bag_offsets, tokens_per_expert, final_rows and final_offsets copied from the
+    workspace, the received weights)."""
     (_, _, srcs, recv2, _, token_of, final_rows, final_offsets,
      meta) = _ws(ws_addr, ws_len, world, num_tokens, top_k, meta_k)
     if first < 0 or first + n_me > sends or sends > token_of.shape[0]:
@@ -536,8 +536,8 @@ def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, 
     counts = np.empty(per_rank * world, dtype=np.int64)
     num_recv = _recv_count(bag_meta, bag_src, me, per_rank, world, counts)
     num_bags = bag_meta.shape[0]
-    _, o_br, o_bo, o_tpe, o_fr, o_fo, o_w, end = res_offsets(num_recv, num_bags, per_rank,
-                                                             sends, num_tokens)
+    offsets = res_offsets(num_recv, num_bags, per_rank, sends, num_tokens)
+    _, o_br, o_bo, o_tpe, o_fr, o_fo, o_w, end = offsets
     res = np.empty(end, dtype=np.int64)
     at = res.ctypes.data
     gather = np.empty(num_recv, dtype=np.int64)
@@ -548,7 +548,7 @@ def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, 
     res[o_fr:o_fo] = final_rows[:sends]
     res[o_fo:o_w] = final_offsets
     gather_rows(work, x, gather, num_remote, token_of[first:first + n_me], out, row_bytes)
-    return res, at, num_remote_bags, num_recv
+    return res, at, num_remote_bags, num_recv, offsets
 
 
 @njit(nogil=True, cache=True)
