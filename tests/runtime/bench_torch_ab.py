@@ -40,6 +40,15 @@ def _other_backend(src: str, folder: str):
     return other_torch_backend.TorchBackend
 
 
+def _timed(fn, name: str, which: str, phases: dict):
+    def timed(*args):
+        t = time.perf_counter_ns()
+        r = fn(*args)
+        phases[which].setdefault("kernel." + name, []).append((time.perf_counter_ns() - t) / 1e3)
+        return r
+    return timed
+
+
 def _run(rank: int, path: str, other: str, folder: str, batch: int, rounds: int, q) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
@@ -48,11 +57,19 @@ def _run(rank: int, path: str, other: str, folder: str, batch: int, rounds: int,
     from ubep.testing import make_routing, make_tokens
 
     other_cls = _other_backend(other, folder)
+    res: dict[str, list[int]] = {"other": [], "this": []}
+    phases: dict[str, dict[str, list[float]]] = {"other": {}, "this": {}}
+    # UBEP_AB_WRAP=name,name: time those functions of either backend module (as phases)
+    import other_torch_backend
+
+    import ubep.runtime.torch_backend as this_mod
+    for mod, m in ((this_mod, "this"), (other_torch_backend, "other")):
+        for name in filter(None, os.environ.get("UBEP_AB_WRAP", "").split(",")):
+            if hasattr(mod, name):
+                setattr(mod, name, _timed(getattr(mod, name), name, m, phases))
     idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
     x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
     kw = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="torch")
-    res: dict[str, list[int]] = {"other": [], "this": []}
-    phases: dict[str, dict[str, list[float]]] = {"other": {}, "this": {}}
     with ubep.Buffer(**kw) as this, ubep.Buffer(**kw) as buf:
         buf._backend.close()
         buf._backend = other_cls(buf.config, None, buf._id)
@@ -96,7 +113,7 @@ def main() -> None:
     if os.path.exists(path):
         os.unlink(path)
     print("phase medians, rank 0 / rank 1 (µs):")
-    for k in out[0][1]["this"]:
+    for k in sorted(set(out[0][1]["this"]) & set(out[0][1]["other"])):
         print(f"  {k:28s}" + "   ".join(
             f"{m} " + " / ".join(f"{np.median(out[r][1][m][k]):6.1f}" for r in range(2))
             for m in ("other", "this")))
