@@ -34,18 +34,21 @@ the tests' tolerance; the shm backend stays bit-exact.
 
 At batch 1 the host work around the small collectives is what costs, so the index
 bookkeeping is compiled (`ubep.runtime.torch_layout`) instead of ~80 numpy/torch calls. On
-CPU the rows move in the same compiled calls: `pack_send` writes the send buffer (headers,
-routing words, rows), `recv_gather_cpu` lays out recv_x from the received rows and, for
-this rank's own tokens, straight from x; combine's `bag_sums` writes the partials straight
-into the send buffer and `final_sums_*` read the received partials and this rank's own
-where they lie (the source-side rounding as `embedding_bag`'s). The kernels take x, the
-routing, expert_out and y by address (`*_at`: contiguous CPU tensors Buffer checked), not
-through `view(word).numpy()`/`from_numpy`, which cost 10-20 µs each between collectives on
-a slow host. What needs nothing from the peers runs while a collective is in flight
-(`async_op=True`, then `wait`, which keeps the group's timeout): dispatch prepares this
-rank's part of the layout, combine sums this rank's own tokens' partials. Per-shape sizes,
-splits and scratch views are computed once and dropped whenever a scratch buffer is
-reallocated. On other devices the rows move with `index_select`/`embedding_bag`.
+CPU the rows move in the same compiled calls: `pack_send_at` writes the send buffer
+(headers, routing words, rows), `recv_gather_at` (`recv_plan_at` then `gather_at` at large
+batches) lays out recv_x from the received rows and, for this rank's own tokens, straight
+from x; combine's `bag_sums_*_at` write the partials straight into the send buffer and
+`final_sums_*_at` read the received partials and this rank's own where they lie (the
+source-side rounding as `embedding_bag`'s). The kernels take ints only: x, the routing,
+expert_out, y and the scratch by address (contiguous CPU tensors Buffer checked;
+`view(word).numpy()`/`from_numpy` cost 10-20 µs each between collectives on a slow host),
+with sizes they check; a dispatch's plan lives in a kept per-shape workspace, and what its
+handle keeps comes back as ONE int64 array whose parts are views (numba boxes each array it
+returns, ~0.5 µs warm and more with cold caches). What needs nothing from the peers runs
+while a collective is in flight (`async_op=True`, then `wait`, which keeps the group's
+timeout): dispatch prepares recv_x's array, combine sums this rank's own tokens' partials.
+Per-shape sizes, splits and scratch views are computed once and dropped whenever a scratch
+buffer is reallocated. On other devices the rows move with `index_select`/`embedding_bag`.
 Send/receive scratch is kept and grown, not allocated per call. A wait on a gloo
 collective polls it for up to `POLL_S` before blocking (`wait`): a blocked caller is woken
 by gloo's thread, which on a VM whose core went idle meanwhile costs tens of µs.
@@ -87,13 +90,12 @@ from ubep.runtime.torch_layout import (
     bag_sums_f32_at,
     final_sums_bf16_at,
     final_sums_f32_at,
-    gather_rows_at,
+    gather_at,
     pack_send_at,
     read_headers_at,
     recv_gather_at,
     recv_plan,
-    recv_plan_cpu,
-    res_offsets,
+    recv_plan_at,
     send_plan,
     ws_size,
     ws_views,
@@ -664,24 +666,15 @@ class TorchBackend:
         t3 = _now_us()
 
         if pool is None:    # large batches: the plan first, then recv_x's rows exactly
-            workn = (work if work is not None else recv1).numpy().reshape(-1)
-            (gather, origins, recv_weights, tokens_per_expert, bag_rows, bag_offsets, _, _, _,
-             num_remote_bags, num_remote) = recv_plan_cpu(
-                workn, srcs, recv2, C, hrows, row_bytes, meta[first:first + n_me], me, per_rank,
-                world, False)
-            num_recv = len(gather)
-            pool, _ = self._owned_rows(num_recv, row_bytes)
-            gather_rows_at(workn, xa, x_bytes, gather, num_remote,
-                           token_of[first:first + n_me], pool.reshape(-1), row_bytes)
-            offsets = res_offsets(num_recv, num_bags, per_rank, sends, num_tokens)
-            _, o_br, o_bo, o_tpe, o_fr, o_fo, o_w, end = offsets
-            res = np.empty(end, dtype=np.int64)
-            res[:o_br] = origins.reshape(-1)
-            res[o_br:o_bo], res[o_bo:o_tpe], res[o_tpe:o_fr] = (bag_rows, bag_offsets,
-                                                                tokens_per_expert)
-            res[o_fr:o_fo], res[o_fo:o_w] = final_rows[:sends], final_offsets
-            res[o_w:end].view(np.float32)[:num_recv] = recv_weights
-            res_addr = res.ctypes.data
+            (res, res_addr, num_remote_bags, num_recv, offsets, gather,
+             num_remote) = recv_plan_at(work_addr, work_bytes, row_bytes, C, hrows, me,
+                                        per_rank, world, num_tokens, top_k, meta_k, first, n_me,
+                                        sends, ws_addr, ws_len)
+            pool, pool_addr = self._owned_rows(num_recv, row_bytes)
+            gather_at(work_addr, work_bytes, xa, x_bytes, pool_addr, num_recv * row_bytes,
+                      gather, num_remote, row_bytes, world, num_tokens, top_k, meta_k, first,
+                      n_me, ws_addr, ws_len)
+            _, o_br, _, o_tpe, o_fr, _, o_w, end = offsets
         else:               # plan and rows in one call, into room for every pair named
             if global_max > C:
                 pool = None                      # (an unused array is the pool's again)

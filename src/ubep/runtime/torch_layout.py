@@ -499,37 +499,22 @@ def _recv_segs(srcs, recv2, inline, hrows, row_bytes, me, world):
 
 
 @njit(nogil=True, cache=True)
-def recv_plan_cpu(work, srcs, recv2, inline, hrows, row_bytes, own_meta, me, per_rank, world,
-                  bf16_weights):
-    """`recv_plan` for the layout `pack_send_at` writes (`_recv_segs`); this rank's own
-    tokens are the bags after `num_remote` (their rows stay in x: `gather_rows` reads them
-    there). Returns `recv_plan`'s tuple then `num_remote` (rows of `work` received)."""
-    segs, num_remote = _recv_segs(srcs, recv2, inline, hrows, row_bytes, me, world)
-    plan = recv_plan(work, segs, own_meta, num_remote, me, per_rank, world, bf16_weights)
-    return plan + (num_remote,)
+def recv_plan_at(work_addr, work_bytes, row_bytes, inline, hrows, me, per_rank, world,
+                 num_tokens, top_k, meta_k, first, n_me, sends, ws_addr, ws_len):
+    """`recv_plan` of the received bytes (`work`, by address) and this rank's own `n_me`
+    tokens (sends `first..` of the workspace's plan; the workspace holds what
+    `pack_send_at` and `read_headers_at` wrote).
 
-
-@njit(nogil=True, cache=True)
-def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, row_bytes,
-                   inline, hrows, me, per_rank, world, num_tokens, top_k, meta_k, first, n_me,
-                   sends, ws_addr, ws_len):
-    """The receive side of a dispatch in one call: `recv_plan` of the received bytes
-    (`work`, by address) and this rank's own `n_me` tokens (sends `first..` of the
-    workspace's plan), then recv_x's rows written to `out` (room for `out_bytes`): received
-    rows from `work`, own rows straight from x. The workspace holds what `pack_send_at` and
-    `read_headers_at` wrote (`srcs`, `recv2`).
-
-    Returns `(res, its address, num_remote_bags, num_recv, offsets)`: `res` the one int64
-    array of what the dispatch hands on, laid out at `offsets` (`res_offsets`: origins,
-    bag_rows, bag_offsets, tokens_per_expert, final_rows and final_offsets copied from the
-    workspace, the received weights)."""
+    Returns `(res, its address, num_remote_bags, num_recv, offsets, gather, num_remote)`:
+    `res` the one int64 array of what the dispatch hands on, laid out at `offsets`
+    (`res_offsets`: origins, bag_rows, bag_offsets, tokens_per_expert, final_rows and
+    final_offsets copied from the workspace, the received weights); `gather` and
+    `num_remote` as `gather_at` takes them."""
     (_, _, srcs, recv2, _, token_of, final_rows, final_offsets,
      meta) = _ws(ws_addr, ws_len, world, num_tokens, top_k, meta_k)
-    if first < 0 or first + n_me > sends or sends > token_of.shape[0]:
+    if first < 0 or n_me < 0 or first + n_me > sends or sends > token_of.shape[0]:
         raise IndexError("torch backend: own sends out of the plan")
     work = carray(void_ptr(work_addr), (work_bytes,), np.uint8)
-    x = carray(void_ptr(x_addr), (x_bytes,), np.uint8)
-    out = carray(void_ptr(out_addr), (out_bytes,), np.uint8)
     segs, num_remote = _recv_segs(srcs, recv2, inline, hrows, row_bytes, me, world)
     bag_meta, bag_src, bag_row, num_remote_bags = _recv_bags(
         work, segs, meta[first:first + n_me], num_remote, me)
@@ -547,7 +532,36 @@ def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, 
                res[o_tpe:o_fr], res[o_br:o_bo], res[o_bo:o_tpe])
     res[o_fr:o_fo] = final_rows[:sends]
     res[o_fo:o_w] = final_offsets
+    return res, at, num_remote_bags, num_recv, offsets, gather, num_remote
+
+
+@njit(nogil=True, cache=True)
+def gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, gather, num_remote,
+              row_bytes, world, num_tokens, top_k, meta_k, first, n_me, ws_addr, ws_len):
+    """`gather_rows` by address: recv_x's rows (`gather`, from `recv_plan_at`) written to
+    `out` (room for `out_bytes`), received rows from `work`, this rank's own (sends
+    `first..first + n_me` of the workspace's plan) straight from x."""
+    token_of = _ws(ws_addr, ws_len, world, num_tokens, top_k, meta_k)[5]
+    if first < 0 or n_me < 0 or first + n_me > token_of.shape[0]:
+        raise IndexError("torch backend: own sends out of the plan")
+    work = carray(void_ptr(work_addr), (work_bytes,), np.uint8)
+    x = carray(void_ptr(x_addr), (x_bytes,), np.uint8)
+    out = carray(void_ptr(out_addr), (out_bytes,), np.uint8)
     gather_rows(work, x, gather, num_remote, token_of[first:first + n_me], out, row_bytes)
+
+
+@njit(nogil=True, cache=True)
+def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, row_bytes,
+                   inline, hrows, me, per_rank, world, num_tokens, top_k, meta_k, first, n_me,
+                   sends, ws_addr, ws_len):
+    """The receive side of a dispatch in one call: `recv_plan_at`, then `gather_at` into
+    `out` (room for at least as many rows as the plan has pairs). Returns `recv_plan_at`'s
+    first five: `(res, its address, num_remote_bags, num_recv, offsets)`."""
+    res, at, num_remote_bags, num_recv, offsets, gather, num_remote = recv_plan_at(
+        work_addr, work_bytes, row_bytes, inline, hrows, me, per_rank, world, num_tokens,
+        top_k, meta_k, first, n_me, sends, ws_addr, ws_len)
+    gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, gather, num_remote,
+              row_bytes, world, num_tokens, top_k, meta_k, first, n_me, ws_addr, ws_len)
     return res, at, num_remote_bags, num_recv, offsets
 
 
@@ -749,13 +763,6 @@ def bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
 # a result comes back through `torch.from_numpy(..).view(dtype)`: a few µs per call each when
 # warm, 10-20 µs at batch 1 between gloo collectives on a slow host. These take the address
 # of a contiguous CPU tensor the caller holds (Buffer checked it) and its size instead.
-
-@njit(nogil=True, cache=True)
-def gather_rows_at(work, x_addr, x_words, gather, num_remote, own_tokens, out, rw):
-    """`gather_rows` with x (`x_words` words of `work`'s type) by address."""
-    x = carray(void_ptr(x_addr), (x_words,), work.dtype)
-    return gather_rows(work, x, gather, num_remote, own_tokens, out, rw)
-
 
 @njit(nogil=True, cache=True)
 def _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs,
