@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from ubep.runtime.torch_layout import BAG_WORDS, _copy_row, bag_sums_into
+from ubep.runtime.torch_layout import BAG_WORDS, _copy_row, bag_sums_into, source_order
 
 
 @dataclass
@@ -41,7 +41,6 @@ class MpiDispatch:
     # for combine
     num_tokens: int
     send_token: np.ndarray          # [S] int64, rows in the order they were sent
-    send_slot: np.ndarray           # [S] int64
     send_weight: np.ndarray         # [S] float32
     send_splits: np.ndarray         # [P] rows sent to each rank
     recv_splits: np.ndarray         # [P] rows received from each rank
@@ -65,51 +64,41 @@ def _rows(raw: np.ndarray, dtype: torch.dtype, hidden: int) -> torch.Tensor:
 @njit(nogil=True, cache=True)
 def _pack(xb, idx, weights, num_experts):
     """The sends, in one pass: the routed (token, slot) pairs ordered by expert (hence by
-    destination rank), then token; their rows (`xb` `[T, row_bytes]` uint8) and their
-    `(token, slot, weight bits)` int32 words packed in that order; per-expert counts; and
-    combine's bags (token t's sent rows in slot order) and each pair's flat slot index."""
+    destination rank), then token (`source_order` of their experts); their rows (`xb`
+    `[T, row_bytes]` uint8) and their `(token, slot, weight bits)` int32 words packed in that
+    order; per-expert counts; and combine's bags (token t's sent rows in slot order) and each
+    pair's flat slot index."""
     num_tokens, top_k = idx.shape
-    counts = np.zeros(num_experts, np.int64)
-    for t in range(num_tokens):
-        for k in range(top_k):
-            e = idx[t, k]
-            if e >= 0:
-                if e >= num_experts:
-                    raise IndexError("mpi peer: an expert id past num_experts")
-                counts[e] += 1
-    fill = np.empty(num_experts, np.int64)
+    pair = np.empty(num_tokens * top_k, np.int64)     # routed (t, k) as t * K + k, in order
+    expert = np.empty(num_tokens * top_k, np.int64)
+    bag_offsets = np.empty(num_tokens, np.int64)
     total = 0
-    for e in range(num_experts):
-        fill[e] = total
-        total += counts[e]
-    send_token = np.empty(total, np.int64)
-    send_slot = np.empty(total, np.int64)
-    send_weight = np.empty(total, np.float32)
+    for t in range(num_tokens):
+        bag_offsets[t] = total                          # pair j is sent row bag_rows[j]
+        for k in range(top_k):
+            if idx[t, k] >= 0:
+                pair[total], expert[total] = t * top_k + k, idx[t, k]
+                total += 1
+    order = source_order(expert[:total], num_experts)
+    counts = np.zeros(num_experts, np.int64)
     slot_index = np.empty(total, np.int64)
     bag_rows = np.empty(total, np.int64)
-    bag_offsets = np.empty(num_tokens, np.int64)
-    b = 0
-    for t in range(num_tokens):
-        bag_offsets[t] = b
-        for k in range(top_k):
-            e = idx[t, k]
-            if e >= 0:
-                i = fill[e]
-                fill[e] += 1
-                send_token[i], send_slot[i], send_weight[i] = t, k, weights[t, k]
-                slot_index[i] = t * top_k + k
-                bag_rows[b] = i
-                b += 1
-    rb = xb.shape[1]
-    rows = np.empty((total, rb), np.uint8)
+    send_token = np.empty(total, np.int64)
+    send_weight = np.empty(total, np.float32)
     meta = np.empty((total, 3), np.int32)
     wbits = send_weight.view(np.int32)
+    rb = xb.shape[1]
+    rows = np.empty((total, rb), np.uint8)
     flat_x, flat_rows = xb.reshape(-1), rows.reshape(-1)
     for i in range(total):
+        j = order[i]
+        p = pair[j]
+        counts[expert[j]] += 1
+        slot_index[i], bag_rows[j], send_token[i] = p, i, p // top_k
+        send_weight[i] = weights[p // top_k, p % top_k]
+        meta[i, 0], meta[i, 1], meta[i, 2] = p // top_k, p % top_k, wbits[i]
         _copy_row(flat_rows, i * rb, flat_x, send_token[i] * rb, rb)
-        meta[i, 0], meta[i, 1], meta[i, 2] = send_token[i], send_slot[i], wbits[i]
-    return (send_token, send_slot, send_weight, counts, rows, meta, slot_index, bag_rows,
-            bag_offsets)
+    return send_token, send_weight, counts, rows, meta, slot_index, bag_rows, bag_offsets
 
 
 @njit(nogil=True, cache=True)
@@ -157,7 +146,7 @@ def _scatter(rows, arrival, out):
 
 
 @njit(nogil=True, cache=True)
-def _counts_displs(rows, unit):
+def counts_displs(rows, unit):
     """Alltoallv's byte counts and displacements for `rows` rows of `unit` bytes per rank,
     and their total."""
     counts = rows * unit
@@ -198,8 +187,8 @@ class MpiPeer:
         `blocking`: wait on it before reading them)."""
         from mpi4py import MPI
 
-        scount, sdispl, _ = _counts_displs(send_rows, row_bytes)
-        rcount, rdispl, total = _counts_displs(recv_rows, row_bytes)
+        scount, sdispl, _ = counts_displs(send_rows, row_bytes)
+        rcount, rdispl, total = counts_displs(recv_rows, row_bytes)
         recv = np.empty(total, dtype=np.uint8)
         args = ([send.reshape(-1), (scount, sdispl), MPI.BYTE],
                 [recv, (rcount, rdispl), MPI.BYTE])
@@ -225,7 +214,7 @@ class MpiPeer:
         row_bytes = hidden * x.element_size()
         xb = x.view(torch.uint8).numpy().reshape(num_tokens, row_bytes)
 
-        (send_token, send_slot, send_weight, send_counts, rows, meta, slot_index, bag_rows,
+        (send_token, send_weight, send_counts, rows, meta, slot_index, bag_rows,
          bag_offsets) = _pack(xb, topk_idx.numpy(), topk_weights.numpy(), self.num_experts)
         recv_counts = np.empty_like(send_counts)
         self.comm.Alltoall(send_counts, recv_counts)
@@ -244,7 +233,7 @@ class MpiPeer:
             recv_x=_rows(recv_x, x.dtype, hidden), recv_weights=torch.from_numpy(recv_weights),
             tokens_per_expert=torch.from_numpy(tpe), recv_src_rank=torch.from_numpy(src_rank),
             recv_src_token=torch.from_numpy(src_token), recv_src_slot=torch.from_numpy(src_slot),
-            num_tokens=num_tokens, send_token=send_token, send_slot=send_slot,
+            num_tokens=num_tokens, send_token=send_token,
             send_weight=send_weight, send_splits=send_splits, recv_splits=recv_splits,
             to_expert_major=arrival, slot_index=torch.from_numpy(slot_index),
             topk_idx=topk_idx, topk_weights=topk_weights, bag_rows=bag_rows,

@@ -125,14 +125,15 @@ class MpiCollectives:
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         from mpi4py import MPI
 
+        from ubep.bench.mpi_peer import counts_displs
+
         d = self.peer.dispatch(x, topk_idx, topk_weights)          # its splits, untimed
         rb = x.shape[1] * x.element_size()
         counts = np.ones(self.peer.num_experts, np.int64)
 
         def vec(rows: np.ndarray, width: int, fill: int):
-            n = rows * width
-            buf = np.full(int(n.sum()), fill, np.uint8)
-            return [buf, (n, np.concatenate(([0], np.cumsum(n)[:-1]))), MPI.BYTE]
+            n, displs, total = counts_displs(rows, width)     # as the peer computes them
+            return [np.full(total, fill, np.uint8), (n, displs), MPI.BYTE]
 
         s, r = d.send_splits, d.recv_splits
         self._waitall = MPI.Request.Waitall          # not looked up inside the timed call

@@ -291,7 +291,6 @@ class TorchBackend:
         #: `_combine_views`); emptied whenever a scratch buffer is reallocated, so its views
         #: are always the current ones
         self._shapes: dict[tuple, tuple] = {}
-        self._no_phase2 = np.zeros(config.world_size, dtype=np.int64)
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device,
                 keep: int = 0) -> torch.Tensor:

@@ -300,18 +300,26 @@ def _recv_fill(meta, bag_src, bag_row, counts, me, per_rank, world, gather, orig
 _WS_HEAD = 6
 
 
+@njit(nogil=True, cache=True)
+def _ws_layout(world, num_tokens, top_k, meta_k):
+    """The workspace's layout, the one place it is computed: `(o, most, mw, size)` = where its
+    per-shape part starts (int64 words), the most sends `T * min(K, P)`, the routing words
+    per send, and its size in int64 words."""
+    most, mw = num_tokens * min(top_k, world), 1 + 2 * meta_k
+    o = _WS_HEAD * world
+    return o, most, mw, o + 2 * most + num_tokens + (most * mw + 1) // 2
+
+
 def ws_size(world: int, num_tokens: int, top_k: int, meta_k: int) -> int:
     """int64 words of the workspace a CPU dispatch of `num_tokens` x `top_k` needs."""
-    most = num_tokens * min(top_k, world)
-    return _WS_HEAD * world + 2 * most + num_tokens + (most * (1 + 2 * meta_k) + 1) // 2
+    return _ws_layout(world, num_tokens, top_k, meta_k)[3]
 
 
 def ws_views(ws: np.ndarray, world: int, num_tokens: int, top_k: int, meta_k: int) -> tuple:
     """The workspace's parts as numpy views (`_ws`'s layout): `(per_dest, send2, srcs,
     recv2, header [P, 4] int32, token_of, final_rows, final_offsets, meta [S, 1 + 2 meta_k]
     int32)`, S = `num_tokens * min(top_k, world)` (the most sends)."""
-    most, mw = num_tokens * min(top_k, world), 1 + 2 * meta_k
-    o = _WS_HEAD * world
+    o, most, mw, _ = _ws_layout(world, num_tokens, top_k, meta_k)
     return (ws[:world], ws[world:2 * world], ws[2 * world:3 * world],
             ws[3 * world:4 * world], ws[4 * world:o].view(np.int32).reshape(world, 4),
             ws[o:o + most], ws[o + most:o + 2 * most],
@@ -326,15 +334,24 @@ def _i64_at(addr, at, n):
 
 
 @njit(nogil=True, cache=True)
-def _ws(addr, size, world, num_tokens, top_k, meta_k):
-    """`ws_views` inside a kernel, over `size` int64 words at `addr` (checked)."""
-    most, mw = num_tokens * min(top_k, world), 1 + 2 * meta_k
-    if size < _WS_HEAD * world + 2 * most + num_tokens + (most * mw + 1) // 2:
+def _ws_head(addr, size, world):
+    """The workspace's head (`_WS_HEAD * world` words, checked against `size`):
+    `(per_dest, send2, srcs, recv2, header [P, 4] int32)`."""
+    if world < 1 or size < _WS_HEAD * world:
         raise IndexError("torch backend: workspace smaller than its layout")
-    o = _WS_HEAD * world
     return (_i64_at(addr, 0, world), _i64_at(addr, world, world),
             _i64_at(addr, 2 * world, world), _i64_at(addr, 3 * world, world),
-            carray(void_ptr(addr + 8 * 4 * world), (world, 4), np.int32),
+            carray(void_ptr(addr + 8 * 4 * world), (world, 4), np.int32))
+
+
+@njit(nogil=True, cache=True)
+def _ws(addr, size, world, num_tokens, top_k, meta_k):
+    """`ws_views` inside a kernel, over `size` int64 words at `addr` (checked)."""
+    o, most, mw, need = _ws_layout(world, num_tokens, top_k, meta_k)
+    if size < need:
+        raise IndexError("torch backend: workspace smaller than its layout")
+    per_dest, send2, srcs, recv2, header = _ws_head(addr, size, world)
+    return (per_dest, send2, srcs, recv2, header,
             _i64_at(addr, o, most), _i64_at(addr, o + most, most),
             _i64_at(addr, o + 2 * most, num_tokens),
             carray(void_ptr(addr + 8 * (o + 2 * most + num_tokens)), (most, mw), np.int32))
@@ -450,9 +467,7 @@ def read_headers_at(work_addr, work_bytes, blk_bytes, me, world, ws_addr, ws_len
     if world < 1 or ws_len < _WS_HEAD * world or (world - 1) * blk_bytes > work_bytes \
             or (world > 1 and blk_bytes < 8):
         raise IndexError("torch backend: headers out of their arrays' bounds")
-    ws = carray(void_ptr(ws_addr), (_WS_HEAD * world,), np.int64)
-    header = carray(void_ptr(ws_addr + 8 * 4 * world), (world, 4), np.int32)
-    srcs, recv2 = ws[2 * world:3 * world], ws[3 * world:4 * world]
+    _, _, srcs, recv2, header = _ws_head(ws_addr, ws_len, world)
     global_max = np.int64(header[me, 1])
     slot, total = 0, 0
     for r in range(world):
@@ -608,13 +623,6 @@ def gather_rows(work, x, gather, num_remote, own_tokens, out, rw):
             g = own_tokens[g - num_remote]
         _copy_row(out, i * rw, src, g * rw, rw)
     return out
-
-
-@njit(nogil=True, cache=True)
-def _bf16_row(src, tmp):
-    """bfloat16 bits `src` (uint16) widened into `tmp` (uint32: the float32 bits)."""
-    for h in range(src.shape[0]):
-        tmp[h] = np.uint32(src[h]) << 16
 
 
 @njit(nogil=True, cache=True)
