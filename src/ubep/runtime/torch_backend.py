@@ -325,17 +325,6 @@ class TorchBackend:
             view = self._views[key] = self._scratch[name][start:start + nbytes]
         return view
 
-    def _numpy(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> np.ndarray:
-        """The first `rows` rows of scratch `name` (sized by `_buffer` first) as a
-        `[rows, cols]` numpy array of `dtype`, cached like the views."""
-        key = (name, "np", rows, cols, dtype)
-        view = self._views.get(key)
-        if view is None:
-            nbytes = rows * cols * torch.empty(0, dtype=dtype).element_size()
-            view = self._views[key] = (self._scratch[name][:nbytes].view(dtype).numpy()
-                                       .reshape(rows, cols))
-        return view
-
     def _owned_rows(self, rows: int, row_bytes: int) -> tuple[np.ndarray, int]:
         """`[rows, row_bytes]` uint8 for a result the caller will own: an array of an
         earlier result that nothing references any more (no tensor, view or storage of it is
