@@ -25,7 +25,13 @@ from ubep.runtime import make_backend
 from ubep.runtime.auto import choose_backend
 from ubep.runtime.bootstrap import agree
 from ubep.stats import Stats
-from ubep.validate import check_combine_inputs, check_combine_out, check_dispatch_inputs
+from ubep.validate import (
+    check_combine_inputs,
+    check_combine_out,
+    check_dispatch_inputs,
+    combine_inputs_ready,
+    dispatch_inputs_ready,
+)
 
 _buffer_ids = itertools.count(1)
 _is_compiling = torch.compiler.is_compiling
@@ -172,6 +178,8 @@ class Buffer:
         self.last_stats: Stats | None = None
         self._id = next(_buffer_ids)
         self._calls = 0
+        # `dispatch_inputs_ready`'s limits, in its argument order
+        self._limits = (hidden, num_experts, max_tokens_per_rank, max_top_k)
         self._lock = threading.Lock()
         self._closed = False
         self._broken: BaseException | None = None
@@ -245,11 +253,17 @@ class Buffer:
         Gradients flow back to `x` and `topk_weights` when they require grad (see
         `ubep.ops`); under `torch.compile` the call is the `ubep::dispatch` operator.
         """
+        # the common call (eager, CPU tensors of the checked dtypes and shapes, nothing that
+        # requires grad, valid ids) is recognised by the inputs' fast check alone and goes
+        # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
+        # ~40 µs batch-1 dispatch+combine (docs/results.md, "Fixed costs at batch 1")
+        if handle is None and not _is_compiling() and dispatch_inputs_ready(
+                x, topk_idx, topk_weights, *self._limits):
+            return self._dispatch_checked(x, topk_idx, topk_weights)
         if handle is not None:
             topk_idx, topk_weights = self._routing_of(handle, topk_idx, topk_weights)
         if type(x) is tuple:
             return quant.dispatch_with_scales(self, x, topk_idx, topk_weights)
-        # the one check an eager call pays (~1 µs): attribute reads, no function of ours
         if ((getattr(x, "requires_grad", False) or getattr(topk_weights, "requires_grad", False))
                 and _grad_enabled() or _is_compiling()):
             return ops.dispatch(self, x, topk_idx, topk_weights)
@@ -267,13 +281,20 @@ class Buffer:
     def _dispatch_now(self, x: torch.Tensor, topk_idx: torch.Tensor,
                       topk_weights: torch.Tensor) -> DispatchResult:
         """`dispatch` in eager mode, without autograd."""
+        if self._closed or self._broken is not None:
+            self._check_usable("dispatch")      # before the inputs' errors, as always
+        c = self.config
+        x, idx, w = check_dispatch_inputs(
+            x, topk_idx, topk_weights, hidden=c.hidden, num_experts=c.num_experts,
+            max_tokens_per_rank=c.max_tokens_per_rank, max_top_k=c.max_top_k)
+        return self._dispatch_checked(x, idx, w)
+
+    def _dispatch_checked(self, x: torch.Tensor, idx: torch.Tensor,
+                          w: torch.Tensor) -> DispatchResult:
+        """`_dispatch_now` of inputs `check_dispatch_inputs` accepted as they are."""
         with self._lock:
             if self._closed or self._broken is not None:
                 self._check_usable("dispatch")
-            c = self.config
-            x, idx, w = check_dispatch_inputs(
-                x, topk_idx, topk_weights, hidden=c.hidden, num_experts=c.num_experts,
-                max_tokens_per_rank=c.max_tokens_per_rank, max_top_k=c.max_top_k)
             self._calls += 1
             try:                # inline (a helper call per op costs more than the try)
                 res = self._backend.dispatch(x, idx, w, self._calls)
@@ -304,6 +325,12 @@ class Buffer:
         when they require grad (see `ubep.ops`); under `torch.compile` the call is the
         `ubep::combine` operator.
         """
+        # the common call (eager, this Buffer's handle, rows as the handle expects, no `out`):
+        # the rows' fast check alone, then the backend (as in `dispatch`)
+        if (type(handle) is DispatchHandle and out is None and handle.buffer_id == self._id
+                and not _is_compiling() and combine_inputs_ready(expert_out, handle.num_recv,
+                                                                 handle.hidden)):
+            return self._combine_checked(expert_out, handle, weighted, None)
         if (type(handle) is not DispatchHandle or _is_compiling()
                 or getattr(expert_out, "requires_grad", False) and _grad_enabled()):
             if isinstance(handle, (ops.OpHandle, DispatchHandle)) and handle.buffer_id == self._id:
@@ -331,18 +358,27 @@ class Buffer:
             if out is not None:
                 check_combine_out(out, num_tokens=handle.num_tokens, hidden=handle.hidden,
                                   dtype=rows.dtype, device=rows.device)
-            # a framework may hand `out` on the very memory of `expert_out` (one workspace for
-            # both, as vLLM's modular kernel can): backends that sum into `out` while still
-            # reading rows would read their own sums, so such an `out` is filled afterwards
-            alias = out is not None and _overlap(out, rows)
+        # a framework may hand `out` on the very memory of `expert_out` (one workspace for
+        # both, as vLLM's modular kernel can): backends that sum into `out` while still
+        # reading rows would read their own sums, so such an `out` is filled afterwards
+        if out is not None and _overlap(out, rows):
+            return out.copy_(self._combine_checked(rows, handle, weighted, None))
+        return self._combine_checked(rows, handle, weighted, out)
+
+    def _combine_checked(self, rows: torch.Tensor, handle: DispatchHandle, weighted: bool,
+                         out: torch.Tensor | None) -> torch.Tensor:
+        """`_combine_now` of checked rows of this Buffer's `handle` (`out` not overlapping
+        them)."""
+        with self._lock:
+            if self._closed or self._broken is not None:
+                self._check_usable("combine")
             try:
-                res = self._backend.combine(rows, handle, bool(weighted),
-                                            None if alias else out)
+                res = self._backend.combine(rows, handle, bool(weighted), out)
             except BaseException as e:
                 self._failed(e)
                 raise
             self.last_stats = res.stats
-            return out.copy_(res.y) if alias else res.y
+            return res.y
 
     def get_combine_buffer(self, handle: DispatchHandle,
                            dtype: torch.dtype | None = None) -> torch.Tensor:

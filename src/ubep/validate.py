@@ -123,8 +123,8 @@ def check_dispatch_inputs(x: object, topk_idx: object, topk_weights: object, *, 
     attribute reads and one compiled scan and returned as is; any other call takes the full
     check, which converts or raises the error that names the rule.
     """
-    if _dispatch_inputs_ready(x, topk_idx, topk_weights, hidden, num_experts,
-                              max_tokens_per_rank, max_top_k):
+    if dispatch_inputs_ready(x, topk_idx, topk_weights, hidden, num_experts,
+                             max_tokens_per_rank, max_top_k):
         return x, topk_idx, topk_weights
     x, idx, w = _check_dispatch_inputs_full(x, topk_idx, topk_weights, hidden=hidden,
                                        num_experts=num_experts,
@@ -135,8 +135,8 @@ def check_dispatch_inputs(x: object, topk_idx: object, topk_weights: object, *, 
     return x.detach(), idx, w.detach()
 
 
-def _dispatch_inputs_ready(x: object, idx: object, w: object, hidden: int, num_experts: int,
-                           max_tokens: int, max_top_k: int) -> bool:
+def dispatch_inputs_ready(x: object, idx: object, w: object, hidden: int, num_experts: int,
+                          max_tokens: int, max_top_k: int) -> bool:
     """True if the full check would accept the call and return the three tensors unchanged.
 
     Cheap reads only (a torch op costs microseconds here, an attribute a fraction): exact
@@ -203,10 +203,7 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
 
     The common call (right shape and dtype, contiguous) costs a few attribute reads.
     """
-    if (isinstance(expert_out, torch.Tensor) and expert_out.shape == (num_recv, hidden)
-            and _summable(expert_out.dtype) and expert_out.is_contiguous()
-            and not expert_out.requires_grad and expert_out.is_cpu
-            and expert_out.stride(-1) == 1):
+    if combine_inputs_ready(expert_out, num_recv, hidden):
         return expert_out
     out = _check_tensor("expert_out", expert_out, 2)
     check_on_cpu("expert_out", out)
@@ -219,6 +216,15 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
             f"expert_out has dtype {out.dtype}; combine sums rows, so it needs a floating dtype "
             f"of at most {MAX_ELEMENT_BYTES} bytes (bf16, fp16, fp32, fp8)")
     return _rows(out.detach())
+
+
+def combine_inputs_ready(expert_out: object, num_recv: int, hidden: int) -> bool:
+    """True if `check_combine_inputs` would return `expert_out` unchanged (attribute reads
+    only; False means "not sure": the full check decides)."""
+    return (isinstance(expert_out, torch.Tensor) and expert_out.shape == (num_recv, hidden)
+            and _summable(expert_out.dtype) and expert_out.is_contiguous()
+            and not expert_out.requires_grad and expert_out.is_cpu
+            and expert_out.stride(-1) == 1)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
