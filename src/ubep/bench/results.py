@@ -220,6 +220,24 @@ wait (~3 µs each): in-process A/B, 2 ranks, batch 1, dispatch+combine median 61
 owned, 61.8 -> 59.5 direct, 89.2 -> 79.0 owned on a busier host
 (`tests/runtime/bench_shm_spins.py`); batches 8 and 128 unchanged.
 
+*Layer by layer, in place* (2026-12-01, 20:30-21:10 UTC). Removing one layer at a time from
+the same loop (one process, 1-rank group, `direct="owned"`, batch 1, the variants alternating
+every 20 calls, medians of ~5,600 calls each, two runs): the whole call 39.7 / 41.8 µs, the
+backend called directly 29.6 / 31.1, its path directly 29.3 / 30.9. So `Buffer`'s layer (the
+inputs' checks, the lock, the eager/autograd/compile decision, its frames) was ~10 µs of ~41,
+each piece costing ~1.5x in place what it costs in a tight loop of its own: the dispatch
+inputs' fast check 3.1 µs alone, 3.6-4.0 in place (of which the compiled id scan 0.6); the
+deferred Stats of both ops ~1 µs. `Buffer` now recognises the common eager call by that fast
+check alone and goes straight to the backend: the whole call 40.7 -> 39.3 µs (one process,
+mean of two runs); the 2-rank pair cannot resolve it (in-process A/B against the previous
+commit: 0.980, 1.008). The same fast check compiled (a C++ torch extension, built for the
+measurement only, not part of ubep) costs 0.7-1.9 µs in place instead of 3.9-6.3 (the whole
+call 40.9 -> 37.6 and 65.7 -> 61.3 µs; with no check at all 36.9 and 59.4). What a 40 µs pair
+needs gone is the ~26 µs of Python and torch glue per dispatch+combine (`Buffer` ~9, the path
+~17; the kernels ~13); by that ratio a compiled call path (one entry per op that checks,
+allocates the results and runs the kernels) would leave ~7 µs of it. That is an estimate, not a
+measurement: the call path is not built.
+
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
 started before, stay free: bound with the rank to its one core, every gloo collective there
