@@ -392,9 +392,9 @@ class DirectPath:
         t_n = handle.num_tokens
         weighted = bool(weighted)
         if b.workers == 1:
-            out, t1 = self._combine_one(handle, expert_out, dest, epoch, code, ecode, lut, es, rb,
-                                        offset, ptr, n_recv if copied else 0, weighted,
-                                        deadline)
+            out, t1, waiting = self._combine_one(handle, expert_out, dest, epoch, code, ecode,
+                                                 lut, es, rb, offset, ptr,
+                                                 n_recv if copied else 0, weighted, deadline)
             ivs = None
         else:
             idx, w, pos, _, src_rank = handle.state
@@ -417,7 +417,9 @@ class DirectPath:
                 out = torch.from_numpy(y)
             else:
                 out = cast_rows(y, dtype)
-        self._done_reading(epoch, deadline)
+            waiting = -1
+        if waiting:
+            self._done_reading(epoch, deadline, waiting)
         if dest is not None and out is not dest:
             out = dest.copy_(out)
         t2 = now_us()
@@ -428,10 +430,11 @@ class DirectPath:
     def _combine_one(self, handle: DispatchHandle, expert_out: torch.Tensor,
                      dest: torch.Tensor | None, epoch: int, code: int, ecode: int,
                      lut: np.ndarray, es: int, rb: int, offset: int, ptr: int, copy_n: int,
-                     weighted: bool, deadline: float) -> tuple[torch.Tensor, float]:
-        """One worker: copy in (`copy_n` rows: those peers read), publish and sum in one
-        kernel entry (bf16 and fp32 sums land in the output itself, a caller's row-major `dest`
-        included); `(y, time published)`."""
+                     weighted: bool, deadline: float) -> tuple[torch.Tensor, float, int]:
+        """One worker: copy in (`copy_n` rows: those peers read), publish, sum and, when every
+        token was summed there, tell the peers I am done reading, in one kernel entry (bf16
+        and fp32 sums land in the output itself, a caller's row-major `dest` included);
+        `(y, time published, ranks not done reading mine or -1: not told yet)`."""
         b = self.ctx
         dtype = expert_out.dtype
         idx_addr, w_addr, k_n, _, pos_addr, _, src_rank = handle.state
@@ -447,10 +450,10 @@ class DirectPath:
                 y_addr = out.data_ptr()
         ready, done = self._ready, self._done_t
         own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
-        left = DK.combine_begin_at(b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n,
-                                   src_rank, idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
-                                   self.el, rb, es, ecode, lut, ready, done, y_addr, out_addr,
-                                   hidden, INLINE_SPINS)
+        left, waiting = DK.combine_begin_at(
+            b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, src_rank, idx_addr,
+            w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode, lut, ready, done,
+            y_addr, out_addr, hidden, INLINE_SPINS, self._done_mine, self._done_first)
         if left < 0:
             raise self._combine_dtype_error(dtype, -left - 1)
         t1 = now_us()
@@ -474,14 +477,17 @@ class DirectPath:
                 raise self._combine_dtype_error(dtype, bad[0])
         if out is None:                                  # fp16, fp8: cast from the fp32 sums
             out = cast_rows(self._y[:t_n], dtype)
-        return out, t1
+        return out, t1, waiting
 
-    def _done_reading(self, epoch: int, deadline: float) -> None:
+    def _done_reading(self, epoch: int, deadline: float, left: int = -1) -> None:
         """Tell every rank I read all I needed of combine `epoch`; wait until every rank has
-        read all it needed of mine (my expert outputs are then the caller's again)."""
+        read all it needed of mine (my expert outputs are then the caller's again). `left`
+        >= 0: they were told already (`combine_begin_at`) and `left` ranks were not done."""
         b = self.ctx
         first, world = self._done_first, b.world
-        if not DK.done_reading(self._done_mine, first, world, epoch, INLINE_SPINS):
+        if left < 0:
+            left = DK.done_reading(self._done_mine, first, world, epoch, INLINE_SPINS)
+        if not left:
             return
         b.wait(lambda s: poll_words_at_least(first, world, epoch, s), "combine/done",
                lambda: [r for r in range(world) if int(self._done[r]) < epoch],

@@ -235,7 +235,9 @@ def warm_up_direct() -> None:
         direct_combine_begin_at(bases, dlay, 0, epoch, 2, int(dlay[D_RECV_OFF]), x.ctypes.data,
                                 0, ints[0], idx.ctypes.data, w.ctypes.data, 1, 1, True,
                                 pos.ctypes.data, 2, 8, 4, ELEM_F32, np.zeros(1, np.float32),
-                                ready, done, y.ctypes.data, out_addr, 2, 1)
+                                ready, done, y.ctypes.data, out_addr, 2, 1,
+                                np.array([base + int(dlay[D_DONE_OFF])], np.int64),
+                                base + int(dlay[D_DONE_OFF]))
         reduce_direct_at(bases, dlay, epoch, idx.ctypes.data, w.ctypes.data, 1, 1, True,
                          pos.ctypes.data, 2, 8, 4, 2, ELEM_F32, np.zeros(1, np.float32), ready,
                          done, y.ctypes.data, out_addr, 2, 0, 0, 1)
