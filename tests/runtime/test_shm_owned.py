@@ -203,18 +203,9 @@ def _late_or_dead(rank, world, direct, how, job):
         if rank == 1 and how == "dead":
             def die(*args):
                 os.kill(os.getpid(), signal.SIGKILL)   # counts are out, the rows never come
-
-            def counts_then_die(bases, dlay, me, epoch, idx_addr, w_addr, t_n, k_n, e_n, el,
-                                elem, roff, counts, tails, got, *rest):
-                direct_kernels.dispatch_begin_at(bases, dlay, me, epoch, idx_addr, t_n, k_n,
-                                                 e_n, elem, roff, counts, tails, got, 1)
-                die()
-            # the one-worker entries that send rows (owned: counts and rows in one entry)
-            if direct == "owned":
-                direct_kernels.dispatch_own_at = counts_then_die
-                direct_kernels.dispatch_rows_own = die
-            else:
-                direct_kernels.dispatch_rows_at = die
+            # the one-worker entry after counts
+            setattr(direct_kernels, "dispatch_rows_own" if direct == "owned"
+                    else "dispatch_rows_at", die)
         t0 = time.monotonic()
         try:
             if how == "late-combine" and rank == 1:
@@ -311,52 +302,3 @@ def _views_hold(rank, world):
 def test_owned_a_surviving_view_keeps_its_area_held():
     for reused_while_viewed, intact, again in run_ranks(_views_hold, 2, timeout_s=120):
         assert (reused_while_viewed, intact, again) == (False, True, True)
-
-
-
-def _late_rank(rank, world, late, cases):
-    """Each call, rank `late` arrives 20 ms after the others: they find its counts missing
-    (the step-by-step path after the one-entry kernel), it finds theirs in (the one-entry
-    path, then a wait for the rows they send once they have its counts)."""
-    import time
-
-    import ubep.runtime.shm.kernels.direct as DK
-
-    calls = {"one entry": 0, "step by step": 0}
-    real = DK.dispatch_own_at
-
-    def counted(*a):
-        r = real(*a)
-        calls["step by step" if r[0] else "one entry"] += 1
-        return r
-
-    DK.dispatch_own_at = counted
-    try:
-        outs = []
-        with _owned(num_experts=cases[0].num_experts, hidden=1024, max_tokens_per_rank=64,
-                    max_top_k=4) as buf:
-            for case in cases:
-                if rank == late:
-                    time.sleep(0.02)
-                res = buf.dispatch(*case.inputs(rank))
-                got = _kept(res, buf.combine(expert_fn(res.recv_x), res.handle,
-                                             weighted=case.weighted))
-                outs.append({k: v.clone() for k, v in got.items()})
-                del res, got                # its receive area is free for the next call
-        return outs, calls
-    finally:
-        DK.dispatch_own_at = real
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_owned_one_entry_and_step_by_step_dispatch_match_the_oracle(world):
-    e = 4 * world
-    cases = [Case(num_experts=e, hidden=1024, top_k=4, tokens=(64, 48, 9)[:world], seed=1),
-             Case(num_experts=e, hidden=1024, top_k=3, tokens=(20, 33, 0)[:world], seed=2,
-                  dtype="fp32", routing="skewed"),
-             Case(num_experts=e, hidden=1024, top_k=4, tokens=(1,) * world, seed=4)]
-    got = run_ranks(_late_rank, world, world - 1, cases, timeout_s=240)
-    for j, case in enumerate(cases):
-        check_case(case, [got[r][0][j] for r in range(world)])
-    assert got[world - 1][1] == {"one entry": 3, "step by step": 0}   # found every count in
-    assert got[0][1] == {"one entry": 0, "step by step": 3}           # waited for the late one

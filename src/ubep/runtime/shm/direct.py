@@ -199,25 +199,15 @@ class DirectPath:
         counts, tails, got, dlay, bases = self._counts, self._tails, self._got, self.dlay, b.bases
         t_n, k_n = topk_idx.shape
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
-        begun = False
         if self.owned:      # where my rows go this call: a free lent area, else scratch
             area = self._free_area()
-            if area and b.workers == 1:     # the common call: one kernel entry
-                res = self._dispatch_own(x, topk_idx, topk_weights, call, t0, area, idx_addr,
-                                         w_addr, code, epoch, deadline)
-                if res is not None:
-                    return res
-                begun = True                # my counts are out; some peers' are not in
             keep = np.empty(t_n * k_n, np.int64)    # the handle's `pos`
         else:
             area, keep = 0, None
         roff = self._recv_off + area * self._area
-        if begun:               # (publishing again would rewrite a slot peers may be reading)
-            left = 1
-        else:
-            left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
-                                                self.num_experts, code, roff, counts, tails, got,
-                                                INLINE_SPINS)
+        left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
+                                            self.num_experts, code, roff, counts, tails, got,
+                                            INLINE_SPINS)
         if left:
             b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, tails, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
@@ -272,50 +262,6 @@ class DirectPath:
         stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, topk_idx, n_recv, rb,
                                  epoch)
         return new_dispatch_result(recv_x, wts, tpe, handle, stats)
-
-    def _dispatch_own(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                      topk_weights: torch.Tensor, call: int, t0: float, area: int,
-                      idx_addr: int, w_addr: int, code: int, epoch: int,
-                      deadline: float) -> DispatchResult | None:
-        """owned, one worker, rows landing in lent area `area`: counts, rows and a first look
-        at what arrived in one kernel entry (`dispatch_own_at`), the bounded wait for the rest,
-        then recv_x lent from the area and the other outputs as views of the entry's one
-        array. None if the peers' counts were not all in yet (nothing was sent: the caller
-        goes on step by step)."""
-        b = self.ctx
-        t_n, k_n = topk_idx.shape
-        hidden = x.shape[1]
-        roff = self._recv_off + area * self._area
-        rb = hidden * x.element_size()
-        left, n_recv, missing, res, pos_addr = DK.dispatch_own_at(
-            b.bases, self.dlay, b.rank, epoch, idx_addr, w_addr, t_n, k_n, self.num_experts,
-            self.el, code, roff, self._counts, self._tails, self._got, x.data_ptr(), rb,
-            INLINE_SPINS)
-        if left:
-            return None
-        if n_recv < 0:
-            raise self._dtype_error(x.dtype, missing)
-        t1 = now_us()
-        o_tpe, o_ints, o_w, _ = DK.own_parts.py_func(t_n, k_n, self.el, n_recv)
-        if n_recv:
-            ints = res[o_ints:o_w].reshape(3, n_recv)
-            wts = res[o_w:].view(np.float32)[:n_recv]
-        else:   # two empty views at one address as two types: torch.save refuses them
-            ints, wts = np.empty((3, 0), np.int64), np.empty(0, np.float32)
-        if missing:
-            b.wait(lambda s: DK.recv_meta(b.base, self.dlay, epoch, 0, n_recv, ints[1], ints[2],
-                                          wts, 0, roff, rb, s),
-                   "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
-                   deadline=deadline)
-        recv_x = (self._lend_area(area, roff, n_recv, hidden, x.dtype) if n_recv
-                  else self._lend.empty(0, hidden, x.dtype))
-        self._last_call, self._last_dtype = call, x.dtype
-        t2 = now_us()
-        handle = new_handle(b.buffer_id, call, t_n, n_recv, hidden, topk_idx, topk_weights, ints,
-                            (idx_addr, w_addr, k_n, epoch, pos_addr, res, ints[0]))
-        stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), None, topk_idx, n_recv, rb,
-                                 epoch)
-        return new_dispatch_result(recv_x, wts, res[o_tpe:o_ints], handle, stats)
 
     def _free_area(self) -> int:
         """owned: a lent recv area nobody holds a tensor on any more, else 0 (scratch).

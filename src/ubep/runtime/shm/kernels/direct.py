@@ -403,43 +403,6 @@ def dispatch_rows_own(bases, dlay, me, epoch, elem, tails, counts, el, idx_addr,
     return n, missing, pos.ctypes.data
 
 
-#: the parts of `dispatch_own_at`'s packed array, in order: `pos`, tokens per expert, the
-#: origins (source rank, token, slot: `[3, N]`), the weights (`N` float32, two per word)
-@jit
-def own_parts(t_n: int, k_n: int, el: int, n: int) -> tuple[int, int, int, int]:
-    """Start offsets (in int64 words) of tokens per expert, origins and weights in
-    `dispatch_own_at`'s array, and its length."""
-    o_tpe = t_n * k_n
-    o_ints = o_tpe + el
-    o_w = o_ints + 3 * n
-    return o_tpe, o_ints, o_w, o_w + (n + 1) // 2
-
-
-@jit
-def dispatch_own_at(bases, dlay, me, epoch, idx_addr, w_addr, t_n, k_n, num_experts, el, elem,
-                    roff, counts, tails, got, x_addr, rb, spins):
-    """`direct="owned"`, one worker, rows landing in a lent area: `dispatch_begin_at` and,
-    once every rank's counts are in, `dispatch_rows_own` in the same entry, with what the
-    handle and result keep in ONE fresh int64 array (`own_parts`; numba boxes each array it
-    returns).
-
-    Returns (ranks whose counts lack, N, rows missing, the array, its address): while counts
-    lack (first value > 0) nothing was sent and the array is empty; N = -1: rank `missing`
-    dispatches another dtype."""
-    left, n = dispatch_begin_at(bases, dlay, me, epoch, idx_addr, t_n, k_n, num_experts, elem,
-                                roff, counts, tails, got, spins)
-    if left:
-        return left, -1, 0, np.empty(0, np.int64), 0
-    o_tpe, o_ints, o_w, size = own_parts(t_n, k_n, el, n)
-    res = np.empty(size, np.int64)
-    ints = res[o_ints:o_w].reshape((3, n))
-    wts = res[o_w:].view(np.float32)[:n]
-    n, missing, pos_addr = dispatch_rows_own(bases, dlay, me, epoch, elem, tails, counts, el,
-                                             idx_addr, w_addr, t_n, k_n, res[:o_tpe],
-                                             res[o_tpe:o_ints], ints, wts, x_addr, rb, 0, spins)
-    return 0, n, missing, res, np.int64(pos_addr)     # (uint64 and int64 would unify to float)
-
-
 @jit
 def reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, pos_addr, el,
                      rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr, hidden, me,
