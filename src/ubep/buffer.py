@@ -256,7 +256,7 @@ class Buffer:
         # the common call (eager, CPU tensors of the checked dtypes and shapes, nothing that
         # requires grad, valid ids) is recognised by the inputs' fast check alone and goes
         # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
-        # ~40 µs batch-1 dispatch+combine (docs/results.md, "Fixed costs at batch 1")
+        # ~40 µs batch-1 dispatch+combine (docs/results.md, "Layer by layer, in place")
         if handle is None and not _is_compiling() and dispatch_inputs_ready(
                 x, topk_idx, topk_weights, *self._limits):
             return self._dispatch_checked(x, topk_idx, topk_weights)
