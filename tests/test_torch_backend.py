@@ -288,12 +288,19 @@ def _switch_over(rank, world, cases):
         return [run_case(buf, c, rank) for c in cases]
 
 
+def _size_cases(world: int, sizes: list[int], *, wrap: int, seed: int,
+                unweighted: int) -> list[Case]:
+    """One case per size: rank r sends `(size + r) % wrap` tokens (hidden 64, top-4 of
+    4 * world), bf16 and fp32 alternating, case i unweighted when `i % 3 == unweighted`."""
+    return [Case(4 * world, 64, 4, tuple((s + r) % wrap for r in range(world)), "uniform",
+                 ("bf16", "fp32")[i % 2], seed=seed + i, weighted=i % 3 != unweighted)
+            for i, s in enumerate(sizes)]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_torch_backend_across_the_inline_switch_over(world):
     sizes = [1, 2, 3, 4, 1, 0, 24, 3, 2, 9, 1, 1, 17, 3]
-    cases = [Case(4 * world, 64, 4, tuple((s + r) % 25 for r in range(world)), "uniform",
-                  ("bf16", "fp32")[i % 2], seed=40 + i, weighted=i % 3 != 2)
-             for i, s in enumerate(sizes)]
+    cases = _size_cases(world, sizes, wrap=25, seed=40, unweighted=2)
     per_rank = run_ranks(_switch_over, world, cases, timeout_s=180)
     for i, case in enumerate(cases):
         check_case(case, [per_rank[r][i] for r in range(world)])
@@ -570,9 +577,7 @@ def _interleaved_handles(rank, world, cases):
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_backend_handles_combined_after_later_dispatches(world):
     sizes = [1, 1, 3, 1, 16, 2, 0, 1]
-    cases = [Case(4 * world, 64, 4, tuple((s + r) % 17 for r in range(world)), "uniform",
-                  ("bf16", "fp32")[i % 2], seed=70 + i, weighted=i % 3 != 1)
-             for i, s in enumerate(sizes)]
+    cases = _size_cases(world, sizes, wrap=17, seed=70, unweighted=1)
     per_rank = run_ranks(_interleaved_handles, world, cases, timeout_s=180)
     for i, case in enumerate(cases):
         check_case(case, [per_rank[r][i] for r in range(world)])

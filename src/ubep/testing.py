@@ -181,6 +181,35 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 ROUTINGS = ("uniform", "skewed", "one_expert", "unrouted", "partial")
 
 
+def alternate(ways: dict[str, Callable[[], Any]], rounds: int, block: int = 20,
+              barrier: Callable[[], Any] | None = None) -> dict[str, list[int]]:
+    """ns per call of each of `ways`, run in turns of `block` calls, `rounds` turns each.
+
+    Each turn starts after `barrier()` (default: the default process group's, so every rank
+    turns together). The host's drift (this project's VM flips between speed states ~1.6x
+    apart every few seconds) then hits every way alike: the A/B a noisy host needs."""
+    import torch.distributed as dist
+
+    barrier = barrier or dist.barrier
+    perf = time.perf_counter_ns
+    times: dict[str, list[int]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, call in ways.items():
+            barrier()
+            for _ in range(block):
+                t = perf()
+                call()
+                times[name].append(perf() - t)
+    return times
+
+
+def slowest_rank_us(per_rank: list[dict[str, list[int]]], name: str):
+    """Call by call, the slowest rank's time of `name` in µs (`alternate`'s ns per rank)."""
+    import numpy as np
+
+    return np.max([np.asarray(r[name]) for r in per_rank], axis=0) / 1e3
+
+
 def make_routing(num_tokens: int, top_k: int, num_experts: int, *, kind: str = "uniform",
                  seed: int = 0):
     """`(topk_idx [T, K] int64, topk_weights [T, K] float32)` for a named routing.

@@ -21,7 +21,6 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -41,46 +40,40 @@ def _copy_other(src: str, folder: str) -> None:
                     f.write(text)
 
 
-def _run(rank: int, world: int, path: str, folder: str, a, q) -> None:
+def _rank(rank: int, world: int, folder: str, batch: int, direct, rounds: int) -> dict:
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})
     sys.path.insert(0, folder)
     import ubep_other
 
     import ubep
-    from ubep.testing import make_routing, make_tokens
+    from ubep.testing import alternate, make_routing, make_tokens
 
-    idx, w = make_routing(a.batch, 8, 16, kind="uniform", seed=7 + rank)
-    x = make_tokens(rank, a.batch, 7168, torch.bfloat16, seed=3)
-    direct = True if a.direct == "true" else a.direct
+    idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
+    x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
     kw = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="shm", workers=1,
               direct=direct)
-    times: dict[str, list[int]] = {"other": [], "this": []}
     with ubep.Buffer(**kw) as this, ubep_other.Buffer(**kw) as other:
-        bufs = {"other": other, "this": this}
         ys = {}
-        for m, b in bufs.items():
+        for name, buf in (("other", other), ("this", this)):
             for _ in range(50):
-                r = b.dispatch(x, idx, w)
-                ys[m] = b.combine(r.recv_x, r.handle)
+                r = buf.dispatch(x, idx, w)
+                ys[name] = buf.combine(r.recv_x, r.handle)
         assert torch.equal(ys["this"].view(torch.int16), ys["other"].view(torch.int16))
-        for _ in range(a.rounds):
-            for m, b in bufs.items():
-                dist.barrier()
-                for _ in range(20):
-                    t = time.perf_counter_ns()
-                    r = b.dispatch(x, idx, w)
-                    b.combine(r.recv_x, r.handle)
-                    times[m].append(time.perf_counter_ns() - t)
-    q.put((rank, times))
-    dist.destroy_process_group()
+
+        def call(buf):
+            def once():
+                r = buf.dispatch(x, idx, w)
+                buf.combine(r.recv_x, r.handle)
+            return once
+
+        return alternate({"other": call(other), "this": call(this)}, rounds)
 
 
 def main() -> None:
+    from ubep.testing import run_ranks, slowest_rank_us
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("other_src")
     p.add_argument("--world", type=int, default=2, choices=(1, 2))
@@ -88,34 +81,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--batch", type=int, default=1)
     a = p.parse_args()
-    fd, path = tempfile.mkstemp(prefix="ubep-pg-")
-    os.close(fd)
-    os.unlink(path)
     folder = tempfile.mkdtemp(prefix="ubep-ab-")
     try:
         _copy_other(a.other_src, folder)
-        if a.world == 1:
-            import queue
-            q = queue.Queue()
-            _run(0, 1, path, folder, a, q)
-            out = dict([q.get()])
-        else:
-            import torch.multiprocessing as mp
-            ctx = mp.get_context("spawn")
-            q = ctx.Queue()
-            ps = [ctx.Process(target=_run, args=(r, 2, path, folder, a, q)) for r in range(2)]
-            for proc in ps:
-                proc.start()
-            out = dict(q.get() for _ in ps)
-            for proc in ps:
-                proc.join()
+        out = run_ranks(_rank, a.world, folder, a.batch,
+                        True if a.direct == "true" else a.direct, a.rounds, timeout_s=1800,
+                        threads_per_rank=1)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        if os.path.exists(path):
-            os.unlink(path)
     med = {}
     for m in ("other", "this"):
-        t = np.max([np.array(out[r][m]) for r in out], axis=0) / 1e3
+        t = slowest_rank_us(out, m)
         med[m] = np.median(t)
         print(f"world {a.world}, batch {a.batch}, direct={a.direct}, {m}: median {med[m]:.1f} µs, "
               f"p90 {np.percentile(t, 90):.1f} µs ({len(t)} calls)")

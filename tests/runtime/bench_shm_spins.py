@@ -15,20 +15,13 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
-def _run(rank: int, path: str, kind: str, spins: list[int], batch: int, calls: int, q) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+def _rank(rank: int, world: int, kind: str, spins: list[int], batch: int, calls: int) -> list:
     os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})
     import ubep
     import ubep.runtime.shm.direct as direct
@@ -37,7 +30,7 @@ def _run(rank: int, path: str, kind: str, spins: list[int], batch: int, calls: i
 
     idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
     x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
-    sync = HostSync.create(rank, 2, f"spins{os.getppid()}")
+    sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"])
     perf = time.perf_counter_ns
     rows = []
     gc.collect()
@@ -62,29 +55,17 @@ def _run(rank: int, path: str, kind: str, spins: list[int], batch: int, calls: i
                     rows.append((s, (t1 - t0) / 1e3, (t3 - t2) / 1e3))
     finally:
         sync.close()
-        dist.destroy_process_group()
-    q.put((rank, rows))
+    return rows
 
 
 def main() -> None:
+    from ubep.testing import run_ranks
+
     kind = sys.argv[1] if len(sys.argv) > 1 else "owned"
     spins = [int(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "8,256").split(",")]
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     calls = 3000
-    fd, path = tempfile.mkstemp(prefix="ubep-pg-")
-    os.close(fd)
-    os.unlink(path)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, path, kind, spins, batch, calls, q))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
-    if os.path.exists(path):
-        os.unlink(path)
+    got = run_ranks(_rank, 2, kind, spins, batch, calls, timeout_s=900, threads_per_rank=1)
     a, b = np.array(got[0]), np.array(got[1])
     pair = np.maximum(a[:, 1:], b[:, 1:])
     print(f"{kind}, batch {batch}: dispatch+combine, slower rank, {calls // len(spins)} calls each")

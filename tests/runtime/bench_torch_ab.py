@@ -14,14 +14,13 @@ docs/results/torch_backend.md.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def _other_backend(src: str, folder: str):
@@ -49,15 +48,12 @@ def _timed(fn, name: str, which: str, phases: dict):
     return timed
 
 
-def _run(rank: int, path: str, other: str, folder: str, batch: int, rounds: int, q) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+def _rank(rank: int, world: int, other: str, folder: str, batch: int, rounds: int):
     os.sched_setaffinity(0, {rank})
     import ubep
-    from ubep.testing import make_routing, make_tokens
+    from ubep.testing import alternate, make_routing, make_tokens
 
     other_cls = _other_backend(other, folder)
-    res: dict[str, list[int]] = {"other": [], "this": []}
     phases: dict[str, dict[str, list[float]]] = {"other": {}, "this": {}}
     # UBEP_AB_WRAP=name,name: time those functions of either backend module (as phases)
     import other_torch_backend
@@ -70,6 +66,7 @@ def _run(rank: int, path: str, other: str, folder: str, batch: int, rounds: int,
     idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
     x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
     kw = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="torch")
+    stats: dict[str, list] = {"other": [], "this": []}
     with ubep.Buffer(**kw) as this, ubep.Buffer(**kw) as buf:
         buf._backend.close()
         buf._backend = other_cls(buf.config, None, buf._id)
@@ -78,49 +75,44 @@ def _run(rank: int, path: str, other: str, folder: str, batch: int, rounds: int,
             for _ in range(30):
                 r = b.dispatch(x, idx, w)
                 b.combine(r.recv_x, r.handle)
-        for _ in range(rounds):
-            for m, b in bufs.items():
-                dist.barrier()
-                for _ in range(20):
-                    t = time.perf_counter_ns()
-                    r = b.dispatch(x, idx, w)
-                    b.combine(r.recv_x, r.handle)
-                    res[m].append(time.perf_counter_ns() - t)
-                    for op, st in (("dispatch", r.stats), ("combine", b.last_stats)):
-                        for k, v in st.phases_us.items():
-                            phases[m].setdefault(f"{op}.{k}", []).append(v)
-    q.put((rank, (res, phases)))
-    dist.destroy_process_group()
+
+        def call(m, b):
+            def once():
+                r = b.dispatch(x, idx, w)
+                b.combine(r.recv_x, r.handle)
+                stats[m].append((r.stats, b.last_stats))     # read after timing
+            return once
+
+        res = alternate({m: call(m, b) for m, b in bufs.items()}, rounds)
+    for m, pairs in stats.items():
+        for pair in pairs:
+            for op, st in zip(("dispatch", "combine"), pair):
+                for k, v in st.phases_us.items():
+                    phases[m].setdefault(f"{op}.{k}", []).append(v)
+    return res, phases
 
 
 def main() -> None:
+    from ubep.testing import run_ranks, slowest_rank_us
+
     other = sys.argv[1]
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 20
-    fd, path = tempfile.mkstemp(prefix="ubep-pg-")
-    os.close(fd)
-    os.unlink(path)
     folder = tempfile.mkdtemp(prefix="ubep-ab-")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_run, args=(r, path, other, folder, batch, rounds, q))
-          for r in range(2)]
-    for p in ps:
-        p.start()
-    out = dict(q.get() for _ in ps)
-    for p in ps:
-        p.join()
-    if os.path.exists(path):
-        os.unlink(path)
+    try:
+        out = run_ranks(_rank, 2, other, folder, batch, rounds, timeout_s=1800,
+                        threads_per_rank=1)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     print("phase medians, rank 0 / rank 1 (µs):")
     for k in sorted(set(out[0][1]["this"]) & set(out[0][1]["other"])):
         print(f"  {k:28s}" + "   ".join(
             f"{m} " + " / ".join(f"{np.median(out[r][1][m][k]):6.1f}" for r in range(2))
             for m in ("other", "this")))
-    out = {r: out[r][0] for r in out}
+    times = [out[r][0] for r in range(2)]
     med = {}
-    for m in out[0]:
-        t = np.maximum(np.array(out[0][m]), np.array(out[1][m])) / 1e3
+    for m in ("other", "this"):
+        t = slowest_rank_us(times, m)
         med[m] = np.median(t)
         print(f"batch {batch} {m}: median {med[m]:.1f} µs, p90 "
               f"{np.percentile(t, 90):.1f} µs (dispatch+combine, slower rank)")
