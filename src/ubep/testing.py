@@ -203,11 +203,20 @@ def alternate(ways: dict[str, Callable[[], Any]], rounds: int, block: int = 20,
     return times
 
 
-def slowest_rank_us(per_rank: list[dict[str, list[int]]], name: str):
-    """Call by call, the slowest rank's time of `name` in µs (`alternate`'s ns per rank)."""
+def print_turns(per_rank: list[dict[str, list[int]]], label: str) -> dict[str, float]:
+    """Print each way's median and p90 of `alternate`'s times, call by call the slowest
+    rank's, and the last way's median over the first's; return the medians (µs)."""
     import numpy as np
 
-    return np.max([np.asarray(r[name]) for r in per_rank], axis=0) / 1e3
+    med = {}
+    for name in per_rank[0]:
+        t = np.max([np.asarray(r[name]) for r in per_rank], axis=0) / 1e3
+        med[name] = float(np.median(t))
+        print(f"{label} {name}: median {med[name]:.1f} µs, p90 {np.percentile(t, 90):.1f} µs "
+              f"({len(t)} calls, slowest of {len(per_rank)} rank(s))")
+    first, *_, last = med
+    print(f"{label} {last}/{first}: {med[last] / med[first]:.3f}")
+    return med
 
 
 def make_routing(num_tokens: int, top_k: int, num_experts: int, *, kind: str = "uniform",

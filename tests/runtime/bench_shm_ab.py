@@ -22,8 +22,6 @@ import shutil
 import sys
 import tempfile
 
-import numpy as np
-
 
 def _copy_other(src: str, folder: str) -> None:
     """`src`/ubep as `folder`/ubep_other, every `ubep` identifier renamed."""
@@ -72,7 +70,7 @@ def _rank(rank: int, world: int, folder: str, batch: int, direct, rounds: int) -
 
 
 def main() -> None:
-    from ubep.testing import run_ranks, slowest_rank_us
+    from ubep.testing import print_turns, run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("other_src")
@@ -89,14 +87,7 @@ def main() -> None:
                         threads_per_rank=1)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    med = {}
-    for m in ("other", "this"):
-        t = slowest_rank_us(out, m)
-        med[m] = np.median(t)
-        print(f"world {a.world}, batch {a.batch}, direct={a.direct}, {m}: median {med[m]:.1f} µs, "
-              f"p90 {np.percentile(t, 90):.1f} µs ({len(t)} calls)")
-    print(f"this/other: {med['this'] / med['other']:.3f}")
-
+    print_turns(out, f"world {a.world}, batch {a.batch}, direct={a.direct},")
 
 if __name__ == "__main__":
     main()

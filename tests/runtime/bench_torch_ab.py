@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, other: str, folder: str, batch: int, rounds: in
 
 
 def main() -> None:
-    from ubep.testing import run_ranks, slowest_rank_us
+    from ubep.testing import print_turns, run_ranks
 
     other = sys.argv[1]
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
@@ -109,15 +109,7 @@ def main() -> None:
         print(f"  {k:28s}" + "   ".join(
             f"{m} " + " / ".join(f"{np.median(out[r][1][m][k]):6.1f}" for r in range(2))
             for m in ("other", "this")))
-    times = [out[r][0] for r in range(2)]
-    med = {}
-    for m in ("other", "this"):
-        t = slowest_rank_us(times, m)
-        med[m] = np.median(t)
-        print(f"batch {batch} {m}: median {med[m]:.1f} µs, p90 "
-              f"{np.percentile(t, 90):.1f} µs (dispatch+combine, slower rank)")
-    print(f"batch {batch} this/other: {med['this'] / med['other']:.3f}")
-
+    print_turns([out[r][0] for r in range(2)], f"batch {batch} dispatch+combine,")
 
 if __name__ == "__main__":
     main()

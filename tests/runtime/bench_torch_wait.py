@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import torch
 
 
@@ -39,16 +38,12 @@ def _rank(rank: int, world: int, batch: int, rounds: int) -> dict[str, list[int]
 
 
 def main() -> None:
-    from ubep.testing import run_ranks, slowest_rank_us
+    from ubep.testing import print_turns, run_ranks
 
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 20
     out = run_ranks(_rank, 2, batch, rounds, timeout_s=1800, threads_per_rank=1)
-    for m in out[0]:
-        t = slowest_rank_us(out, m)
-        print(f"batch {batch} {m}: median {np.median(t):.1f} µs, p90 "
-              f"{np.percentile(t, 90):.1f} µs (dispatch+combine, slower rank)")
-
+    print_turns(out, f"batch {batch} dispatch+combine,")
 
 if __name__ == "__main__":
     main()

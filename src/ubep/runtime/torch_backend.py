@@ -662,7 +662,6 @@ class TorchBackend:
             gather_at(work_addr, work_bytes, xa, x_bytes, pool_addr, num_recv * row_bytes,
                       gather, num_remote, row_bytes, world, num_tokens, top_k, meta_k, first,
                       n_me, ws_addr, ws_len)
-            _, o_br, _, o_tpe, o_fr, _, o_w, end = offsets
         else:               # plan and rows in one call, into room for every pair named
             if global_max > C:
                 pool = None                      # (an unused array is the pool's again)
@@ -671,7 +670,7 @@ class TorchBackend:
                 work_addr, work_bytes, xa, x_bytes, pool_addr, len(pool) * row_bytes,
                 row_bytes, C, hrows, me, per_rank, world, num_tokens, top_k, meta_k, first,
                 n_me, sends, ws_addr, ws_len)
-            _, o_br, _, o_tpe, o_fr, _, o_w, end = offsets
+        _, o_br, _, o_tpe, o_fr, _, o_w, end = offsets
         tokens_per_expert = res[o_tpe:o_fr]
         if num_recv:
             origins = res[:o_br].reshape(3, num_recv)

@@ -838,9 +838,11 @@ def bag_sums_into(rows: torch.Tensor, weights: np.ndarray, weighted: bool,
 
 
 @njit(nogil=True, cache=True)
-def _final_plan(final_rows_addr, final_offsets_addr, sends, num_tokens, num_rows):
-    """The source-side plan by address (`sends` rows, `num_tokens` offsets), checked: every
-    row inside the `num_rows` of the combine work buffer, offsets ascending within it."""
+def _final_args(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
+                final_offsets_addr, sends, num_tokens, y_addr, word):
+    """The arrays of `final_sums_*` by address: the received and own partial rows and y
+    (`[.., hidden]` of `word`), and the source-side plan (`sends` rows, `num_tokens`
+    offsets), checked: every row inside the combine work buffer, offsets ascending in it."""
     final_rows = carray(void_ptr(final_rows_addr), (sends,), np.int64)
     final_offsets = carray(void_ptr(final_offsets_addr), (num_tokens,), np.int64)
     prev = 0
@@ -849,32 +851,28 @@ def _final_plan(final_rows_addr, final_offsets_addr, sends, num_tokens, num_rows
             raise IndexError("torch backend: a token's partials out of the plan")
         prev = final_offsets[t]
     for q in range(sends):
-        if not 0 <= final_rows[q] < num_rows:
+        if not 0 <= final_rows[q] < num_back + num_own:
             raise IndexError("torch backend: a partial row out of the combine buffer")
-    return final_rows, final_offsets
+    return (carray(void_ptr(back_addr), (num_back, hidden), word),
+            carray(void_ptr(own_addr), (num_own, hidden), word), final_rows, final_offsets,
+            carray(void_ptr(y_addr), (num_tokens, hidden), word))
 
 
 @njit(nogil=True, cache=True)
 def final_sums_bf16_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
                        final_offsets_addr, sends, num_tokens, y_addr):
-    """`final_sums_bf16` with every array by address: the `num_back` received and
-    `num_own` own partial rows, the plan (`sends` rows, `num_tokens` offsets) and y
-    (`[num_tokens, hidden]` bfloat16 bits)."""
-    final_rows, final_offsets = _final_plan(final_rows_addr, final_offsets_addr, sends,
-                                            num_tokens, num_back + num_own)
-    back = carray(void_ptr(back_addr), (num_back, hidden), np.uint16)
-    own = carray(void_ptr(own_addr), (num_own, hidden), np.uint16)
-    y = carray(void_ptr(y_addr), (num_tokens, hidden), np.uint16)
-    final_sums_bf16(back, own, final_rows, final_offsets, num_back, y)
+    """`final_sums_bf16` with every array by address (`_final_args`; y as bfloat16 bits)."""
+    back, own, rows, offsets, y = _final_args(back_addr, num_back, own_addr, num_own, hidden,
+                                              final_rows_addr, final_offsets_addr, sends,
+                                              num_tokens, y_addr, np.uint16)
+    final_sums_bf16(back, own, rows, offsets, num_back, y)
 
 
 @njit(nogil=True, cache=True)
 def final_sums_f32_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
                       final_offsets_addr, sends, num_tokens, y_addr):
-    """`final_sums_bf16_at` for float32 partials."""
-    final_rows, final_offsets = _final_plan(final_rows_addr, final_offsets_addr, sends,
-                                            num_tokens, num_back + num_own)
-    back = carray(void_ptr(back_addr), (num_back, hidden), np.float32)
-    own = carray(void_ptr(own_addr), (num_own, hidden), np.float32)
-    y = carray(void_ptr(y_addr), (num_tokens, hidden), np.float32)
-    final_sums_f32(back, own, final_rows, final_offsets, num_back, y)
+    """`final_sums_f32` with every array by address (`_final_args`)."""
+    back, own, rows, offsets, y = _final_args(back_addr, num_back, own_addr, num_own, hidden,
+                                              final_rows_addr, final_offsets_addr, sends,
+                                              num_tokens, y_addr, np.float32)
+    final_sums_f32(back, own, rows, offsets, num_back, y)
