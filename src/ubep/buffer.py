@@ -178,11 +178,11 @@ class Buffer:
         self.last_stats: Stats | None = None
         self._id = next(_buffer_ids)
         self._calls = 0
-        # `dispatch_inputs_ready`'s limits, in its argument order
-        self._limits = (hidden, num_experts, max_tokens_per_rank, max_top_k)
         self._lock = threading.Lock()
         self._closed = False
         self._broken: BaseException | None = None
+        c = self.config     # `dispatch_inputs_ready`'s limits, in its argument order
+        self._limits = (c.hidden, c.num_experts, c.max_tokens_per_rank, c.max_top_k)
         self._backend = make_backend(self.config, group, self._id)
         self._companions: dict[int, Buffer] = {}  # rows of other widths (ubep.quant)
         ops.register_buffer(self)

@@ -431,19 +431,6 @@ def combine_begin_at(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_
     Returns (tokens missing or -(r + 1), ranks not done reading mine): once every token is
     summed, `done_reading(done_mine, done_first, ...)` runs in this same entry (second value
     >= 0); while tokens are missing it has not run (-1)."""
-    left = _combine_begin_at(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n,
-                             src_rank, idx_addr, w_addr, t_n, k_n, weighted, pos_addr, el, rb,
-                             es, ecode, lut, ready, done, y_addr, out_addr, hidden, spins)
-    if left != 0:
-        return left, -1
-    return 0, done_reading(done_mine, done_first, bases.shape[0], epoch, spins)
-
-
-@jit
-def _combine_begin_at(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy_n, src_rank,
-                      idx_addr, w_addr, t_n, k_n, weighted, pos_addr, el, rb, es, ecode, lut,
-                      ready, done, y_addr, out_addr, hidden, spins):
-    """`combine_begin_at`'s copy, publish and first sums; tokens missing or -(r + 1)."""
     if copy_n > 0:
         copy_rows_for_peers(bases[me] + dlay[D_COMB_OFF], copy_src, rb, src_rank, me, copy_n)
     publish_ready(bases[me], dlay, epoch, dtype_code, offset)
@@ -451,9 +438,12 @@ def _combine_begin_at(bases, dlay, me, epoch, dtype_code, offset, copy_src, copy
         ready[r] = -1
     for t in range(t_n):
         done[t] = 0
-    return reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
+    left = reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
                             el, rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr,
                             hidden, me, copy_src if copy_n > 0 else 0, spins)
+    if left != 0:
+        return left, -1
+    return 0, done_reading(done_mine, done_first, bases.shape[0], epoch, spins)
 
 
 @jit
