@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint install clean vllm-venv test-vllm
+.PHONY: demo test lint install native clean vllm-venv test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,17 +16,27 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# ubep.native: the compiled fast checks (C++, g++ and ninja; ~30 s), into the venv. Without
+# it ubep runs its Python checks; here it must build (UBEP_REQUIRE_NATIVE makes tests say so).
+NATIVE := $(VENV)/.native
 
-demo: $(STAMP)
+$(NATIVE): $(STAMP) $(wildcard src/ubep/native/*.cpp)
+	$(BIN)/python -m ubep.native build
+	touch $(NATIVE)
+
+native: $(NATIVE)
+
+install: $(NATIVE)
+
+demo: $(NATIVE)
 	$(BIN)/ubep demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
-test: $(STAMP)
+test: $(NATIVE)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q tests
+	UBEP_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q tests
 	@leftover=$$(ls /dev/shm | grep -i ubep || true); \
 	if [ -n "$$leftover" ]; then echo "leaked shared memory: $$leftover"; exit 1; fi
 

@@ -6,10 +6,13 @@ so the caller can fix the call and use the same Buffer again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from numba import carray, njit
 
+from ubep.native import load_native
 from ubep.runtime.shm.atomics import i64_ptr
 
 #: dtypes whose rows dispatch moves as bytes. Element size at most 4 bytes: the shared-memory
@@ -135,9 +138,12 @@ def check_dispatch_inputs(x: object, topk_idx: object, topk_weights: object, *, 
     return x.detach(), idx, w.detach()
 
 
-def dispatch_inputs_ready(x: object, idx: object, w: object, hidden: int, num_experts: int,
-                          max_tokens: int, max_top_k: int) -> bool:
+def py_dispatch_inputs_ready(x: object, idx: object, w: object, hidden: int, num_experts: int,
+                             max_tokens: int, max_top_k: int) -> bool:
     """True if the full check would accept the call and return the three tensors unchanged.
+
+    `dispatch_inputs_ready` is this function, or its compiled twin when `ubep.native` is
+    built (same rules; ~0.2 µs instead of ~4 µs at batch 1).
 
     Cheap reads only (a torch op costs microseconds here, an attribute a fraction): exact
     dtypes, shapes, CPU, contiguity, then the id scan on the tensor's memory. False means
@@ -218,13 +224,26 @@ def check_combine_inputs(expert_out: object, *, num_recv: int, hidden: int) -> t
     return _rows(out.detach())
 
 
-def combine_inputs_ready(expert_out: object, num_recv: int, hidden: int) -> bool:
+def py_combine_inputs_ready(expert_out: object, num_recv: int, hidden: int) -> bool:
     """True if `check_combine_inputs` would return `expert_out` unchanged (attribute reads
-    only; False means "not sure": the full check decides)."""
+    only; False means "not sure": the full check decides). `combine_inputs_ready` is this
+    function or its compiled twin (`ubep.native`)."""
     return (isinstance(expert_out, torch.Tensor) and expert_out.shape == (num_recv, hidden)
             and _summable(expert_out.dtype) and expert_out.is_contiguous()
             and not expert_out.requires_grad and expert_out.is_cpu
             and expert_out.stride(-1) == 1)
+
+
+def _fast_checks() -> tuple[Callable[..., bool], Callable[..., bool]]:
+    """The compiled fast checks when `ubep.native` is built and on, else the Python ones."""
+    native = load_native()
+    if native is None:
+        return py_dispatch_inputs_ready, py_combine_inputs_ready
+    return native.dispatch_inputs_ready, native.combine_inputs_ready
+
+
+#: the fast checks `Buffer` and the full checks run first (same signature as the `py_` ones)
+dispatch_inputs_ready, combine_inputs_ready = _fast_checks()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,11 @@ pair each rank's thread is bound to core `rank` and the pair's time is the slowe
 
 The other tree's `ubep` package is copied to a temporary folder as a package named
 `ubep_other` (every `ubep` name in it renamed, its torch operators included), so both import
-side by side; its numba caches go there, not into that tree. Results are checked equal before
-timing. Not a test (pytest does not collect it); the numbers are in docs/results.md ("Layer by
-layer, in place").
+side by side; its numba caches go there, not into that tree. The copy never loads this
+environment's `ubep.native` build (its build folder is renamed with it), so its Python checks
+run: against this very tree (`src`), the A/B times the compiled checks alone. Results are
+checked equal before timing. Not a test (pytest does not collect it); the numbers are in
+docs/results.md ("Layer by layer, in place").
 
     .venv/bin/python tests/runtime/bench_shm_ab.py OTHER_SRC [--world 1|2] [--direct owned|true]
         [--rounds 60] [--batch 1]
@@ -66,6 +68,10 @@ def _rank(rank: int, world: int, folder: str, batch: int, direct, rounds: int) -
                 buf.combine(r.recv_x, r.handle)
             return once
 
+        if rank == 0:
+            from ubep.native import status
+            print(f"this: {status()}; other: native checks "
+                  f"{'on' if ubep_other.native.load_native() else 'off'}", flush=True)
         return alternate({"other": call(other), "this": call(this)}, rounds)
 
 

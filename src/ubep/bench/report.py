@@ -111,7 +111,8 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
     console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
                   f"{'?' if load is None else f'{load:.1f}'}; flag round trip "
                   + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
-                  + cross_core(res) + f"; {pinning(res)}; {res.elapsed_s:.0f} s[/]")
+                  + cross_core(res) + f"; {pinning(res)}; {m.get('native', '?')}; "
+                  f"{res.elapsed_s:.0f} s[/]")
 
 
 def cross_core(res: BenchResult) -> str:

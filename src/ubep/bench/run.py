@@ -58,6 +58,8 @@ def machine_info() -> dict:
     """Cores, CPU model, load and versions: what a reader needs to weigh the numbers."""
     import torch
 
+    from ubep.native import status
+
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -72,7 +74,8 @@ def machine_info() -> dict:
             "machine": platform.machine(), "python": platform.python_version(),
             "torch": torch.__version__,
             "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "native": status()}
     try:
         from mpi4py import MPI
         info["mpi"] = MPI.Get_library_version().splitlines()[0].strip()

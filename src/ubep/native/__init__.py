@@ -1,0 +1,82 @@
+"""ubep's compiled fast paths: a small C++ torch extension, built once per environment.
+
+What it holds: the input fast checks `Buffer.dispatch`/`Buffer.combine` run on every eager
+call (`checks.cpp`; the rules are `ubep.validate`'s). Each has a Python twin that gives the
+same answers, used when the extension is not built, so the library works without a
+compiler; `make install` builds it (`python -m ubep.native build`, ~40 s: g++, ninja and
+torch's headers, all present with a pip-installed torch).
+
+The build lands in this environment (`sys.prefix`), in a folder named by the source's hash,
+torch's version and Python's, so an edited source, another torch or another venv never
+loads a stale build. `UBEP_NATIVE=0` in the environment turns the extension off (the
+Python twins run), as a way to compare the two or to rule the extension out.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCES = (Path(__file__).with_name("checks.cpp"),)
+NAME = "ubep_native"
+
+
+def build_dir() -> Path:
+    """Where this environment's build of the current sources lives (or would)."""
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(f"{torch.__version__} {sys.version} {sysconfig.get_platform()}".encode())
+    return Path(sys.prefix) / "ubep-native" / h.hexdigest()[:16]
+
+
+def _library(folder: Path) -> Path:
+    return folder / f"{NAME}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the extension into `build_dir()` (nothing to do if it is there); its path."""
+    from torch.utils.cpp_extension import load
+
+    folder = build_dir()
+    lib = _library(folder)
+    if not lib.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        load(NAME, [str(s) for s in SOURCES], extra_cflags=["-O2"], build_directory=str(folder),
+             verbose=verbose)
+        if not lib.exists():        # torch names the library NAME.so
+            lib = folder / f"{NAME}.so"
+    load_native.cache_clear()
+    return lib
+
+
+@functools.cache
+def load_native() -> ModuleType | None:
+    """The built extension, or None (not built, or `UBEP_NATIVE=0`). Never builds."""
+    if os.environ.get("UBEP_NATIVE", "1") == "0":
+        return None
+    folder = build_dir()
+    for lib in (_library(folder), folder / f"{NAME}.so"):
+        if lib.exists():
+            spec = importlib.util.spec_from_file_location(NAME, lib)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod
+    return None
+
+
+def status() -> str:
+    """One line for reports: whether the compiled checks run, and why not."""
+    if os.environ.get("UBEP_NATIVE", "1") == "0":
+        return "native checks off (UBEP_NATIVE=0)"
+    if load_native() is None:
+        return "native checks not built (python -m ubep.native build)"
+    return "native checks on"
