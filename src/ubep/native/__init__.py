@@ -25,14 +25,16 @@ from types import ModuleType
 
 import torch
 
-SOURCES = (Path(__file__).with_name("checks.cpp"),)
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / f for f in ("module.cpp", "checks.cpp", "direct.cpp"))
+HEADERS = (_HERE / "native.h",)
 NAME = "ubep_native"
 
 
 def build_dir() -> Path:
     """Where this environment's build of the current sources lives (or would)."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(f"{torch.__version__} {sys.version} {sysconfig.get_platform()}".encode())
     return Path(sys.prefix) / "ubep-native" / h.hexdigest()[:16]
@@ -50,8 +52,10 @@ def build(verbose: bool = False) -> Path:
     lib = _library(folder)
     if not lib.exists():
         folder.mkdir(parents=True, exist_ok=True)
+        import numpy
+
         load(NAME, [str(s) for s in SOURCES], extra_cflags=["-O2"], build_directory=str(folder),
-             verbose=verbose)
+             extra_include_paths=[numpy.get_include()], verbose=verbose)
         if not lib.exists():        # torch names the library NAME.so
             lib = folder / f"{NAME}.so"
     load_native.cache_clear()

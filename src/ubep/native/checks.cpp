@@ -6,8 +6,7 @@
 // False still means "not sure" (the full Python check then decides and names the error), so
 // anything unusual (a tensor subclass, a non-strided layout, a torch error) answers False.
 // Entries take positional arguments by METH_FASTCALL: no argument parsing layer.
-#include <Python.h>
-#include <torch/csrc/autograd/python_variable.h>
+#include "native.h"
 
 namespace {
 
@@ -31,14 +30,6 @@ const at::Tensor* plain(PyObject* o) {
   const at::Tensor& t = THPVariable_Unpack(o);
   if (!t.defined() || t.layout() != at::kStrided || !t.is_cpu()) return nullptr;
   return &t;
-}
-
-bool ints(PyObject* const* a, Py_ssize_t n, int64_t* out) {
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    out[i] = PyLong_AsLongLong(a[i]);
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
-  return true;
 }
 
 // ids valid: each in [-1, num_experts), no expert twice in a row (ubep.validate._scan_topk)
@@ -80,12 +71,9 @@ bool combine_ready(PyObject* const* a, const int64_t* lim) {
 
 template <bool (*Check)(PyObject* const*, const int64_t*), Py_ssize_t NT, Py_ssize_t NI>
 PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != NT + NI) {
-    PyErr_Format(PyExc_TypeError, "expected %zd positional arguments, got %zd", NT + NI, nargs);
-    return nullptr;
-  }
+  if (!ubep_native::arity(nargs, NT + NI)) return nullptr;
   int64_t lim[NI > 0 ? NI : 1];
-  if (!ints(args + NT, NI, lim)) return nullptr;
+  if (!ubep_native::ints(args + NT, NI, lim)) return nullptr;
   bool ok = false;
   try {
     ok = Check(args, lim);
@@ -96,21 +84,16 @@ PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_FALSE;
 }
 
-PyMethodDef methods[] = {
-    {"dispatch_inputs_ready", (PyCFunction)(void (*)())entry<dispatch_ready, 3, 4>,
-     METH_FASTCALL,
-     "dispatch_inputs_ready(x, topk_idx, topk_weights, hidden, num_experts, max_tokens, "
-     "max_top_k) -> bool"},
-    {"combine_inputs_ready", (PyCFunction)(void (*)())entry<combine_ready, 1, 2>,
-     METH_FASTCALL, "combine_inputs_ready(expert_out, num_recv, hidden) -> bool"},
-    {nullptr, nullptr, 0, nullptr}};
-
 }  // namespace
 
-#define UBEP_CAT2(a, b) a##b
-#define UBEP_CAT(a, b) UBEP_CAT2(a, b)
+namespace ubep_native {
 
-static PyModuleDef module = {PyModuleDef_HEAD_INIT, "ubep_native", nullptr, -1, methods};
+PyObject* dispatch_inputs_ready(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+  return entry<dispatch_ready, 3, 4>(self, a, n);
+}
 
-// TORCH_EXTENSION_NAME: the module name torch.utils.cpp_extension.load was given
-PyMODINIT_FUNC UBEP_CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&module); }
+PyObject* combine_inputs_ready(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+  return entry<combine_ready, 1, 2>(self, a, n);
+}
+
+}  // namespace ubep_native

@@ -57,6 +57,7 @@ from ubep.handle import (
     new_dispatch_result,
     new_handle,
 )
+from ubep.native import load_native
 from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
@@ -150,6 +151,33 @@ class DirectPath:
         self._c_epoch = 0
         self._last_call = 0
         self._last_dtype = torch.bfloat16
+        # one worker: the compiled call path when built (`ubep.native`), else None
+        self._native = load_native() if ctx.workers == 1 else None
+        if self._native is not None:
+            self._st = self._native_state()
+            self._st_addr = self._st.ctypes.data
+
+    def _native_state(self) -> np.ndarray:
+        """The kept state `ubep.native`'s entries read (`kernels/entries.py`'s `ST_*` words):
+        the addresses of this path's arrays (kept alive by it) and the kernels'."""
+        from ubep.runtime.shm.kernels import entries as EN
+
+        b, st = self.ctx, np.zeros(EN.ST_LEN, np.int64)
+        self._lut0 = np.zeros(1, np.float32)
+        words = {EN.ST_BASES: b.bases.ctypes.data, EN.ST_WORLD: b.world,
+                 EN.ST_DLAY: self.dlay.ctypes.data, EN.ST_DLAY_N: len(self.dlay),
+                 EN.ST_RANK: b.rank, EN.ST_EXPERTS: self.num_experts, EN.ST_EL: self.el,
+                 EN.ST_COUNTS: self._counts.ctypes.data, EN.ST_TAILS: self._tails.ctypes.data,
+                 EN.ST_GOT: self._got.ctypes.data, EN.ST_SPINS: INLINE_SPINS,
+                 EN.ST_POS: self._pos_addr, EN.ST_HIDDEN: self.hidden,
+                 EN.ST_READY: self._ready.ctypes.data, EN.ST_DONE_T: self._done_t.ctypes.data,
+                 EN.ST_Y: self._y_addr, EN.ST_DONE_MINE: self._done_mine.ctypes.data,
+                 EN.ST_DONE_FIRST: self._done_first, EN.ST_LUT: self._lut0.ctypes.data,
+                 EN.ST_BEGIN: EN.dispatch_begin_c.address, EN.ST_ROWS: EN.dispatch_rows_c.address,
+                 EN.ST_COMBINE: EN.combine_begin_c.address}
+        for k, v in words.items():
+            st[k] = v
+        return st
 
     def release_outputs(self) -> None:
         """Drop the output pool's kept blocks (`ShmBackend.close`)."""
@@ -166,12 +194,16 @@ class DirectPath:
     # -- views of my areas -------------------------------------------------------------------
     def _view(self, area: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         """`[n, hidden]` of `dtype` at the start of my area `area` ("recv" or "comb")."""
+        return self._full_view(area, dtype).as_strided((n, self.hidden), (self.hidden, 1))
+
+    def _full_view(self, area: str, dtype: torch.dtype) -> torch.Tensor:
+        """All of my area `area` as `[rows, hidden]` of `dtype` (kept)."""
         v = self._views.get((area, dtype))
         if v is None:
             rows = self._areas[area].numel() // (self.hidden * dtype.itemsize)
             v = self._views[area, dtype] = self._areas[area][
                 :rows * self.hidden * dtype.itemsize].view(dtype).view(rows, self.hidden)
-        return v.as_strided((n, self.hidden), (self.hidden, 1))   # cheaper than v[:n] here
+        return v
 
     def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
         """`[N, hidden]` of `dtype` (None: the dispatched rows' dtype) in my shared memory:
@@ -198,16 +230,25 @@ class DirectPath:
         deadline = deadline_after(t0, self._timeout_s)
         counts, tails, got, dlay, bases = self._counts, self._tails, self._got, self.dlay, b.bases
         t_n, k_n = topk_idx.shape
-        idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
-        if self.owned:      # where my rows go this call: a free lent area, else scratch
-            area = self._free_area()
-            keep = np.empty(t_n * k_n, np.int64)    # the handle's `pos`
-        else:
-            area, keep = 0, None
+        area = self._free_area() if self.owned else 0   # owned: a free lent area, else scratch
         roff = self._recv_off + area * self._area
-        left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, idx_addr, t_n, k_n,
-                                            self.num_experts, code, roff, counts, tails, got,
-                                            INLINE_SPINS)
+        if self._native is not None and (area or not self.owned):
+            # one C++ entry for the whole call when nothing waits (`ubep.native`); rows land
+            # where `recv_x` lies (a lent area, or the recv area with direct=True)
+            view = self._area_view(area, roff, x.shape[1], x.dtype) if area else \
+                self._full_view("recv", x.dtype)
+            left, n_recv, missing, tpe, ints, wts, keep, pos_addr, recv_x, t1 = \
+                self._native.direct_dispatch(self._st_addr, x, topk_idx, topk_weights, epoch,
+                                             code, roff, self.owned, view)
+            if not left:
+                return self._dispatch_end(x, topk_idx, topk_weights, call, epoch, deadline,
+                                          (t0, t1), roff, n_recv, missing, tpe, ints, wts,
+                                          keep, pos_addr, recv_x)
+        else:
+            keep = np.empty(t_n * k_n, np.int64) if self.owned else None  # the handle's `pos`
+            left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, topk_idx.data_ptr(),
+                                                t_n, k_n, self.num_experts, code, roff, counts,
+                                                tails, got, INLINE_SPINS)
         if left:
             b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, tails, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
@@ -225,42 +266,60 @@ class DirectPath:
             dst = recv_x.data_ptr() if n_recv else 0
         else:
             recv_x, dst = self._view("recv", n_recv, x.dtype), 0
-        if b.workers == 1:
-            if self.owned:              # `pos` goes with the handle: any handle combinable
-                n_recv, missing, pos_addr = DK.dispatch_rows_own(
-                    bases, dlay, b.rank, epoch, code, tails, counts, self.el, idx_addr, w_addr,
-                    t_n, k_n, keep, tpe, ints, wts, x.data_ptr(), rb, dst, INLINE_SPINS)
-                if recv_x is None and n_recv >= 0:
-                    recv_x = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype)
-            else:                       # kept scratch: only the latest dispatch combinable
-                pos_addr = self._pos_addr
-                n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, tails,
-                                                      counts, self.el, idx_addr, w_addr, t_n,
-                                                      k_n, pos_addr, tpe, ints, wts,
-                                                      x.data_ptr(), rb, dst, INLINE_SPINS)
-            if n_recv < 0:
-                raise self._dtype_error(x.dtype, missing)
-            if missing:
-                b.wait(lambda s: DK.recv_meta(b.base, dlay, epoch, 0, n_recv, ints[1],
-                                                     ints[2], wts, dst, roff, rb, s),
-                        "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
-                        deadline=deadline)
-            state = (idx_addr, w_addr, k_n, epoch, pos_addr, keep, ints[0])
-            ivs = None
-        else:
+        if b.workers > 1:
             idx, w = topk_idx.numpy(), topk_weights.numpy()
             pos = np.empty(idx.shape, np.int64)
             n_recv, ivs = self._dispatch_pool(x, idx, w, pos, tpe, ints, wts, rb, code, epoch,
                                               dst, roff, deadline)
-            state = (idx, w, pos, epoch, ints[0])
             if recv_x is None:
                 recv_x = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype)
+            return self._dispatch_result(x, topk_idx, topk_weights, call, epoch, (t0, t1), ivs,
+                                         n_recv, tpe, ints, wts, (idx, w, pos, epoch, ints[0]),
+                                         recv_x)
+        idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
+        if self.owned:                  # `pos` goes with the handle: any handle combinable
+            n_recv, missing, pos_addr = DK.dispatch_rows_own(
+                bases, dlay, b.rank, epoch, code, tails, counts, self.el, idx_addr, w_addr,
+                t_n, k_n, keep, tpe, ints, wts, x.data_ptr(), rb, dst, INLINE_SPINS)
+            if recv_x is None and n_recv >= 0:
+                recv_x = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype)
+        else:                           # kept scratch: only the latest dispatch combinable
+            pos_addr = self._pos_addr
+            n_recv, missing = DK.dispatch_rows_at(bases, dlay, b.rank, epoch, code, tails,
+                                                  counts, self.el, idx_addr, w_addr, t_n,
+                                                  k_n, pos_addr, tpe, ints, wts,
+                                                  x.data_ptr(), rb, dst, INLINE_SPINS)
+        return self._dispatch_end(x, topk_idx, topk_weights, call, epoch, deadline, (t0, t1),
+                                  roff, n_recv, missing, tpe, ints, wts, keep, pos_addr, recv_x,
+                                  dst)
+
+    def _dispatch_end(self, x, topk_idx, topk_weights, call, epoch, deadline, ts, roff, n_recv,
+                      missing, tpe, ints, wts, keep, pos_addr, recv_x,
+                      dst=0) -> DispatchResult:
+        """One worker, every rank's counts in and my rows sent: wait for the `missing` rows
+        I receive, then the result."""
+        b = self.ctx
+        if n_recv < 0:
+            raise self._dtype_error(x.dtype, missing)
+        if missing:
+            rb = x.shape[1] * x.element_size()
+            b.wait(lambda s: DK.recv_meta(b.base, self.dlay, epoch, 0, n_recv, ints[1], ints[2],
+                                          wts, dst, roff, rb, s),
+                   "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
+                   deadline=deadline)
+        state = (topk_idx.data_ptr(), topk_weights.data_ptr(), topk_idx.shape[1], epoch,
+                 pos_addr, keep, ints[0])
+        return self._dispatch_result(x, topk_idx, topk_weights, call, epoch, ts, None, n_recv,
+                                     tpe, ints, wts, state, recv_x)
+
+    def _dispatch_result(self, x, topk_idx, topk_weights, call, epoch, ts, ivs, n_recv, tpe,
+                         ints, wts, state, recv_x) -> DispatchResult:
         self._last_call, self._last_dtype = call, x.dtype
         t2 = now_us()
-        handle = new_handle(b.buffer_id, call, t_n, n_recv, x.shape[1], topk_idx, topk_weights,
-                            ints, state)
-        stats = DeferredStats.of(self._dispatch_stats, (t0, t1, t2), ivs, topk_idx, n_recv, rb,
-                                 epoch)
+        handle = new_handle(self.ctx.buffer_id, call, topk_idx.shape[0], n_recv, x.shape[1],
+                            topk_idx, topk_weights, ints, state)
+        stats = DeferredStats.of(self._dispatch_stats, (*ts, t2), ivs, topk_idx, n_recv,
+                                 x.shape[1] * x.element_size(), epoch)
         return new_dispatch_result(recv_x, wts, tpe, handle, stats)
 
     def _free_area(self) -> int:
@@ -280,6 +339,11 @@ class DirectPath:
                    dtype: torch.dtype) -> torch.Tensor:
         """`[n, hidden]` of `dtype` on recv area `area` (at byte `roff` of my region), lent to
         the caller: a strided view of the area's kept typed tensor (see `_free_area`)."""
+        return self._area_view(area, roff, hidden, dtype).as_strided((n, hidden), (hidden, 1))
+
+    def _area_view(self, area: int, roff: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """Recv area `area` (at byte `roff`) as `[rows, hidden]` of `dtype`, kept: a tensor
+        lent from it holds the area's storage, which is what `_free_area` counts."""
         v = self._area_views.get((area, dtype))
         if v is None:                   # the whole area as rows of `dtype`, once
             es = dtype.itemsize
@@ -293,7 +357,7 @@ class DirectPath:
             v = self._area_u8[area][:n_max * hidden * es].view(dtype).view(n_max, hidden)
             self._area_views[area, dtype] = v
             self._area_uses[area] += _use_count(self._area_cdata[area]) - before
-        return v.as_strided((n, hidden), (hidden, 1))
+        return v
 
     def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, dst, roff,
                        deadline):
@@ -439,24 +503,30 @@ class DirectPath:
         dtype = expert_out.dtype
         idx_addr, w_addr, k_n, _, pos_addr, _, src_rank = handle.state
         t_n, hidden = handle.num_tokens, self.hidden
-        y_addr, out_addr, out = self._y_addr, 0, None
-        if dtype is torch.bfloat16 or dtype is torch.float32:
-            out = (dest if dest is not None and dest.is_contiguous()
-                   else self._lend.empty(t_n, hidden, dtype) if self.owned
-                   else torch.empty(t_n, hidden, dtype=dtype))
-            if dtype is torch.bfloat16:
-                out_addr = out.data_ptr()
-            else:
-                y_addr = out.data_ptr()
-        ready, done = self._ready, self._done_t
         own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
-        left, waiting = DK.combine_begin_at(
-            b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, src_rank, idx_addr,
-            w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode, lut, ready, done,
-            y_addr, out_addr, hidden, INLINE_SPINS, self._done_mine, self._done_first)
+        sums = dtype is torch.bfloat16 or dtype is torch.float32    # into the output itself
+        out = (dest if dest is not None and dest.is_contiguous()
+               else self._lend.empty(t_n, hidden, dtype) if self.owned and sums
+               and t_n * rb >= self._lend.min_bytes
+               else None if self._native is not None
+               else torch.empty(t_n, hidden, dtype=dtype) if sums else None)
+        if self._native is not None and sums:   # one C++ entry (`ubep.native`)
+            left, waiting, out, t1 = self._native.direct_combine(
+                self._st_addr, epoch, code, ecode, offset, ptr, copy_n, src_rank, idx_addr,
+                w_addr, t_n, k_n, weighted, pos_addr, out, dtype is torch.bfloat16)
+        else:
+            left, waiting = DK.combine_begin_at(
+                b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, src_rank,
+                idx_addr, w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode, lut,
+                self._ready, self._done_t, self._y_addr if dtype is not torch.float32
+                else out.data_ptr(), out.data_ptr() if dtype is torch.bfloat16 else 0,
+                hidden, INLINE_SPINS, self._done_mine, self._done_first)
+            t1 = now_us()
         if left < 0:
             raise self._combine_dtype_error(dtype, -left - 1)
-        t1 = now_us()
+        y_addr = out.data_ptr() if dtype is torch.float32 else self._y_addr
+        out_addr = out.data_ptr() if dtype is torch.bfloat16 else 0
+        ready, done = self._ready, self._done_t
         if left:
             bad = [-1]                  # a rank that published another dtype
 

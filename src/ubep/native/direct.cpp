@@ -1,0 +1,227 @@
+// The shm direct path's one-worker dispatch and combine as one C++ entry each: the Python
+// glue around its numba kernels (result arrays, the recv_x view, the combine output, two or
+// three kernel entries) was ~25 µs of a ~48 µs batch-1 dispatch+combine in one process; here
+// the kernels run as numba cfuncs called by address (`kernels/entries.py`), with no Python
+// in between. The protocol is entirely theirs: this file only allocates and passes pointers.
+//
+// Each entry returns early, with what it made so far, when a wait is needed (counts or rows
+// not all in after the kernels' inline spins, tokens not all summed): the Python path then
+// waits with its deadlines and named errors as on its own path.
+#include "native.h"
+
+#include <time.h>
+
+#include <numpy/arrayobject.h>
+
+namespace {
+
+// ST_* words of the path's kept state and D_* / C_* of one call's block: the order of
+// ubep.runtime.shm.kernels.entries (tests/test_native.py checks both sides agree)
+enum St : int64_t {
+  ST_BASES, ST_WORLD, ST_DLAY, ST_DLAY_N, ST_RANK, ST_EXPERTS, ST_EL, ST_COUNTS, ST_TAILS,
+  ST_GOT, ST_SPINS, ST_POS, ST_HIDDEN, ST_READY, ST_DONE_T, ST_Y, ST_DONE_MINE, ST_DONE_FIRST,
+  ST_LUT, ST_BEGIN, ST_ROWS, ST_COMBINE, ST_LEN
+};
+enum D : int64_t {
+  D_EPOCH, D_CODE, D_IDX, D_W, D_T, D_K, D_ROFF, D_POS, D_TPE, D_INTS, D_WTS, D_X, D_RB, D_DST,
+  D_LEFT, D_N, D_MISSING, D_LEN
+};
+enum C : int64_t {
+  C_EPOCH, C_CODE, C_OFFSET, C_COPY_SRC, C_COPY_N, C_SRC, C_N, C_IDX, C_W, C_T, C_K,
+  C_WEIGHTED, C_POS, C_RB, C_ES, C_ECODE, C_Y, C_OUT, C_LEFT, C_WAITING, C_LEN
+};
+
+using Kernel = void (*)(int64_t*, int64_t*);
+
+inline Kernel kernel(const int64_t* st, St which) {
+  return reinterpret_cast<Kernel>(static_cast<intptr_t>(st[which]));
+}
+
+// `time.perf_counter()`'s clock in µs (`ubep.runtime.shm.waits.now_us`)
+double now_us() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+PyObject* np_empty(int nd, npy_intp* dims, int type) {
+  return PyArray_EMPTY(nd, dims, type, 0);
+}
+
+inline int64_t addr(PyObject* arr) {
+  return reinterpret_cast<intptr_t>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr)));
+}
+
+// `[n, hidden]` rows at the start of `v` (a kept `[rows, hidden]` view of shared memory),
+// sharing its storage: the storage's use count is how the owned path knows an area is held
+// (`DirectPath._free_area`), so the view must hold the storage itself, as `as_strided` does
+at::Tensor rows_of(const at::Tensor& v, int64_t n) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(v.storage()), v.key_set(),
+                                                   v.dtype());
+  impl->set_storage_offset(v.storage_offset());
+  impl->set_sizes_contiguous({n, v.size(1)});
+  return at::Tensor(std::move(impl));
+}
+
+PyObject* tuple_steal(std::initializer_list<PyObject*> items) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(items.size()));
+  if (!t) {
+    for (PyObject* o : items) Py_XDECREF(o);
+    return nullptr;
+  }
+  Py_ssize_t i = 0;
+  for (PyObject* o : items) PyTuple_SET_ITEM(t, i++, o);
+  return t;
+}
+
+}  // namespace
+
+namespace ubep_native {
+
+bool init_direct() {
+  import_array1(false);
+  return true;
+}
+
+// direct_dispatch(st_addr, x, topk_idx, topk_weights, epoch, code, roff, owned, view)
+//   -> (left, n, missing, tpe, ints, wts, keep, pos_addr, recv_x, t1)
+// `left` > 0: some ranks' counts are not in yet (nothing after the counts ran; `keep` is
+// the owned handle's `pos`). Else `n` rows (n < 0: rank `missing` dispatches another dtype),
+// `missing` of them not arrived yet; `recv_x` `[n, hidden]` on `view` (None without one).
+PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (!arity(nargs, 9)) return nullptr;
+  int64_t v[4];                                   // st_addr, epoch, code, roff
+  PyObject* ia[4] = {a[0], a[4], a[5], a[6]};
+  if (!ints(ia, 4, v)) return nullptr;
+  int owned = PyObject_IsTrue(a[7]);
+  if (owned < 0) return nullptr;
+  int64_t* st = reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0]));
+  try {
+    const at::Tensor& x = THPVariable_Unpack(a[1]);
+    const at::Tensor& idx = THPVariable_Unpack(a[2]);
+    const at::Tensor& w = THPVariable_Unpack(a[3]);
+    const int64_t t_n = idx.size(0), k_n = idx.size(1);
+    int64_t c[D_LEN] = {};
+    c[D_EPOCH] = v[1];
+    c[D_CODE] = v[2];
+    c[D_ROFF] = v[3];
+    c[D_IDX] = reinterpret_cast<intptr_t>(idx.const_data_ptr());
+    c[D_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
+    c[D_T] = t_n;
+    c[D_K] = k_n;
+    PyObject* keep = Py_None;
+    if (owned) {
+      npy_intp dk = t_n * k_n;
+      keep = np_empty(1, &dk, NPY_INT64);
+      if (!keep) return nullptr;
+      c[D_POS] = addr(keep);
+    } else {
+      Py_INCREF(Py_None);
+      c[D_POS] = st[ST_POS];
+    }
+    kernel(st, ST_BEGIN)(st, c);
+    double t1 = now_us();
+    if (c[D_LEFT] > 0) {
+      Py_INCREF(Py_None); Py_INCREF(Py_None); Py_INCREF(Py_None); Py_INCREF(Py_None);
+      return tuple_steal({PyLong_FromLongLong(c[D_LEFT]), PyLong_FromLongLong(-1),
+                          PyLong_FromLongLong(0), Py_None, Py_None, Py_None, keep,
+                          PyLong_FromLongLong(c[D_POS]), Py_None, PyFloat_FromDouble(t1)});
+    }
+    const int64_t n = c[D_N];
+    npy_intp d_el = st[ST_EL], d_ints[2] = {3, n}, d_n = n;
+    PyObject* tpe = np_empty(1, &d_el, NPY_INT64);
+    PyObject* ints_ = np_empty(2, d_ints, NPY_INT64);
+    PyObject* wts = np_empty(1, &d_n, NPY_FLOAT32);
+    if (!tpe || !ints_ || !wts) {
+      Py_XDECREF(tpe); Py_XDECREF(ints_); Py_XDECREF(wts); Py_DECREF(keep);
+      return nullptr;
+    }
+    c[D_TPE] = addr(tpe);
+    c[D_INTS] = addr(ints_);
+    c[D_WTS] = addr(wts);
+    c[D_X] = reinterpret_cast<intptr_t>(x.const_data_ptr());
+    c[D_RB] = x.size(1) * static_cast<int64_t>(x.element_size());
+    c[D_DST] = 0;
+    kernel(st, ST_ROWS)(st, c);
+    PyObject* recv_x = Py_None;
+    if (c[D_N] >= 0 && a[8] != Py_None) {
+      recv_x = THPVariable_Wrap(rows_of(THPVariable_Unpack(a[8]), c[D_N]));
+      if (!recv_x) {
+        Py_DECREF(tpe); Py_DECREF(ints_); Py_DECREF(wts); Py_DECREF(keep);
+        return nullptr;
+      }
+    } else {
+      Py_INCREF(Py_None);
+    }
+    return tuple_steal({PyLong_FromLongLong(0), PyLong_FromLongLong(c[D_N]),
+                        PyLong_FromLongLong(c[D_MISSING]), tpe, ints_, wts, keep,
+                        PyLong_FromLongLong(c[D_POS]), recv_x, PyFloat_FromDouble(t1)});
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// direct_combine(st_addr, epoch, code, ecode, offset, copy_src, copy_n, src_rank, idx_addr,
+//                w_addr, t_n, k_n, weighted, pos_addr, out, bf16) -> (left, waiting, out, t1)
+// `src_rank` `[N]` int64 numpy: each received row's source rank (the handle's).
+// Sums bf16 (`bf16` true: rounded from fp32 sums in kept scratch) or fp32 rows into `out`
+// `[t_n, hidden]` (a new tensor when None). `left` tokens not summed yet (or -(r + 1): rank
+// r published another dtype); `waiting` ranks not done reading mine (-1: not told yet).
+PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (!arity(nargs, 16)) return nullptr;
+  int64_t v[15];                  // v[7] (src_rank) is an array, not an int
+  if (!ints(a, 7, v) || !ints(a + 8, 6, v + 8)) return nullptr;
+  if (!PyArray_Check(a[7]) || PyArray_TYPE(reinterpret_cast<PyArrayObject*>(a[7])) != NPY_INT64
+      || PyArray_NDIM(reinterpret_cast<PyArrayObject*>(a[7])) != 1) {
+    PyErr_SetString(PyExc_TypeError, "src_rank must be a 1-D int64 numpy array");
+    return nullptr;
+  }
+  int bf16 = PyObject_IsTrue(a[15]);
+  if (bf16 < 0) return nullptr;
+  int64_t* st = reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0]));
+  try {
+    const int64_t t_n = v[10], hidden = st[ST_HIDDEN];
+    PyObject* out_obj = a[14];
+    at::Tensor out;
+    if (out_obj == Py_None) {
+      out = at::empty({t_n, hidden}, at::TensorOptions().dtype(bf16 ? at::kBFloat16
+                                                                      : at::kFloat));
+      out_obj = THPVariable_Wrap(out);
+      if (!out_obj) return nullptr;
+    } else {
+      out = THPVariable_Unpack(out_obj);
+      Py_INCREF(out_obj);
+    }
+    const int64_t es = bf16 ? 2 : 4;
+    int64_t c[C_LEN] = {};
+    c[C_EPOCH] = v[1];
+    c[C_CODE] = v[2];
+    c[C_ECODE] = v[3];
+    c[C_OFFSET] = v[4];
+    c[C_COPY_SRC] = v[5];
+    c[C_COPY_N] = v[6];
+    c[C_SRC] = addr(a[7]);
+    c[C_N] = PyArray_DIM(reinterpret_cast<PyArrayObject*>(a[7]), 0);
+    c[C_IDX] = v[8];
+    c[C_W] = v[9];
+    c[C_T] = t_n;
+    c[C_K] = v[11];
+    c[C_WEIGHTED] = v[12];
+    c[C_POS] = v[13];
+    c[C_RB] = hidden * es;
+    c[C_ES] = es;
+    const int64_t o = reinterpret_cast<intptr_t>(out.data_ptr());
+    c[C_Y] = bf16 ? st[ST_Y] : o;
+    c[C_OUT] = bf16 ? o : 0;
+    kernel(st, ST_COMBINE)(st, c);
+    double t1 = now_us();
+    return tuple_steal({PyLong_FromLongLong(c[C_LEFT]), PyLong_FromLongLong(c[C_WAITING]),
+                        out_obj, PyFloat_FromDouble(t1)});
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+}  // namespace ubep_native

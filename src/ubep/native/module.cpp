@@ -1,0 +1,30 @@
+// The `ubep_native` module: its entries (positional arguments, METH_FASTCALL) and its init.
+#include "native.h"
+
+namespace {
+
+PyMethodDef methods[] = {
+    {"dispatch_inputs_ready", (PyCFunction)(void (*)())ubep_native::dispatch_inputs_ready,
+     METH_FASTCALL,
+     "dispatch_inputs_ready(x, topk_idx, topk_weights, hidden, num_experts, max_tokens, "
+     "max_top_k) -> bool"},
+    {"combine_inputs_ready", (PyCFunction)(void (*)())ubep_native::combine_inputs_ready,
+     METH_FASTCALL, "combine_inputs_ready(expert_out, num_recv, hidden) -> bool"},
+    {"direct_dispatch", (PyCFunction)(void (*)())ubep_native::direct_dispatch, METH_FASTCALL,
+     "the shm direct path's one-worker dispatch (see ubep.runtime.shm.direct)"},
+    {"direct_combine", (PyCFunction)(void (*)())ubep_native::direct_combine, METH_FASTCALL,
+     "the shm direct path's one-worker combine (see ubep.runtime.shm.direct)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "ubep_native", nullptr, -1, methods};
+
+}  // namespace
+
+#define UBEP_CAT2(a, b) a##b
+#define UBEP_CAT(a, b) UBEP_CAT2(a, b)
+
+// TORCH_EXTENSION_NAME: the module name torch.utils.cpp_extension.load was given
+PyMODINIT_FUNC UBEP_CAT(PyInit_, TORCH_EXTENSION_NAME)() {
+  if (!ubep_native::init_direct()) return nullptr;
+  return PyModule_Create(&module);
+}
