@@ -1,9 +1,14 @@
-"""`ubep.native`: the compiled fast checks give the Python checks' answers, and the library
-runs the same without them (`UBEP_NATIVE=0`)."""
+"""`ubep.native`: the compiled fast checks give the Python checks' answers, the compiled call
+path of the shm direct backend gives the oracle's results (also when a rank is late and the
+Python path takes over the wait), and the library runs the same without them
+(`UBEP_NATIVE=0`)."""
 
 from __future__ import annotations
 
 import os
+import re
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +17,7 @@ from hypothesis import strategies as st
 
 from ubep import validate
 from ubep.native import load_native, status
-from ubep.testing import check_case, run_case, run_ranks, runtime_cases
+from ubep.testing import check_case, expert_fn, run_case, run_ranks, runtime_cases
 
 NATIVE = load_native()
 needs_native = pytest.mark.skipif(
@@ -30,8 +35,8 @@ class _Sub(torch.Tensor):
 def test_the_build_is_there_when_required():
     if os.environ.get("UBEP_REQUIRE_NATIVE"):
         assert NATIVE is not None, status()
-    assert status() in ("native checks on", "native checks not built "
-                        "(python -m ubep.native build)", "native checks off (UBEP_NATIVE=0)")
+    assert status() in ("ubep.native on", "ubep.native not built "
+                        "(python -m ubep.native build)", "ubep.native off (UBEP_NATIVE=0)")
 
 
 @st.composite
@@ -120,19 +125,21 @@ def test_bad_arguments_raise_and_the_checks_still_answer():
         NATIVE.combine_inputs_ready(x)
     assert NATIVE.dispatch_inputs_ready(x, idx, w, *LIMITS) is True
     assert NATIVE.combine_inputs_ready(torch.zeros(3, H), 3, H) is True
-    assert validate.dispatch_inputs_ready is NATIVE.dispatch_inputs_ready
+    assert validate.fast_checks() == (NATIVE.dispatch_inputs_ready,
+                                      NATIVE.combine_inputs_ready)
 
 
 def _round_trips(rank, world, cases):
     import ubep
     from ubep import validate as v
 
-    assert v.dispatch_inputs_ready is v.py_dispatch_inputs_ready
-    assert v.combine_inputs_ready is v.py_combine_inputs_ready
     out = []
     with ubep.Buffer(num_experts=cases[0].num_experts, hidden=max(c.hidden for c in cases),
                      max_tokens_per_rank=16, backend="shm", max_top_k=8, timeout_s=30,
                      direct="owned") as buf:
+        assert buf._dispatch_ready is v.py_dispatch_inputs_ready
+        assert buf._combine_ready is v.py_combine_inputs_ready
+        assert buf._backend._path._native is None
         for case in cases:
             out.append(run_case(buf, case, rank))
         with pytest.raises(ValueError, match=r"expert id 99; ids must lie in \[-1, "):
@@ -142,9 +149,67 @@ def _round_trips(rank, world, cases):
     return out
 
 
-def test_without_the_extension_the_python_checks_run_and_agree_with_the_oracle(monkeypatch):
-    monkeypatch.setenv("UBEP_NATIVE", "0")
+def test_without_the_extension_the_python_checks_run_and_agree_with_the_oracle():
     cases = runtime_cases(2)[:4]
-    outs = run_ranks(_round_trips, 2, cases, timeout_s=120)
+    outs = run_ranks(_round_trips, 2, cases, timeout_s=120, env={"UBEP_NATIVE": "0"})
     for k, case in enumerate([*cases, cases[0]]):
         check_case(case, [o[k] for o in outs])
+
+
+def test_the_cpp_entries_read_the_words_where_the_kernels_write_them():
+    """direct.cpp's ST_/D_/C_ enums list the words of kernels/entries.py in the same order."""
+    from ubep.runtime.shm.kernels import entries
+
+    cpp = (Path(validate.__file__).parent / "native" / "direct.cpp").read_text()
+    for enum, last in (("St", "ST_LEN"), ("D", "D_LEN"), ("C", "C_LEN")):
+        body = re.search(rf"enum {enum} : int64_t \{{([^}}]*)\}}", cpp).group(1)
+        names = [n.strip() for n in body.split(",") if n.strip()]
+        assert names[-1] == last and getattr(entries, last) == len(names) - 1, enum
+        for value, name in enumerate(names[:-1]):
+            assert getattr(entries, name) == value, name
+
+
+def _late(rank, world, direct, cases):
+    """Every case once per (late rank, before dispatch or combine): the late rank sleeps
+    50 ms, so the other's compiled entry finds counts or rows missing and hands the wait on."""
+    import ubep
+
+    out = []
+    with ubep.Buffer(num_experts=cases[0].num_experts, hidden=max(c.hidden for c in cases),
+                     max_tokens_per_rank=16, backend="shm", max_top_k=8, timeout_s=30,
+                     direct=direct) as buf:
+        native = buf._backend._path._native is not None
+        for case in cases:
+            for late, where in ((0, "dispatch"), (1, "dispatch"), (1, "combine")):
+                x, idx, w = case.inputs(rank)
+                if rank == late and where == "dispatch":
+                    time.sleep(0.05)
+                res = buf.dispatch(x, idx, w)
+                rows = expert_fn(res.recv_x)
+                if rank == late and where == "combine":
+                    time.sleep(0.05)
+                y = buf.combine(rows, res.handle, weighted=case.weighted)
+                out.append({"recv_x": res.recv_x.clone(), "recv_weights": res.recv_weights,
+                            "tokens_per_expert": res.tokens_per_expert,
+                            "recv_src_rank": res.recv_src_rank,
+                            "recv_src_token": res.recv_src_token,
+                            "recv_src_slot": res.recv_src_slot, "y": y})
+    return native, out
+
+
+@pytest.mark.parametrize("native", ["on", "off"])
+@pytest.mark.parametrize("direct", [True, "owned"])
+def test_late_ranks_on_both_paths_agree_with_the_oracle(direct, native):
+    if native == "on" and NATIVE is None:
+        if os.environ.get("UBEP_REQUIRE_NATIVE"):
+            pytest.fail(status())
+        pytest.skip(status())
+    cases = [c for c in runtime_cases(2) if sum(c.tokens)][:4]
+    outs = run_ranks(_late, 2, direct, cases, timeout_s=200,
+                     env={"UBEP_NATIVE": "0" if native == "off" else "1"})
+    assert all(o[0] is (native == "on") for o in outs)
+    k = 0
+    for case in cases:
+        for _ in range(3):
+            check_case(case, [o[1][k] for o in outs])
+            k += 1

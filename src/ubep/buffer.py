@@ -29,8 +29,7 @@ from ubep.validate import (
     check_combine_inputs,
     check_combine_out,
     check_dispatch_inputs,
-    combine_inputs_ready,
-    dispatch_inputs_ready,
+    fast_checks,
 )
 
 _buffer_ids = itertools.count(1)
@@ -183,6 +182,8 @@ class Buffer:
         self._broken: BaseException | None = None
         c = self.config     # `dispatch_inputs_ready`'s limits, in its argument order
         self._limits = (c.hidden, c.num_experts, c.max_tokens_per_rank, c.max_top_k)
+        # the inputs' fast checks, compiled when `ubep.native` is built (same answers)
+        self._dispatch_ready, self._combine_ready = fast_checks()
         self._backend = make_backend(self.config, group, self._id)
         self._companions: dict[int, Buffer] = {}  # rows of other widths (ubep.quant)
         ops.register_buffer(self)
@@ -257,7 +258,7 @@ class Buffer:
         # requires grad, valid ids) is recognised by the inputs' fast check alone and goes
         # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
         # ~40 µs batch-1 dispatch+combine (docs/results.md, "Layer by layer, in place")
-        if handle is None and not _is_compiling() and dispatch_inputs_ready(
+        if handle is None and not _is_compiling() and self._dispatch_ready(
                 x, topk_idx, topk_weights, *self._limits):
             return self._dispatch_checked(x, topk_idx, topk_weights)
         if handle is not None:
@@ -328,8 +329,8 @@ class Buffer:
         # the common call (eager, this Buffer's handle, rows as the handle expects, no `out`):
         # the rows' fast check alone, then the backend (as in `dispatch`)
         if (type(handle) is DispatchHandle and out is None and handle.buffer_id == self._id
-                and not _is_compiling() and combine_inputs_ready(expert_out, handle.num_recv,
-                                                                 handle.hidden)):
+                and not _is_compiling() and self._combine_ready(expert_out, handle.num_recv,
+                                                                handle.hidden)):
             return self._combine_checked(expert_out, handle, weighted, None)
         if (type(handle) is not DispatchHandle or _is_compiling()
                 or getattr(expert_out, "requires_grad", False) and _grad_enabled()):

@@ -234,8 +234,9 @@ def py_combine_inputs_ready(expert_out: object, num_recv: int, hidden: int) -> b
             and expert_out.stride(-1) == 1)
 
 
-def _fast_checks() -> tuple[Callable[..., bool], Callable[..., bool]]:
-    """The compiled fast checks when `ubep.native` is built and on, else the Python ones."""
+def fast_checks() -> tuple[Callable[..., bool], Callable[..., bool]]:
+    """`(dispatch_inputs_ready, combine_inputs_ready)`: the compiled twins when `ubep.native`
+    is built and on (`UBEP_NATIVE` not 0 now), else the Python ones (`Buffer` asks once)."""
     native = load_native()
     if native is None:
         return py_dispatch_inputs_ready, py_combine_inputs_ready
@@ -243,7 +244,7 @@ def _fast_checks() -> tuple[Callable[..., bool], Callable[..., bool]]:
 
 
 #: the fast checks `Buffer` and the full checks run first (same signature as the `py_` ones)
-dispatch_inputs_ready, combine_inputs_ready = _fast_checks()
+dispatch_inputs_ready, combine_inputs_ready = fast_checks()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,9 @@ pair each rank's thread is bound to core `rank` and the pair's time is the slowe
 The other tree's `ubep` package is copied to a temporary folder as a package named
 `ubep_other` (every `ubep` name in it renamed, its torch operators included), so both import
 side by side; its numba caches go there, not into that tree. The copy never loads this
-environment's `ubep.native` build (its build folder is renamed with it), so its Python checks
-run: against this very tree (`src`), the A/B times the compiled checks alone. Results are
-checked equal before timing. Not a test (pytest does not collect it); the numbers are in
+environment's `ubep.native` build (its build folder is renamed with it), so its Python path
+runs: against this very tree (`src`), the A/B times `ubep.native` alone. Results are checked
+equal before timing. Not a test (pytest does not collect it); the numbers are in
 docs/results.md ("Layer by layer, in place").
 
     .venv/bin/python tests/runtime/bench_shm_ab.py OTHER_SRC [--world 1|2] [--direct owned|true]
@@ -70,8 +70,7 @@ def _rank(rank: int, world: int, folder: str, batch: int, direct, rounds: int) -
 
         if rank == 0:
             from ubep.native import status
-            print(f"this: {status()}; other: native checks "
-                  f"{'on' if ubep_other.native.load_native() else 'off'}", flush=True)
+            print(f"this: {status()}; other: {ubep_other.native.status()}", flush=True)
         return alternate({"other": call(other), "this": call(this)}, rounds)
 
 

@@ -342,7 +342,7 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
         f"cores, 1-minute load {m.get('load_avg_1m', 0):.1f} at the start; Python "
         f"{m.get('python')}, torch {m.get('torch')}"
         + (f", {' '.join(m['mpi'].split())}" if m.get("mpi") else "")
-        + (f"; {m['native']} (`ubep.native`)" if m.get("native") else "") + ". Flag round trip "
+        + (f"; {m['native']}" if m.get("native") else "") + ". Flag round trip "
         f"{turns.rtt_us.get(2, 0):.2f} µs." + _xcopy_words(turns)
         + f" Run 1 took {turns.elapsed_s:.0f} s, run 2 {inter.elapsed_s:.0f} s.", "",
         "P=2 ranks, bf16, top-8, 16 experts, uniform routing, batch = tokens per rank. Every "

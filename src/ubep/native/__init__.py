@@ -58,15 +58,19 @@ def build(verbose: bool = False) -> Path:
              extra_include_paths=[numpy.get_include()], verbose=verbose)
         if not lib.exists():        # torch names the library NAME.so
             lib = folder / f"{NAME}.so"
-    load_native.cache_clear()
+    _load.cache_clear()
     return lib
 
 
-@functools.cache
 def load_native() -> ModuleType | None:
-    """The built extension, or None (not built, or `UBEP_NATIVE=0`). Never builds."""
+    """The built extension, or None (not built, or `UBEP_NATIVE=0` now). Never builds."""
     if os.environ.get("UBEP_NATIVE", "1") == "0":
         return None
+    return _load()
+
+
+@functools.cache
+def _load() -> ModuleType | None:
     folder = build_dir()
     for lib in (_library(folder), folder / f"{NAME}.so"):
         if lib.exists():
@@ -78,9 +82,9 @@ def load_native() -> ModuleType | None:
 
 
 def status() -> str:
-    """One line for reports: whether the compiled checks run, and why not."""
+    """A few words for reports: whether the compiled paths run, and why not."""
     if os.environ.get("UBEP_NATIVE", "1") == "0":
-        return "native checks off (UBEP_NATIVE=0)"
+        return "ubep.native off (UBEP_NATIVE=0)"
     if load_native() is None:
-        return "native checks not built (python -m ubep.native build)"
-    return "native checks on"
+        return "ubep.native not built (python -m ubep.native build)"
+    return "ubep.native on"

@@ -29,9 +29,11 @@ ST_LEN = 22
 # dispatch's block: inputs, then outputs (begin: LEFT, N; rows: N, MISSING)
 (D_EPOCH, D_CODE, D_IDX, D_W, D_T, D_K, D_ROFF, D_POS, D_TPE, D_INTS, D_WTS, D_X, D_RB, D_DST,
  D_LEFT, D_N, D_MISSING) = range(17)
+D_LEN = 17
 # combine's block: inputs, then outputs (LEFT: tokens missing or -(r + 1); WAITING)
 (C_EPOCH, C_CODE, C_OFFSET, C_COPY_SRC, C_COPY_N, C_SRC, C_N, C_IDX, C_W, C_T, C_K, C_WEIGHTED,
  C_POS, C_RB, C_ES, C_ECODE, C_Y, C_OUT, C_LEFT, C_WAITING) = range(20)
+C_LEN = 20
 
 _SIG = types.void(types.CPointer(types.int64), types.CPointer(types.int64))
 
