@@ -505,11 +505,14 @@ class DirectPath:
         t_n, hidden = handle.num_tokens, self.hidden
         own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
         sums = dtype is torch.bfloat16 or dtype is torch.float32    # into the output itself
-        out = (dest if dest is not None and dest.is_contiguous()
-               else self._lend.empty(t_n, hidden, dtype) if self.owned and sums
-               and t_n * rb >= self._lend.min_bytes
-               else None if self._native is not None
-               else torch.empty(t_n, hidden, dtype=dtype) if sums else None)
+        if not sums:                    # fp16, fp8: fp32 sums in kept scratch, cast below
+            out = None
+        elif dest is not None and dest.is_contiguous():
+            out = dest
+        elif self.owned and t_n * rb >= self._lend.min_bytes:
+            out = self._lend.empty(t_n, hidden, dtype)
+        else:                           # the compiled entry makes small ones itself
+            out = None if self._native is not None else torch.empty(t_n, hidden, dtype=dtype)
         if self._native is not None and sums:   # one C++ entry (`ubep.native`)
             left, waiting, out, t1 = self._native.direct_combine(
                 self._st_addr, epoch, code, ecode, offset, ptr, copy_n, src_rank, idx_addr,
@@ -524,10 +527,10 @@ class DirectPath:
             t1 = now_us()
         if left < 0:
             raise self._combine_dtype_error(dtype, -left - 1)
-        y_addr = out.data_ptr() if dtype is torch.float32 else self._y_addr
-        out_addr = out.data_ptr() if dtype is torch.bfloat16 else 0
         ready, done = self._ready, self._done_t
         if left:
+            y_addr = out.data_ptr() if dtype is torch.float32 else self._y_addr
+            out_addr = out.data_ptr() if dtype is torch.bfloat16 else 0
             bad = [-1]                  # a rank that published another dtype
 
             def poll(s: int) -> int:
