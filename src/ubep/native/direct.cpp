@@ -63,8 +63,11 @@ at::Tensor rows_of(const at::Tensor& v, int64_t n) {
   return at::Tensor(std::move(impl));
 }
 
+// a tuple of new references (stolen); nullptr, every item released, if any is nullptr
 PyObject* tuple_steal(std::initializer_list<PyObject*> items) {
-  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(items.size()));
+  bool ok = true;
+  for (PyObject* o : items) ok = ok && o;
+  PyObject* t = ok ? PyTuple_New(static_cast<Py_ssize_t>(items.size())) : nullptr;
   if (!t) {
     for (PyObject* o : items) Py_XDECREF(o);
     return nullptr;
@@ -73,6 +76,22 @@ PyObject* tuple_steal(std::initializer_list<PyObject*> items) {
   for (PyObject* o : items) PyTuple_SET_ITEM(t, i++, o);
   return t;
 }
+
+// one owned reference, released on scope exit unless handed on
+class Obj {
+ public:
+  explicit Obj(PyObject* p = nullptr) : p_(p) {}
+  Obj(const Obj&) = delete;
+  Obj& operator=(Obj&& o) noexcept { std::swap(p_, o.p_); return *this; }
+  ~Obj() { Py_XDECREF(p_); }
+  static Obj none() { Py_INCREF(Py_None); return Obj(Py_None); }
+  explicit operator bool() const { return p_ != nullptr; }
+  PyObject* get() const { return p_; }
+  PyObject* release() { PyObject* p = p_; p_ = nullptr; return p; }
+  PyObject* share() const { Py_XINCREF(p_); return p_; }   // a new reference, kept too
+ private:
+  PyObject* p_;
+};
 
 }  // namespace
 
@@ -84,10 +103,11 @@ bool init_direct() {
 }
 
 // direct_dispatch(st_addr, x, topk_idx, topk_weights, epoch, code, roff, owned, view)
-//   -> (left, n, missing, tpe, ints, wts, keep, pos_addr, recv_x, t1)
-// `left` > 0: some ranks' counts are not in yet (nothing after the counts ran; `keep` is
-// the owned handle's `pos`). Else `n` rows (n < 0: rank `missing` dispatches another dtype),
-// `missing` of them not arrived yet; `recv_x` `[n, hidden]` on `view` (None without one).
+//   -> (left, n, missing, tpe, ints, wts, state, recv_x, t1)
+// `left` > 0: some ranks' counts are not in yet (mine are published; nothing after that
+// ran). Else `n` rows (n < 0: rank `missing` dispatches another dtype), `missing` of them not
+// arrived yet; `recv_x` `[n, hidden]` on `view`. `state` is the handle's: (idx address,
+// weights address, K, epoch, pos address, pos (owned: a fresh array, else None), ints).
 PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!arity(nargs, 9)) return nullptr;
   int64_t v[4];                                   // st_addr, epoch, code, roff
@@ -109,62 +129,56 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     c[D_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
     c[D_T] = t_n;
     c[D_K] = k_n;
-    PyObject* keep = Py_None;
+    Obj keep = Obj::none();
     if (owned) {
       npy_intp dk = t_n * k_n;
-      keep = np_empty(1, &dk, NPY_INT64);
+      keep = Obj(np_empty(1, &dk, NPY_INT64));
       if (!keep) return nullptr;
-      c[D_POS] = addr(keep);
+      c[D_POS] = addr(keep.get());
     } else {
-      Py_INCREF(Py_None);
       c[D_POS] = st[ST_POS];
     }
     kernel(st, ST_BEGIN)(st, c);
-    double t1 = now_us();
+    const double t1 = now_us();
+    Obj tpe = Obj::none(), origins = Obj::none(), wts = Obj::none(), recv_x = Obj::none();
     if (c[D_LEFT] > 0) {
-      Py_INCREF(Py_None); Py_INCREF(Py_None); Py_INCREF(Py_None); Py_INCREF(Py_None);
-      return tuple_steal({PyLong_FromLongLong(c[D_LEFT]), PyLong_FromLongLong(-1),
-                          PyLong_FromLongLong(0), Py_None, Py_None, Py_None, keep,
-                          PyLong_FromLongLong(c[D_POS]), Py_None, PyFloat_FromDouble(t1)});
-    }
-    const int64_t n = c[D_N];
-    npy_intp d_el = st[ST_EL], d_ints[2] = {3, n}, d_n = n;
-    PyObject* tpe = np_empty(1, &d_el, NPY_INT64);
-    PyObject* ints_ = np_empty(2, d_ints, NPY_INT64);
-    PyObject* wts = np_empty(1, &d_n, NPY_FLOAT32);
-    if (!tpe || !ints_ || !wts) {
-      Py_XDECREF(tpe); Py_XDECREF(ints_); Py_XDECREF(wts); Py_DECREF(keep);
-      return nullptr;
-    }
-    c[D_TPE] = addr(tpe);
-    c[D_INTS] = addr(ints_);
-    c[D_WTS] = addr(wts);
-    c[D_X] = reinterpret_cast<intptr_t>(x.const_data_ptr());
-    c[D_RB] = x.size(1) * static_cast<int64_t>(x.element_size());
-    c[D_DST] = 0;
-    kernel(st, ST_ROWS)(st, c);
-    PyObject* recv_x = Py_None;
-    if (c[D_N] >= 0 && a[8] != Py_None) {
-      recv_x = THPVariable_Wrap(rows_of(THPVariable_Unpack(a[8]), c[D_N]));
-      if (!recv_x) {
-        Py_DECREF(tpe); Py_DECREF(ints_); Py_DECREF(wts); Py_DECREF(keep);
-        return nullptr;
-      }
+      c[D_N] = -1;
     } else {
-      Py_INCREF(Py_None);
+      const int64_t n = c[D_N];
+      npy_intp d_el = st[ST_EL], d_ints[2] = {3, n}, d_n = n;
+      tpe = Obj(np_empty(1, &d_el, NPY_INT64));
+      origins = Obj(np_empty(2, d_ints, NPY_INT64));
+      wts = Obj(np_empty(1, &d_n, NPY_FLOAT32));
+      if (!tpe || !origins || !wts) return nullptr;
+      c[D_TPE] = addr(tpe.get());
+      c[D_INTS] = addr(origins.get());
+      c[D_WTS] = addr(wts.get());
+      c[D_X] = reinterpret_cast<intptr_t>(x.const_data_ptr());
+      c[D_RB] = x.size(1) * static_cast<int64_t>(x.element_size());
+      c[D_DST] = 0;
+      kernel(st, ST_ROWS)(st, c);
+      if (c[D_N] >= 0 && a[8] != Py_None) {
+        recv_x = Obj(THPVariable_Wrap(rows_of(THPVariable_Unpack(a[8]), c[D_N])));
+        if (!recv_x) return nullptr;
+      }
     }
-    return tuple_steal({PyLong_FromLongLong(0), PyLong_FromLongLong(c[D_N]),
-                        PyLong_FromLongLong(c[D_MISSING]), tpe, ints_, wts, keep,
-                        PyLong_FromLongLong(c[D_POS]), recv_x, PyFloat_FromDouble(t1)});
+    Obj state(tuple_steal({PyLong_FromLongLong(c[D_IDX]), PyLong_FromLongLong(c[D_W]),
+                           PyLong_FromLongLong(k_n), PyLong_FromLongLong(c[D_EPOCH]),
+                           PyLong_FromLongLong(c[D_POS]), keep.release(), origins.share()}));
+    if (!state) return nullptr;
+    return tuple_steal({PyLong_FromLongLong(c[D_LEFT]), PyLong_FromLongLong(c[D_N]),
+                        PyLong_FromLongLong(c[D_MISSING]), tpe.release(), origins.release(),
+                        wts.release(), state.release(), recv_x.release(),
+                        PyFloat_FromDouble(t1)});
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
 }
 
-// direct_combine(st_addr, epoch, code, ecode, offset, copy_src, copy_n, src_rank, idx_addr,
+// direct_combine(st_addr, epoch, code, ecode, offset, copy_src, copy_n, ints, idx_addr,
 //                w_addr, t_n, k_n, weighted, pos_addr, out, bf16) -> (left, waiting, out, t1)
-// `src_rank` `[N]` int64 numpy: each received row's source rank (the handle's).
+// `ints` `[3, N]` int64 numpy: the handle's row origins (row 0: each row's source rank).
 // Sums bf16 (`bf16` true: rounded from fp32 sums in kept scratch) or fp32 rows into `out`
 // `[t_n, hidden]` (a new tensor when None). `left` tokens not summed yet (or -(r + 1): rank
 // r published another dtype); `waiting` ranks not done reading mine (-1: not told yet).
@@ -172,9 +186,10 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!arity(nargs, 16)) return nullptr;
   int64_t v[15];                  // v[7] (src_rank) is an array, not an int
   if (!ints(a, 7, v) || !ints(a + 8, 6, v + 8)) return nullptr;
-  if (!PyArray_Check(a[7]) || PyArray_TYPE(reinterpret_cast<PyArrayObject*>(a[7])) != NPY_INT64
-      || PyArray_NDIM(reinterpret_cast<PyArrayObject*>(a[7])) != 1) {
-    PyErr_SetString(PyExc_TypeError, "src_rank must be a 1-D int64 numpy array");
+  PyArrayObject* origins = reinterpret_cast<PyArrayObject*>(a[7]);
+  if (!PyArray_Check(a[7]) || PyArray_TYPE(origins) != NPY_INT64 || PyArray_NDIM(origins) != 2
+      || !PyArray_IS_C_CONTIGUOUS(origins)) {
+    PyErr_SetString(PyExc_TypeError, "ints must be a C-contiguous [3, N] int64 numpy array");
     return nullptr;
   }
   int bf16 = PyObject_IsTrue(a[15]);
@@ -182,16 +197,17 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   int64_t* st = reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0]));
   try {
     const int64_t t_n = v[10], hidden = st[ST_HIDDEN];
-    PyObject* out_obj = a[14];
+    Obj out_obj;
     at::Tensor out;
-    if (out_obj == Py_None) {
+    if (a[14] == Py_None) {
       out = at::empty({t_n, hidden}, at::TensorOptions().dtype(bf16 ? at::kBFloat16
                                                                       : at::kFloat));
-      out_obj = THPVariable_Wrap(out);
+      out_obj = Obj(THPVariable_Wrap(out));
       if (!out_obj) return nullptr;
     } else {
-      out = THPVariable_Unpack(out_obj);
-      Py_INCREF(out_obj);
+      out = THPVariable_Unpack(a[14]);
+      Py_INCREF(a[14]);
+      out_obj = Obj(a[14]);
     }
     const int64_t es = bf16 ? 2 : 4;
     int64_t c[C_LEN] = {};
@@ -201,8 +217,8 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     c[C_OFFSET] = v[4];
     c[C_COPY_SRC] = v[5];
     c[C_COPY_N] = v[6];
-    c[C_SRC] = addr(a[7]);
-    c[C_N] = PyArray_DIM(reinterpret_cast<PyArrayObject*>(a[7]), 0);
+    c[C_SRC] = addr(a[7]);                // row 0
+    c[C_N] = PyArray_DIM(origins, 1);
     c[C_IDX] = v[8];
     c[C_W] = v[9];
     c[C_T] = t_n;
@@ -217,7 +233,7 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     kernel(st, ST_COMBINE)(st, c);
     double t1 = now_us();
     return tuple_steal({PyLong_FromLongLong(c[C_LEFT]), PyLong_FromLongLong(c[C_WAITING]),
-                        out_obj, PyFloat_FromDouble(t1)});
+                        out_obj.release(), PyFloat_FromDouble(t1)});
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;

@@ -224,28 +224,52 @@ class DirectPath:
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int, t0: float) -> DispatchResult:
+        area = self._free_area() if self.owned else 0   # owned: a free lent area, else scratch
+        roff = self._recv_off + area * self._area
+        self._epoch = epoch = self._epoch + 1
+        if self._native is not None and (area or not self.owned):
+            # one C++ entry for the whole call (`ubep.native`); rows land where `recv_x` lies
+            # (a lent area, or the recv area with direct=True). Straight-line while nothing
+            # waits: every Python call here costs ~1 µs of a ~30 µs dispatch+combine
+            dtype = x.dtype
+            view = self._area_views.get((area, dtype))
+            if view is None:
+                view = self._area_view(area, roff, self.hidden, dtype)
+            left, n_recv, missing, tpe, ints, wts, state, recv_x, t1 = \
+                self._native.direct_dispatch(self._st_addr, x, topk_idx, topk_weights, epoch,
+                                             _CODES[dtype], roff, self.owned, view)
+            if not left:
+                if n_recv < 0 or missing:
+                    return self._dispatch_end(x, topk_idx, topk_weights, call, epoch,
+                                              deadline_after(t0, self._timeout_s), (t0, t1),
+                                              roff, n_recv, missing, tpe, ints, wts, state,
+                                              recv_x)
+                self._last_call, self._last_dtype = call, dtype
+                handle = new_handle(self.ctx.buffer_id, call, len(topk_idx), n_recv,
+                                    self.hidden, topk_idx, topk_weights, ints, state)
+                stats = DeferredStats.of(self._dispatch_stats, (t0, t1, now_us()), None,
+                                         topk_idx, n_recv, self.hidden * dtype.itemsize, epoch)
+                return new_dispatch_result(recv_x, wts, tpe, handle, stats)
+            return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff,
+                                     state[5], True)
+        return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff, None,
+                                 False)
+
+    def _dispatch_py(self, x, topk_idx, topk_weights, call, t0, epoch, area, roff, keep,
+                     begun) -> DispatchResult:
+        """`dispatch` in Python: the pool path, and the one-worker path without `ubep.native`
+        or once its entry published my counts but found some missing (`begun`; `keep`: the
+        `pos` it made for an owned handle)."""
         b = self.ctx
         code = _CODES[x.dtype]
-        self._epoch = epoch = self._epoch + 1
         deadline = deadline_after(t0, self._timeout_s)
         counts, tails, got, dlay, bases = self._counts, self._tails, self._got, self.dlay, b.bases
         t_n, k_n = topk_idx.shape
-        area = self._free_area() if self.owned else 0   # owned: a free lent area, else scratch
-        roff = self._recv_off + area * self._area
-        if self._native is not None and (area or not self.owned):
-            # one C++ entry for the whole call when nothing waits (`ubep.native`); rows land
-            # where `recv_x` lies (a lent area, or the recv area with direct=True)
-            view = self._area_view(area, roff, x.shape[1], x.dtype) if area else \
-                self._full_view("recv", x.dtype)
-            left, n_recv, missing, tpe, ints, wts, keep, pos_addr, recv_x, t1 = \
-                self._native.direct_dispatch(self._st_addr, x, topk_idx, topk_weights, epoch,
-                                             code, roff, self.owned, view)
-            if not left:
-                return self._dispatch_end(x, topk_idx, topk_weights, call, epoch, deadline,
-                                          (t0, t1), roff, n_recv, missing, tpe, ints, wts,
-                                          keep, pos_addr, recv_x)
+        if begun:                       # the compiled entry published my counts
+            left = 1
         else:
-            keep = np.empty(t_n * k_n, np.int64) if self.owned else None  # the handle's `pos`
+            if self.owned:              # the handle's `pos`
+                keep = np.empty(t_n * k_n, np.int64)
             left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, topk_idx.data_ptr(),
                                                 t_n, k_n, self.num_experts, code, roff, counts,
                                                 tails, got, INLINE_SPINS)
@@ -289,13 +313,12 @@ class DirectPath:
                                                   counts, self.el, idx_addr, w_addr, t_n,
                                                   k_n, pos_addr, tpe, ints, wts,
                                                   x.data_ptr(), rb, dst, INLINE_SPINS)
+        state = (idx_addr, w_addr, k_n, epoch, pos_addr, keep, ints)
         return self._dispatch_end(x, topk_idx, topk_weights, call, epoch, deadline, (t0, t1),
-                                  roff, n_recv, missing, tpe, ints, wts, keep, pos_addr, recv_x,
-                                  dst)
+                                  roff, n_recv, missing, tpe, ints, wts, state, recv_x, dst)
 
     def _dispatch_end(self, x, topk_idx, topk_weights, call, epoch, deadline, ts, roff, n_recv,
-                      missing, tpe, ints, wts, keep, pos_addr, recv_x,
-                      dst=0) -> DispatchResult:
+                      missing, tpe, ints, wts, state, recv_x, dst=0) -> DispatchResult:
         """One worker, every rank's counts in and my rows sent: wait for the `missing` rows
         I receive, then the result."""
         b = self.ctx
@@ -307,8 +330,6 @@ class DirectPath:
                                           wts, dst, roff, rb, s),
                    "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
                    deadline=deadline)
-        state = (topk_idx.data_ptr(), topk_weights.data_ptr(), topk_idx.shape[1], epoch,
-                 pos_addr, keep, ints[0])
         return self._dispatch_result(x, topk_idx, topk_weights, call, epoch, ts, None, n_recv,
                                      tpe, ints, wts, state, recv_x)
 
@@ -501,7 +522,7 @@ class DirectPath:
         `(y, time published, ranks not done reading mine or -1: not told yet)`."""
         b = self.ctx
         dtype = expert_out.dtype
-        idx_addr, w_addr, k_n, _, pos_addr, _, src_rank = handle.state
+        idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
         t_n, hidden = handle.num_tokens, self.hidden
         own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
         sums = dtype is torch.bfloat16 or dtype is torch.float32    # into the output itself
@@ -515,11 +536,11 @@ class DirectPath:
             out = None if self._native is not None else torch.empty(t_n, hidden, dtype=dtype)
         if self._native is not None and sums:   # one C++ entry (`ubep.native`)
             left, waiting, out, t1 = self._native.direct_combine(
-                self._st_addr, epoch, code, ecode, offset, ptr, copy_n, src_rank, idx_addr,
+                self._st_addr, epoch, code, ecode, offset, ptr, copy_n, ints, idx_addr,
                 w_addr, t_n, k_n, weighted, pos_addr, out, dtype is torch.bfloat16)
         else:
             left, waiting = DK.combine_begin_at(
-                b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, src_rank,
+                b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, ints[0],
                 idx_addr, w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode, lut,
                 self._ready, self._done_t, self._y_addr if dtype is not torch.float32
                 else out.data_ptr(), out.data_ptr() if dtype is torch.bfloat16 else 0,
