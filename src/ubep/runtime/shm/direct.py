@@ -455,11 +455,10 @@ class DirectPath:
                              "any handle")
         dtype = expert_out.dtype
         code, ecode, lut = _elem(dtype)
-        es = expert_out.element_size()
+        es = dtype.itemsize
         rb = self.hidden * es
         n_recv = handle.num_recv
         self._c_epoch = epoch = self._c_epoch + 1
-        deadline = deadline_after(t0, self._timeout_s)
         ptr = expert_out.data_ptr()
         if self.owned:      # the combine area holds what was written last
             if ptr == self._comb_addr and n_recv and handle.call != self._lent_comb:
@@ -476,10 +475,25 @@ class DirectPath:
         offset = (self._comb_addr if copied or not n_recv else ptr) - b.base
         t_n = handle.num_tokens
         weighted = bool(weighted)
+        begun = None
+        if self._native is not None and dest is None and (dtype is torch.bfloat16
+                                                          or dtype is torch.float32):
+            # one C++ entry (`ubep.native`), straight-line while nothing waits (as dispatch)
+            idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
+            out = self._combine_out(None, t_n, rb, dtype)
+            begun = left, waiting, out, t1 = self._native.direct_combine(
+                self._st_addr, epoch, code, ecode, offset, ptr, n_recv if copied else 0, ints,
+                idx_addr, w_addr, t_n, k_n, weighted, pos_addr, out, dtype is torch.bfloat16)
+            if not (left or waiting):
+                stats = DeferredStats.of(self._combine_stats, (t0, t1, now_us()), None, copied,
+                                         handle.topk_idx, rb, epoch)
+                return new_combine_result(out, stats)
+        deadline = deadline_after(t0, self._timeout_s)
         if b.workers == 1:
             out, t1, waiting = self._combine_one(handle, expert_out, dest, epoch, code, ecode,
                                                  lut, es, rb, offset, ptr,
-                                                 n_recv if copied else 0, weighted, deadline)
+                                                 n_recv if copied else 0, weighted, deadline,
+                                                 begun)
             ivs = None
         else:
             idx, w, pos, _, src_rank = handle.state
@@ -515,37 +529,35 @@ class DirectPath:
     def _combine_one(self, handle: DispatchHandle, expert_out: torch.Tensor,
                      dest: torch.Tensor | None, epoch: int, code: int, ecode: int,
                      lut: np.ndarray, es: int, rb: int, offset: int, ptr: int, copy_n: int,
-                     weighted: bool, deadline: float) -> tuple[torch.Tensor, float, int]:
+                     weighted: bool, deadline: float,
+                     begun: tuple | None = None) -> tuple[torch.Tensor, float, int]:
         """One worker: copy in (`copy_n` rows: those peers read), publish, sum and, when every
         token was summed there, tell the peers I am done reading, in one kernel entry (bf16
         and fp32 sums land in the output itself, a caller's row-major `dest` included);
-        `(y, time published, ranks not done reading mine or -1: not told yet)`."""
+        `(y, time published, ranks not done reading mine or -1: not told yet)`. `begun`: what
+        the compiled entry returned, which ran that kernel entry already."""
         b = self.ctx
         dtype = expert_out.dtype
         idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
         t_n, hidden = handle.num_tokens, self.hidden
         own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
         sums = dtype is torch.bfloat16 or dtype is torch.float32    # into the output itself
-        if not sums:                    # fp16, fp8: fp32 sums in kept scratch, cast below
-            out = None
-        elif dest is not None and dest.is_contiguous():
-            out = dest
-        elif self.owned and t_n * rb >= self._lend.min_bytes:
-            out = self._lend.empty(t_n, hidden, dtype)
-        else:                           # the compiled entry makes small ones itself
-            out = None if self._native is not None else torch.empty(t_n, hidden, dtype=dtype)
-        if self._native is not None and sums:   # one C++ entry (`ubep.native`)
-            left, waiting, out, t1 = self._native.direct_combine(
-                self._st_addr, epoch, code, ecode, offset, ptr, copy_n, ints, idx_addr,
-                w_addr, t_n, k_n, weighted, pos_addr, out, dtype is torch.bfloat16)
+        if begun is not None:
+            left, waiting, out, t1 = begun
         else:
-            left, waiting = DK.combine_begin_at(
-                b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, ints[0],
-                idx_addr, w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode, lut,
-                self._ready, self._done_t, self._y_addr if dtype is not torch.float32
-                else out.data_ptr(), out.data_ptr() if dtype is torch.bfloat16 else 0,
-                hidden, INLINE_SPINS, self._done_mine, self._done_first)
-            t1 = now_us()
+            out = self._combine_out(dest, t_n, rb, dtype) if sums else None
+            if self._native is not None and sums:   # one C++ entry (`ubep.native`)
+                left, waiting, out, t1 = self._native.direct_combine(
+                    self._st_addr, epoch, code, ecode, offset, ptr, copy_n, ints, idx_addr,
+                    w_addr, t_n, k_n, weighted, pos_addr, out, dtype is torch.bfloat16)
+            else:           # no ubep.native, or fp16/fp8 (fp32 sums in scratch, cast below)
+                left, waiting = DK.combine_begin_at(
+                    b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, ints[0],
+                    idx_addr, w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode,
+                    lut, self._ready, self._done_t, self._y_addr if dtype is not torch.float32
+                    else out.data_ptr(), out.data_ptr() if dtype is torch.bfloat16 else 0,
+                    hidden, INLINE_SPINS, self._done_mine, self._done_first)
+                t1 = now_us()
         if left < 0:
             raise self._combine_dtype_error(dtype, -left - 1)
         ready, done = self._ready, self._done_t
@@ -572,6 +584,16 @@ class DirectPath:
         if out is None:                                  # fp16, fp8: cast from the fp32 sums
             out = cast_rows(self._y[:t_n], dtype)
         return out, t1, waiting
+
+    def _combine_out(self, dest: torch.Tensor | None, t_n: int, rb: int,
+                     dtype: torch.dtype) -> torch.Tensor | None:
+        """Where bf16/fp32 sums land: a caller's row-major `dest`, a pooled block (owned,
+        large), else a new tensor (None: the compiled entry makes it)."""
+        if dest is not None and dest.is_contiguous():
+            return dest
+        if self.owned and t_n * rb >= self._lend.min_bytes:
+            return self._lend.empty(t_n, self.hidden, dtype)
+        return None if self._native is not None else torch.empty(t_n, self.hidden, dtype=dtype)
 
     def _done_reading(self, epoch: int, deadline: float, left: int = -1) -> None:
         """Tell every rank I read all I needed of combine `epoch`; wait until every rank has
