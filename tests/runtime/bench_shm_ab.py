@@ -70,7 +70,9 @@ def _rank(rank: int, world: int, folder: str, batch: int, direct, rounds: int) -
 
         if rank == 0:
             from ubep.native import status
-            print(f"this: {status()}; other: {ubep_other.native.status()}", flush=True)
+            other_native = getattr(ubep_other, "native", None)     # older trees have none
+            print(f"this: {status()}; other: "
+                  f"{other_native.status() if other_native else 'no ubep.native'}", flush=True)
         return alternate({"other": call(other), "this": call(this)}, rounds)
 
 

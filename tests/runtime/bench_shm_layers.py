@@ -1,9 +1,10 @@
 """Where a batch-1 shm call's time goes, layer by layer, in place: the same dispatch+combine
 called through `Buffer`, through its backend (`ShmBackend`, no input checks, lock or
-autograd/compile decision) and through the backend's path (`DirectPath`), alternating every 20
-calls in one process (a 1-rank group), so each layer's cost is the difference of two medians
-taken side by side. A piece timed in a tight loop of its own costs less than in place (its
-code and data stay hot there), so this is the measure to trust.
+autograd/compile decision), through the backend's path (`DirectPath`) and, with `ubep.native`
+built, through the path's two C++ entries alone (same arguments, no result objects or stats),
+alternating every 20 calls in one process (a 1-rank group), so each layer's cost is the
+difference of two medians taken side by side. A piece timed in a tight loop of its own costs
+less than in place (its code and data stay hot there), so this is the measure to trust.
 
 Not a test (pytest does not collect it); the numbers are in docs/results.md ("Layer by layer,
 in place").
@@ -45,8 +46,38 @@ def _rank(rank: int, world: int, direct: str, rounds: int) -> dict[str, list[int
             path.combine(r.recv_x, r.handle, True, now_us())
 
         ways = {"Buffer": through_buffer, "backend": through_backend, "path": through_path}
+        if path._native is not None:
+            ways["entries"] = _entries(path, x, idx, w)
         alternate(ways, 20)                                   # warm-up
         return alternate(ways, rounds)
+
+
+def _entries(path, x, idx, w):
+    """The path's compiled dispatch and combine entries called as its common call calls them
+    (rows to a free lent area or the recv area; combined where they lie)."""
+    import torch
+
+    from ubep.runtime.shm.direct import _elem
+
+    code, ecode, _ = _elem(x.dtype)
+    area = 1 if path.owned else 0
+    roff = path._recv_off + area * path._area
+    view = path._area_view(area, roff, x.shape[1], x.dtype)
+    t_n, k_n = idx.shape
+    nat, base = path._native, path.ctx.base
+
+    def call():
+        path._epoch += 1
+        left, n, missing, tpe, ints, wts, state, recv_x, t1 = nat.direct_dispatch(
+            path._st_addr, x, idx, w, path._epoch, code, roff, path.owned, view)
+        assert not (left or missing)
+        path._c_epoch += 1
+        ptr = recv_x.data_ptr()
+        left, waiting, out, t1 = nat.direct_combine(
+            path._st_addr, path._c_epoch, code, ecode, ptr - base, ptr, 0, ints, state[0],
+            state[1], t_n, k_n, True, state[4], None, x.dtype is torch.bfloat16)
+        assert not (left or waiting)
+    return call
 
 
 def main() -> None:
@@ -60,7 +91,9 @@ def main() -> None:
     for k, v in med.items():
         print(f"  through {k:8s} {v:6.1f} µs")
     print(f"  Buffer's layer {med['Buffer'] - med['backend']:.1f} µs, the backend's "
-          f"{med['backend'] - med['path']:.1f} µs")
+          f"{med['backend'] - med['path']:.1f} µs"
+          + (f", the path's around its C++ entries {med['path'] - med['entries']:.1f} µs"
+             if "entries" in med else " (ubep.native not built: no C++ entries)"))
 
 
 if __name__ == "__main__":
