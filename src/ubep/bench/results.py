@@ -220,16 +220,16 @@ wait (~3 µs each): in-process A/B, 2 ranks, batch 1, dispatch+combine median 61
 owned, 61.8 -> 59.5 direct, 89.2 -> 79.0 owned on a busier host
 (`tests/runtime/bench_shm_spins.py`); batches 8 and 128 unchanged.
 
-*Layer by layer, in place* (2026-12-01, 20:30-21:10 UTC). Removing one layer at a time from
-the same loop (`tests/runtime/bench_shm_layers.py`: one process, 1-rank group,
-`direct="owned"`, batch 1, the variants alternating every 20 calls, medians of ~5,600 calls
-each, two runs): the whole call 39.7 / 41.8 µs, the backend called directly 29.6 / 31.1, its
-path directly 29.3 / 30.9. So `Buffer`'s layer (the inputs' checks, the lock, the
+*Layer by layer, in place* (2026-12-01, 20:30-21:10 UTC, before `ubep.native`). Removing one
+layer at a time from the same loop (`tests/runtime/bench_shm_layers.py`: one process, 1-rank
+group, `direct="owned"`, batch 1, the variants alternating every 20 calls, medians of ~5,600
+calls each, two runs): the whole call 39.7 / 41.8 µs, the backend called directly 29.6 / 31.1,
+its path directly 29.3 / 30.9. So `Buffer`'s layer (the inputs' checks, the lock, the
 eager/autograd/compile decision, its frames) was ~10 µs of ~41, each piece costing ~1.5x in
 place what it costs in a tight loop of its own: the dispatch inputs' fast check 3.1 µs alone,
 3.6-4.0 in place (of which the compiled id scan 0.6); the deferred Stats of both ops ~1 µs.
-`Buffer` now recognises the common eager call by that fast check alone and goes straight to
-the backend: the whole call 40.7 -> 39.3 µs (one process, mean of two runs). One-worker direct
+`Buffer` now recognises the common eager call by that fast check alone and goes straight to the
+backend: the whole call 40.7 -> 39.3 µs (one process, mean of two runs). One-worker direct
 combines now also tell the peers they are done reading in the kernel entry that summed their
 last token (one entry and one Python call fewer when nothing is missing): 0.967-0.986 of the
 call before it (one process, in-process A/B, three runs). Both against the previous main,
@@ -237,16 +237,30 @@ in-process A/B (`tests/runtime/bench_shm_ab.py`: the other tree imported under a
 name, the two Buffers alternating every 20 calls): one process 0.953, 0.965, 0.950; the 2-rank
 pair 0.949, 0.953, 0.927, 0.956, 0.983 (medians of the slower rank's dispatch+combine,
 1,200-1,600 calls each); after both, `Buffer`'s layer is still 9.5-11.6 µs of the call (its
-checks ~4.4 µs alone, the two locks ~0.8). Tried and dropped: dispatch's counts and rows in
-one kernel entry returning one packed array (the result's parts as numpy views), 0.985-0.998
-of the two-entry call (nothing: the saved entry and allocations cost what the returned array
-and its views cost). The same fast check compiled (a C++ torch extension, built for the
-measurement only, not part of ubep) costs 0.7-1.9 µs in place instead of 3.9-6.3 (the whole
-call 40.9 -> 37.6 and 65.7 -> 61.3 µs; with no check at all 36.9 and 59.4). What a 40 µs pair
-needs gone is the ~26 µs of Python and torch glue per dispatch+combine (`Buffer` ~9, the path
-~17; the kernels ~13); by that ratio a compiled call path (one entry per op that checks,
-allocates the results and runs the kernels) would leave ~7 µs of it. That is an estimate, not
-a measurement: the call path is not built.
+checks ~4.4 µs alone, the two locks ~0.8). Tried and dropped: dispatch's counts and rows in one
+kernel entry returning one packed array (the result's parts as numpy views), 0.985-0.998 of the
+two-entry call (nothing: the saved entry and allocations cost what the returned array and its
+views cost). What a 40 µs pair needed gone was the ~26 µs of Python and torch glue per
+dispatch+combine (`Buffer` ~9, the path ~17; the kernels ~13): the next paragraph.
+
+*A compiled call path* (`ubep.native`, 2026-12-01, 22:40-23:40 UTC). A small C++ torch
+extension, built by `make` into the venv (~30 s): the inputs' fast checks (same answers as the
+Python ones, checked by property tests; in a tight loop 4.1 -> 0.16 µs for dispatch's, 1.8 ->
+0.08 for combine's), and the one-worker direct path's dispatch and combine as one C++ entry
+each, which makes the result arrays, `recv_x` (a tensor on the lent area's storage) and
+combine's output and calls the numba kernels as cfuncs by address (`kernels/entries.py`: the
+same kernels, so one protocol). Whatever waits (counts, rows or done words not in after the
+kernels' inline spins), other dtypes' combines, `workers > 1` and a build-less install keep the
+Python path. In-process A/B against the previous main (`tests/runtime/bench_shm_ab.py`, batch
+1): the compiled checks alone 0.855 (one process) and 0.851 (2-rank pair); everything, one
+process 0.506 and 0.528, the pair 0.547 and 0.552 (`direct="owned"`; 37.9 vs 69.2 µs and 50.6
+vs 91.6 µs), 0.526 (`direct=True`); batch 128, pair, 0.962. In place, one process
+(`tests/runtime/bench_shm_layers.py`): the whole call 36.3 µs, `Buffer`'s layer 3.6, the
+backend's 0.3, the path around its C++ entries 12.2, the entries alone 20.3 (`direct=True`:
+35.2, 3.8, 0.4, 11.7, 19.3). What is left in Python is the handle, two deferred Stats and two
+result objects (~4.4 µs in a tight loop) and the steps that decide where rows go (which lent
+area is free, whether combine reads in place); the entries themselves are mostly the rows'
+copies and the cross-core traffic.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
