@@ -123,6 +123,10 @@ def test_bad_arguments_raise_and_the_checks_still_answer():
         NATIVE.dispatch_inputs_ready(x, idx, w, "16", E, MAX_T, MAX_K)
     with pytest.raises(TypeError, match="expected 3 positional arguments"):
         NATIVE.combine_inputs_ready(x)
+    with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
+        NATIVE.direct_dispatch(0, [x], idx, w, 1, 0, 0, True, None)
+    with pytest.raises(TypeError, match="C-contiguous"):
+        NATIVE.direct_combine(0, 1, 0, 0, 0, 0, 0, [1, 2], 0, 0, 1, 1, True, 0, None, True)
     assert NATIVE.dispatch_inputs_ready(x, idx, w, *LIMITS) is True
     assert NATIVE.combine_inputs_ready(torch.zeros(3, H), 3, H) is True
     assert validate.fast_checks() == (NATIVE.dispatch_inputs_ready,

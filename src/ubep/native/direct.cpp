@@ -33,8 +33,24 @@ enum C : int64_t {
 
 using Kernel = void (*)(int64_t*, int64_t*);
 
-inline Kernel kernel(const int64_t* st, St which) {
-  return reinterpret_cast<Kernel>(static_cast<intptr_t>(st[which]));
+// run kernel `which` on (st, c) without the GIL, as the numba entries of the Python path do
+// (they are nogil): other threads of this process run while rows move; the kernels touch
+// only memory whose owners this call holds
+inline void run(int64_t* st, St which, int64_t* c) {
+  Kernel k = reinterpret_cast<Kernel>(static_cast<intptr_t>(st[which]));
+  Py_BEGIN_ALLOW_THREADS
+  k(st, c);
+  Py_END_ALLOW_THREADS
+}
+
+// false with a TypeError unless every one of `objs` is a tensor
+bool tensors(std::initializer_list<PyObject*> objs) {
+  for (PyObject* o : objs)
+    if (!THPVariable_Check(o)) {
+      PyErr_Format(PyExc_TypeError, "expected a torch.Tensor, got %s", Py_TYPE(o)->tp_name);
+      return false;
+    }
+  return true;
 }
 
 // `time.perf_counter()`'s clock in µs (`ubep.runtime.shm.waits.now_us`)
@@ -114,7 +130,8 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   PyObject* ia[4] = {a[0], a[4], a[5], a[6]};
   if (!ints(ia, 4, v)) return nullptr;
   int owned = PyObject_IsTrue(a[7]);
-  if (owned < 0) return nullptr;
+  if (owned < 0 || !tensors({a[1], a[2], a[3]})) return nullptr;
+  if (a[8] != Py_None && !tensors({a[8]})) return nullptr;
   int64_t* st = reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0]));
   try {
     const at::Tensor& x = THPVariable_Unpack(a[1]);
@@ -138,7 +155,7 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     } else {
       c[D_POS] = st[ST_POS];
     }
-    kernel(st, ST_BEGIN)(st, c);
+    run(st, ST_BEGIN, c);
     const double t1 = now_us();
     Obj tpe = Obj::none(), origins = Obj::none(), wts = Obj::none(), recv_x = Obj::none();
     if (c[D_LEFT] > 0) {
@@ -156,7 +173,7 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
       c[D_X] = reinterpret_cast<intptr_t>(x.const_data_ptr());
       c[D_RB] = x.size(1) * static_cast<int64_t>(x.element_size());
       c[D_DST] = 0;
-      kernel(st, ST_ROWS)(st, c);
+      run(st, ST_ROWS, c);
       if (c[D_N] >= 0 && a[8] != Py_None) {
         recv_x = Obj(THPVariable_Wrap(rows_of(THPVariable_Unpack(a[8]), c[D_N])));
         if (!recv_x) return nullptr;
@@ -193,7 +210,7 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     return nullptr;
   }
   int bf16 = PyObject_IsTrue(a[15]);
-  if (bf16 < 0) return nullptr;
+  if (bf16 < 0 || (a[14] != Py_None && !tensors({a[14]}))) return nullptr;
   int64_t* st = reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0]));
   try {
     const int64_t t_n = v[10], hidden = st[ST_HIDDEN];
@@ -230,7 +247,7 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     const int64_t o = reinterpret_cast<intptr_t>(out.data_ptr());
     c[C_Y] = bf16 ? st[ST_Y] : o;
     c[C_OUT] = bf16 ? o : 0;
-    kernel(st, ST_COMBINE)(st, c);
+    run(st, ST_COMBINE, c);
     double t1 = now_us();
     return tuple_steal({PyLong_FromLongLong(c[C_LEFT]), PyLong_FromLongLong(c[C_WAITING]),
                         out_obj.release(), PyFloat_FromDouble(t1)});
