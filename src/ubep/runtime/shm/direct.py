@@ -194,16 +194,12 @@ class DirectPath:
     # -- views of my areas -------------------------------------------------------------------
     def _view(self, area: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         """`[n, hidden]` of `dtype` at the start of my area `area` ("recv" or "comb")."""
-        return self._full_view(area, dtype).as_strided((n, self.hidden), (self.hidden, 1))
-
-    def _full_view(self, area: str, dtype: torch.dtype) -> torch.Tensor:
-        """All of my area `area` as `[rows, hidden]` of `dtype` (kept)."""
         v = self._views.get((area, dtype))
         if v is None:
             rows = self._areas[area].numel() // (self.hidden * dtype.itemsize)
             v = self._views[area, dtype] = self._areas[area][
                 :rows * self.hidden * dtype.itemsize].view(dtype).view(rows, self.hidden)
-        return v
+        return v.as_strided((n, self.hidden), (self.hidden, 1))   # cheaper than v[:n] here
 
     def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
         """`[N, hidden]` of `dtype` (None: the dispatched rows' dtype) in my shared memory:
@@ -476,15 +472,16 @@ class DirectPath:
         t_n = handle.num_tokens
         weighted = bool(weighted)
         begun = None
-        if self._native is not None and dest is None and (dtype is torch.bfloat16
-                                                          or dtype is torch.float32):
+        if self._native is not None and (dtype is torch.bfloat16 or dtype is torch.float32):
             # one C++ entry (`ubep.native`), straight-line while nothing waits (as dispatch)
             idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
-            out = self._combine_out(None, t_n, rb, dtype)
             begun = left, waiting, out, t1 = self._native.direct_combine(
                 self._st_addr, epoch, code, ecode, offset, ptr, n_recv if copied else 0, ints,
-                idx_addr, w_addr, t_n, k_n, weighted, pos_addr, out, dtype is torch.bfloat16)
+                idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
+                self._combine_out(dest, t_n, rb, dtype), dtype is torch.bfloat16)
             if not (left or waiting):
+                if dest is not None and out is not dest:
+                    out = dest.copy_(out)
                 stats = DeferredStats.of(self._combine_stats, (t0, t1, now_us()), None, copied,
                                          handle.topk_idx, rb, epoch)
                 return new_combine_result(out, stats)
@@ -542,22 +539,17 @@ class DirectPath:
         t_n, hidden = handle.num_tokens, self.hidden
         own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
         sums = dtype is torch.bfloat16 or dtype is torch.float32    # into the output itself
-        if begun is not None:
+        if begun is not None:           # the compiled entry ran the kernel entry below
             left, waiting, out, t1 = begun
-        else:
+        else:           # no ubep.native, or fp16/fp8 (fp32 sums in scratch, cast below)
             out = self._combine_out(dest, t_n, rb, dtype) if sums else None
-            if self._native is not None and sums:   # one C++ entry (`ubep.native`)
-                left, waiting, out, t1 = self._native.direct_combine(
-                    self._st_addr, epoch, code, ecode, offset, ptr, copy_n, ints, idx_addr,
-                    w_addr, t_n, k_n, weighted, pos_addr, out, dtype is torch.bfloat16)
-            else:           # no ubep.native, or fp16/fp8 (fp32 sums in scratch, cast below)
-                left, waiting = DK.combine_begin_at(
-                    b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, ints[0],
-                    idx_addr, w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode,
-                    lut, self._ready, self._done_t, self._y_addr if dtype is not torch.float32
-                    else out.data_ptr(), out.data_ptr() if dtype is torch.bfloat16 else 0,
-                    hidden, INLINE_SPINS, self._done_mine, self._done_first)
-                t1 = now_us()
+            left, waiting = DK.combine_begin_at(
+                b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, ints[0], idx_addr,
+                w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode, lut, self._ready,
+                self._done_t, self._y_addr if dtype is not torch.float32 else out.data_ptr(),
+                out.data_ptr() if dtype is torch.bfloat16 else 0, hidden, INLINE_SPINS,
+                self._done_mine, self._done_first)
+            t1 = now_us()
         if left < 0:
             raise self._combine_dtype_error(dtype, -left - 1)
         ready, done = self._ready, self._done_t
@@ -588,7 +580,8 @@ class DirectPath:
     def _combine_out(self, dest: torch.Tensor | None, t_n: int, rb: int,
                      dtype: torch.dtype) -> torch.Tensor | None:
         """Where bf16/fp32 sums land: a caller's row-major `dest`, a pooled block (owned,
-        large), else a new tensor (None: the compiled entry makes it)."""
+        large), else a new tensor (None: the compiled entry makes it; a `dest` that is not
+        row-major gets the sums copied in afterwards)."""
         if dest is not None and dest.is_contiguous():
             return dest
         if self.owned and t_n * rb >= self._lend.min_bytes:
