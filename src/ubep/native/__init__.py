@@ -1,15 +1,18 @@
 """ubep's compiled fast paths: a small C++ torch extension, built once per environment.
 
 What it holds: the input fast checks `Buffer.dispatch`/`Buffer.combine` run on every eager
-call (`checks.cpp`; the rules are `ubep.validate`'s). Each has a Python twin that gives the
-same answers, used when the extension is not built, so the library works without a
-compiler; `make install` builds it (`python -m ubep.native build`, ~40 s: g++, ninja and
-torch's headers, all present with a pip-installed torch).
+call (`checks.cpp`; the rules are `ubep.validate`'s), and the shm direct path's one-worker
+dispatch and combine as one C++ entry each (`direct.cpp`), which call the path's numba
+kernels by address (`ubep.runtime.shm.kernels.entries`). Everything has a Python twin that
+gives the same results, used when the extension is not built, so the library works without a
+compiler; `make install` builds it (`python -m ubep.native build`, ~30 s: g++, ninja and the
+headers in torch's wheel).
 
-The build lands in this environment (`sys.prefix`), in a folder named by the source's hash,
+The build lands in this environment (`sys.prefix`), in a folder named by the sources' hash,
 torch's version and Python's, so an edited source, another torch or another venv never
-loads a stale build. `UBEP_NATIVE=0` in the environment turns the extension off (the
-Python twins run), as a way to compare the two or to rule the extension out.
+loads a stale build. `UBEP_NATIVE=0` in the environment when a Buffer is made turns the
+extension off for it (the Python twins run), as a way to compare the two or to rule the
+extension out.
 """
 
 from __future__ import annotations
