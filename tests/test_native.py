@@ -124,9 +124,12 @@ def test_bad_arguments_raise_and_the_checks_still_answer():
     with pytest.raises(TypeError, match="expected 3 positional arguments"):
         NATIVE.combine_inputs_ready(x)
     with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
-        NATIVE.direct_dispatch(0, [x], idx, w, 1, 0, 0, True, None)
+        NATIVE.direct_dispatch(0, [x], idx, w, 1, 0, 0, True, None, 1, 1, 0.0, None)
     with pytest.raises(TypeError, match="C-contiguous"):
-        NATIVE.direct_combine(0, 1, 0, 0, 0, 0, 0, [1, 2], 0, 0, 1, 1, True, 0, None, True)
+        NATIVE.direct_combine(0, 1, 0, 0, 0, 0, 0, [1, 2], 0, 0, 1, 1, True, 0, None, True, 0.0,
+                              None, False, idx)
+    with pytest.raises(TypeError, match="four classes"):
+        NATIVE.set_result_types(1, 2, 3, 4)
     assert NATIVE.dispatch_inputs_ready(x, idx, w, *LIMITS) is True
     assert NATIVE.combine_inputs_ready(torch.zeros(3, H), 3, H) is True
     assert validate.fast_checks() == (NATIVE.dispatch_inputs_ready,
@@ -217,3 +220,60 @@ def test_late_ranks_on_both_paths_agree_with_the_oracle(direct, native):
         for _ in range(3):
             check_case(case, [o[1][k] for o in outs])
             k += 1
+
+
+def _objects(rank, world, direct):
+    """The results the compiled entries make, beside those the Python constructors make."""
+    import numpy as np
+
+    import ubep
+    from ubep.handle import CombineResult, DispatchResult, new_dispatch_result, new_handle
+    from ubep.stats import DeferredStats
+
+    x = torch.randn(3, H).to(torch.bfloat16)
+    idx, w = torch.tensor([[0, 5], [7, -1], [2, 3]]), torch.rand(3, 2)
+    with ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=4, backend="shm",
+                     direct=direct) as buf:
+        path = buf._backend._path
+        r = buf.dispatch(x, idx, w)
+        h = r.handle
+        py_h = new_handle(h.buffer_id, h.call, 3, h.num_recv, H, idx, w, np.zeros((3, 5)),
+                          h.state)
+        py_r = new_dispatch_result(r.recv_x, np.zeros(5, np.float32), np.zeros(2, np.int64), h,
+                                   DeferredStats.of(path._dispatch_stats, ()))
+        kinds = (type(r), type(h), type(r.stats), set(vars(r)) == set(vars(py_r)),
+                 set(vars(h)) == set(vars(py_h)), h.num_tokens, h.hidden, h.topk_idx is idx)
+        d_stats = (r.stats.op, r.stats.total_us > 0, buf.last_stats == r.stats)
+        ref = reference_of(x, idx, w)
+        got = (r.recv_x.clone(), r.recv_weights.clone(), r.tokens_per_expert.clone(),
+               r.recv_src_rank.clone(), r.recv_src_token.clone(), r.recv_src_slot.clone())
+        y = buf.combine(r.recv_x, h)
+        c = path.combine(r.recv_x, h, True, 0.0)
+        c_kinds = (type(c), set(vars(c)) == {"y", "stats"}, buf.last_stats.op,
+                   torch.equal(c.y, y))
+    return kinds, d_stats, got, ref, y, c_kinds, (DispatchResult, CombineResult)
+
+
+def reference_of(x, idx, w):
+    from ubep import reference
+
+    d = reference.dispatch([x], [idx], [w], E)[0]
+    y = reference.combine([d.recv_x], [d], [idx], [w])[0]
+    return (d.recv_x, d.recv_weights, d.tokens_per_expert, d.recv_src_rank, d.recv_src_token,
+            d.recv_src_slot, y)
+
+
+@needs_native
+@pytest.mark.parametrize("direct", [True, "owned"])
+def test_the_compiled_entries_make_the_results_python_makes(direct):
+    from ubep.handle import DispatchHandle
+    from ubep.stats import DeferredStats
+
+    kinds, d_stats, got, ref, y, c_kinds, (d_type, c_type) = run_ranks(_objects, 1, direct)[0]
+    assert kinds == (d_type, DispatchHandle, DeferredStats, True, True, 3, H, True)
+    assert d_stats == ("dispatch", True, True)
+    for g, want in zip(got, ref[:6], strict=True):
+        assert torch.equal(g.view(torch.uint8) if g.dtype == torch.bfloat16 else g,
+                           want.view(torch.uint8) if want.dtype == torch.bfloat16 else want)
+    assert torch.allclose(y.float(), ref[6].float(), rtol=1e-2, atol=1e-2)
+    assert c_kinds == (c_type, True, "combine", True)

@@ -11,6 +11,8 @@
 
 #include <time.h>
 
+#include <vector>
+
 #include <numpy/arrayobject.h>
 
 namespace {
@@ -109,6 +111,72 @@ class Obj {
   PyObject* p_;
 };
 
+// The Python classes a call's results are made of, and their fields' names: `set_result_types`
+// (ubep.handle's DispatchHandle, DispatchResult, CombineResult; ubep.stats' DeferredStats).
+// Made as `ubep.handle.new_handle` / `new_dispatch_result` / `new_combine_result` and
+// `DeferredStats.of` make them (the instance dict filled directly); tests/test_native.py
+// checks both make the same objects.
+struct Results {
+  PyObject *handle = nullptr, *dispatch = nullptr, *combine = nullptr, *stats = nullptr;
+} results;
+
+PyObject* key(const char* name) {
+  static std::vector<PyObject*> keys;   // interned, kept for the process
+  PyObject* k = PyUnicode_InternFromString(name);
+  if (k) keys.push_back(k);
+  return k;
+}
+
+// an instance of `type` made by object.__new__ whose dict maps the names to the values
+// (new references, stolen); nullptr with the error set if any value is nullptr
+PyObject* instance(PyObject* type, std::initializer_list<std::pair<PyObject*, PyObject*>> kv) {
+  bool ok = true;
+  for (auto& p : kv) ok = ok && p.first && p.second;
+  PyObject* o = nullptr;
+  PyObject* d = nullptr;
+  if (ok) {
+    PyObject* empty = PyTuple_New(0);
+    o = empty ? PyBaseObject_Type.tp_new(reinterpret_cast<PyTypeObject*>(type), empty, nullptr)
+              : nullptr;
+    Py_XDECREF(empty);
+    d = o ? PyObject_GenericGetDict(o, nullptr) : nullptr;
+  }
+  for (auto& p : kv) {
+    if (d && PyDict_SetItem(d, p.first, p.second) < 0) {
+      Py_CLEAR(d);
+      Py_CLEAR(o);
+    }
+    Py_XDECREF(p.second);
+  }
+  if (!d) {
+    Py_XDECREF(o);
+    return nullptr;
+  }
+  Py_DECREF(d);
+  return o;
+}
+
+// DeferredStats.of(build, *args)
+PyObject* deferred_stats(PyObject* build, PyObject* args) {
+  static PyObject* k_pending = key("_pending");
+  Py_INCREF(build);
+  return instance(results.stats, {{k_pending, tuple_steal({build, args})}});
+}
+
+PyObject* times(double t0, double t1, double t2) {
+  return tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1), PyFloat_FromDouble(t2)});
+}
+
+PyObject* none() {
+  Py_INCREF(Py_None);
+  return Py_None;
+}
+
+PyObject* ref(PyObject* o) {
+  Py_INCREF(o);
+  return o;
+}
+
 }  // namespace
 
 namespace ubep_native {
@@ -118,17 +186,38 @@ bool init_direct() {
   return true;
 }
 
-// direct_dispatch(st_addr, x, topk_idx, topk_weights, epoch, code, roff, owned, view)
-//   -> (left, n, missing, tpe, ints, wts, state, recv_x, t1)
+// set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats)
+PyObject* set_result_types(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (!arity(nargs, 4)) return nullptr;
+  for (int i = 0; i < 4; ++i)
+    if (!PyType_Check(a[i])) {
+      PyErr_SetString(PyExc_TypeError, "set_result_types takes four classes");
+      return nullptr;
+    }
+  PyObject** slots[4] = {&results.handle, &results.dispatch, &results.combine, &results.stats};
+  for (int i = 0; i < 4; ++i) {
+    Py_INCREF(a[i]);
+    Py_XSETREF(*slots[i], a[i]);
+  }
+  Py_RETURN_NONE;
+}
+
+// direct_dispatch(st_addr, x, topk_idx, topk_weights, epoch, code, roff, owned, view, call,
+//                 buffer_id, t0, build) -> DispatchResult, or
+//   (left, n, missing, tpe, ints, wts, state, recv_x, t1) when the call is not complete
+// The DispatchResult (its handle and DeferredStats(build, ...) too) when every row arrived
+// and `build` (the path's stats builder) is not None.
 // `left` > 0: some ranks' counts are not in yet (mine are published; nothing after that
 // ran). Else `n` rows (n < 0: rank `missing` dispatches another dtype), `missing` of them not
 // arrived yet; `recv_x` `[n, hidden]` on `view`. `state` is the handle's: (idx address,
 // weights address, K, epoch, pos address, pos (owned: a fresh array, else None), ints).
 PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  if (!arity(nargs, 9)) return nullptr;
-  int64_t v[4];                                   // st_addr, epoch, code, roff
-  PyObject* ia[4] = {a[0], a[4], a[5], a[6]};
-  if (!ints(ia, 4, v)) return nullptr;
+  if (!arity(nargs, 13)) return nullptr;
+  int64_t v[6];                               // st_addr, epoch, code, roff, call, buffer_id
+  PyObject* ia[6] = {a[0], a[4], a[5], a[6], a[9], a[10]};
+  if (!ints(ia, 6, v)) return nullptr;
+  const double t0 = PyFloat_AsDouble(a[11]);
+  if (t0 == -1.0 && PyErr_Occurred()) return nullptr;
   int owned = PyObject_IsTrue(a[7]);
   if (owned < 0 || !tensors({a[1], a[2], a[3]})) return nullptr;
   if (a[8] != Py_None && !tensors({a[8]})) return nullptr;
@@ -183,6 +272,29 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                            PyLong_FromLongLong(k_n), PyLong_FromLongLong(c[D_EPOCH]),
                            PyLong_FromLongLong(c[D_POS]), keep.release(), origins.share()}));
     if (!state) return nullptr;
+    if (c[D_LEFT] == 0 && c[D_N] >= 0 && c[D_MISSING] == 0 && a[12] != Py_None
+        && results.dispatch) {
+      static PyObject *k_buffer_id = key("buffer_id"), *k_call = key("call"),
+                      *k_num_tokens = key("num_tokens"), *k_num_recv = key("num_recv"),
+                      *k_hidden = key("hidden"), *k_topk_idx = key("topk_idx"),
+                      *k_topk_weights = key("topk_weights"), *k_origins = key("_origins"),
+                      *k_state = key("state"), *k_recv_x = key("recv_x"),
+                      *k_weights = key("_weights"), *k_tpe = key("_tpe"),
+                      *k_handle = key("handle"), *k_stats = key("stats");
+      const int64_t n = c[D_N];
+      PyObject* handle = instance(results.handle, {
+          {k_buffer_id, PyLong_FromLongLong(v[5])}, {k_call, PyLong_FromLongLong(v[4])},
+          {k_num_tokens, PyLong_FromLongLong(t_n)}, {k_num_recv, PyLong_FromLongLong(n)},
+          {k_hidden, PyLong_FromLongLong(st[ST_HIDDEN])}, {k_topk_idx, ref(a[2])},
+          {k_topk_weights, ref(a[3])}, {k_origins, origins.share()}, {k_state, state.release()}});
+      if (!handle) return nullptr;
+      PyObject* stats = deferred_stats(a[12], tuple_steal({
+          times(t0, t1, now_us()), none(), ref(a[2]), PyLong_FromLongLong(n),
+          PyLong_FromLongLong(c[D_RB]), PyLong_FromLongLong(c[D_EPOCH])}));
+      return instance(results.dispatch, {
+          {k_recv_x, recv_x.release()}, {k_weights, wts.release()}, {k_tpe, tpe.release()},
+          {k_handle, handle}, {k_stats, stats}});
+    }
     return tuple_steal({PyLong_FromLongLong(c[D_LEFT]), PyLong_FromLongLong(c[D_N]),
                         PyLong_FromLongLong(c[D_MISSING]), tpe.release(), origins.release(),
                         wts.release(), state.release(), recv_x.release(),
@@ -194,13 +306,18 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 }
 
 // direct_combine(st_addr, epoch, code, ecode, offset, copy_src, copy_n, ints, idx_addr,
-//                w_addr, t_n, k_n, weighted, pos_addr, out, bf16) -> (left, waiting, out, t1)
+//                w_addr, t_n, k_n, weighted, pos_addr, out, bf16, t0, build, copied,
+//                topk_idx) -> CombineResult, or (left, waiting, out, t1) when not complete
+// The CombineResult (and DeferredStats(build, ...)) when every token is summed and every rank
+// done reading mine, and `build` (the path's stats builder) is not None.
 // `ints` `[3, N]` int64 numpy: the handle's row origins (row 0: each row's source rank).
 // Sums bf16 (`bf16` true: rounded from fp32 sums in kept scratch) or fp32 rows into `out`
 // `[t_n, hidden]` (a new tensor when None). `left` tokens not summed yet (or -(r + 1): rank
 // r published another dtype); `waiting` ranks not done reading mine (-1: not told yet).
 PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  if (!arity(nargs, 16)) return nullptr;
+  if (!arity(nargs, 20)) return nullptr;
+  const double t0 = PyFloat_AsDouble(a[16]);
+  if (t0 == -1.0 && PyErr_Occurred()) return nullptr;
   int64_t v[15];                  // v[7] (src_rank) is an array, not an int
   if (!ints(a, 7, v) || !ints(a + 8, 6, v + 8)) return nullptr;
   PyArrayObject* origins = reinterpret_cast<PyArrayObject*>(a[7]);
@@ -249,6 +366,13 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     c[C_OUT] = bf16 ? o : 0;
     run(st, ST_COMBINE, c);
     double t1 = now_us();
+    if (c[C_LEFT] == 0 && c[C_WAITING] == 0 && a[17] != Py_None && results.combine) {
+      static PyObject *k_y = key("y"), *k_stats = key("stats");
+      PyObject* stats = deferred_stats(a[17], tuple_steal({
+          times(t0, t1, now_us()), none(), ref(a[18]), ref(a[19]), PyLong_FromLongLong(c[C_RB]),
+          PyLong_FromLongLong(c[C_EPOCH])}));
+      return instance(results.combine, {{k_y, out_obj.release()}, {k_stats, stats}});
+    }
     return tuple_steal({PyLong_FromLongLong(c[C_LEFT]), PyLong_FromLongLong(c[C_WAITING]),
                         out_obj.release(), PyFloat_FromDouble(t1)});
   } catch (const std::exception& e) {

@@ -14,6 +14,9 @@ PyMethodDef methods[] = {
      "the shm direct path's one-worker dispatch (see ubep.runtime.shm.direct)"},
     {"direct_combine", (PyCFunction)(void (*)())ubep_native::direct_combine, METH_FASTCALL,
      "the shm direct path's one-worker combine (see ubep.runtime.shm.direct)"},
+    {"set_result_types", (PyCFunction)(void (*)())ubep_native::set_result_types, METH_FASTCALL,
+     "set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats): the "
+     "classes the direct entries make their results of"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "ubep_native", nullptr, -1, methods};

@@ -26,6 +26,7 @@ PyObject* dispatch_inputs_ready(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* combine_inputs_ready(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* direct_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* direct_combine(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* set_result_types(PyObject*, PyObject* const*, Py_ssize_t);
 bool init_direct();     // numpy's C API, once at import
 
 }  // namespace ubep_native

@@ -156,6 +156,8 @@ class DirectPath:
         if self._native is not None:
             self._st = self._native_state()
             self._st_addr = self._st.ctypes.data
+            self._native.set_result_types(DispatchHandle, DispatchResult, CombineResult,
+                                          DeferredStats)
 
     def _native_state(self) -> np.ndarray:
         """The kept state `ubep.native`'s entries read (`kernels/entries.py`'s `ST_*` words):
@@ -231,21 +233,17 @@ class DirectPath:
             view = self._area_views.get((area, dtype))
             if view is None:
                 view = self._area_view(area, roff, self.hidden, dtype)
-            left, n_recv, missing, tpe, ints, wts, state, recv_x, t1 = \
-                self._native.direct_dispatch(self._st_addr, x, topk_idx, topk_weights, epoch,
-                                             _CODES[dtype], roff, self.owned, view)
-            if not left:
-                if n_recv < 0 or missing:
-                    return self._dispatch_end(x, topk_idx, topk_weights, call, epoch,
-                                              deadline_after(t0, self._timeout_s), (t0, t1),
-                                              roff, n_recv, missing, tpe, ints, wts, state,
-                                              recv_x)
+            r = self._native.direct_dispatch(self._st_addr, x, topk_idx, topk_weights, epoch,
+                                             _CODES[dtype], roff, self.owned, view, call,
+                                             self.ctx.buffer_id, t0, self._dispatch_stats)
+            if type(r) is not tuple:    # the DispatchResult: every row arrived
                 self._last_call, self._last_dtype = call, dtype
-                handle = new_handle(self.ctx.buffer_id, call, len(topk_idx), n_recv,
-                                    self.hidden, topk_idx, topk_weights, ints, state)
-                stats = DeferredStats.of(self._dispatch_stats, (t0, t1, now_us()), None,
-                                         topk_idx, n_recv, self.hidden * dtype.itemsize, epoch)
-                return new_dispatch_result(recv_x, wts, tpe, handle, stats)
+                return r
+            left, n_recv, missing, tpe, ints, wts, state, recv_x, t1 = r
+            if not left:
+                return self._dispatch_end(x, topk_idx, topk_weights, call, epoch,
+                                          deadline_after(t0, self._timeout_s), (t0, t1), roff,
+                                          n_recv, missing, tpe, ints, wts, state, recv_x)
             return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff,
                                      state[5], True)
         return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff, None,
@@ -475,16 +473,18 @@ class DirectPath:
         if self._native is not None and (dtype is torch.bfloat16 or dtype is torch.float32):
             # one C++ entry (`ubep.native`), straight-line while nothing waits (as dispatch)
             idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
-            begun = left, waiting, out, t1 = self._native.direct_combine(
+            r = self._native.direct_combine(
                 self._st_addr, epoch, code, ecode, offset, ptr, n_recv if copied else 0, ints,
                 idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
-                self._combine_out(dest, t_n, rb, dtype), dtype is torch.bfloat16)
-            if not (left or waiting):
-                if dest is not None and out is not dest:
-                    out = dest.copy_(out)
+                self._combine_out(dest, t_n, rb, dtype), dtype is torch.bfloat16, t0,
+                self._combine_stats if dest is None else None, copied, handle.topk_idx)
+            if type(r) is not tuple:    # the CombineResult: all summed, every rank done
+                return r
+            begun = left, waiting, out, t1 = r
+            if not (left or waiting):   # into a caller's `out`
                 stats = DeferredStats.of(self._combine_stats, (t0, t1, now_us()), None, copied,
                                          handle.topk_idx, rb, epoch)
-                return new_combine_result(out, stats)
+                return new_combine_result(out if out is dest else dest.copy_(out), stats)
         deadline = deadline_after(t0, self._timeout_s)
         if b.workers == 1:
             out, t1, waiting = self._combine_one(handle, expert_out, dest, epoch, code, ecode,
