@@ -1,7 +1,8 @@
 """Where a batch-1 shm call's time goes, layer by layer, in place: the same dispatch+combine
 called through `Buffer`, through its backend (`ShmBackend`, no input checks, lock or
 autograd/compile decision), through the backend's path (`DirectPath`) and, with `ubep.native`
-built, through the path's two C++ entries alone (same arguments, no result objects or stats),
+built, through the path's two C++ entries alone (same arguments, no result objects or stats:
+no stats builder, so they return their raw parts),
 alternating every 20 calls in one process (a 1-rank group), so each layer's cost is the
 difference of two medians taken side by side. A piece timed in a tight loop of its own costs
 less than in place (its code and data stay hot there), so this is the measure to trust.
@@ -69,13 +70,15 @@ def _entries(path, x, idx, w):
     def call():
         path._epoch += 1
         left, n, missing, tpe, ints, wts, state, recv_x, t1 = nat.direct_dispatch(
-            path._st_addr, x, idx, w, path._epoch, code, roff, path.owned, view)
+            path._st_addr, x, idx, w, path._epoch, code, roff, path.owned, view, 0, 0, 0.0,
+            None)
         assert not (left or missing)
         path._c_epoch += 1
         ptr = recv_x.data_ptr()
         left, waiting, out, t1 = nat.direct_combine(
             path._st_addr, path._c_epoch, code, ecode, ptr - base, ptr, 0, ints, state[0],
-            state[1], t_n, k_n, True, state[4], None, x.dtype is torch.bfloat16)
+            state[1], t_n, k_n, True, state[4], None, x.dtype is torch.bfloat16, 0.0, None,
+            False, idx)
         assert not (left or waiting)
     return call
 

@@ -243,24 +243,27 @@ two-entry call (nothing: the saved entry and allocations cost what the returned 
 views cost). What a 40 µs pair needed gone was the ~26 µs of Python and torch glue per
 dispatch+combine (`Buffer` ~9, the path ~17; the kernels ~13): the next paragraph.
 
-*A compiled call path* (`ubep.native`, 2026-12-01, 22:40-23:40 UTC). A small C++ torch
-extension, built by `make` into the venv (~30 s): the inputs' fast checks (same answers as the
-Python ones, checked by property tests; in a tight loop 4.1 -> 0.16 µs for dispatch's, 1.8 ->
-0.08 for combine's), and the one-worker direct path's dispatch and combine as one C++ entry
-each, which makes the result arrays, `recv_x` (a tensor on the lent area's storage) and
-combine's output and calls the numba kernels as cfuncs by address (`kernels/entries.py`: the
-same kernels, so one protocol). Whatever waits (counts, rows or done words not in after the
-kernels' inline spins), other dtypes' combines, `workers > 1` and a build-less install keep the
-Python path. In-process A/B against the previous main (`tests/runtime/bench_shm_ab.py`, batch
-1): the compiled checks alone 0.855 (one process) and 0.851 (2-rank pair); everything, one
-process 0.506 and 0.528, the pair 0.547 and 0.552 (`direct="owned"`; 37.9 vs 69.2 µs and 50.6
-vs 91.6 µs), 0.526 (`direct=True`); batch 128, pair, 0.962. In place, one process
-(`tests/runtime/bench_shm_layers.py`): the whole call 36.3 µs, `Buffer`'s layer 3.6, the
-backend's 0.3, the path around its C++ entries 12.2, the entries alone 20.3 (`direct=True`:
-35.2, 3.8, 0.4, 11.7, 19.3). What is left in Python is the handle, two deferred Stats and two
-result objects (~4.4 µs in a tight loop) and the steps that decide where rows go (which lent
-area is free, whether combine reads in place); the entries themselves are mostly the rows'
-copies and the cross-core traffic.
+*A compiled call path* (`ubep.native`, 2026-12-01, 22:40 UTC - 2026-12-02, 00:40 UTC). A small
+C++ torch extension, built by `make` into the venv (~30 s): the inputs' fast checks (same
+answers as the Python ones, checked by property tests; in a tight loop 4.1 -> 0.16 µs for
+dispatch's, 1.8 -> 0.08 for combine's), and the one-worker direct path's dispatch and combine
+as one C++ entry each, which makes the result arrays, `recv_x` (a tensor on the lent area's
+storage), combine's output and the result objects (handle, deferred Stats,
+`DispatchResult`/`CombineResult`, filled as the Python constructors fill them) and calls the
+numba kernels as cfuncs by address, without the GIL (`kernels/entries.py`: the same kernels, so
+one protocol). Whatever waits (counts, rows or done words not in after the kernels' inline
+spins), fp16/fp8 combines, `workers > 1` and a build-less install keep the Python path.
+In-process A/B against the previous main (`tests/runtime/bench_shm_ab.py`, batch 1,
+`direct="owned"` unless said): the compiled checks alone 0.855 (one process) and 0.851 (2-rank
+pair); the entries with Python making the result objects, one process 0.490-0.545, the pair
+0.514-0.557, 0.526-0.634 (`direct=True`), batch 128 0.962; the entries making them too, one
+process 0.472 (19.0 vs 40.3 µs), the pair 0.426 and 0.431 (34.3 vs 80.6 and 79.6 µs); the
+objects' move alone 0.79-0.84 (one process and pair, two runs each). In place, one process
+(`tests/runtime/bench_shm_layers.py`): the whole call 19.2 µs, `Buffer`'s layer 2.4, the
+backend's 0.2, the path around its C++ entries 4.5, the entries alone 12.1 (`direct=True`, on a
+slower host state minutes later: 27.2, 3.4, 0.2, 5.5, 18.0). What is left in Python is the
+decision where rows go (which lent area is free, whether combine reads in place) and the
+layers' frames; the entries are mostly the rows' copies and the cross-core traffic.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,

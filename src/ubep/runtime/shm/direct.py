@@ -484,7 +484,8 @@ class DirectPath:
             if not (left or waiting):   # into a caller's `out`
                 stats = DeferredStats.of(self._combine_stats, (t0, t1, now_us()), None, copied,
                                          handle.topk_idx, rb, epoch)
-                return new_combine_result(out if out is dest else dest.copy_(out), stats)
+                return new_combine_result(out if dest is None or out is dest
+                                          else dest.copy_(out), stats)
         deadline = deadline_after(t0, self._timeout_s)
         if b.workers == 1:
             out, t1, waiting = self._combine_one(handle, expert_out, dest, epoch, code, ecode,
