@@ -86,7 +86,9 @@ class CombineResult:
 # slow host) and each tensor made from numpy costs ~1.5 µs. These fill the instance dict
 # directly (the objects stay frozen to their users) and leave the fields users rarely read
 # (row origins, per-row weights) as numpy arrays, made into tensors sharing that memory on
-# first read. Nothing else changes: same attributes, same values, same memory.
+# first read. Nothing else changes: same attributes, same values, same memory. `ubep.native`'s
+# direct entries make these objects the same way, by these field names (`native/direct.cpp`,
+# `Results`; tests/test_native.py compares the two makers).
 _new = object.__new__
 _ORIGIN_ROWS = {"recv_src_rank": 0, "recv_src_token": 1, "recv_src_slot": 2}
 

@@ -1,8 +1,9 @@
 // The shm direct path's one-worker dispatch and combine as one C++ entry each: the Python
-// glue around its numba kernels (result arrays, the recv_x view, the combine output, two or
-// three kernel entries) was ~25 µs of a ~48 µs batch-1 dispatch+combine in one process; here
-// the kernels run as numba cfuncs called by address (`kernels/entries.py`), with no Python
-// in between. The protocol is entirely theirs: this file only allocates and passes pointers.
+// glue around its numba kernels (result arrays, the recv_x view, the combine output, the
+// result objects, two or three kernel entries) was ~25 µs of a ~48 µs batch-1
+// dispatch+combine in one process; here the kernels run as numba cfuncs called by address
+// (`kernels/entries.py`), with no Python in between. The protocol is entirely theirs: this
+// file only allocates, passes pointers and makes the results.
 //
 // Each entry returns early, with what it made so far, when a wait is needed (counts or rows
 // not all in after the kernels' inline spins, tokens not all summed): the Python path then
