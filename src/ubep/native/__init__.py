@@ -21,6 +21,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -54,6 +55,8 @@ def build(verbose: bool = False) -> Path:
     folder = build_dir()
     lib = _library(folder)
     if not lib.exists():
+        for old in folder.parent.glob("*"):      # builds of earlier sources or torches
+            shutil.rmtree(old, ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)
         import numpy
 
