@@ -12,8 +12,6 @@
 
 #include <time.h>
 
-#include <vector>
-
 #include <numpy/arrayobject.h>
 
 namespace {
@@ -121,12 +119,8 @@ struct Results {
   PyObject *handle = nullptr, *dispatch = nullptr, *combine = nullptr, *stats = nullptr;
 } results;
 
-PyObject* key(const char* name) {
-  static std::vector<PyObject*> keys;   // interned, kept for the process
-  PyObject* k = PyUnicode_InternFromString(name);
-  if (k) keys.push_back(k);
-  return k;
-}
+// an interned field name; each caller keeps it in a static for the process
+PyObject* key(const char* name) { return PyUnicode_InternFromString(name); }
 
 // an instance of `type` made by object.__new__ whose dict maps the names to the values
 // (new references, stolen); nullptr with the error set if any value is nullptr
