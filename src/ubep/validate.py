@@ -243,7 +243,8 @@ def fast_checks() -> tuple[Callable[..., bool], Callable[..., bool]]:
     return native.dispatch_inputs_ready, native.combine_inputs_ready
 
 
-#: the fast checks `Buffer` and the full checks run first (same signature as the `py_` ones)
+#: the fast checks the full checks run first, bound at import (each `Buffer` asks
+#: `fast_checks()` when it is made); same signatures as the `py_` ones
 dispatch_inputs_ready, combine_inputs_ready = fast_checks()
 
 
