@@ -277,3 +277,130 @@ def test_the_compiled_entries_make_the_results_python_makes(direct):
                            want.view(torch.uint8) if want.dtype == torch.bfloat16 else want)
     assert torch.allclose(y.float(), ref[6].float(), rtol=1e-2, atol=1e-2)
     assert c_kinds == (c_type, True, "combine", True)
+
+
+def test_the_door_reads_its_words_where_directpath_puts_them():
+    """door.cpp's DR_* enum names `DirectPath.door`'s tuple in `DOOR_FIELDS`' order."""
+    from ubep.runtime.shm.direct import DOOR_FIELDS
+
+    cpp = (Path(validate.__file__).parent / "native" / "door.cpp").read_text()
+    body = re.search(r"enum Dr : Py_ssize_t \{([^}]*)\}", cpp).group(1)
+    names = [n.strip() for n in body.split(",") if n.strip()]
+    assert names[-1] == "DR_LEN"
+    assert tuple(n[3:].lower() for n in names[:-1]) == DOOR_FIELDS
+
+
+class _Counted:
+    """A door entry that counts the calls it took (a result) and declined (NotImplemented)."""
+
+    def __init__(self, fn):
+        self.fn, self.took, self.declined = fn, 0, 0
+
+    def __call__(self, *args):
+        r = self.fn(*args)
+        if r is NotImplemented:
+            self.declined += 1
+        else:
+            self.took += 1
+        return r
+
+
+def _door(rank, world, direct, cases):
+    """Every runtime case through a Buffer whose door is on, then the calls the door must
+    leave to the Python path (each leaves the Buffer usable): all lent areas held, an older
+    handle with direct=True, bad input, a closed Buffer."""
+    import ubep
+
+    out, counts = [], {}
+    with ubep.Buffer(num_experts=cases[0].num_experts, hidden=max(c.hidden for c in cases),
+                     max_tokens_per_rank=16, backend="shm", max_top_k=8, timeout_s=30,
+                     direct=direct) as buf:
+        assert buf._door is not None
+        d = buf._door_dispatch = _Counted(buf._door_dispatch)
+        c = buf._door_combine = _Counted(buf._door_combine)
+        for case in cases:                    # makes each dtype's views (declined: first
+            run_case(buf, case, rank)         # calls of a dtype run the Python path)
+        d.took = d.declined = c.took = c.declined = 0
+        for case in cases:
+            out.append(run_case(buf, case, rank))
+        counts["cases"] = (d.took, d.declined, c.took, c.declined)
+        x, idx, w = cases[0].inputs(rank)
+        calls, held = [], []
+        took, declined = d.took, d.declined
+        for _ in range(6):                    # owned: more results held than lent areas
+            res = buf.dispatch(x, idx, w)
+            calls.append((res.handle.call, buf.last_stats is res.stats))
+            held.append(res)
+        counts["held"] = (d.took - took, d.declined - declined)
+        ys = [buf.combine(expert_fn(r.recv_x), r.handle) for r in held[-1:]]
+        counts["last_stats"] = buf.last_stats.op
+        if direct is True:                    # an older handle: the Python path names it
+            with pytest.raises(ValueError, match="latest dispatch"):
+                buf.combine(expert_fn(held[0].recv_x), held[0].handle)
+        del held, res
+        with pytest.raises(ValueError, match="hidden"):
+            buf.dispatch(torch.zeros(1, buf.config.hidden + 1, dtype=torch.bfloat16),
+                         idx[:1], w[:1])
+        out.append(run_case(buf, cases[0], rank))
+        counts["after"] = (d.took, c.took)
+    with pytest.raises(RuntimeError, match="after close"):
+        buf.dispatch(x, idx, w)
+    return out, counts, calls, ys
+
+
+@needs_native
+@pytest.mark.parametrize("direct", [True, "owned"])
+def test_the_door_takes_the_common_call_and_leaves_the_rest_to_python(direct):
+    cases = runtime_cases(2)
+    outs = run_ranks(_door, 2, direct, cases, timeout_s=200)
+    for k, case in enumerate([*cases, cases[0]]):
+        check_case(case, [o[0][k] for o in outs])
+    fp16 = sum(c.dtype == "fp16" for c in cases)
+    for rank, (_, counts, calls, ys) in enumerate(outs):
+        # every dispatch but those of no tokens (the Python checks take T = 0); every combine
+        # of bf16/fp32 rows (the expert function's output of int8/fp8 rows is bf16 too)
+        empty = sum(c.tokens[rank] == 0 for c in cases)
+        assert counts["cases"] == (len(cases) - empty, empty, len(cases) - fp16, fp16)
+        assert [c for c, _ in calls] == list(range(2 * len(cases) + 1, 2 * len(cases) + 7))
+        assert all(same for _, same in calls)
+        held_took, held_declined = counts["held"]
+        if direct == "owned":     # each held result keeps its lent area: the door declines
+            assert held_declined > 0   # once all are held, and the Python path copies out
+        else:
+            assert held_declined == 0
+        assert counts["last_stats"] == "combine" and len(ys) == 1
+        assert counts["after"][0] > held_took
+
+
+def _door_timeout(rank, world, where):
+    """Rank 1 leaves before the second call; rank 0's door hands the wait to Python, which
+    times out and breaks the Buffer, as the Python path does."""
+    import ubep
+
+    x = torch.randn(2, H).to(torch.bfloat16)
+    idx, w = torch.tensor([[0, 5], [7, 1]]), torch.rand(2, 2)
+    with ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=4, backend="shm",
+                     direct="owned", timeout_s=1.0) as buf:
+        first = buf.dispatch(x, idx, w)
+        if rank == 1:
+            time.sleep(2.5)
+            return None
+        try:
+            if where == "dispatch":
+                buf.dispatch(x, idx, w)
+            else:
+                buf.combine(first.recv_x, first.handle)
+        except ubep.PeerTimeoutError as e:
+            kind = type(e).__name__
+        try:
+            buf.dispatch(x, idx, w)
+        except ubep.BrokenBufferError as e:
+            return kind, type(e).__name__
+    return "no error"
+
+
+@needs_native
+@pytest.mark.parametrize("where", ["dispatch", "combine"])
+def test_a_wait_the_door_hands_on_times_out_and_breaks_the_buffer(where):
+    out = run_ranks(_door_timeout, 2, where, timeout_s=60)
+    assert out[0] == ("PeerTimeoutError", "BrokenBufferError")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ubep import ops, quant
 from ubep.errors import BrokenBufferError, UbepError
 from ubep.handle import DispatchHandle, DispatchResult
+from ubep.native import load_native
 from ubep.options import (
     BACKENDS,
     MODES,
@@ -185,6 +186,13 @@ class Buffer:
         # the inputs' fast checks, compiled when `ubep.native` is built (same answers)
         self._dispatch_ready, self._combine_ready = fast_checks()
         self._backend = make_backend(self.config, group, self._id)
+        # the common call's whole way in one compiled call where the backend offers it
+        # (`ubep.native`'s door: shm, direct path, one worker); None: the Python layers below
+        door = getattr(self._backend, "door", None)
+        native = load_native() if door is not None else None
+        self._door = door(self._lock, self._limits) if native is not None else None
+        if self._door is not None:
+            self._door_dispatch, self._door_combine = native.door_dispatch, native.door_combine
         self._companions: dict[int, Buffer] = {}  # rows of other widths (ubep.quant)
         ops.register_buffer(self)
 
@@ -195,6 +203,7 @@ class Buffer:
             if self._closed:
                 return
             self._closed = True
+            self._door = None
             self._backend.close()
             for companion in self._companions.values():
                 companion.close()
@@ -258,9 +267,13 @@ class Buffer:
         # requires grad, valid ids) is recognised by the inputs' fast check alone and goes
         # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
         # ~40 µs batch-1 dispatch+combine (docs/results.md, "Layer by layer, in place")
-        if handle is None and not _is_compiling() and self._dispatch_ready(
-                x, topk_idx, topk_weights, *self._limits):
-            return self._dispatch_checked(x, topk_idx, topk_weights)
+        if handle is None and not _is_compiling():
+            if self._door is not None:      # the whole call compiled, or NotImplemented
+                res = self._door_dispatch(self._door, self, x, topk_idx, topk_weights)
+                if res is not NotImplemented:
+                    return res
+            if self._dispatch_ready(x, topk_idx, topk_weights, *self._limits):
+                return self._dispatch_checked(x, topk_idx, topk_weights)
         if handle is not None:
             topk_idx, topk_weights = self._routing_of(handle, topk_idx, topk_weights)
         if type(x) is tuple:
@@ -328,6 +341,10 @@ class Buffer:
         """
         # the common call (eager, this Buffer's handle, rows as the handle expects, no `out`):
         # the rows' fast check alone, then the backend (as in `dispatch`)
+        if out is None and self._door is not None and not _is_compiling():
+            y = self._door_combine(self._door, self, expert_out, handle, weighted)
+            if y is not NotImplemented:
+                return y
         if (type(handle) is DispatchHandle and out is None and handle.buffer_id == self._id
                 and not _is_compiling() and self._combine_ready(expert_out, handle.num_recv,
                                                                 handle.hidden)):
@@ -341,6 +358,28 @@ class Buffer:
                 y = ops.combine(self, expert_out, handle, weighted)
                 return y if out is None else out.copy_(y)
         return self._combine_now(expert_out, handle, weighted, out)
+
+    def _door_dispatch_wait(self, r: tuple, x: torch.Tensor, idx: torch.Tensor,
+                            w: torch.Tensor, call: int, t0: float, epoch: int, area: int,
+                            roff: int) -> DispatchResult:
+        """A dispatch the door (`ubep.native`) began that must wait: on in Python from where
+        the compiled entry stopped, as `_dispatch_checked` goes on (the door holds the lock)."""
+        try:
+            return self._backend.dispatch_resume(r, x, idx, w, call, t0, epoch, area, roff)
+        except BaseException as e:
+            self._failed(e)
+            raise
+
+    def _door_combine_wait(self, r: tuple, rows: torch.Tensor, handle: DispatchHandle,
+                           weighted: bool, t0: float, epoch: int, offset: int, ptr: int,
+                           copied: bool):
+        """A combine the door began that must wait (as `_door_dispatch_wait`)."""
+        try:
+            return self._backend.combine_resume(r, rows, handle, weighted, t0, epoch, offset,
+                                                ptr, copied)
+        except BaseException as e:
+            self._failed(e)
+            raise
 
     def _combine_now(self, expert_out: torch.Tensor, handle: DispatchHandle,
                      weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:

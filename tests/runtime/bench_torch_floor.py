@@ -64,6 +64,9 @@ def _rank(rank: int, world: int, batch: int, rounds: int) -> dict:
         def __init__(self, work, t0):
             self.work, self.t0 = work, t0
 
+        def is_completed(self):      # the backend's `wait` polls this first
+            return self.work.is_completed()
+
         def wait(self):
             self.work.wait()
             marks.append((self.t0, time.perf_counter_ns()))

@@ -203,9 +203,9 @@ def _late_or_dead(rank, world, direct, how, job):
         if rank == 1 and how == "dead":
             def die(*args):
                 os.kill(os.getpid(), signal.SIGKILL)   # counts are out, the rows never come
-            # the one-worker entry after counts, on the Python path (the compiled one,
-            # `ubep.native`, calls the same kernels by address)
-            buf._backend._path._native = None
+            # the one-worker entry after counts, on the Python path (the compiled door and
+            # entries, `ubep.native`, call the same kernels by address)
+            buf._door = buf._backend._path._native = None
             setattr(direct_kernels, "dispatch_rows_own" if direct == "owned"
                     else "dispatch_rows_at", die)
         t0 = time.monotonic()

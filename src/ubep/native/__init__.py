@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / f for f in ("module.cpp", "checks.cpp", "direct.cpp"))
+SOURCES = tuple(_HERE / f for f in ("module.cpp", "checks.cpp", "direct.cpp", "door.cpp"))
 HEADERS = (_HERE / "native.h",)
 NAME = "ubep_native"
 

@@ -45,6 +45,10 @@ bool topk_ok(const int64_t* p, int64_t rows, int64_t cols, int64_t num_experts) 
   return true;
 }
 
+}  // namespace
+
+namespace ubep_native {
+
 bool dispatch_ready(PyObject* const* a, const int64_t* lim) {
   const int64_t hidden = lim[0], num_experts = lim[1], max_tokens = lim[2], max_top_k = lim[3];
   const at::Tensor *x = plain(a[0]), *idx = plain(a[1]), *w = plain(a[2]);
@@ -69,6 +73,10 @@ bool combine_ready(PyObject* const* a, const int64_t* lim) {
       && e->stride(1) == 1;
 }
 
+}  // namespace ubep_native
+
+namespace {
+
 template <bool (*Check)(PyObject* const*, const int64_t*), Py_ssize_t NT, Py_ssize_t NI>
 PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!ubep_native::arity(nargs, NT + NI)) return nullptr;
@@ -89,11 +97,11 @@ PyObject* entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 namespace ubep_native {
 
 PyObject* dispatch_inputs_ready(PyObject* self, PyObject* const* a, Py_ssize_t n) {
-  return entry<dispatch_ready, 3, 4>(self, a, n);
+  return entry<ubep_native::dispatch_ready, 3, 4>(self, a, n);
 }
 
 PyObject* combine_inputs_ready(PyObject* self, PyObject* const* a, Py_ssize_t n) {
-  return entry<combine_ready, 1, 2>(self, a, n);
+  return entry<ubep_native::combine_ready, 1, 2>(self, a, n);
 }
 
 }  // namespace ubep_native

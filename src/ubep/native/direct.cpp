@@ -10,11 +10,13 @@
 // waits with its deadlines and named errors as on its own path.
 #include "native.h"
 
-#include <time.h>
-
 #include <numpy/arrayobject.h>
 
 namespace {
+
+using ubep_native::key;
+using ubep_native::now_us;
+using ubep_native::Obj;
 
 // ST_* words of the path's kept state and D_* / C_* of one call's block: the order of
 // ubep.runtime.shm.kernels.entries (tests/test_native.py checks both sides agree)
@@ -54,13 +56,6 @@ bool tensors(std::initializer_list<PyObject*> objs) {
   return true;
 }
 
-// `time.perf_counter()`'s clock in µs (`ubep.runtime.shm.waits.now_us`)
-double now_us() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
-}
-
 PyObject* np_empty(int nd, npy_intp* dims, int type) {
   return PyArray_EMPTY(nd, dims, type, 0);
 }
@@ -94,22 +89,6 @@ PyObject* tuple_steal(std::initializer_list<PyObject*> items) {
   return t;
 }
 
-// one owned reference, released on scope exit unless handed on
-class Obj {
- public:
-  explicit Obj(PyObject* p = nullptr) : p_(p) {}
-  Obj(const Obj&) = delete;
-  Obj& operator=(Obj&& o) noexcept { std::swap(p_, o.p_); return *this; }
-  ~Obj() { Py_XDECREF(p_); }
-  static Obj none() { Py_INCREF(Py_None); return Obj(Py_None); }
-  explicit operator bool() const { return p_ != nullptr; }
-  PyObject* get() const { return p_; }
-  PyObject* release() { PyObject* p = p_; p_ = nullptr; return p; }
-  PyObject* share() const { Py_XINCREF(p_); return p_; }   // a new reference, kept too
- private:
-  PyObject* p_;
-};
-
 // The Python classes a call's results are made of, and their fields' names: `set_result_types`
 // (ubep.handle's DispatchHandle, DispatchResult, CombineResult; ubep.stats' DeferredStats).
 // Made as `ubep.handle.new_handle` / `new_dispatch_result` / `new_combine_result` and
@@ -118,9 +97,6 @@ class Obj {
 struct Results {
   PyObject *handle = nullptr, *dispatch = nullptr, *combine = nullptr, *stats = nullptr;
 } results;
-
-// an interned field name; each caller keeps it in a static for the process
-PyObject* key(const char* name) { return PyUnicode_InternFromString(name); }
 
 // an instance of `type` made by object.__new__ whose dict maps the names to the values
 // (new references, stolen); nullptr with the error set if any value is nullptr
@@ -176,6 +152,16 @@ PyObject* ref(PyObject* o) {
 
 namespace ubep_native {
 
+bool is_handle(PyObject* o) {
+  return results.handle && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(results.handle);
+}
+
+bool origins_ok(PyObject* o) {
+  PyArrayObject* a = reinterpret_cast<PyArrayObject*>(o);
+  return PyArray_Check(o) && PyArray_TYPE(a) == NPY_INT64 && PyArray_NDIM(a) == 2
+      && PyArray_IS_C_CONTIGUOUS(a) && PyArray_DIM(a, 0) == 3;
+}
+
 bool init_direct() {
   import_array1(false);
   return true;
@@ -216,16 +202,22 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   int owned = PyObject_IsTrue(a[7]);
   if (owned < 0 || !tensors({a[1], a[2], a[3]})) return nullptr;
   if (a[8] != Py_None && !tensors({a[8]})) return nullptr;
-  int64_t* st = reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0]));
+  return dispatch_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0])), a[1], a[2],
+                       a[3], v[1], v[2], v[3], owned, a[8], v[4], v[5], t0, a[12]);
+}
+
+PyObject* dispatch_call(int64_t* st, PyObject* x_obj, PyObject* idx_obj, PyObject* w_obj,
+                        int64_t epoch, int64_t code, int64_t roff, bool owned, PyObject* view,
+                        int64_t call, int64_t buffer_id, double t0, PyObject* build) {
   try {
-    const at::Tensor& x = THPVariable_Unpack(a[1]);
-    const at::Tensor& idx = THPVariable_Unpack(a[2]);
-    const at::Tensor& w = THPVariable_Unpack(a[3]);
+    const at::Tensor& x = THPVariable_Unpack(x_obj);
+    const at::Tensor& idx = THPVariable_Unpack(idx_obj);
+    const at::Tensor& w = THPVariable_Unpack(w_obj);
     const int64_t t_n = idx.size(0), k_n = idx.size(1);
     int64_t c[D_LEN] = {};
-    c[D_EPOCH] = v[1];
-    c[D_CODE] = v[2];
-    c[D_ROFF] = v[3];
+    c[D_EPOCH] = epoch;
+    c[D_CODE] = code;
+    c[D_ROFF] = roff;
     c[D_IDX] = reinterpret_cast<intptr_t>(idx.const_data_ptr());
     c[D_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
     c[D_T] = t_n;
@@ -258,8 +250,8 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
       c[D_RB] = x.size(1) * static_cast<int64_t>(x.element_size());
       c[D_DST] = 0;
       run(st, ST_ROWS, c);
-      if (c[D_N] >= 0 && a[8] != Py_None) {
-        recv_x = Obj(THPVariable_Wrap(rows_of(THPVariable_Unpack(a[8]), c[D_N])));
+      if (c[D_N] >= 0 && view != Py_None) {
+        recv_x = Obj(THPVariable_Wrap(rows_of(THPVariable_Unpack(view), c[D_N])));
         if (!recv_x) return nullptr;
       }
     }
@@ -267,7 +259,7 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                            PyLong_FromLongLong(k_n), PyLong_FromLongLong(c[D_EPOCH]),
                            PyLong_FromLongLong(c[D_POS]), keep.release(), origins.share()}));
     if (!state) return nullptr;
-    if (c[D_LEFT] == 0 && c[D_N] >= 0 && c[D_MISSING] == 0 && a[12] != Py_None
+    if (c[D_LEFT] == 0 && c[D_N] >= 0 && c[D_MISSING] == 0 && build != Py_None
         && results.dispatch) {
       static PyObject *k_buffer_id = key("buffer_id"), *k_call = key("call"),
                       *k_num_tokens = key("num_tokens"), *k_num_recv = key("num_recv"),
@@ -278,13 +270,14 @@ PyObject* direct_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                       *k_handle = key("handle"), *k_stats = key("stats");
       const int64_t n = c[D_N];
       PyObject* handle = instance(results.handle, {
-          {k_buffer_id, PyLong_FromLongLong(v[5])}, {k_call, PyLong_FromLongLong(v[4])},
+          {k_buffer_id, PyLong_FromLongLong(buffer_id)}, {k_call, PyLong_FromLongLong(call)},
           {k_num_tokens, PyLong_FromLongLong(t_n)}, {k_num_recv, PyLong_FromLongLong(n)},
-          {k_hidden, PyLong_FromLongLong(st[ST_HIDDEN])}, {k_topk_idx, ref(a[2])},
-          {k_topk_weights, ref(a[3])}, {k_origins, origins.share()}, {k_state, state.release()}});
+          {k_hidden, PyLong_FromLongLong(st[ST_HIDDEN])}, {k_topk_idx, ref(idx_obj)},
+          {k_topk_weights, ref(w_obj)}, {k_origins, origins.share()},
+          {k_state, state.release()}});
       if (!handle) return nullptr;
-      PyObject* stats = deferred_stats(a[12], tuple_steal({
-          times(t0, t1, now_us()), none(), ref(a[2]), PyLong_FromLongLong(n),
+      PyObject* stats = deferred_stats(build, tuple_steal({
+          times(t0, t1, now_us()), none(), ref(idx_obj), PyLong_FromLongLong(n),
           PyLong_FromLongLong(c[D_RB]), PyLong_FromLongLong(c[D_EPOCH])}));
       return instance(results.dispatch, {
           {k_recv_x, recv_x.release()}, {k_weights, wts.release()}, {k_tpe, tpe.release()},
@@ -315,28 +308,32 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (t0 == -1.0 && PyErr_Occurred()) return nullptr;
   int64_t v[15];                  // v[7] (src_rank) is an array, not an int
   if (!ints(a, 7, v) || !ints(a + 8, 6, v + 8)) return nullptr;
-  PyArrayObject* origins = reinterpret_cast<PyArrayObject*>(a[7]);
-  if (!PyArray_Check(a[7]) || PyArray_TYPE(origins) != NPY_INT64 || PyArray_NDIM(origins) != 2
-      || !PyArray_IS_C_CONTIGUOUS(origins)) {
+  if (!origins_ok(a[7])) {
     PyErr_SetString(PyExc_TypeError, "ints must be a C-contiguous [3, N] int64 numpy array");
     return nullptr;
   }
   int bf16 = PyObject_IsTrue(a[15]);
   if (bf16 < 0 || (a[14] != Py_None && !tensors({a[14]}))) return nullptr;
-  int64_t* st = reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0]));
+  return combine_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0])), v, a[7], a[14],
+                      bf16, t0, a[17], a[18], a[19]);
+}
+
+PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins_obj, PyObject* out_arg,
+                       bool bf16, double t0, PyObject* build, PyObject* copied,
+                       PyObject* topk_idx) {
+  PyArrayObject* origins = reinterpret_cast<PyArrayObject*>(origins_obj);
   try {
     const int64_t t_n = v[10], hidden = st[ST_HIDDEN];
     Obj out_obj;
     at::Tensor out;
-    if (a[14] == Py_None) {
+    if (out_arg == Py_None) {
       out = at::empty({t_n, hidden}, at::TensorOptions().dtype(bf16 ? at::kBFloat16
                                                                       : at::kFloat));
       out_obj = Obj(THPVariable_Wrap(out));
       if (!out_obj) return nullptr;
     } else {
-      out = THPVariable_Unpack(a[14]);
-      Py_INCREF(a[14]);
-      out_obj = Obj(a[14]);
+      out = THPVariable_Unpack(out_arg);
+      out_obj = Obj(ref(out_arg));
     }
     const int64_t es = bf16 ? 2 : 4;
     int64_t c[C_LEN] = {};
@@ -346,7 +343,7 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     c[C_OFFSET] = v[4];
     c[C_COPY_SRC] = v[5];
     c[C_COPY_N] = v[6];
-    c[C_SRC] = addr(a[7]);                // row 0
+    c[C_SRC] = addr(origins_obj);         // row 0
     c[C_N] = PyArray_DIM(origins, 1);
     c[C_IDX] = v[8];
     c[C_W] = v[9];
@@ -361,10 +358,11 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     c[C_OUT] = bf16 ? o : 0;
     run(st, ST_COMBINE, c);
     double t1 = now_us();
-    if (c[C_LEFT] == 0 && c[C_WAITING] == 0 && a[17] != Py_None && results.combine) {
+    if (c[C_LEFT] == 0 && c[C_WAITING] == 0 && build != Py_None && results.combine) {
       static PyObject *k_y = key("y"), *k_stats = key("stats");
-      PyObject* stats = deferred_stats(a[17], tuple_steal({
-          times(t0, t1, now_us()), none(), ref(a[18]), ref(a[19]), PyLong_FromLongLong(c[C_RB]),
+      PyObject* stats = deferred_stats(build, tuple_steal({
+          times(t0, t1, now_us()), none(), ref(copied), ref(topk_idx),
+          PyLong_FromLongLong(c[C_RB]),
           PyLong_FromLongLong(c[C_EPOCH])}));
       return instance(results.combine, {{k_y, out_obj.release()}, {k_stats, stats}});
     }

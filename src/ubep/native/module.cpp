@@ -17,6 +17,12 @@ PyMethodDef methods[] = {
     {"set_result_types", (PyCFunction)(void (*)())ubep_native::set_result_types, METH_FASTCALL,
      "set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats): the "
      "classes the direct entries make their results of"},
+    {"door_dispatch", (PyCFunction)(void (*)())ubep_native::door_dispatch, METH_FASTCALL,
+     "door_dispatch(door, buffer, x, topk_idx, topk_weights): Buffer.dispatch's common call "
+     "on the shm direct path, or NotImplemented (see native/door.cpp)"},
+    {"door_combine", (PyCFunction)(void (*)())ubep_native::door_combine, METH_FASTCALL,
+     "door_combine(door, buffer, expert_out, handle, weighted): Buffer.combine's common call "
+     "on the shm direct path, or NotImplemented (see native/door.cpp)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "ubep_native", nullptr, -1, methods};

@@ -1,8 +1,11 @@
-// Shared by ubep's compiled entries (checks.cpp, direct.cpp; module.cpp lists them).
+// Shared by ubep's compiled entries (checks.cpp, direct.cpp, door.cpp; module.cpp lists them).
 #pragma once
 
 #include <Python.h>
+#include <time.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <utility>
 
 namespace ubep_native {
 
@@ -22,11 +25,56 @@ inline bool ints(PyObject* const* a, Py_ssize_t n, int64_t* out) {
   return true;
 }
 
+// `time.perf_counter()`'s clock in µs (`ubep.runtime.shm.waits.now_us`)
+inline double now_us() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+// an interned name; each caller keeps it in a static for the process
+inline PyObject* key(const char* name) { return PyUnicode_InternFromString(name); }
+
+// one owned reference, released on scope exit unless handed on
+class Obj {
+ public:
+  explicit Obj(PyObject* p = nullptr) : p_(p) {}
+  Obj(const Obj&) = delete;
+  Obj& operator=(Obj&& o) noexcept { std::swap(p_, o.p_); return *this; }
+  ~Obj() { Py_XDECREF(p_); }
+  static Obj none() { Py_INCREF(Py_None); return Obj(Py_None); }
+  explicit operator bool() const { return p_ != nullptr; }
+  PyObject* get() const { return p_; }
+  PyObject* release() { PyObject* p = p_; p_ = nullptr; return p; }
+  PyObject* share() const { Py_XINCREF(p_); return p_; }   // a new reference, kept too
+ private:
+  PyObject* p_;
+};
+
+// the fast checks' rules (checks.cpp): (x, topk_idx, topk_weights) against (hidden,
+// num_experts, max_tokens, max_top_k); (expert_out) against (num_recv, hidden)
+bool dispatch_ready(PyObject* const* a, const int64_t* lim);
+bool combine_ready(PyObject* const* a, const int64_t* lim);
+
+// the direct path's calls once their arguments are parsed (direct.cpp; `direct_dispatch` and
+// `direct_combine` document them); `v`: direct_combine's ints in its argument order
+PyObject* dispatch_call(int64_t* st, PyObject* x, PyObject* idx, PyObject* w, int64_t epoch,
+                        int64_t code, int64_t roff, bool owned, PyObject* view, int64_t call,
+                        int64_t buffer_id, double t0, PyObject* build);
+PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins, PyObject* out,
+                       bool bf16, double t0, PyObject* build, PyObject* copied,
+                       PyObject* topk_idx);
+// `o` is a DispatchHandle (set_result_types); `o` is a handle's row origins array
+bool is_handle(PyObject* o);
+bool origins_ok(PyObject* o);
+
 PyObject* dispatch_inputs_ready(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* combine_inputs_ready(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* direct_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* direct_combine(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* set_result_types(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* door_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* door_combine(PyObject*, PyObject* const*, Py_ssize_t);
 bool init_direct();     // numpy's C API, once at import
 
 }  // namespace ubep_native

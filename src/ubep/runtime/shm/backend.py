@@ -243,6 +243,28 @@ class ShmBackend:
             self.in_step = False
             raise
 
+    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+        """The path's words for `ubep.native`'s door (`DirectPath.door`), or None: only the
+        direct path has them, and only a path whose calls this layer adds nothing to."""
+        door = getattr(self._path, "door", None)
+        return None if door is None or self._refuse_sp else door(lock, limits)
+
+    def dispatch_resume(self, *args) -> DispatchResult:
+        """`DirectPath.dispatch_resume`: a door's dispatch that must wait (as `dispatch`)."""
+        try:
+            return self._path.dispatch_resume(*args)
+        except SentinelAbort:
+            self.in_step = False
+            raise
+
+    def combine_resume(self, *args) -> CombineResult:
+        """`DirectPath.combine_resume`: a door's combine that must wait (as `combine`)."""
+        try:
+            return self._path.combine_resume(*args)
+        except SentinelAbort:
+            self.in_step = False
+            raise
+
     def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
         """direct=True: the `[N, hidden]` view combine reads in place (see DirectPath)."""
         self._check_open("get_combine_buffer")

@@ -84,6 +84,13 @@ _NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_direct: "do not round to bf
 _use_count = torch._C._storage_Use_Count
 
 
+#: the words of `DirectPath.door`'s tuple, in `native/door.cpp`'s `DR_*` order: objects first,
+#: then ints (tests/test_native.py checks the two agree)
+DOOR_FIELDS = ("path", "lock", "cdata", "uses", "views", "codes", "elems", "dbuild", "cbuild",
+               "st", "owned", "buffer_id", "recv_off", "area", "base", "comb", "lent_lo",
+               "lent_hi", "recv_addr", "hidden", "experts", "max_tokens", "max_top_k")
+
+
 @functools.cache
 def _elem(dtype: torch.dtype) -> tuple[int, int, np.ndarray]:
     """(dtype code, element code, fp32 lookup table) of combine rows of `dtype`."""
@@ -158,6 +165,24 @@ class DirectPath:
             self._st_addr = self._st.ctypes.data
             self._native.set_result_types(DispatchHandle, DispatchResult, CombineResult,
                                           DeferredStats)
+
+    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+        """What `ubep.native`'s door (`door_dispatch`, `door_combine`) reads to take a
+        `Buffer`'s common call whole: this path's kept objects and constants (`DOOR_FIELDS`),
+        `lock` the Buffer's and `limits` its fast checks' (hidden, num_experts,
+        max_tokens_per_rank, max_top_k). None without the compiled entries."""
+        if self._native is None:
+            return None
+        words = {"path": self, "lock": lock, "cdata": self._area_cdata,
+                 "uses": self._area_uses, "views": self._area_views, "codes": _CODES,
+                 "elems": {d: _elem(d)[:2] for d in (torch.bfloat16, torch.float32)},
+                 "dbuild": self._dispatch_stats, "cbuild": self._combine_stats,
+                 "st": self._st_addr, "owned": int(self.owned), "buffer_id": self.ctx.buffer_id,
+                 "recv_off": self._recv_off, "area": self._area, "base": self.ctx.base,
+                 "comb": self._comb_addr, "lent_lo": self._lent_lo, "lent_hi": self._lent_hi,
+                 "recv_addr": self._recv_addr, "hidden": limits[0], "experts": limits[1],
+                 "max_tokens": limits[2], "max_top_k": limits[3]}
+        return tuple(words[f] for f in DOOR_FIELDS)
 
     def _native_state(self) -> np.ndarray:
         """The kept state `ubep.native`'s entries read (`kernels/entries.py`'s `ST_*` words):
@@ -239,15 +264,24 @@ class DirectPath:
             if type(r) is not tuple:    # the DispatchResult: every row arrived
                 self._last_call, self._last_dtype = call, dtype
                 return r
-            left, n_recv, missing, tpe, ints, wts, state, recv_x, t1 = r
-            if not left:
-                return self._dispatch_end(x, topk_idx, topk_weights, call, epoch,
-                                          deadline_after(t0, self._timeout_s), (t0, t1), roff,
-                                          n_recv, missing, tpe, ints, wts, state, recv_x)
-            return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff,
-                                     state[5], True)
+            return self.dispatch_resume(r, x, topk_idx, topk_weights, call, t0, epoch, area,
+                                        roff)
         return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff, None,
                                  False)
+
+    def dispatch_resume(self, r: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
+                        topk_weights: torch.Tensor, call: int, t0: float, epoch: int, area: int,
+                        roff: int) -> DispatchResult:
+        """The rest of a dispatch whose compiled entry (`direct_dispatch`, here or in
+        `ubep.native`'s door) stopped at a wait and returned `r`: the Python path's bounded
+        waits from where it stopped."""
+        left, n_recv, missing, tpe, ints, wts, state, recv_x, t1 = r
+        if not left:
+            return self._dispatch_end(x, topk_idx, topk_weights, call, epoch,
+                                      deadline_after(t0, self._timeout_s), (t0, t1), roff,
+                                      n_recv, missing, tpe, ints, wts, state, recv_x)
+        return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff,
+                                 state[5], True)
 
     def _dispatch_py(self, x, topk_idx, topk_weights, call, t0, epoch, area, roff, keep,
                      begun) -> DispatchResult:
@@ -486,6 +520,27 @@ class DirectPath:
                                          handle.topk_idx, rb, epoch)
                 return new_combine_result(out if dest is None or out is dest
                                           else dest.copy_(out), stats)
+        return self._combine_rest(handle, expert_out, dest, epoch, code, ecode, lut, es, rb,
+                                  offset, ptr, n_recv, copied, weighted, t0, begun)
+
+    def combine_resume(self, r: tuple, expert_out: torch.Tensor, handle: DispatchHandle,
+                       weighted: bool, t0: float, epoch: int, offset: int, ptr: int,
+                       copied: bool) -> CombineResult:
+        """The rest of a combine (no `out`) whose compiled entry, called by `ubep.native`'s
+        door, stopped at a wait and returned `r`: the Python path's waits from there."""
+        dtype = expert_out.dtype
+        code, ecode, lut = _elem(dtype)
+        es = dtype.itemsize
+        return self._combine_rest(handle, expert_out, None, epoch, code, ecode, lut, es,
+                                  self.hidden * es, offset, ptr, handle.num_recv, copied,
+                                  weighted, t0, r)
+
+    def _combine_rest(self, handle, expert_out, dest, epoch, code, ecode, lut, es, rb, offset,
+                      ptr, n_recv, copied, weighted, t0, begun) -> CombineResult:
+        """`combine` from its first kernel entry on (`begun`: what the compiled entry returned
+        when it ran that entry already)."""
+        b = self.ctx
+        dtype, t_n = expert_out.dtype, handle.num_tokens
         deadline = deadline_after(t0, self._timeout_s)
         if b.workers == 1:
             out, t1, waiting = self._combine_one(handle, expert_out, dest, epoch, code, ecode,

@@ -1,0 +1,338 @@
+// The common call's whole way from `Buffer.dispatch` / `Buffer.combine` to the shm direct
+// path's kernels in one C++ call: the inputs' fast check, the Buffer's lock and state, the
+// path's choice of where rows go, the compiled entry (direct.cpp) and the Buffer's stats.
+//
+// Why: a call that follows other work (an attention layer, another system) starts on cold
+// caches, and there each Python statement costs ~0.5-2 µs; the layers between `Buffer.dispatch`
+// and the entry were about half of such a call in one process (docs/results.md, "The first
+// call after other work"). The Python code stays the definition: this file takes the call
+// only when the Python path would take its straight line (nothing to refuse, a free lent area,
+// views and codes already made), else it answers NotImplemented before changing anything and
+// the Python path runs as before. A call that must wait continues in Python (`Buffer
+// ._door_dispatch_wait` / `_door_combine_wait`) with the lock still held.
+#include "native.h"
+
+#include <torch/csrc/DynamicTypes.h>
+
+namespace {
+
+using ubep_native::key;
+using ubep_native::now_us;
+using ubep_native::Obj;
+
+// the door's words, in the order `ubep.runtime.shm.direct.DOOR_FIELDS` names them
+// (tests/test_native.py checks both sides agree)
+enum Dr : Py_ssize_t {
+  DR_PATH, DR_LOCK, DR_CDATA, DR_USES, DR_VIEWS, DR_CODES, DR_ELEMS, DR_DBUILD, DR_CBUILD,
+  DR_ST, DR_OWNED, DR_BUFFER_ID, DR_RECV_OFF, DR_AREA, DR_BASE, DR_COMB, DR_LENT_LO,
+  DR_LENT_HI, DR_RECV_ADDR, DR_HIDDEN, DR_EXPERTS, DR_MAX_TOKENS, DR_MAX_TOP_K, DR_LEN
+};
+constexpr Py_ssize_t DR_INTS = DR_ST;      // words from here on are ints
+
+struct Door {
+  PyObject* o[DR_INTS];
+  int64_t v[DR_LEN];                      // v[DR_ST..] used
+};
+
+// the door tuple's words; false with a TypeError if it is not one
+bool parse(PyObject* t, Door& d) {
+  if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != DR_LEN) {
+    PyErr_SetString(PyExc_TypeError, "door must be the tuple DirectPath.door made");
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < DR_INTS; ++i) d.o[i] = PyTuple_GET_ITEM(t, i);
+  return ubep_native::ints(&PyTuple_GET_ITEM(t, 0) + DR_INTS, DR_LEN - DR_INTS, d.v + DR_INTS);
+}
+
+PyObject* not_taken() { Py_RETURN_NOTIMPLEMENTED; }
+
+// the Buffer's lock held for the scope (`lock.acquire()`, which waits without the GIL);
+// released on every way out, an error set meanwhile kept
+class Locked {
+ public:
+  explicit Locked(PyObject* lock) : lock_(lock) {
+    static PyObject* k_acquire = key("acquire");
+    PyObject* r = PyObject_CallMethodNoArgs(lock_, k_acquire);
+    ok_ = r != nullptr;
+    Py_XDECREF(r);
+  }
+  ~Locked() {
+    static PyObject* k_release = key("release");
+    if (!ok_) return;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject* r = PyObject_CallMethodNoArgs(lock_, k_release);
+    if (r) Py_DECREF(r); else PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+  }
+  bool ok() const { return ok_; }
+ private:
+  PyObject* lock_;
+  bool ok_;
+};
+
+// an int attribute of `o`; false with the error set if it is missing or not an int
+bool get_int(PyObject* o, PyObject* name, int64_t& out) {
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (!v) return false;
+  out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return !(out == -1 && PyErr_Occurred());
+}
+
+bool set_int(PyObject* o, PyObject* name, int64_t v) {
+  PyObject* p = PyLong_FromLongLong(v);
+  if (!p) return false;
+  int rc = PyObject_SetAttr(o, name, p);
+  Py_DECREF(p);
+  return rc == 0;
+}
+
+// 1 if the Buffer takes calls (not closed, not broken), 0 if not, -1 on error
+int usable(PyObject* buf) {
+  static PyObject *k_closed = key("_closed"), *k_broken = key("_broken");
+  PyObject* closed = PyObject_GetAttr(buf, k_closed);
+  if (!closed) return -1;
+  int c = PyObject_IsTrue(closed);
+  Py_DECREF(closed);
+  if (c) return c < 0 ? -1 : 0;
+  PyObject* broken = PyObject_GetAttr(buf, k_broken);
+  if (!broken) return -1;
+  int ok = broken == Py_None;
+  Py_DECREF(broken);
+  return ok;
+}
+
+// `DirectPath._free_area`: the first lent area whose storage only the path itself
+// references (its use count is the path's own), else 0
+int64_t free_area(const Door& d) {
+  PyObject *cdata = d.o[DR_CDATA], *uses = d.o[DR_USES];
+  const Py_ssize_t n = PyList_GET_SIZE(cdata);
+  for (Py_ssize_t i = 1; i < n; ++i) {
+    const int64_t p = PyLong_AsLongLong(PyList_GET_ITEM(cdata, i));
+    if (p == 0) return i;
+    const int64_t mine = PyLong_AsLongLong(PyList_GET_ITEM(uses, i));
+    if (PyErr_Occurred()) return -1;
+    auto* impl = reinterpret_cast<c10::StorageImpl*>(static_cast<intptr_t>(p));
+    if (static_cast<int64_t>(c10::raw::intrusive_ptr::use_count(impl)) == mine) return i;
+  }
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+// a failed call: `buf._failed(error)` records it (as `Buffer`'s Python path does), the error
+// stays set for the caller
+PyObject* failed(PyObject* buf) {
+  static PyObject* k_failed = key("_failed");
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  PyErr_NormalizeException(&t, &v, &tb);
+  if (v) {
+    if (tb) PyException_SetTraceback(v, tb);
+    PyObject* r = PyObject_CallMethodOneArg(buf, k_failed, v);
+    if (r) Py_DECREF(r); else PyErr_Clear();
+  }
+  PyErr_Restore(t, v, tb);
+  return nullptr;
+}
+
+// borrowed `dict[key]` or nullptr (no error: a missing key is "not taken")
+PyObject* lookup(PyObject* dict, PyObject* k) {
+  PyObject* v = PyDict_GetItemWithError(dict, k);
+  if (!v) PyErr_Clear();
+  return v;
+}
+
+}  // namespace
+
+namespace ubep_native {
+
+// door_dispatch(door, buf, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented
+PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  static PyObject *k_calls = key("_calls"), *k_epoch = key("_epoch"),
+                  *k_last_call = key("_last_call"), *k_last_dtype = key("_last_dtype"),
+                  *k_last_stats = key("last_stats"), *k_stats = key("stats");
+  if (!arity(nargs, 5)) return nullptr;
+  Door d;
+  if (!parse(a[0], d)) return nullptr;
+  PyObject* buf = a[1];
+  const int64_t* lim = d.v + DR_HIDDEN;
+  bool ready = false;
+  try {
+    ready = dispatch_ready(a + 2, lim);
+  } catch (const std::exception&) {
+    ready = false;
+  }
+  if (!ready) return not_taken();
+  Locked locked(d.o[DR_LOCK]);
+  if (!locked.ok()) return nullptr;
+  const int ok = usable(buf);
+  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
+  const bool owned = d.v[DR_OWNED] != 0;
+  int64_t area = 0;
+  if (owned) {
+    area = free_area(d);
+    if (area <= 0) return area < 0 ? nullptr : not_taken();
+  }
+  const at::Tensor& x = THPVariable_Unpack(a[2]);
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
+  PyObject* code = lookup(d.o[DR_CODES], dtype);
+  PyObject* view_key = Py_BuildValue("(LO)", static_cast<long long>(area), dtype);
+  if (!view_key) return nullptr;
+  PyObject* view = lookup(d.o[DR_VIEWS], view_key);
+  Py_DECREF(view_key);
+  if (!code || !view) return not_taken();
+  const int64_t code_v = PyLong_AsLongLong(code);
+  if (code_v == -1 && PyErr_Occurred()) return nullptr;
+  // the call: from here on its state moves (as `_dispatch_checked` and the path move it)
+  PyObject* path = d.o[DR_PATH];
+  int64_t call, epoch;
+  if (!get_int(buf, k_calls, call) || !set_int(buf, k_calls, ++call)) return nullptr;
+  const double t0 = now_us();
+  if (!get_int(path, k_epoch, epoch) || !set_int(path, k_epoch, ++epoch)) return failed(buf);
+  const int64_t roff = d.v[DR_RECV_OFF] + area * d.v[DR_AREA];
+  PyObject* r = dispatch_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(d.v[DR_ST])),
+                              a[2], a[3], a[4], epoch, code_v, roff, owned, view, call,
+                              d.v[DR_BUFFER_ID], t0, d.o[DR_DBUILD]);
+  if (!r) return failed(buf);
+  if (PyTuple_Check(r)) {      // a wait: Python goes on from where the entry stopped
+    PyObject* res = PyObject_CallMethod(buf, "_door_dispatch_wait", "(OOOOLdLLL)", r, a[2], a[3],
+                                        a[4], static_cast<long long>(call), t0,
+                                        static_cast<long long>(epoch),
+                                        static_cast<long long>(area),
+                                        static_cast<long long>(roff));
+    Py_DECREF(r);
+    if (!res) return nullptr;          // recorded by the Python side
+    r = res;
+  } else if (!set_int(path, k_last_call, call)
+             || PyObject_SetAttr(path, k_last_dtype, dtype) < 0) {
+    Py_DECREF(r);
+    return failed(buf);
+  }
+  PyObject* stats = PyObject_GetAttr(r, k_stats);
+  if (!stats || PyObject_SetAttr(buf, k_last_stats, stats) < 0) {
+    Py_XDECREF(stats);
+    Py_DECREF(r);
+    return nullptr;
+  }
+  Py_DECREF(stats);
+  return r;
+}
+
+
+// door_combine(door, buf, expert_out, handle, weighted) -> y or NotImplemented
+PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
+                  *k_hidden = key("hidden"), *k_call = key("call"),
+                  *k_last_call = key("_last_call"), *k_lent_comb = key("_lent_comb"),
+                  *k_c_epoch = key("_c_epoch"), *k_num_tokens = key("num_tokens"),
+                  *k_state = key("state"), *k_topk_idx = key("topk_idx"),
+                  *k_last_stats = key("last_stats"), *k_stats = key("stats"), *k_y = key("y");
+  if (!arity(nargs, 5)) return nullptr;
+  Door d;
+  if (!parse(a[0], d)) return nullptr;
+  PyObject *buf = a[1], *rows = a[2], *handle = a[3];
+  if (!is_handle(handle)) return not_taken();
+  int64_t hv[3];               // buffer_id, num_recv, hidden
+  if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
+      || !get_int(handle, k_hidden, hv[2]))
+    return nullptr;
+  if (hv[0] != d.v[DR_BUFFER_ID]) return not_taken();
+  bool ready = false;
+  try {
+    ready = combine_ready(&rows, hv + 1);
+  } catch (const std::exception&) {
+    ready = false;
+  }
+  if (!ready) return not_taken();
+  const int weighted = PyObject_IsTrue(a[4]);
+  if (weighted < 0) return nullptr;
+  Locked locked(d.o[DR_LOCK]);
+  if (!locked.ok()) return nullptr;
+  const int ok = usable(buf);
+  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
+  PyObject* path = d.o[DR_PATH];
+  const bool owned = d.v[DR_OWNED] != 0;
+  int64_t call;
+  if (!get_int(handle, k_call, call)) return nullptr;
+  if (!owned) {                // direct=True: the latest dispatch only (Python names the error)
+    int64_t last;
+    if (!get_int(path, k_last_call, last)) return nullptr;
+    if (call != last) return not_taken();
+  }
+  const at::Tensor& e = THPVariable_Unpack(rows);
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
+  PyObject* codes = lookup(d.o[DR_ELEMS], dtype);    // (code, ecode): bf16 and fp32 only
+  if (!codes) return not_taken();
+  int64_t v[15] = {};          // direct_combine's ints, in its argument order
+  PyObject* cc[2] = {PyTuple_GET_ITEM(codes, 0), PyTuple_GET_ITEM(codes, 1)};
+  if (!ints(cc, 2, v + 2)) return nullptr;
+  const int64_t n_recv = hv[1], rb = d.v[DR_HIDDEN] * static_cast<int64_t>(e.element_size());
+  const int64_t ptr = reinterpret_cast<intptr_t>(e.const_data_ptr());
+  const int64_t comb = d.v[DR_COMB];
+  bool copied;
+  if (owned) {
+    int64_t lent_comb;
+    if (!get_int(path, k_lent_comb, lent_comb)) return nullptr;
+    if (ptr == comb && n_recv && call != lent_comb) return not_taken();
+    const bool lent = d.v[DR_LENT_LO] <= ptr && ptr + n_recv * rb <= d.v[DR_LENT_HI];
+    copied = n_recv > 0 && ptr != comb && !lent;
+  } else {
+    copied = n_recv > 0 && ptr != d.v[DR_RECV_ADDR] && ptr != comb;
+  }
+  PyObject* state = PyObject_GetAttr(handle, k_state);
+  if (!state) return nullptr;
+  Obj state_ref(state);
+  if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) < 7) return not_taken();
+  PyObject* si[4] = {PyTuple_GET_ITEM(state, 0), PyTuple_GET_ITEM(state, 1),
+                     PyTuple_GET_ITEM(state, 2), PyTuple_GET_ITEM(state, 4)};
+  int64_t sv[4];               // idx address, weights address, K, pos address
+  if (!ints(si, 4, sv)) return nullptr;
+  PyObject* origins = PyTuple_GET_ITEM(state, 6);
+  if (!origins_ok(origins)) return not_taken();
+  int64_t t_n;
+  if (!get_int(handle, k_num_tokens, t_n)) return nullptr;
+  PyObject* topk_idx = PyObject_GetAttr(handle, k_topk_idx);
+  if (!topk_idx) return nullptr;
+  Obj topk_ref(topk_idx);
+  // the call: from here on its state moves (as the path moves it)
+  const double t0 = now_us();
+  if (owned && !set_int(path, k_lent_comb, 0)) return failed(buf);
+  int64_t epoch;
+  if (!get_int(path, k_c_epoch, epoch) || !set_int(path, k_c_epoch, ++epoch))
+    return failed(buf);
+  v[0] = d.v[DR_ST];
+  v[1] = epoch;
+  v[4] = (copied || !n_recv ? comb : ptr) - d.v[DR_BASE];
+  v[5] = ptr;
+  v[6] = copied ? n_recv : 0;
+  v[8] = sv[0];
+  v[9] = sv[1];
+  v[10] = t_n;
+  v[11] = sv[2];
+  v[12] = weighted;
+  v[13] = sv[3];
+  PyObject* copied_obj = copied ? Py_True : Py_False;
+  PyObject* r = combine_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0])), v,
+                             origins, Py_None, e.scalar_type() == at::kBFloat16, t0,
+                             d.o[DR_CBUILD], copied_obj, topk_idx);
+  if (!r) return failed(buf);
+  if (PyTuple_Check(r)) {      // a wait: Python goes on from where the entry stopped
+    PyObject* res = PyObject_CallMethod(buf, "_door_combine_wait", "(OOOOdLLLO)", r, rows,
+                                        handle, weighted ? Py_True : Py_False, t0,
+                                        static_cast<long long>(epoch),
+                                        static_cast<long long>(v[4]),
+                                        static_cast<long long>(ptr), copied_obj);
+    Py_DECREF(r);
+    if (!res) return nullptr;          // recorded by the Python side
+    r = res;
+  }
+  Obj result(r);
+  PyObject* stats = PyObject_GetAttr(r, k_stats);
+  if (!stats) return nullptr;
+  const int rc = PyObject_SetAttr(buf, k_last_stats, stats);
+  Py_DECREF(stats);
+  if (rc < 0) return nullptr;
+  return PyObject_GetAttr(r, k_y);
+}
+
+}  // namespace ubep_native
