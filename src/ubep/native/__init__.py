@@ -3,7 +3,9 @@
 What it holds: the input fast checks `Buffer.dispatch`/`Buffer.combine` run on every eager
 call (`checks.cpp`; the rules are `ubep.validate`'s), and the shm direct path's one-worker
 dispatch and combine as one C++ entry each (`direct.cpp`), which call the path's numba
-kernels by address (`ubep.runtime.shm.kernels.entries`). Everything has a Python twin that
+kernels by address (`ubep.runtime.shm.kernels.entries`), and the door (`door.cpp`): `Buffer`'s
+common call on that path, from the input check to the stats, in one C++ call, which declines
+(NotImplemented) whatever the Python layers would not take straight. Everything has a Python twin that
 gives the same results, used when the extension is not built, so the library works without a
 compiler; `make install` builds it (`python -m ubep.native build`, ~30 s: g++, ninja and the
 headers in torch's wheel).
