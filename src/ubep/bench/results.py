@@ -265,6 +265,28 @@ slower host state minutes later: 27.2, 3.4, 0.2, 5.5, 18.0). What is left in Pyt
 decision where rows go (which lent area is free, whether combine reads in place) and the
 layers' frames; the entries are mostly the rows' copies and the cross-core traffic.
 
+*The door* (`ubep.native`, 2026-12-02, 01:40-02:10 UTC). A call that follows other work (an
+attention layer, another system's turn) starts on cold caches, and there Python costs far more
+than warm: in one process, every call after writing 8 MB (a line of each 64 bytes, outside the
+timed region), `direct="owned"`, batch 1: dispatch through `Buffer` 64-67 µs, through the
+backend 47-48, the compiled entry alone (with its result objects) 32; combine 71-74, 60-62, 48
+(a measurement script outside the repo, two runs); a trivial Python method chain (a lock, four
+attribute reads and writes) took 6.5-9 µs cold against 1.5-1.8 warm. So about half a cold call
+was the Python layers around the entries. The door (`native/door.cpp`) takes `Buffer`'s common
+call on the direct path whole: the inputs' fast check, the Buffer's lock, its closed/broken
+state and call counter, the free lent area (the storages' use counts, as `DirectPath` counts
+them), the epoch, the compiled entry and the last stats, in one C++ call from `Buffer.dispatch`
+/ `Buffer.combine`; anything else (a held area everywhere, a first call of a dtype, an older
+handle with `direct=True`, fp16 rows, bad input, a closed or broken Buffer) it declines before
+changing anything and the Python layers run as before; a wait goes on in Python, the lock held.
+In-process A/B, two ranks, the same Buffer kind with the door on and off
+(`tests/runtime/bench_shm_door.py`, 800 calls each, the slower rank's): warm 0.818 and 0.830
+(`direct="owned"`: 28.4 vs 34.8 and 26.4 vs 31.8 µs), 0.841 and 0.865 (`direct=True`); each
+call after evicting 8 MB: 0.927, 0.882, 0.586, 0.756 (owned; e.g. 84.5 vs 144.2 µs), 0.941,
+0.702, 0.713, 0.812 (`direct=True`), the cold medians moving with the host by up to 1.7x
+between runs minutes apart. Against bfada2a (the last main without `ubep.native`,
+`tests/runtime/bench_shm_ab.py`, pair): 0.378 (26.7 vs 70.6 µs).
+
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
 started before, stay free: bound with the rank to its one core, every gloo collective there
