@@ -17,6 +17,7 @@ namespace {
 using ubep_native::key;
 using ubep_native::now_us;
 using ubep_native::Obj;
+using ubep_native::ref;
 
 // ST_* words of the path's kept state and D_* / C_* of one call's block: the order of
 // ubep.runtime.shm.kernels.entries (tests/test_native.py checks both sides agree)
@@ -143,10 +144,6 @@ PyObject* none() {
   return Py_None;
 }
 
-PyObject* ref(PyObject* o) {
-  Py_INCREF(o);
-  return o;
-}
 
 }  // namespace
 

@@ -19,6 +19,7 @@ namespace {
 using ubep_native::key;
 using ubep_native::now_us;
 using ubep_native::Obj;
+using ubep_native::ref;
 
 // the door's words, in the order `ubep.runtime.shm.direct.DOOR_FIELDS` names them
 // (tests/test_native.py checks both sides agree)
@@ -181,6 +182,7 @@ PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   PyObject* view = lookup(d.o[DR_VIEWS], view_key);
   Py_DECREF(view_key);
   if (!code || !view) return not_taken();
+  Obj view_ref(ref(view));     // held while the call runs (allocations may run the GC)
   const int64_t code_v = PyLong_AsLongLong(code);
   if (code_v == -1 && PyErr_Occurred()) return nullptr;
   // the call: from here on its state moves (as `_dispatch_checked` and the path move it)

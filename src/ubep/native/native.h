@@ -35,6 +35,12 @@ inline double now_us() {
 // an interned name; each caller keeps it in a static for the process
 inline PyObject* key(const char* name) { return PyUnicode_InternFromString(name); }
 
+// `o` with its count raised: a new reference to hand on
+inline PyObject* ref(PyObject* o) {
+  Py_INCREF(o);
+  return o;
+}
+
 // one owned reference, released on scope exit unless handed on
 class Obj {
  public:
