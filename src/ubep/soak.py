@@ -1,7 +1,7 @@
 """`ubep soak`: randomized dispatch/combine against the reference oracle, for as long as asked.
 
-Each session builds one Buffer with a random configuration (backend, mode, sync, direct,
-workers, block size, sizes) on real rank processes and makes a run of calls whose inputs
+Each session builds one Buffer with a random configuration (backend, mode, sync, direct
+False/True/"owned", workers, block size, sizes) on real rank processes and makes a run of calls whose inputs
 change every call: dtype, batch size 0..max per rank, top-k, routing (uniform, skewed, one
 hot expert, all on one rank's experts, -1 slots, nothing routed), weighted or not, combine or
 not. Every rank rebuilds every rank's inputs from the call's seed and checks its own
@@ -53,7 +53,9 @@ def random_session(rng: random.Random, world: int, calls: int) -> dict:
     """One Buffer configuration and its call count (plain values: shipped to the ranks)."""
     backend = "shm" if rng.random() < 0.85 else "torch"
     mode = rng.choice(("ubep", "ubep", "bsp"))
-    direct = backend == "shm" and mode == "ubep" and rng.random() < 0.3
+    # direct: False, True or "owned" (what backend="auto" gives on one host)
+    direct = (backend == "shm" and mode == "ubep" and rng.random() < 0.4
+              and rng.choice((True, "owned", "owned")))
     sync = rng.choice(("tff", "sw")) if direct else rng.choice(("sw", "tff", "dc", "sp"))
     experts = world * rng.choice((1, 2, 3, 4))
     return dict(
