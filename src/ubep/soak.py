@@ -4,9 +4,9 @@ Each session builds one Buffer with a random configuration (backend, mode, sync,
 False/True/"owned", workers, block size, sizes) on real rank processes and makes a run of
 calls whose inputs change every call: dtype, batch size 0..max per rank, top-k, routing
 (uniform, skewed, one hot expert, all on one rank's experts, -1 slots, nothing routed),
-weighted or not, combine or not. Every rank rebuilds every rank's inputs from the call's seed and checks its own
-results against `ubep.reference`: dispatch bit for bit, combine to fp32-accumulation
-tolerance. Between chunks of sessions /dev/shm is checked for segments of the job.
+weighted or not, combine or not. Every rank rebuilds every rank's inputs from the call's
+seed and checks its own results against `ubep.reference`: dispatch bit for bit, combine to
+fp32-accumulation tolerance. Between chunks of sessions /dev/shm is checked for segments of the job.
 
     ubep soak --calls 2000            # or --minutes 10; exit 1 on any mismatch, hang,
                                       # error or leaked segment
