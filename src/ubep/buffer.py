@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ubep import ops, quant
 from ubep.errors import BrokenBufferError, UbepError
-from ubep.handle import DispatchHandle, DispatchResult
+from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.native import load_native
 from ubep.options import (
     BACKENDS,
@@ -359,24 +359,12 @@ class Buffer:
                 return y if out is None else out.copy_(y)
         return self._combine_now(expert_out, handle, weighted, out)
 
-    def _door_dispatch_wait(self, r: tuple, x: torch.Tensor, idx: torch.Tensor,
-                            w: torch.Tensor, call: int, t0: float, epoch: int, area: int,
-                            roff: int) -> DispatchResult:
-        """A dispatch the door (`ubep.native`) began that must wait: on in Python from where
-        the compiled entry stopped, as `_dispatch_checked` goes on (the door holds the lock)."""
+    def _door_wait(self, which: str, *args) -> DispatchResult | CombineResult:
+        """A call the door (`ubep.native`) began that must wait: on in Python from where the
+        compiled entry stopped (the path's `dispatch_resume` or `combine_resume`, `which`), as
+        `_dispatch_checked` and `_combine_checked` go on (the door holds the lock)."""
         try:
-            return self._backend.dispatch_resume(r, x, idx, w, call, t0, epoch, area, roff)
-        except BaseException as e:
-            self._failed(e)
-            raise
-
-    def _door_combine_wait(self, r: tuple, rows: torch.Tensor, handle: DispatchHandle,
-                           weighted: bool, t0: float, epoch: int, offset: int, ptr: int,
-                           copied: bool):
-        """A combine the door began that must wait (as `_door_dispatch_wait`)."""
-        try:
-            return self._backend.combine_resume(r, rows, handle, weighted, t0, epoch, offset,
-                                                ptr, copied)
+            return self._backend.resume(which, *args)
         except BaseException as e:
             self._failed(e)
             raise

@@ -4,12 +4,11 @@
 //
 // Why: a call that follows other work (an attention layer, another system) starts on cold
 // caches, and there each Python statement costs ~0.5-2 µs; the layers between `Buffer.dispatch`
-// and the entry were about half of such a call in one process (docs/results.md, "The first
-// call after other work"). The Python code stays the definition: this file takes the call
-// only when the Python path would take its straight line (nothing to refuse, a free lent area,
-// views and codes already made), else it answers NotImplemented before changing anything and
-// the Python path runs as before. A call that must wait continues in Python (`Buffer
-// ._door_dispatch_wait` / `_door_combine_wait`) with the lock still held.
+// and the entry were about half of such a call in one process (docs/results.md, "The door").
+// The Python code stays the definition: this file takes the call only when the Python path
+// would take its straight line (nothing to refuse, a free lent area, views and codes already
+// made), else it answers NotImplemented before changing anything and the Python path runs as
+// before. A call that must wait goes on in Python (`Buffer._door_wait`), the lock still held.
 #include "native.h"
 
 #include <torch/csrc/DynamicTypes.h>
@@ -197,8 +196,9 @@ PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                               d.v[DR_BUFFER_ID], t0, d.o[DR_DBUILD]);
   if (!r) return failed(buf);
   if (PyTuple_Check(r)) {      // a wait: Python goes on from where the entry stopped
-    PyObject* res = PyObject_CallMethod(buf, "_door_dispatch_wait", "(OOOOLdLLL)", r, a[2], a[3],
-                                        a[4], static_cast<long long>(call), t0,
+    PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOLdLLL)",
+                                        "dispatch_resume", r, a[2], a[3], a[4],
+                                        static_cast<long long>(call), t0,
                                         static_cast<long long>(epoch),
                                         static_cast<long long>(area),
                                         static_cast<long long>(roff));
@@ -319,8 +319,9 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                              d.o[DR_CBUILD], copied_obj, topk_idx);
   if (!r) return failed(buf);
   if (PyTuple_Check(r)) {      // a wait: Python goes on from where the entry stopped
-    PyObject* res = PyObject_CallMethod(buf, "_door_combine_wait", "(OOOOdLLLO)", r, rows,
-                                        handle, weighted ? Py_True : Py_False, t0,
+    PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOdLLLO)",
+                                        "combine_resume", r, rows, handle,
+                                        weighted ? Py_True : Py_False, t0,
                                         static_cast<long long>(epoch),
                                         static_cast<long long>(v[4]),
                                         static_cast<long long>(ptr), copied_obj);

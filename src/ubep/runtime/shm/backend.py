@@ -249,18 +249,11 @@ class ShmBackend:
         door = getattr(self._path, "door", None)
         return None if door is None or self._refuse_sp else door(lock, limits)
 
-    def dispatch_resume(self, *args) -> DispatchResult:
-        """`DirectPath.dispatch_resume`: a door's dispatch that must wait (as `dispatch`)."""
+    def resume(self, which: str, *args) -> DispatchResult | CombineResult:
+        """A door's call that must wait: `DirectPath.dispatch_resume` or `combine_resume`
+        (`which`), `in_step` kept as `dispatch` and `combine` keep it."""
         try:
-            return self._path.dispatch_resume(*args)
-        except SentinelAbort:
-            self.in_step = False
-            raise
-
-    def combine_resume(self, *args) -> CombineResult:
-        """`DirectPath.combine_resume`: a door's combine that must wait (as `combine`)."""
-        try:
-            return self._path.combine_resume(*args)
+            return getattr(self._path, which)(*args)
         except SentinelAbort:
             self.in_step = False
             raise
