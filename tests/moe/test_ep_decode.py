@@ -13,7 +13,7 @@ from ubep.moe.e2e import UNSPLIT, E2EConfig, available_backends, e2e_rank
 from ubep.moe.models import make_config
 from ubep.testing import run_ranks
 
-BACKENDS = ("gloo", "shm-bsp", "shm-ubep", "shm-direct")
+BACKENDS = ("gloo", "shm-bsp", "shm-ubep", "shm-direct", "shm-owned")
 STEPS = 16
 LOGIT_TOL = 1e-4
 

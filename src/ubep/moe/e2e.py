@@ -21,12 +21,14 @@ from ubep.moe.decode import DecodeResult, GreedyDecoder
 from ubep.moe.models import build_model, make_prompts
 
 #: backend label -> (Buffer backend, mode, direct). "gloo" is the torch backend over the gloo
-#: group; "shm-direct" writes each row once, straight to its place (`Buffer(direct=True)`).
-BACKEND_SPECS: dict[str, tuple[str, str, bool]] = {
+#: group; "shm-direct" writes each row once, straight to its place (`Buffer(direct=True)`);
+#: "shm-owned" is what `Buffer(backend="auto")` gives on one host (`direct="owned"`).
+BACKEND_SPECS: dict[str, tuple[str, str, bool | str]] = {
     "gloo": ("torch", "ubep", False),
     "shm-bsp": ("shm", "bsp", False),
     "shm-ubep": ("shm", "ubep", False),
     "shm-direct": ("shm", "ubep", True),
+    "shm-owned": ("shm", "ubep", "owned"),
 }
 UNSPLIT = "unsplit"  # label of the reference run: each rank runs all experts, no communication
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -117,7 +119,7 @@ def e2e_rank(rank: int, world_size: int, cfg: E2EConfig) -> RankReport:
             backend, mode, direct = BACKEND_SPECS[name]
             options = dict(cfg.buffer_options)
             if direct:
-                options["direct"] = True
+                options["direct"] = direct
             buffers[name] = buffer_for(
                 model, max_tokens_per_rank=max(cfg.batches) * cfg.prompt_len, backend=backend,
                 mode=mode, timeout_s=cfg.timeout_s, **options)
