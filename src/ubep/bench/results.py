@@ -280,12 +280,12 @@ them), the epoch, the compiled entry and the last stats, in one C++ call from `B
 handle with `direct=True`, fp16 rows, bad input, a closed or broken Buffer) it declines before
 changing anything and the Python layers run as before; a wait goes on in Python, the lock held.
 In-process A/B, two ranks, the same Buffer kind with the door on and off
-(`tests/runtime/bench_shm_door.py`, 800 calls each, the slower rank's): warm 0.818 and 0.830
-(`direct="owned"`: 28.4 vs 34.8 and 26.4 vs 31.8 µs), 0.841 and 0.865 (`direct=True`); each
-call after evicting 8 MB: 0.927, 0.882, 0.586, 0.756 (owned; e.g. 84.5 vs 144.2 µs), 0.941,
-0.702, 0.713, 0.812 (`direct=True`), the cold medians moving with the host by up to 1.7x
-between runs minutes apart. Against bfada2a (the last main without `ubep.native`,
-`tests/runtime/bench_shm_ab.py`, pair): 0.378 (26.7 vs 70.6 µs).
+(`tests/runtime/bench_shm_door.py` and its first draft, 800 calls each, the slower rank's):
+warm 0.818 and 0.830 (`direct="owned"`: 28.4 vs 34.8 and 26.4 vs 31.8 µs), 0.841 and 0.865
+(`direct=True`); each call after evicting 8 MB: 0.927, 0.882, 0.586, 0.756 (owned; e.g. 84.5
+vs 144.2 µs), 0.941, 0.702, 0.713, 0.812 (`direct=True`), the cold medians moving with the
+host by up to 1.7x between runs minutes apart. Against bfada2a (the last main without
+`ubep.native`, `tests/runtime/bench_shm_ab.py`, pair): 0.378 (26.7 vs 70.6 µs).
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
