@@ -51,7 +51,7 @@ def test_bench_side_by_side(tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", *TINY, "--out", str(out)]) == 0
     rows, run = _read(out)
-    _check_complete(rows, run, ["shm-ubep", "shm-direct", "shm-bsp", "torch"])
+    _check_complete(rows, run, ["shm-owned", "shm-ubep", "shm-direct", "shm-bsp", "torch"])
     assert "torch" in {r["system"] for r in rows}   # gloo is always there
     assert (out / "bench.png").stat().st_size > 0
     md = (out / "bench.md").read_text()
@@ -87,7 +87,8 @@ def test_bench_peers_under_mpiexec(tmp_path):
     out = tmp_path / "peers"
     assert main(["bench", *TINY, "--peers", "--out", str(out)]) == 0
     rows, run = _read(out)
-    _check_complete(rows, run, ["shm-ubep", "shm-direct", "shm-bsp", "torch", "mpi", "agrs"])
+    _check_complete(rows, run, ["shm-owned", "shm-ubep", "shm-direct", "shm-bsp", "torch",
+                                "mpi", "agrs"])
     # each peer beside its own bare collectives: its x raw+copy is taken against them
     got = {(r["system"], r["op"]): r for r in rows if r["ranks"] == "2" and r["batch"] == "5"}
     for peer, raw in (("mpi", "mpi-raw"), ("agrs", "agrs-raw"), ("torch", "raw")):

@@ -1,9 +1,10 @@
 """`ubep bench` and `ubep demo`: measure dispatch+combine for real, side by side.
 
-`ubep bench` times the systems a user could pick on this host (shm-ubep, shm-direct,
-shm-bsp, torch/gloo, and with `--peers` the MPI peer and the AgRs peer, vLLM's all-gather +
-reduce-scatter) against the copy bound and the torch backend's raw collectives, on the same
-routing, and prints median/p99 with ratios; CSV, JSON and a PNG go to `--out`.
+`ubep bench` times the systems a user could pick on this host (shm-owned, what
+`backend="auto"` gives, shm-ubep, shm-direct, shm-bsp, torch/gloo, and with `--peers` the MPI
+peer and the AgRs peer, vLLM's all-gather + reduce-scatter) against the copy bound and the
+torch backend's raw collectives, on the same routing, and prints median/p99 with ratios; CSV,
+JSON and a PNG go to `--out`.
 `ubep demo` (what `make demo` runs) is a short DeepSeek-like bench.
 
 Hook for the sync-variant sweep (`ubep bench --sync-sweep`, module
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ubep.bench.config import SYSTEMS, BenchConfig
+from ubep.bench.config import DEFAULT_SYSTEMS, SYSTEMS, BenchConfig
 
 PEERS_HIDDENS = (2048, 7168)
 PEERS_BATCHES = (1, 8, 16, 64, 128)
@@ -52,7 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS, metavar="SYSTEM",
                    help=f"systems to compare, of {', '.join(SYSTEMS)} "
-                        f"(default shm-ubep shm-direct shm-bsp torch; the copy bound always runs)")
+                        f"(default {' '.join(DEFAULT_SYSTEMS)}; the copy bound always runs)")
     p.add_argument("--backend", choices=("shm", "torch"), default=None,
                    help="time one Buffer backend only (with --mode for shm)")
     p.add_argument("--mode", choices=("ubep", "bsp"), default=None,
@@ -99,12 +100,12 @@ def _config_from_args(args) -> BenchConfig:
                 raise ValueError("--mode applies to --backend shm only")
             systems = ["torch"]
         else:
-            systems = [f"shm-{args.mode}"] if args.mode else ["shm-ubep", "shm-direct",
-                                                               "shm-bsp"]
+            systems = [f"shm-{args.mode}"] if args.mode else ["shm-owned", "shm-ubep",
+                                                               "shm-direct", "shm-bsp"]
     elif args.mode is not None:
         raise ValueError("--mode needs --backend shm")
     if systems is None:
-        systems = ["shm-ubep", "shm-direct", "shm-bsp", "torch"]
+        systems = list(DEFAULT_SYSTEMS)
     if args.peers:
         systems = [*systems, *(p for p in ("mpi", "agrs") if p not in systems)]
     ranks = args.ranks
@@ -157,7 +158,7 @@ def demo_config(iters: int = 40) -> BenchConfig:
     """The demo's bench: DeepSeek-like rows (hidden 7168, bf16, top-8), 2 ranks, 16 experts."""
     from ubep.bench.run import mpi_unavailable_reason
 
-    systems = ["shm-ubep", "shm-direct", "shm-bsp", "torch", "agrs"]
+    systems = [*DEFAULT_SYSTEMS, "agrs"]
     if mpi_unavailable_reason() is None:
         systems.append("mpi")
     return BenchConfig(ranks=(2,), hiddens=(7168,), batches=DEMO_BATCHES, top_k=8,

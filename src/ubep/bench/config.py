@@ -12,14 +12,18 @@ from ubep.testing import ROUTINGS
 #: Buffer systems: name -> (backend, mode, direct). "shm-direct" is ubep mode with rows written
 #: straight to their final place (`Buffer(direct=True)`); its combine reads the expert outputs
 #: in place (the stand-in expert is the identity, as for every system here). "shm-owned" is
-#: the same exchange with results the caller owns (`Buffer(direct="owned")`): recv_x copied out
-#: of shared memory as rows arrive, and combine copies the (private) expert outputs in once.
+#: the same exchange with results the caller owns (`Buffer(direct="owned")`): rows land in a
+#: receive area lent as recv_x while the caller holds it (copied out only when every lent area
+#: is held); combine reads a lent recv_x where it lies and copies other expert outputs in once.
 BUFFER_SYSTEMS = {"shm-ubep": ("shm", "ubep", False), "shm-direct": ("shm", "ubep", True),
                   "shm-owned": ("shm", "ubep", "owned"), "shm-bsp": ("shm", "bsp", False),
                   "torch": ("torch", "ubep", False)}
 #: peers: "mpi" (`ubep.bench.mpi_peer`, under mpiexec) and "agrs" (`ubep.bench.agrs_peer`:
 #: all-gather + reduce-scatter, as vLLM's CPU expert parallelism does it)
 SYSTEMS = (*BUFFER_SYSTEMS, "mpi", "agrs")
+#: what `ubep bench` and `ubep demo` compare unless told: the default path first
+#: (shm-owned, what `Buffer(backend="auto")` gives on one host), the other shm variants, gloo
+DEFAULT_SYSTEMS = ("shm-owned", "shm-ubep", "shm-direct", "shm-bsp", "torch")
 BOUND = "bound"
 #: the torch backend's own collectives, replayed bare on the same bytes (runs with "torch")
 RAW = "raw"
@@ -54,7 +58,7 @@ class BenchConfig:
     top_k: int = field(default=8, metadata={"help": "experts per token"})
     experts: int = field(default=16, metadata={"help": "global expert count E"})
     dtype: str = field(default="bfloat16", metadata={"help": "row dtype"})
-    systems: tuple[str, ...] = field(default=("shm-ubep", "shm-direct", "shm-bsp", "torch"),
+    systems: tuple[str, ...] = field(default=DEFAULT_SYSTEMS,
                                      metadata={"help": "systems to compare"})
     iters: int = field(default=100, metadata={"help": "timed iterations per point"})
     warmup: int = field(default=10, metadata={"help": "untimed iterations per point"})

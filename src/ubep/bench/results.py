@@ -308,9 +308,11 @@ warm) ran 1.8x slower on its first repetition after a 20 ms busy loop that touch
 vCPUs of this VM share caches with other tenants, who evict what a rank does not touch for a
 few milliseconds. A shm call after a turn of another system pays the same (first call
 ~100-250 µs, second ~50-80), and so does the copy bound: its own p99/median is in the
-table above, the floor the shm systems' tails are to be read against. Run 2, where every
-call follows another system's, is the regime a model's MoE layer meets between attention
-layers.
+table above, the floor the shm systems' tails are to be read against. In turns of 20, one
+call in 20 (5%) is such a first call, so run 1's p99 is one of them: its p99/median measures
+a cold call against warm ones (2026-12-02, before the door: shm-owned's first calls of a turn
+had a median of 113 µs, the others 37). Run 2, where every call follows another system's, is
+the regime a model's MoE layer meets between attention layers.
 
 *torch.* Each token crosses to a rank once (however many of its experts live there) and one
 partial sum per (token, rank) comes back. Dispatch's first `all_to_all_single` carries the
