@@ -404,3 +404,52 @@ def _door_timeout(rank, world, where):
 def test_a_wait_the_door_hands_on_times_out_and_breaks_the_buffer(where):
     out = run_ranks(_door_timeout, 2, where, timeout_s=60)
     assert out[0] == ("PeerTimeoutError", "BrokenBufferError")
+
+
+def _two_threads(rank, world, n):
+    """Two threads per rank, each calling its own Buffer (door on) at the same time: the
+    door's kernels run without the GIL, so the two calls overlap for real."""
+    import threading
+
+    import ubep
+    from ubep import reference
+    from ubep.testing import make_routing, make_tokens
+
+    bufs = [ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=4, backend="shm",
+                        direct=d, timeout_s=30) for d in ("owned", True)]
+    errors, done = [], [0, 0]
+
+    def work(k):
+        try:
+            for i in range(n):
+                ins = [(make_tokens(r, 4, H, torch.bfloat16, seed=7 * i + k),
+                        *make_routing(4, 3, E, seed=13 * i + r + 100 * k)) for r in range(world)]
+                ref = reference.dispatch(*(list(a) for a in zip(*ins, strict=True)), E)
+                res = bufs[k].dispatch(*ins[rank])
+                assert torch.equal(res.recv_x.view(torch.uint8),
+                                   ref[rank].recv_x.view(torch.uint8))
+                y = bufs[k].combine(res.recv_x, res.handle)
+                want = reference.combine([d.recv_x for d in ref], ref, [a[1] for a in ins],
+                                         [a[2] for a in ins])[rank]
+                assert torch.allclose(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+                done[k] += 1
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            errors.append(repr(e))
+
+    try:
+        assert all(b._door is not None for b in bufs)
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for b in bufs:
+            b.close()
+    return errors, done
+
+
+@needs_native
+def test_two_threads_each_with_its_buffer_run_through_the_door_at_once():
+    for errors, done in run_ranks(_two_threads, 2, 60, timeout_s=120):
+        assert errors == [] and done == [60, 60]
