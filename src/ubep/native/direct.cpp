@@ -139,12 +139,6 @@ PyObject* times(double t0, double t1, double t2) {
   return tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1), PyFloat_FromDouble(t2)});
 }
 
-PyObject* none() {
-  Py_INCREF(Py_None);
-  return Py_None;
-}
-
-
 }  // namespace
 
 namespace ubep_native {
@@ -274,7 +268,7 @@ PyObject* dispatch_call(int64_t* st, PyObject* x_obj, PyObject* idx_obj, PyObjec
           {k_state, state.release()}});
       if (!handle) return nullptr;
       PyObject* stats = deferred_stats(build, tuple_steal({
-          times(t0, t1, now_us()), none(), ref(idx_obj), PyLong_FromLongLong(n),
+          times(t0, t1, now_us()), ref(Py_None), ref(idx_obj), PyLong_FromLongLong(n),
           PyLong_FromLongLong(c[D_RB]), PyLong_FromLongLong(c[D_EPOCH])}));
       return instance(results.dispatch, {
           {k_recv_x, recv_x.release()}, {k_weights, wts.release()}, {k_tpe, tpe.release()},
@@ -358,7 +352,7 @@ PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins_obj, PyO
     if (c[C_LEFT] == 0 && c[C_WAITING] == 0 && build != Py_None && results.combine) {
       static PyObject *k_y = key("y"), *k_stats = key("stats");
       PyObject* stats = deferred_stats(build, tuple_steal({
-          times(t0, t1, now_us()), none(), ref(copied), ref(topk_idx),
+          times(t0, t1, now_us()), ref(Py_None), ref(copied), ref(topk_idx),
           PyLong_FromLongLong(c[C_RB]),
           PyLong_FromLongLong(c[C_EPOCH])}));
       return instance(results.combine, {{k_y, out_obj.release()}, {k_stats, stats}});
