@@ -24,8 +24,8 @@ using ubep_native::ref;
 // (tests/test_native.py checks both sides agree)
 enum Dr : Py_ssize_t {
   DR_PATH, DR_LOCK, DR_CDATA, DR_USES, DR_VIEWS, DR_CODES, DR_ELEMS, DR_DBUILD, DR_CBUILD,
-  DR_ST, DR_OWNED, DR_BUFFER_ID, DR_RECV_OFF, DR_AREA, DR_BASE, DR_COMB, DR_LENT_LO,
-  DR_LENT_HI, DR_RECV_ADDR, DR_HIDDEN, DR_EXPERTS, DR_MAX_TOKENS, DR_MAX_TOP_K, DR_LEN
+  DR_ST, DR_OWNED, DR_BUFFER_ID, DR_RECV_OFF, DR_AREA, DR_BASE, DR_COMB, DR_HIDDEN,
+  DR_EXPERTS, DR_MAX_TOKENS, DR_MAX_TOP_K, DR_LEN
 };
 constexpr Py_ssize_t DR_INTS = DR_ST;      // words from here on are ints
 
@@ -270,16 +270,19 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!ints(cc, 2, v + 2)) return nullptr;
   const int64_t n_recv = hv[1], rb = d.v[DR_HIDDEN] * static_cast<int64_t>(e.element_size());
   const int64_t ptr = reinterpret_cast<intptr_t>(e.const_data_ptr());
-  const int64_t comb = d.v[DR_COMB];
+  const int64_t comb = d.v[DR_COMB], recv_addr = d.v[DR_BASE] + d.v[DR_RECV_OFF];
   bool copied;
   if (owned) {
     int64_t lent_comb;
     if (!get_int(path, k_lent_comb, lent_comb)) return nullptr;
     if (ptr == comb && n_recv && call != lent_comb) return not_taken();
-    const bool lent = d.v[DR_LENT_LO] <= ptr && ptr + n_recv * rb <= d.v[DR_LENT_HI];
+    // the lent areas: areas 1.. of my receive region (`DirectPath._lent_lo/_lent_hi`)
+    const int64_t lo = recv_addr + d.v[DR_AREA];
+    const int64_t hi = recv_addr + d.v[DR_AREA] * PyList_GET_SIZE(d.o[DR_CDATA]);
+    const bool lent = lo <= ptr && ptr + n_recv * rb <= hi;
     copied = n_recv > 0 && ptr != comb && !lent;
   } else {
-    copied = n_recv > 0 && ptr != d.v[DR_RECV_ADDR] && ptr != comb;
+    copied = n_recv > 0 && ptr != recv_addr && ptr != comb;
   }
   PyObject* state = PyObject_GetAttr(handle, k_state);
   if (!state) return nullptr;

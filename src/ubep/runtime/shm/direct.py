@@ -87,8 +87,8 @@ _use_count = torch._C._storage_Use_Count
 #: the words of `DirectPath.door`'s tuple, in `native/door.cpp`'s `DR_*` order: objects first,
 #: then ints (tests/test_native.py checks the two agree)
 DOOR_FIELDS = ("path", "lock", "cdata", "uses", "views", "codes", "elems", "dbuild", "cbuild",
-               "st", "owned", "buffer_id", "recv_off", "area", "base", "comb", "lent_lo",
-               "lent_hi", "recv_addr", "hidden", "experts", "max_tokens", "max_top_k")
+               "st", "owned", "buffer_id", "recv_off", "area", "base", "comb", "hidden",
+               "experts", "max_tokens", "max_top_k")
 
 
 @functools.cache
@@ -179,8 +179,7 @@ class DirectPath:
                  "dbuild": self._dispatch_stats, "cbuild": self._combine_stats,
                  "st": self._st_addr, "owned": int(self.owned), "buffer_id": self.ctx.buffer_id,
                  "recv_off": self._recv_off, "area": self._area, "base": self.ctx.base,
-                 "comb": self._comb_addr, "lent_lo": self._lent_lo, "lent_hi": self._lent_hi,
-                 "recv_addr": self._recv_addr, "hidden": limits[0], "experts": limits[1],
+                 "comb": self._comb_addr, "hidden": limits[0], "experts": limits[1],
                  "max_tokens": limits[2], "max_top_k": limits[3]}
         return tuple(words[f] for f in DOOR_FIELDS)
 
