@@ -48,11 +48,11 @@ def _rank(rank: int, world: int, direct, rounds: int, evict_mb: int, batch: int)
                     door.combine(a.recv_x, a.handle), layers.combine(b.recv_x, b.handle))):
                 raise SystemExit("the two Buffers disagree")
             del a, b
-            times: dict[str, list[int]] = {"door": [], "python layers": []}
+            times: dict[str, list[int]] = {"python layers": [], "door": []}
             gc.collect()
             gc.disable()
             for _ in range(rounds):
-                for name, buf in (("door", door), ("python layers", layers)):
+                for name, buf in (("python layers", layers), ("door", door)):
                     for _ in range(20):
                         if evict_mb:
                             junk[::64] += 1
@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, direct, rounds: int, evict_mb: int, batch: int)
 
 
 def main() -> None:
-    from ubep.testing import run_ranks
+    from ubep.testing import print_turns, run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--direct", default="owned", choices=["owned", "true"])
@@ -80,15 +80,7 @@ def main() -> None:
     direct = True if a.direct == "true" else "owned"
     out = run_ranks(_rank, 2, direct, a.rounds, a.evict, a.batch, timeout_s=1800,
                     env={"UBEP_JOB_ID": f"door{os.getpid()}"})
-    med = {}
-    print(f"direct={a.direct}, batch {a.batch}, evict {a.evict} MB before each call, "
-          f"{20 * a.rounds} calls each (the slower rank's):")
-    for name in out[0]:
-        t = np.max([np.asarray(r[name]) for r in out], axis=0) / 1e3
-        med[name] = float(np.median(t))
-        print(f"  {name:14s} median {med[name]:7.1f} µs  p90 {np.percentile(t, 90):7.1f}  "
-              f"p99 {np.percentile(t, 99):7.1f}")
-    print(f"  door / python layers {med['door'] / med['python layers']:.3f}")
+    print_turns(out, f"direct={a.direct}, batch {a.batch}, evict {a.evict} MB,")
 
 
 if __name__ == "__main__":
