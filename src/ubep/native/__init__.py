@@ -32,7 +32,8 @@ from types import ModuleType
 import torch
 
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / f for f in ("module.cpp", "checks.cpp", "direct.cpp", "door.cpp"))
+SOURCES = tuple(_HERE / f for f in ("module.cpp", "checks.cpp", "direct.cpp", "door.cpp",
+                                    "torch_path.cpp"))
 HEADERS = (_HERE / "native.h",)
 NAME = "ubep_native"
 

@@ -18,6 +18,10 @@ using ubep_native::key;
 using ubep_native::now_us;
 using ubep_native::Obj;
 using ubep_native::ref;
+using ubep_native::deferred_stats;
+using ubep_native::instance;
+using ubep_native::results;
+using ubep_native::tuple_steal;
 
 // ST_* words of the path's kept state and D_* / C_* of one call's block: the order of
 // ubep.runtime.shm.kernels.entries (tests/test_native.py checks both sides agree)
@@ -76,6 +80,14 @@ at::Tensor rows_of(const at::Tensor& v, int64_t n) {
   return at::Tensor(std::move(impl));
 }
 
+PyObject* times(double t0, double t1, double t2) {
+  return tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1), PyFloat_FromDouble(t2)});
+}
+
+}  // namespace
+
+namespace ubep_native {
+
 // a tuple of new references (stolen); nullptr, every item released, if any is nullptr
 PyObject* tuple_steal(std::initializer_list<PyObject*> items) {
   bool ok = true;
@@ -95,9 +107,7 @@ PyObject* tuple_steal(std::initializer_list<PyObject*> items) {
 // Made as `ubep.handle.new_handle` / `new_dispatch_result` / `new_combine_result` and
 // `DeferredStats.of` make them (the instance dict filled directly); tests/test_native.py
 // checks both make the same objects.
-struct Results {
-  PyObject *handle = nullptr, *dispatch = nullptr, *combine = nullptr, *stats = nullptr;
-} results;
+Results results;
 
 // an instance of `type` made by object.__new__ whose dict maps the names to the values
 // (new references, stolen); nullptr with the error set if any value is nullptr
@@ -135,13 +145,25 @@ PyObject* deferred_stats(PyObject* build, PyObject* args) {
   return instance(results.stats, {{k_pending, tuple_steal({build, args})}});
 }
 
-PyObject* times(double t0, double t1, double t2) {
-  return tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1), PyFloat_FromDouble(t2)});
+
+PyObject* np_words(int64_t n) {
+  npy_intp dims[1] = {n};
+  return PyArray_EMPTY(1, dims, NPY_INT64, 0);
 }
 
-}  // namespace
+void* np_data(PyObject* arr) { return PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr)); }
 
-namespace ubep_native {
+PyObject* np_view(PyObject* base, void* data, int nd, const int64_t* dims, bool f32) {
+  npy_intp d[2] = {static_cast<npy_intp>(dims[0]), nd > 1 ? static_cast<npy_intp>(dims[1]) : 0};
+  PyObject* v = PyArray_New(&PyArray_Type, nd, d, f32 ? NPY_FLOAT32 : NPY_INT64, nullptr, data,
+                            0, NPY_ARRAY_CARRAY, nullptr);
+  if (!v) return nullptr;
+  if (PyArray_SetBaseObject(reinterpret_cast<PyArrayObject*>(v), ref(base)) < 0) {
+    Py_DECREF(v);
+    return nullptr;
+  }
+  return v;
+}
 
 bool is_handle(PyObject* o) {
   return results.handle && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(results.handle);

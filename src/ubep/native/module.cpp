@@ -23,6 +23,12 @@ PyMethodDef methods[] = {
     {"door_combine", (PyCFunction)(void (*)())ubep_native::door_combine, METH_FASTCALL,
      "door_combine(door, buffer, expert_out, handle, weighted): Buffer.combine's common call "
      "on the shm direct path, or NotImplemented (see native/door.cpp)"},
+    {"torch_group", (PyCFunction)(void (*)())ubep_native::torch_group, METH_FASTCALL,
+     "torch_group(group): the C++ ProcessGroup of a torch.distributed group, as a capsule"},
+    {"torch_dispatch", (PyCFunction)(void (*)())ubep_native::torch_dispatch, METH_FASTCALL,
+     "the torch backend's CPU dispatch (see native/torch_path.cpp)"},
+    {"torch_combine", (PyCFunction)(void (*)())ubep_native::torch_combine, METH_FASTCALL,
+     "the torch backend's CPU combine (see native/torch_path.cpp)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "ubep_native", nullptr, -1, methods};

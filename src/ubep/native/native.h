@@ -5,6 +5,7 @@
 #include <time.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <initializer_list>
 #include <utility>
 
 namespace ubep_native {
@@ -70,6 +71,22 @@ PyObject* dispatch_call(int64_t* st, PyObject* x, PyObject* idx, PyObject* w, in
 PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins, PyObject* out,
                        bool bf16, double t0, PyObject* build, PyObject* copied,
                        PyObject* topk_idx);
+// the result classes `set_result_types` gave (direct.cpp)
+struct Results {
+  PyObject *handle = nullptr, *dispatch = nullptr, *combine = nullptr, *stats = nullptr;
+};
+extern Results results;
+// a tuple of new references (stolen); nullptr, every item released, if any is nullptr
+PyObject* tuple_steal(std::initializer_list<PyObject*> items);
+// an instance of `type` (object.__new__) whose dict maps the names to the values (stolen)
+PyObject* instance(PyObject* type, std::initializer_list<std::pair<PyObject*, PyObject*>> kv);
+// DeferredStats.of(build, *args) (args stolen)
+PyObject* deferred_stats(PyObject* build, PyObject* args);
+// numpy, for files without its C API: a new int64 array of n words; an array's data; a C-order
+// int64 (or float32) view of `nd` <= 2 dims at `data` that keeps `base` alive
+PyObject* np_words(int64_t n);
+void* np_data(PyObject* arr);
+PyObject* np_view(PyObject* base, void* data, int nd, const int64_t* dims, bool f32);
 // `o` is a DispatchHandle (set_result_types); `o` is a handle's row origins array
 bool is_handle(PyObject* o);
 bool origins_ok(PyObject* o);
@@ -81,6 +98,9 @@ PyObject* direct_combine(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* set_result_types(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* door_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* door_combine(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* torch_group(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* torch_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* torch_combine(PyObject*, PyObject* const*, Py_ssize_t);
 bool init_direct();     // numpy's C API, once at import
 
 }  // namespace ubep_native

@@ -79,10 +79,12 @@ import torch.distributed as dist
 from ubep.handle import (
     CombineResult,
     DispatchHandle,
+    DispatchResult,
     new_combine_result,
     new_dispatch_result,
     new_handle,
 )
+from ubep.native import load_native
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
@@ -214,6 +216,23 @@ def _cpu_combine_stats(rank: int, t: tuple, sent: int, recv: int, collectives: l
                         sent, recv, collectives)
 
 
+def _combine_splits(st: _TorchState, prow_bytes: int) -> tuple[list, list, list]:
+    """Combine's byte splits (to each rank, from each rank) and its collectives entry for
+    partial rows of `prow_bytes`, made once per handle (kept on it)."""
+    sp = st.splits
+    if sp is None or sp[0] != prow_bytes:
+        send = [n * prow_bytes for n in st.recv_per_rank]
+        recv = [n * prow_bytes for n in st.sent_per_rank]
+        sp = st.splits = (prow_bytes, send, recv, [("partials_back", send, recv)])
+    return sp[1], sp[2], sp[3]
+
+
+def _native_combine_stats(rank: int, t: tuple, sent: int, recv: int, st: _TorchState,
+                          prow_bytes: int) -> Stats:
+    """`_cpu_combine_stats` of a combine `ubep.native` ran (its collectives from the handle)."""
+    return _cpu_combine_stats(rank, t, sent, recv, _combine_splits(st, prow_bytes)[2])
+
+
 class _TorchState:
     """What combine needs from a dispatch (private to this backend; kept on the handle).
 
@@ -284,6 +303,8 @@ class TorchBackend:
         self._scratch: dict[str, torch.Tensor] = {}
         self._views: dict[tuple, torch.Tensor] = {}
         self._owned: list[tuple[np.ndarray, int]] = []
+        #: the compiled path's twin of `_owned`: uint8 tensors (`torch_path.cpp`)
+        self._owned_t: list[torch.Tensor] = []
         #: tokens per peer that ride in dispatch's first collective; every rank computes the
         #: same value from the same headers (starts at what max_tokens_per_rank could need)
         self._inline = config.max_tokens_per_rank
@@ -291,6 +312,21 @@ class TorchBackend:
         #: `_combine_views`); emptied whenever a scratch buffer is reallocated, so its views
         #: are always the current ones
         self._shapes: dict[tuple, tuple] = {}
+        #: the compiled CPU path (`ubep.native.torch_dispatch` / `torch_combine`) when built,
+        #: with the group as C++ sees it; None: the Python path below runs every call
+        self._native = self._group_cap = None
+        native = load_native()
+        if native is not None:
+            try:
+                self._group_cap = native.torch_group(self._pg)
+            except TypeError:       # a group C++ cannot see (a Python-made one)
+                native = None
+        if native is not None:
+            self._native = native
+            native.set_result_types(DispatchHandle, DispatchResult, CombineResult,
+                                    DeferredStats)
+        #: how long the compiled path polls a collective before blocking in its wait (`wait`)
+        self._poll_ns = int(POLL_S * 1e9) if self._pg.name() in _HOST_BACKENDS else 0
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device,
                 keep: int = 0) -> torch.Tensor:
@@ -577,10 +613,33 @@ class TorchBackend:
             coll1 = [("inline", split1, split1)]
         else:
             coll1 = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
+        door = None
+        if self._native is not None and C:
+            door = self._dispatch_door(
+                (row_bytes, c.experts_per_rank, world, me, meta_k, C, hrows, ws.ctypes.data,
+                 len(ws), send.data_ptr(), most * row_bytes, recv.data_ptr(), n1,
+                 blk * row_bytes, min(meta_k, c.experts_per_rank), cap),
+                recv[:n1], send[:n1], coll1, sum(coll1[0][1]))
         return (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1,
                 recv[:n1], send[:n1], coll1, sum(coll1[0][1]), send.data_ptr(),
                 most * row_bytes, recv.data_ptr(), n1, ws, ws.ctypes.data, len(ws),
-                ws_views(ws, world, num_tokens, top_k, meta_k))
+                ws_views(ws, world, num_tokens, top_k, meta_k), door)
+
+    def _dispatch_door(self, consts: tuple, recv1: torch.Tensor, send1: torch.Tensor,
+                       coll1: list, bytes1: int) -> tuple:
+        """What `ubep.native.torch_dispatch` reads for one shape (`torch_path.cpp`'s TD_*
+        words): its block (`torch_entries`' K_* words: `consts` in order, the poll, the
+        kernels' addresses), the group, phase 1's buffers, this backend (its `_inline`), how
+        to make the handle's state and the stats."""
+        from ubep.runtime import torch_entries as te
+
+        k = np.zeros(te.K_LEN, dtype=np.int64)
+        k[:te.K_POLL_NS] = consts
+        k[te.K_POLL_NS] = self._poll_ns
+        k[te.K_PACK], k[te.K_HEADERS] = te.pack_c.address, te.headers_c.address
+        k[te.K_GATHER] = te.gather_c.address
+        return (k, self._group_cap, recv1, send1, self, _TorchState.cpu, _cpu_dispatch_stats,
+                coll1, self.buffer_id, self.config.rank, bytes1, self._owned_t)
 
     def _dispatch_cpu(self, x: torch.Tensor, topk_idx: torch.Tensor,
                       topk_weights: torch.Tensor, call: int):
@@ -597,10 +656,21 @@ class TorchBackend:
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes[key] = self._cpu_shape(num_tokens, top_k, x)
+        door = shape[-1]
+        if door is not None:     # compiled (`ubep.native`): the whole call, or phase 1 of it
+            r = self._native.torch_dispatch(door, x, topk_idx, topk_weights, call)
+            if type(r) is not tuple:
+                return r
+            global_max, num_bags, t0, t1, t2 = r
+            from ubep.runtime import torch_entries as te
+
+            num_back, sends, first, n_me = door[0][te.K_NUM_BACK:te.K_N_ME + 1].tolist()
+            return self._dispatch_rest(shape, x, topk_idx, topk_weights, call, t0, t1, t2,
+                                       global_max, num_bags, None, 0, num_back, sends, first,
+                                       n_me)
         (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1, recv1, send1,
          coll1, bytes1, send_addr, send_bytes, recv_addr, recv1_bytes, ws, ws_addr, ws_len,
-         wsv) = shape
-        hidden = x.shape[1]
+         wsv, _) = shape
 
         t0 = _now_us()
         # x, topk_idx and topk_weights are contiguous CPU tensors of checked dtypes (Buffer's
@@ -610,10 +680,9 @@ class TorchBackend:
             topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens, top_k, xa, x_bytes,
             send_addr, send_bytes, row_bytes, per_rank, world, me, meta_k, C, hrows, ws_addr,
             ws_len)
-        per_dest, send2, srcs, recv2, header, token_of, final_rows, final_offsets, meta = wsv
+        header, srcs, recv2 = wsv[4], wsv[2], wsv[3]
         t1 = _now_us()
 
-        recv1_rows = send1_rows
         pairs = min(meta_k, per_rank)          # most local experts one token can name
         if C:
             pending = all_to_all(self._pg, recv1, send1, split1, split1, async_op=True)
@@ -632,9 +701,31 @@ class TorchBackend:
             srcs[me] = n_me
             recv2[:] = 0
             global_max, num_bags = int(h[:, 1].max()), int(srcs.sum())
-            pool = None
+            pool, pool_addr = None, 0
         t2 = _now_us()
+        return self._dispatch_rest(shape, x, topk_idx, topk_weights, call, t0, t1, t2,
+                                   global_max, num_bags, pool, pool_addr, num_back, sends,
+                                   first, n_me)
 
+    def _dispatch_rest(self, shape: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weights: torch.Tensor, call: int, t0: float, t1: float,
+                       t2: float, global_max: int, num_bags: int, pool: np.ndarray | None,
+                       pool_addr: int, num_back: int, sends: int, first: int, n_me: int):
+        """A CPU dispatch from its first collective's end on (the Python path's, and the
+        compiled one's when a peer sent more than phase 1 holds): phase 2 if any rank needs
+        it, recv_x's rows and the plan (`pool`: recv_x's array made during phase 1, or None),
+        the results."""
+        c = self.config
+        world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
+        num_tokens, top_k = topk_idx.shape
+        (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1, recv1, send1,
+         coll1, bytes1, send_addr, send_bytes, recv_addr, recv1_bytes, ws, ws_addr, ws_len,
+         wsv, _) = shape
+        per_dest, send2, srcs, recv2 = wsv[:4]
+        recv1_rows = send1_rows
+        pairs = min(meta_k, per_rank)
+        hidden = x.shape[1]
+        xa, x_bytes = x.data_ptr(), num_tokens * row_bytes
         if global_max > C:
             r2 = [0 if s == me or n <= C else -(-(n - C) * meta_bytes // row_bytes) + n - C
                   for s, n in enumerate(srcs.tolist())]
@@ -721,16 +812,6 @@ class TorchBackend:
             st.weights_by_dtype[dtype] = w
         return w
 
-    def _splits(self, st: _TorchState, prow_bytes: int) -> tuple[list, list, list]:
-        """Combine's byte splits (to each rank, from each rank) and its collectives entry
-        for partial rows of `prow_bytes`, made once per handle."""
-        sp = st.splits
-        if sp is None or sp[0] != prow_bytes:
-            send = [n * prow_bytes for n in st.recv_per_rank]
-            recv = [n * prow_bytes for n in st.sent_per_rank]
-            sp = st.splits = (prow_bytes, send, recv, [("partials_back", send, recv)])
-        return sp[1], sp[2], sp[3]
-
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
                 weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
         st: _TorchState = handle.state
@@ -758,7 +839,7 @@ class TorchBackend:
         back, own = st.num_back, st.num_own
         work = self._buffer("combine", back + own, prow_bytes, device)
         nret = st.num_remote_bags
-        send_splits, recv_splits, collectives = self._splits(st, prow_bytes)
+        send_splits, recv_splits, collectives = _combine_splits(st, prow_bytes)
         t1 = _now_us()
         flat = partial.view(-1).view(torch.uint8)
         all_to_all(self._pg, self._flat("combine", 0, back * prow_bytes),
@@ -799,8 +880,11 @@ class TorchBackend:
         if v is None:
             v = self._shapes[key] = self._combine_views(pdtype, hidden, nret, own, back,
                                                         expert_out.device)
-        send_at, own_at, back_at, recv_flat, send_flat = v
-        send_splits, recv_splits, coll = self._splits(st, itemsize * hidden)
+        send_at, own_at, back_at, recv_flat, send_flat, door = v
+        if door is not None and out is None and src is expert_out:
+            # compiled (`ubep.native`): the same kernels and collective, no Python between
+            return self._native.torch_combine(door, expert_out, st, weighted)
+        send_splits, recv_splits, coll = _combine_splits(st, itemsize * hidden)
         w_at, rows_at, offs_at, fin_rows_at, fin_offs_at = st.at
         num_pairs, num_bags, sends = st.sizes
         bag_sums(rows, num_rows, hidden, w_at, weighted, rows_at, offs_at, num_pairs, num_bags,
@@ -850,12 +934,25 @@ class TorchBackend:
         send_at = self._scratch["csend"].data_ptr()
         if len(self._shapes) > 32:
             self._shapes.clear()
-        return (send_at, send_at + nret * prow_bytes, self._scratch["combine"].data_ptr(),
-                self._flat("combine", 0, back * prow_bytes),
-                self._flat("csend", 0, nret * prow_bytes))
+        back_at = self._scratch["combine"].data_ptr()
+        recv_flat = self._flat("combine", 0, back * prow_bytes)
+        send_flat = self._flat("csend", 0, nret * prow_bytes)
+        door = None
+        if self._native is not None and device.type == "cpu":
+            from ubep.runtime import torch_entries as te
+
+            b = np.zeros(te.B_LEN, dtype=np.int64)
+            bags, final = te.COMBINE[pdtype]
+            b[:te.B_ROWS] = (send_at, send_at + nret * prow_bytes, back_at, nret, own, back,
+                             hidden, _INLINE_BYTES, self._poll_ns, bags.address,
+                             final.address)
+            door = (b, self._group_cap, recv_flat, send_flat, _native_combine_stats,
+                    self.config.rank)
+        return (send_at, send_at + nret * prow_bytes, back_at, recv_flat, send_flat, door)
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""
         self._scratch.clear()
         self._views.clear()
         self._owned.clear()
+        self._owned_t.clear()

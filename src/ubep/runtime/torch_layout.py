@@ -515,7 +515,8 @@ def _recv_segs(srcs, recv2, inline, hrows, row_bytes, me, world):
 
 @njit(nogil=True, cache=True)
 def recv_plan_at(work_addr, work_bytes, row_bytes, inline, hrows, me, per_rank, world,
-                 num_tokens, top_k, meta_k, first, n_me, sends, ws_addr, ws_len):
+                 num_tokens, top_k, meta_k, first, n_me, sends, ws_addr, ws_len, res_addr=0,
+                 res_len=0):
     """`recv_plan` of the received bytes (`work`, by address) and this rank's own `n_me`
     tokens (sends `first..` of the workspace's plan; the workspace holds what
     `pack_send_at` and `read_headers_at` wrote).
@@ -524,7 +525,8 @@ def recv_plan_at(work_addr, work_bytes, row_bytes, inline, hrows, me, per_rank, 
     `res` the one int64 array of what the dispatch hands on, laid out at `offsets`
     (`res_offsets`: origins, bag_rows, bag_offsets, tokens_per_expert, final_rows and
     final_offsets copied from the workspace, the received weights); `gather` and
-    `num_remote` as `gather_at` takes them."""
+    `num_remote` as `gather_at` takes them. `res` is the `res_len` int64 words at
+    `res_addr` when they are room enough, else a new array."""
     (_, _, srcs, recv2, _, token_of, final_rows, final_offsets,
      meta) = _ws(ws_addr, ws_len, world, num_tokens, top_k, meta_k)
     if first < 0 or n_me < 0 or first + n_me > sends or sends > token_of.shape[0]:
@@ -538,7 +540,10 @@ def recv_plan_at(work_addr, work_bytes, row_bytes, inline, hrows, me, per_rank, 
     num_bags = bag_meta.shape[0]
     offsets = res_offsets(num_recv, num_bags, per_rank, sends, num_tokens)
     _, o_br, o_bo, o_tpe, o_fr, o_fo, o_w, end = offsets
-    res = np.empty(end, dtype=np.int64)
+    if res_addr and res_len >= end:
+        res = carray(void_ptr(res_addr), (res_len,), np.int64)
+    else:
+        res = np.empty(end, dtype=np.int64)
     at = res.ctypes.data
     gather = np.empty(num_recv, dtype=np.int64)
     _recv_fill(bag_meta, bag_src, bag_row, counts, me, per_rank, world, gather,
@@ -568,13 +573,13 @@ def gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, gathe
 @njit(nogil=True, cache=True)
 def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, row_bytes,
                    inline, hrows, me, per_rank, world, num_tokens, top_k, meta_k, first, n_me,
-                   sends, ws_addr, ws_len):
+                   sends, ws_addr, ws_len, res_addr=0, res_len=0):
     """The receive side of a dispatch in one call: `recv_plan_at`, then `gather_at` into
     `out` (room for at least as many rows as the plan has pairs). Returns `recv_plan_at`'s
     first five: `(res, its address, num_remote_bags, num_recv, offsets)`."""
     res, at, num_remote_bags, num_recv, offsets, gather, num_remote = recv_plan_at(
         work_addr, work_bytes, row_bytes, inline, hrows, me, per_rank, world, num_tokens,
-        top_k, meta_k, first, n_me, sends, ws_addr, ws_len)
+        top_k, meta_k, first, n_me, sends, ws_addr, ws_len, res_addr, res_len)
     gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, gather, num_remote,
               row_bytes, world, num_tokens, top_k, meta_k, first, n_me, ws_addr, ws_len)
     return res, at, num_remote_bags, num_recv, offsets

@@ -1,0 +1,399 @@
+// The torch backend's CPU dispatch and combine as one C++ entry each: the kernels between the
+// collectives (numba cfuncs, `ubep.runtime.torch_entries`), the collectives themselves
+// (`c10d::ProcessGroup::all_to_all_single` on the caller's group, polled as the Python path's
+// `wait` polls it) and the results. Why: at batch 1 the Python around a collective cost more
+// than the collective's own host work (docs/results.md, "The torch path"); gloo's threads share
+// the cores with the caller, so each Python statement between them runs on cold caches.
+//
+// The Python path (`TorchBackend._dispatch_cpu` / `_combine_cpu`) stays the definition: the
+// backend calls these only for a call its Python would run straight (a CPU dispatch whose
+// tokens fit the first collective; a combine of bf16 or fp32 rows with no `out`), and a
+// dispatch whose peers sent more than fit hands back to Python for its second collective.
+#include "native.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <sched.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using ubep_native::key;
+using ubep_native::now_us;
+using ubep_native::Obj;
+using ubep_native::ref;
+using ubep_native::tuple_steal;
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// `ubep.runtime.torch_entries`' K_* and B_* words (tests/test_native.py checks they agree)
+enum K : int64_t {
+  K_ROW_BYTES, K_PER_RANK, K_WORLD, K_ME, K_META_K, K_INLINE, K_HROWS, K_WS, K_WS_LEN, K_SEND,
+  K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_PACK, K_HEADERS,
+  K_GATHER, K_IDX, K_W, K_T, K_K, K_X, K_X_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN,
+  K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_REMOTE_BAGS, K_NUM_RECV,
+  K_OFFSETS, K_ERR = K_OFFSETS + 8, K_LEN
+};
+enum B : int64_t {
+  B_SEND_AT, B_OWN_AT, B_BACK_AT, B_NRET, B_OWN, B_BACK, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS,
+  B_BAGS, B_FINAL, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT,
+  B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y, B_ERR,
+  B_LEN
+};
+// the door tuples' words: `TorchBackend._dispatch_door` / `_combine_door`
+enum Td : Py_ssize_t {
+  TD_K, TD_GROUP, TD_RECV, TD_SEND, TD_BACKEND, TD_STATE, TD_BUILD, TD_COLL, TD_BUFFER_ID,
+  TD_RANK, TD_BYTES, TD_POOL, TD_LEN
+};
+enum Tc : Py_ssize_t { TC_B, TC_GROUP, TC_RECV, TC_SEND, TC_BUILD, TC_RANK, TC_LEN };
+
+using Kernel = void (*)(int64_t*);
+
+// kernel at word `which` of block `k` (a cfunc), without the GIL: nogil, as the Python path's
+// numba calls are; false with a RuntimeError when it reports an error in `k[err]`
+bool run(int64_t* k, int64_t which, int64_t err) {
+  Kernel f = reinterpret_cast<Kernel>(static_cast<intptr_t>(k[which]));
+  Py_BEGIN_ALLOW_THREADS
+  f(k);
+  Py_END_ALLOW_THREADS
+  if (k[err] == 0) return true;
+  PyErr_SetString(PyExc_RuntimeError, "torch backend: a kernel's sizes out of its plan");
+  return false;
+}
+
+int64_t* words(PyObject* arr) { return static_cast<int64_t*>(ubep_native::np_data(arr)); }
+
+// the group a capsule from `torch_group` holds
+Group* group_of(PyObject* capsule) {
+  return static_cast<Group*>(PyCapsule_GetPointer(capsule, "ubep.torch_group"));
+}
+
+// One all_to_all_single on `g`, from launch to completion: `between` runs while it is in
+// flight; the wait polls `isCompleted()` for up to `poll_ns`, yielding the core (as
+// `torch_backend.wait`), then blocks in `wait()`, which raises the collective's error and keeps
+// the group's timeout. Runs without the GIL; false with a RuntimeError on a collective's error.
+template <typename F>
+bool exchange(Group& g, at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+              std::vector<int64_t>& in_splits, int64_t poll_ns, F between) {
+  std::string error;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    c10d::AllToAllOptions opts;
+    opts.asyncOp = true;
+    auto work = g->all_to_all_single(out, in, out_splits, in_splits, opts);
+    between();
+    if (work) {
+      const double end = now_us() + poll_ns * 1e-3;
+      while (!work->isCompleted() && now_us() < end) sched_yield();
+      work->wait();
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (error.empty()) return true;
+  PyErr_SetString(PyExc_RuntimeError, error.c_str());
+  return false;
+}
+
+bool tuple_of(PyObject* t, Py_ssize_t n, const char* what) {
+  if (PyTuple_CheckExact(t) && PyTuple_GET_SIZE(t) == n) return true;
+  PyErr_Format(PyExc_TypeError, "%s must be the tuple TorchBackend made", what);
+  return false;
+}
+
+// `[n * size for n in counts]` of a list of ints
+bool splits(PyObject* counts, int64_t size, std::vector<int64_t>& out) {
+  if (!PyList_Check(counts)) {
+    PyErr_SetString(PyExc_TypeError, "expected a list of counts");
+    return false;
+  }
+  out.resize(PyList_GET_SIZE(counts));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(counts); ++i) {
+    out[i] = PyLong_AsLongLong(PyList_GET_ITEM(counts, i)) * size;
+    if (PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// `list(a[:n])` of int64 words, with `a[me]` as 0
+PyObject* int_list(const int64_t* a, int64_t n, int64_t me) {
+  PyObject* l = PyList_New(n);
+  for (int64_t i = 0; l && i < n; ++i) {
+    PyObject* v = PyLong_FromLongLong(i == me ? 0 : a[i]);
+    if (!v) {
+      Py_CLEAR(l);
+      break;
+    }
+    PyList_SET_ITEM(l, i, v);
+  }
+  return l;
+}
+
+// `nbytes` of memory for a result the caller will own (uint8, 1-D): a tensor of `pool` (a
+// list the backend keeps, at most 3) that nothing else references any more (its storage's use
+// count is the pool's own) and is large enough, else a new one, kept if the pool has room.
+// Fresh memory costs a page fault per 4 KiB when first written (`TorchBackend._owned_rows`,
+// the Python path's twin, says how much).
+at::Tensor owned_bytes(PyObject* pool, int64_t nbytes) {
+  const Py_ssize_t n = PyList_GET_SIZE(pool);
+  Py_ssize_t spare = -1;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const at::Tensor& t = THPVariable_Unpack(PyList_GET_ITEM(pool, i));
+    if (t.storage().use_count() != 1 || Py_REFCNT(PyList_GET_ITEM(pool, i)) != 1) continue;
+    if (t.numel() >= nbytes) return t;
+    spare = i;
+  }
+  at::Tensor t = at::empty({std::max<int64_t>(nbytes + nbytes / 8, 1)}, at::kByte);
+  if (spare >= 0 || n < 3) {
+    PyObject* obj = THPVariable_Wrap(t);
+    if (!obj) throw std::runtime_error("no memory for a result");
+    if (spare >= 0) {
+      PyList_SetItem(pool, spare, obj);      // steals obj, drops the smaller one
+    } else if (PyList_Append(pool, obj) < 0) {
+      Py_DECREF(obj);
+      throw std::runtime_error("no memory for a result");
+    } else {
+      Py_DECREF(obj);
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
+namespace ubep_native {
+
+// torch_group(group) -> a capsule holding the C++ ProcessGroup of a torch.distributed group
+PyObject* torch_group(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (!arity(nargs, 1)) return nullptr;
+  try {
+    auto* g = new Group(pybind11::handle(a[0]).cast<Group>());
+    PyObject* cap = PyCapsule_New(g, "ubep.torch_group", [](PyObject* c) {
+      delete static_cast<Group*>(PyCapsule_GetPointer(c, "ubep.torch_group"));
+    });
+    if (!cap) delete g;
+    return cap;
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_TypeError, "expected a torch.distributed ProcessGroup (%s)", e.what());
+    return nullptr;
+  }
+}
+
+// torch_dispatch(door, x, topk_idx, topk_weights, call) -> DispatchResult, or
+// (global_max, num_bags, t0, t1, t2) when some peer sent more than phase 1 holds (the Python
+// path runs phase 2 from there; the door's K array holds the plan's words)
+PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  static PyObject *k_inline = key("_inline"), *k_buffer_id = key("buffer_id"),
+                  *k_call = key("call"), *k_num_tokens = key("num_tokens"),
+                  *k_num_recv = key("num_recv"), *k_hidden = key("hidden"),
+                  *k_topk_idx = key("topk_idx"), *k_topk_weights = key("topk_weights"),
+                  *k_origins = key("_origins"), *k_state = key("state"),
+                  *k_recv_x = key("recv_x"), *k_weights = key("_weights"), *k_tpe = key("_tpe"),
+                  *k_handle = key("handle"), *k_stats = key("stats");
+  if (!arity(nargs, 5) || !tuple_of(a[0], TD_LEN, "door")) return nullptr;
+  PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
+  try {
+    int64_t* k = words(d[TD_K]);
+    Group* g = group_of(d[TD_GROUP]);
+    if (!g) return nullptr;
+    const at::Tensor& x = THPVariable_Unpack(a[1]);
+    const at::Tensor& idx = THPVariable_Unpack(a[2]);
+    const at::Tensor& w = THPVariable_Unpack(a[3]);
+    const int64_t call = PyLong_AsLongLong(a[4]);
+    if (call == -1 && PyErr_Occurred()) return nullptr;
+    const int64_t t_n = idx.size(0), hidden = x.size(1), world = k[K_WORLD], me = k[K_ME];
+    k[K_IDX] = reinterpret_cast<intptr_t>(idx.const_data_ptr());
+    k[K_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
+    k[K_T] = t_n;
+    k[K_K] = idx.size(1);
+    k[K_X] = reinterpret_cast<intptr_t>(x.const_data_ptr());
+    k[K_X_BYTES] = t_n * k[K_ROW_BYTES];
+    const double t0 = now_us();
+    if (!run(k, K_PACK, K_ERR)) return nullptr;
+    const double t1 = now_us();
+    std::vector<int64_t> split(world, k[K_BLK_BYTES]);
+    split[me] = 0;
+    at::Tensor recv = THPVariable_Unpack(d[TD_RECV]), send = THPVariable_Unpack(d[TD_SEND]);
+    if (!exchange(*g, recv, send, split, split, k[K_POLL_NS], [] {})) return nullptr;
+    if (!run(k, K_HEADERS, K_ERR)) return nullptr;
+    const double t2 = now_us();
+    const int64_t gmax = k[K_GMAX], num_bags = k[K_NUM_BAGS];
+    if (gmax > k[K_INLINE])
+      return tuple_steal({PyLong_FromLongLong(gmax), PyLong_FromLongLong(num_bags),
+                          PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
+                          PyFloat_FromDouble(t2)});
+    Obj inl(PyLong_FromLongLong(gmax <= k[K_CAP] ? gmax : 0));
+    if (!inl || PyObject_SetAttr(d[TD_BACKEND], k_inline, inl.get()) < 0) return nullptr;
+    // room for every pair the received tokens could name: recv_x's rows and the plan's words
+    // (torch_layout.res_offsets' end at num_recv = most)
+    const int64_t most = num_bags * k[K_PAIRS], n_me = k[K_N_ME], sends = k[K_SENDS];
+    at::Tensor rows = owned_bytes(d[TD_POOL], most * k[K_ROW_BYTES])
+                          .narrow(0, 0, most * k[K_ROW_BYTES]).view(x.scalar_type())
+                          .view({most, hidden});
+    const int64_t n = most, bound = 4 * n + num_bags + k[K_PER_RANK] + sends + t_n + (n + 1) / 2;
+    Obj res(np_words(bound));
+    if (!res) return nullptr;
+    k[K_OUT] = reinterpret_cast<intptr_t>(rows.data_ptr());
+    k[K_OUT_BYTES] = most * k[K_ROW_BYTES];
+    k[K_RES] = reinterpret_cast<intptr_t>(np_data(res.get()));
+    k[K_RES_LEN] = bound;
+    if (!run(k, K_GATHER, K_ERR)) return nullptr;
+    const double t4 = now_us();
+    const int64_t num_recv = k[K_NUM_RECV];
+    const int64_t* off = k + K_OFFSETS;
+    int64_t* r = words(res.get());
+    const int64_t o_dims[2] = {3, num_recv}, w_dims[1] = {num_recv},
+                  tpe_dims[1] = {off[4] - off[3]};
+    // no rows: origins and weights of their own (empty views of res would be two tensors of
+    // two types at one address, which torch.save refuses)
+    Obj obase(num_recv ? ref(res.get()) : np_words(1)), wbase(num_recv ? ref(res.get()) : np_words(1));
+    if (!obase || !wbase) return nullptr;
+    Obj origins(np_view(obase.get(), num_recv ? r : words(obase.get()), 2, o_dims, false));
+    Obj weights(np_view(wbase.get(), num_recv ? r + off[6] : words(wbase.get()), 1, w_dims, true));
+    Obj tpe(np_view(res.get(), r + off[3], 1, tpe_dims, false));
+    Obj recv_x(THPVariable_Wrap(rows.narrow(0, 0, num_recv)));
+    Obj offsets(PyTuple_New(8));
+    if (!origins || !weights || !tpe || !recv_x || !offsets) return nullptr;
+    for (int i = 0; i < 8; ++i) {
+      PyObject* v = PyLong_FromLongLong(off[i]);
+      if (!v) return nullptr;
+      PyTuple_SET_ITEM(offsets.get(), i, v);
+    }
+    const int64_t* ws = reinterpret_cast<const int64_t*>(static_cast<intptr_t>(k[K_WS]));
+    Obj sent(int_list(ws, world, me)), got(int_list(ws + 2 * world, world, me));
+    if (!sent || !got) return nullptr;
+    // _TorchState.cpu(res, res_addr, offsets, recv_weights, num_pairs, num_bags, sends,
+    //                 num_tokens, sent_per_rank, recv_per_rank, num_back, num_own,
+    //                 num_remote_bags)
+    Obj state(PyObject_CallFunction(d[TD_STATE], "OLOOLLLLOOLLL", res.get(),
+                                    static_cast<long long>(k[K_RES]), offsets.get(),
+                                    weights.get(), static_cast<long long>(num_recv),
+                                    static_cast<long long>(num_bags),
+                                    static_cast<long long>(sends), static_cast<long long>(t_n),
+                                    sent.get(), got.get(),
+                                    static_cast<long long>(k[K_NUM_BACK]),
+                                    static_cast<long long>(n_me),
+                                    static_cast<long long>(k[K_REMOTE_BAGS])));
+    if (!state) return nullptr;
+    PyObject* handle = instance(results.handle, {
+        {k_buffer_id, ref(d[TD_BUFFER_ID])}, {k_call, PyLong_FromLongLong(call)},
+        {k_num_tokens, PyLong_FromLongLong(t_n)}, {k_num_recv, PyLong_FromLongLong(num_recv)},
+        {k_hidden, PyLong_FromLongLong(hidden)}, {k_topk_idx, ref(a[2])},
+        {k_topk_weights, ref(a[3])}, {k_origins, origins.release()},
+        {k_state, state.release()}});
+    if (!handle) return nullptr;
+    const double t5 = now_us();
+    PyObject* times = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
+                                   PyFloat_FromDouble(t2), PyFloat_FromDouble(t2),
+                                   PyFloat_FromDouble(t4), PyFloat_FromDouble(t5)});
+    PyObject* stats = deferred_stats(d[TD_BUILD], tuple_steal({
+        ref(d[TD_RANK]), times, ref(d[TD_BYTES]), ref(d[TD_COLL])}));
+    return instance(results.dispatch, {
+        {k_recv_x, recv_x.release()}, {k_weights, weights.release()}, {k_tpe, tpe.release()},
+        {k_handle, handle}, {k_stats, stats}});
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// torch_combine(door, expert_out, state, weighted) -> CombineResult: expert_out's rows
+// (contiguous, the partials' dtype) summed per received token into the send buffer, the
+// collective (this rank's own tokens summed while a small one runs, after a large one), then
+// each token's partials summed at the source into a new y
+PyObject* torch_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  static PyObject *k_at = key("at"), *k_sizes = key("sizes"), *k_num_tokens = key("num_tokens"),
+                  *k_recv_per_rank = key("recv_per_rank"),
+                  *k_sent_per_rank = key("sent_per_rank"), *k_y = key("y"),
+                  *k_stats = key("stats");
+  if (!arity(nargs, 4) || !tuple_of(a[0], TC_LEN, "door")) return nullptr;
+  PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
+  try {
+    int64_t* b = words(d[TC_B]);
+    Group* g = group_of(d[TC_GROUP]);
+    if (!g) return nullptr;
+    const at::Tensor& e = THPVariable_Unpack(a[1]);
+    PyObject* st = a[2];
+    const int weighted = PyObject_IsTrue(a[3]);
+    if (weighted < 0) return nullptr;
+    Obj at_words(PyObject_GetAttr(st, k_at)), sizes(PyObject_GetAttr(st, k_sizes));
+    Obj t_obj(PyObject_GetAttr(st, k_num_tokens));
+    Obj to_peers(PyObject_GetAttr(st, k_recv_per_rank));
+    Obj from_peers(PyObject_GetAttr(st, k_sent_per_rank));
+    if (!at_words || !sizes || !t_obj || !to_peers || !from_peers) return nullptr;
+    if (!tuple_of(at_words.get(), 5, "state.at") || !tuple_of(sizes.get(), 3, "state.sizes"))
+      return nullptr;
+    int64_t at5[5], sz[3];
+    if (!ints(&PyTuple_GET_ITEM(at_words.get(), 0), 5, at5)
+        || !ints(&PyTuple_GET_ITEM(sizes.get(), 0), 3, sz))
+      return nullptr;
+    const int64_t t_n = PyLong_AsLongLong(t_obj.get());
+    if (t_n == -1 && PyErr_Occurred()) return nullptr;
+    const int64_t hidden = b[B_HIDDEN], prow = hidden * static_cast<int64_t>(e.element_size());
+    std::vector<int64_t> send_splits, recv_splits;
+    if (!splits(to_peers.get(), prow, send_splits) || !splits(from_peers.get(), prow, recv_splits))
+      return nullptr;
+    const double t0 = now_us();
+    b[B_ROWS] = reinterpret_cast<intptr_t>(e.const_data_ptr());
+    b[B_NUM_ROWS] = e.size(0);
+    b[B_WEIGHTED] = weighted;
+    b[B_W_AT] = at5[0];
+    b[B_ROWS_AT] = at5[1];
+    b[B_OFFS_AT] = at5[2];
+    b[B_FIN_ROWS_AT] = at5[3];
+    b[B_FIN_OFFS_AT] = at5[4];
+    b[B_NUM_PAIRS] = sz[0];
+    b[B_NUM_BAGS] = sz[1];
+    b[B_SENDS] = sz[2];
+    b[B_NUM_TOKENS] = t_n;
+    const int64_t nret = b[B_NRET], own = b[B_OWN];
+    b[B_J0] = 0;
+    b[B_J1] = nret;
+    b[B_DST] = b[B_SEND_AT];
+    if (!run(b, B_BAGS, B_ERR)) return nullptr;
+    at::Tensor recv = THPVariable_Unpack(d[TC_RECV]), send = THPVariable_Unpack(d[TC_SEND]);
+    b[B_J0] = nret;
+    b[B_J1] = nret + own;
+    b[B_DST] = b[B_OWN_AT];
+    Kernel bags = reinterpret_cast<Kernel>(static_cast<intptr_t>(b[B_BAGS]));
+    double t2, t3;
+    if (nret * prow <= b[B_INLINE_BYTES]) {   // latency: own tokens summed while it runs
+      if (!exchange(*g, recv, send, recv_splits, send_splits, b[B_POLL_NS],
+                    [&] { bags(b); t2 = now_us(); }))
+        return nullptr;
+      t3 = now_us();
+      if (b[B_ERR]) {
+        PyErr_SetString(PyExc_RuntimeError, "torch backend: a kernel's sizes out of its plan");
+        return nullptr;
+      }
+    } else {                                  // bytes: the sums would compete for the cores
+      t2 = now_us();
+      if (!exchange(*g, recv, send, recv_splits, send_splits, b[B_POLL_NS], [] {}))
+        return nullptr;
+      t3 = now_us();
+      if (!run(b, B_BAGS, B_ERR)) return nullptr;
+    }
+    at::Tensor y = at::empty({t_n, hidden}, e.options());
+    b[B_Y] = reinterpret_cast<intptr_t>(y.data_ptr());
+    if (!run(b, B_FINAL, B_ERR)) return nullptr;
+    const double t4 = now_us();
+    Obj y_obj(THPVariable_Wrap(y));
+    if (!y_obj) return nullptr;
+    PyObject* times = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t2),
+                                   PyFloat_FromDouble(t3), PyFloat_FromDouble(t4)});
+    PyObject* stats = deferred_stats(d[TC_BUILD], tuple_steal({
+        ref(d[TC_RANK]), times, PyLong_FromLongLong(nret * prow),
+        PyLong_FromLongLong(b[B_BACK] * prow), ref(st), PyLong_FromLongLong(prow)}));
+    return instance(results.combine, {{k_y, y_obj.release()}, {k_stats, stats}});
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+}  // namespace ubep_native

@@ -1,0 +1,142 @@
+"""The torch backend's CPU kernels as C entry points, for `ubep.native`'s compiled torch path.
+
+`ubep.native.torch_dispatch` / `torch_combine` run a CPU dispatch or combine between its
+collectives without Python: they call these by address (numba `cfunc`s) with one int64
+block `k` per call shape (`K_*` words: constants the backend fills once, then one call's
+inputs, which the C++ side writes, and outputs, which it reads back). They run the kernels
+the Python path calls (`torch_layout`), so the layout lives in one place. A kernel's error
+(a size out of its plan) sets `k[K_ERR]` instead of raising: the C++ side raises it as a
+RuntimeError.
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import cfunc, types
+
+from ubep.runtime.torch_layout import (
+    bag_sums_bf16_at,
+    bag_sums_f32_at,
+    final_sums_bf16_at,
+    final_sums_f32_at,
+    pack_send_at,
+    read_headers_at,
+    recv_gather_at,
+)
+
+# a dispatch shape's block: constants (the backend fills them once), one call's inputs, outputs
+(K_ROW_BYTES, K_PER_RANK, K_WORLD, K_ME, K_META_K, K_INLINE, K_HROWS, K_WS, K_WS_LEN, K_SEND,
+ K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_PACK, K_HEADERS,
+ K_GATHER, K_IDX, K_W, K_T, K_K, K_X, K_X_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN,
+ K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_REMOTE_BAGS, K_NUM_RECV,
+ K_OFFSETS) = range(39)
+K_ERR = K_OFFSETS + 8          # after res_offsets' 8 words
+K_LEN = K_ERR + 1
+
+# a combine shape's block: constants, one call's inputs (bag: rows, sizes, the handle's plan)
+(B_SEND_AT, B_OWN_AT, B_BACK_AT, B_NRET, B_OWN, B_BACK, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS,
+ B_BAGS, B_FINAL, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT,
+ B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y,
+ B_ERR) = range(28)
+B_LEN = 28
+
+_SIG = types.void(types.CPointer(types.int64))
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def pack_c(k):
+    """`pack_send_at`: the plan into the workspace, phase 1 (and 2) into the send buffer."""
+    try:
+        nb, sends, first, n_me = pack_send_at(
+            k[K_IDX], k[K_W], k[K_T], k[K_K], k[K_X], k[K_X_BYTES], k[K_SEND], k[K_SEND_BYTES],
+            k[K_ROW_BYTES], k[K_PER_RANK], k[K_WORLD], k[K_ME], k[K_META_K], k[K_INLINE],
+            k[K_HROWS], k[K_WS], k[K_WS_LEN])
+        k[K_NUM_BACK], k[K_SENDS], k[K_FIRST], k[K_N_ME] = nb, sends, first, n_me
+        k[K_ERR] = 0
+    except Exception:  # noqa: BLE001 - a cfunc cannot raise: the C++ side does
+        k[K_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def headers_c(k):
+    """`read_headers_at` of phase 1's received blocks: the largest count, tokens received."""
+    try:
+        k[K_GMAX], k[K_NUM_BAGS] = read_headers_at(k[K_RECV], k[K_RECV_BYTES], k[K_BLK_BYTES],
+                                                   k[K_ME], k[K_WORLD], k[K_WS], k[K_WS_LEN])
+        k[K_ERR] = 0
+    except Exception:  # noqa: BLE001
+        k[K_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def gather_c(k):
+    """`recv_gather_at` of a call that fit phase 1: the plan into `res` (`K_RES_LEN` words,
+    room for every pair the received tokens could name) and recv_x's rows into `out`;
+    res_offsets' words into `K_OFFSETS..`."""
+    try:
+        _, _, remote_bags, num_recv, off = recv_gather_at(
+            k[K_RECV], k[K_RECV_BYTES], k[K_X], k[K_X_BYTES], k[K_OUT], k[K_OUT_BYTES],
+            k[K_ROW_BYTES], k[K_INLINE], k[K_HROWS], k[K_ME], k[K_PER_RANK], k[K_WORLD],
+            k[K_T], k[K_K], k[K_META_K], k[K_FIRST], k[K_N_ME], k[K_SENDS], k[K_WS],
+            k[K_WS_LEN], k[K_RES], k[K_RES_LEN])
+        if off[7] > k[K_RES_LEN]:       # more than the room given: not in res
+            k[K_ERR] = 2
+            return
+        k[K_REMOTE_BAGS], k[K_NUM_RECV] = remote_bags, num_recv
+        for i in range(8):
+            k[K_OFFSETS + i] = off[i]
+        k[K_ERR] = 0
+    except Exception:  # noqa: BLE001
+        k[K_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def bags_bf16_c(b):
+    """`bag_sums_bf16_at` of bags `B_J0..B_J1` into `B_DST` (combine's expert side)."""
+    try:
+        bag_sums_bf16_at(b[B_ROWS], b[B_NUM_ROWS], b[B_HIDDEN], b[B_W_AT], b[B_WEIGHTED] != 0,
+                         b[B_ROWS_AT], b[B_OFFS_AT], b[B_NUM_PAIRS], b[B_NUM_BAGS], b[B_J0],
+                         b[B_J1], b[B_DST])
+        b[B_ERR] = 0
+    except Exception:  # noqa: BLE001
+        b[B_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def bags_f32_c(b):
+    """`bags_bf16_c` for float32 partials."""
+    try:
+        bag_sums_f32_at(b[B_ROWS], b[B_NUM_ROWS], b[B_HIDDEN], b[B_W_AT], b[B_WEIGHTED] != 0,
+                        b[B_ROWS_AT], b[B_OFFS_AT], b[B_NUM_PAIRS], b[B_NUM_BAGS], b[B_J0],
+                        b[B_J1], b[B_DST])
+        b[B_ERR] = 0
+    except Exception:  # noqa: BLE001
+        b[B_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def final_bf16_c(b):
+    """`final_sums_bf16_at`: each token's received and own partials summed into `B_Y`."""
+    try:
+        final_sums_bf16_at(b[B_BACK_AT], b[B_BACK], b[B_OWN_AT], b[B_OWN], b[B_HIDDEN],
+                           b[B_FIN_ROWS_AT], b[B_FIN_OFFS_AT], b[B_SENDS], b[B_NUM_TOKENS],
+                           b[B_Y])
+        b[B_ERR] = 0
+    except Exception:  # noqa: BLE001
+        b[B_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def final_f32_c(b):
+    """`final_bf16_c` for float32 partials."""
+    try:
+        final_sums_f32_at(b[B_BACK_AT], b[B_BACK], b[B_OWN_AT], b[B_OWN], b[B_HIDDEN],
+                          b[B_FIN_ROWS_AT], b[B_FIN_OFFS_AT], b[B_SENDS], b[B_NUM_TOKENS],
+                          b[B_Y])
+        b[B_ERR] = 0
+    except Exception:  # noqa: BLE001
+        b[B_ERR] = 1
+
+
+#: combine's (expert-side, source-side) sums by partial dtype
+COMBINE = {torch.bfloat16: (bags_bf16_c, final_bf16_c), torch.float32: (bags_f32_c, final_f32_c)}
