@@ -34,14 +34,14 @@ demo: $(NATIVE)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
-# the suite with ubep.native, then the shm direct path's tests again on its Python path
-# (what runs where ubep.native is not built)
+# the suite with ubep.native, then the shm direct path's and the torch backend's tests again
+# on their Python paths (what runs where ubep.native is not built)
 test: $(NATIVE)
 	$(BIN)/ruff check src tests
 	UBEP_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q tests
 	UBEP_NATIVE=0 $(BIN)/python -m pytest -q tests/runtime/test_shm_direct.py \
 		tests/runtime/test_shm_owned.py tests/runtime/test_direct_lifetimes.py \
-		tests/test_combine_out.py
+		tests/test_combine_out.py tests/test_torch_backend.py
 	@leftover=$$(ls /dev/shm | grep -i ubep || true); \
 	if [ -n "$$leftover" ]; then echo "leaked shared memory: $$leftover"; exit 1; fi
 

@@ -15,7 +15,9 @@ them). Then, interleaved round by round, each started after a tight cross-proces
 * `copy`: one memcpy of the bytes dispatch and combine must move (the copy bound).
 
 `raw+host` is the floor of what any implementation with that much host work can reach on
-this host; `torch / raw+host` is what remains that is not host time.
+this host; `torch / raw+host` is what remains that is not host time. The backend's Python path
+(`UBEP_NATIVE=0`): the compiled one calls its collectives from C++, where this cannot time
+them (`bench_torch_native.py` compares the two).
 
     PYTHONPATH=src .venv/bin/python tests/runtime/bench_torch_floor.py [batch] [rounds]
 """
@@ -153,7 +155,7 @@ def main() -> None:
 
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 200
-    res = run_ranks(_rank, 2, batch, rounds)
+    res = run_ranks(_rank, 2, batch, rounds, env={"UBEP_NATIVE": "0"})
     print(f"P=2, hidden 7168 bf16, top-8 of 16 experts, batch {batch}, {rounds} rounds "
           f"interleaved; load {os.getloadavg()[0]:.1f}")
     for r in range(2):

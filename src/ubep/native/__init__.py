@@ -5,10 +5,12 @@ call (`checks.cpp`; the rules are `ubep.validate`'s), and the shm direct path's 
 dispatch and combine as one C++ entry each (`direct.cpp`), which call the path's numba
 kernels by address (`ubep.runtime.shm.kernels.entries`), and the door (`door.cpp`): `Buffer`'s
 common call on that path, from the input check to the stats, in one C++ call, which declines
-(NotImplemented) whatever the Python layers would not take straight. Everything has a Python
-twin that gives the same results, used when the extension is not built, so the library works
-without a compiler; `make install` builds it (`python -m ubep.native build`, ~30 s: g++,
-ninja and the headers in torch's wheel).
+(NotImplemented) whatever the Python layers would not take straight; and the torch backend's
+CPU dispatch and combine (`torch_path.cpp`): its kernels (`ubep.runtime.torch_entries`) and its
+collectives (`c10d::ProcessGroup::all_to_all_single` on the caller's group) with no Python
+between them. Everything has a Python twin that gives the same results, used when the
+extension is not built, so the library works without a compiler; `make install` builds it
+(`python -m ubep.native build`, ~30 s: g++, ninja and the headers in torch's wheel).
 
 The build lands in this environment (`sys.prefix`), in a folder named by the sources' hash,
 torch's version and Python's, so an edited source, another torch or another venv never

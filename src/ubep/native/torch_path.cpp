@@ -135,16 +135,16 @@ PyObject* int_list(const int64_t* a, int64_t n, int64_t me) {
 }
 
 // `nbytes` of memory for a result the caller will own (uint8, 1-D): a tensor of `pool` (a
-// list the backend keeps, at most 3) that nothing else references any more (its storage's use
-// count is the pool's own) and is large enough, else a new one, kept if the pool has room.
-// Fresh memory costs a page fault per 4 KiB when first written (`TorchBackend._owned_rows`,
-// the Python path's twin, says how much).
+// list the backend keeps, at most 3) that nothing else references any more (the pool's is its
+// only reference: a result made on it by `on` holds another) and is large enough, else a new
+// one, kept if the pool has room. Fresh memory costs a page fault per 4 KiB when first written
+// (`TorchBackend._owned_rows`, the Python path's twin, says how much).
 at::Tensor owned_bytes(PyObject* pool, int64_t nbytes) {
   const Py_ssize_t n = PyList_GET_SIZE(pool);
   Py_ssize_t spare = -1;
   for (Py_ssize_t i = 0; i < n; ++i) {
     const at::Tensor& t = THPVariable_Unpack(PyList_GET_ITEM(pool, i));
-    if (t.storage().use_count() != 1 || Py_REFCNT(PyList_GET_ITEM(pool, i)) != 1) continue;
+    if (t.use_count() != 1 || Py_REFCNT(PyList_GET_ITEM(pool, i)) != 1) continue;
     if (t.numel() >= nbytes) return t;
     spare = i;
   }
@@ -162,6 +162,14 @@ at::Tensor owned_bytes(PyObject* pool, int64_t nbytes) {
     }
   }
   return t;
+}
+
+// `[rows, hidden]` of `opts`' dtype at the start of `mem` (from `owned_bytes`), on a storage of
+// exactly its bytes that holds `mem` while it lives: as `torch.from_numpy` of a slice of the
+// Python path's pooled array (a storage larger than the tensor would be saved whole by
+// torch.save, and views of it in two dtypes could not be loaded)
+at::Tensor on(const at::Tensor& mem, int64_t rows, int64_t hidden, at::TensorOptions opts) {
+  return at::from_blob(mem.data_ptr(), {rows, hidden}, [keep = mem](void*) {}, opts);
 }
 
 }  // namespace
@@ -232,13 +240,11 @@ PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     // room for every pair the received tokens could name: recv_x's rows and the plan's words
     // (torch_layout.res_offsets' end at num_recv = most)
     const int64_t most = num_bags * k[K_PAIRS], n_me = k[K_N_ME], sends = k[K_SENDS];
-    at::Tensor rows = owned_bytes(d[TD_POOL], most * k[K_ROW_BYTES])
-                          .narrow(0, 0, most * k[K_ROW_BYTES]).view(x.scalar_type())
-                          .view({most, hidden});
+    at::Tensor mem = owned_bytes(d[TD_POOL], most * k[K_ROW_BYTES]);
     const int64_t n = most, bound = 4 * n + num_bags + k[K_PER_RANK] + sends + t_n + (n + 1) / 2;
     Obj res(np_words(bound));
     if (!res) return nullptr;
-    k[K_OUT] = reinterpret_cast<intptr_t>(rows.data_ptr());
+    k[K_OUT] = reinterpret_cast<intptr_t>(mem.data_ptr());
     k[K_OUT_BYTES] = most * k[K_ROW_BYTES];
     k[K_RES] = reinterpret_cast<intptr_t>(np_data(res.get()));
     k[K_RES_LEN] = bound;
@@ -256,7 +262,7 @@ PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     Obj origins(np_view(obase.get(), num_recv ? r : words(obase.get()), 2, o_dims, false));
     Obj weights(np_view(wbase.get(), num_recv ? r + off[6] : words(wbase.get()), 1, w_dims, true));
     Obj tpe(np_view(res.get(), r + off[3], 1, tpe_dims, false));
-    Obj recv_x(THPVariable_Wrap(rows.narrow(0, 0, num_recv)));
+    Obj recv_x(THPVariable_Wrap(on(mem, num_recv, hidden, x.options())));
     Obj offsets(PyTuple_New(8));
     if (!origins || !weights || !tpe || !recv_x || !offsets) return nullptr;
     for (int i = 0; i < 8; ++i) {

@@ -40,6 +40,12 @@ K_LEN = K_ERR + 1
  B_ERR) = range(28)
 B_LEN = 28
 
+#: the words of the tuples the backend hands `torch_dispatch` / `torch_combine` (in
+#: `torch_path.cpp`'s TD_* / TC_* order; tests/test_native_torch.py checks the two agree)
+DISPATCH_DOOR = ("k", "group", "recv", "send", "backend", "state", "build", "coll",
+                 "buffer_id", "rank", "bytes", "pool")
+COMBINE_DOOR = ("b", "group", "recv", "send", "build", "rank")
+
 _SIG = types.void(types.CPointer(types.int64))
 
 
