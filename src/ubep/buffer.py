@@ -187,12 +187,14 @@ class Buffer:
         self._dispatch_ready, self._combine_ready = fast_checks()
         self._backend = make_backend(self.config, group, self._id)
         # the common call's whole way in one compiled call where the backend offers it
-        # (`ubep.native`'s door: shm, direct path, one worker); None: the Python layers below
+        # (`ubep.native`'s doors: shm's direct path with one worker, torch's CPU path); None:
+        # the Python layers below
         door = getattr(self._backend, "door", None)
         native = load_native() if door is not None else None
         self._door = door(self._lock, self._limits) if native is not None else None
         if self._door is not None:
-            self._door_dispatch, self._door_combine = native.door_dispatch, native.door_combine
+            self._door_dispatch, self._door_combine = (
+                getattr(native, name) for name in self._backend.DOOR_ENTRIES)
         self._companions: dict[int, Buffer] = {}  # rows of other widths (ubep.quant)
         ops.register_buffer(self)
 

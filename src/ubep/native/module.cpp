@@ -29,6 +29,12 @@ PyMethodDef methods[] = {
      "the torch backend's CPU dispatch (see native/torch_path.cpp)"},
     {"torch_combine", (PyCFunction)(void (*)())ubep_native::torch_combine, METH_FASTCALL,
      "the torch backend's CPU combine (see native/torch_path.cpp)"},
+    {"torch_door_dispatch", (PyCFunction)(void (*)())ubep_native::torch_door_dispatch,
+     METH_FASTCALL, "torch_door_dispatch(door, buffer, x, topk_idx, topk_weights): "
+     "Buffer.dispatch's common call on the torch backend, or NotImplemented"},
+    {"torch_door_combine", (PyCFunction)(void (*)())ubep_native::torch_door_combine,
+     METH_FASTCALL, "torch_door_combine(door, buffer, expert_out, handle, weighted): "
+     "Buffer.combine's common call on the torch backend, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "ubep_native", nullptr, -1, methods};

@@ -58,6 +58,90 @@ class Obj {
   PyObject* p_;
 };
 
+// -- the Buffer's side of a door (door.cpp, torch_path.cpp): as `Buffer`'s Python path does it
+
+inline PyObject* not_taken() { Py_RETURN_NOTIMPLEMENTED; }
+
+// the Buffer's lock held for the scope (`lock.acquire()`, which waits without the GIL);
+// released on every way out, an error set meanwhile kept
+class Locked {
+ public:
+  explicit Locked(PyObject* lock) : lock_(lock) {
+    static PyObject* k_acquire = key("acquire");
+    PyObject* r = PyObject_CallMethodNoArgs(lock_, k_acquire);
+    ok_ = r != nullptr;
+    Py_XDECREF(r);
+  }
+  ~Locked() {
+    static PyObject* k_release = key("release");
+    if (!ok_) return;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject* r = PyObject_CallMethodNoArgs(lock_, k_release);
+    if (r) Py_DECREF(r); else PyErr_Clear();
+    PyErr_Restore(t, v, tb);
+  }
+  bool ok() const { return ok_; }
+ private:
+  PyObject* lock_;
+  bool ok_;
+};
+
+// an int attribute of `o`; false with the error set if it is missing or not an int
+inline bool get_int(PyObject* o, PyObject* name, int64_t& out) {
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (!v) return false;
+  out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  return !(out == -1 && PyErr_Occurred());
+}
+
+inline bool set_int(PyObject* o, PyObject* name, int64_t v) {
+  PyObject* p = PyLong_FromLongLong(v);
+  if (!p) return false;
+  int rc = PyObject_SetAttr(o, name, p);
+  Py_DECREF(p);
+  return rc == 0;
+}
+
+// 1 if the Buffer takes calls (not closed, not broken), 0 if not, -1 on error
+inline int usable(PyObject* buf) {
+  static PyObject *k_closed = key("_closed"), *k_broken = key("_broken");
+  PyObject* closed = PyObject_GetAttr(buf, k_closed);
+  if (!closed) return -1;
+  int c = PyObject_IsTrue(closed);
+  Py_DECREF(closed);
+  if (c) return c < 0 ? -1 : 0;
+  PyObject* broken = PyObject_GetAttr(buf, k_broken);
+  if (!broken) return -1;
+  int ok = broken == Py_None;
+  Py_DECREF(broken);
+  return ok;
+}
+
+// a failed call: `buf._failed(error)` records it (as `Buffer`'s Python path does), the error
+// stays set for the caller
+inline PyObject* failed(PyObject* buf) {
+  static PyObject* k_failed = key("_failed");
+  PyObject *t, *v, *tb;
+  PyErr_Fetch(&t, &v, &tb);
+  PyErr_NormalizeException(&t, &v, &tb);
+  if (v) {
+    if (tb) PyException_SetTraceback(v, tb);
+    PyObject* r = PyObject_CallMethodOneArg(buf, k_failed, v);
+    if (r) Py_DECREF(r); else PyErr_Clear();
+  }
+  PyErr_Restore(t, v, tb);
+  return nullptr;
+}
+
+// borrowed `dict[key]` or nullptr (no error: a missing key is "not taken")
+inline PyObject* lookup(PyObject* dict, PyObject* k) {
+  PyObject* v = PyDict_GetItemWithError(dict, k);
+  if (!v) PyErr_Clear();
+  return v;
+}
+
 // the fast checks' rules (checks.cpp): (x, topk_idx, topk_weights) against (hidden,
 // num_experts, max_tokens, max_top_k); (expert_out) against (num_recv, hidden)
 bool dispatch_ready(PyObject* const* a, const int64_t* lim);
@@ -101,6 +185,8 @@ PyObject* door_combine(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* torch_group(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* torch_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* torch_combine(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* torch_door_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* torch_door_combine(PyObject*, PyObject* const*, Py_ssize_t);
 bool init_direct();     // numpy's C API, once at import
 
 }  // namespace ubep_native

@@ -11,6 +11,7 @@
 // dispatch whose peers sent more than fit hands back to Python for its second collective.
 #include "native.h"
 
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -50,6 +51,11 @@ enum Td : Py_ssize_t {
   TD_RANK, TD_BYTES, TD_POOL, TD_LEN
 };
 enum Tc : Py_ssize_t { TC_B, TC_GROUP, TC_RECV, TC_SEND, TC_BUILD, TC_RANK, TC_LEN };
+// the Buffer-level door's words: `TorchBackend.door`
+enum Tr : Py_ssize_t {
+  TR_BACKEND, TR_LOCK, TR_SHAPES, TR_STATE_TYPE, TR_BUFFER_ID, TR_HIDDEN, TR_EXPERTS,
+  TR_MAX_TOKENS, TR_MAX_TOP_K, TR_LEN
+};
 
 using Kernel = void (*)(int64_t*);
 
@@ -192,10 +198,10 @@ PyObject* torch_group(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   }
 }
 
-// torch_dispatch(door, x, topk_idx, topk_weights, call) -> DispatchResult, or
-// (global_max, num_bags, t0, t1, t2) when some peer sent more than phase 1 holds (the Python
-// path runs phase 2 from there; the door's K array holds the plan's words)
-PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+// a dispatch of (x, topk_idx, topk_weights) through a shape's door words `d` (TD_*), as
+// `torch_dispatch` answers
+static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* idx_obj,
+                               PyObject* w_obj, int64_t call) {
   static PyObject *k_inline = key("_inline"), *k_buffer_id = key("buffer_id"),
                   *k_call = key("call"), *k_num_tokens = key("num_tokens"),
                   *k_num_recv = key("num_recv"), *k_hidden = key("hidden"),
@@ -203,17 +209,13 @@ PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                   *k_origins = key("_origins"), *k_state = key("state"),
                   *k_recv_x = key("recv_x"), *k_weights = key("_weights"), *k_tpe = key("_tpe"),
                   *k_handle = key("handle"), *k_stats = key("stats");
-  if (!arity(nargs, 5) || !tuple_of(a[0], TD_LEN, "door")) return nullptr;
-  PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
   try {
     int64_t* k = words(d[TD_K]);
     Group* g = group_of(d[TD_GROUP]);
     if (!g) return nullptr;
-    const at::Tensor& x = THPVariable_Unpack(a[1]);
-    const at::Tensor& idx = THPVariable_Unpack(a[2]);
-    const at::Tensor& w = THPVariable_Unpack(a[3]);
-    const int64_t call = PyLong_AsLongLong(a[4]);
-    if (call == -1 && PyErr_Occurred()) return nullptr;
+    const at::Tensor& x = THPVariable_Unpack(x_obj);
+    const at::Tensor& idx = THPVariable_Unpack(idx_obj);
+    const at::Tensor& w = THPVariable_Unpack(w_obj);
     const int64_t t_n = idx.size(0), hidden = x.size(1), world = k[K_WORLD], me = k[K_ME];
     k[K_IDX] = reinterpret_cast<intptr_t>(idx.const_data_ptr());
     k[K_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
@@ -257,7 +259,8 @@ PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                   tpe_dims[1] = {off[4] - off[3]};
     // no rows: origins and weights of their own (empty views of res would be two tensors of
     // two types at one address, which torch.save refuses)
-    Obj obase(num_recv ? ref(res.get()) : np_words(1)), wbase(num_recv ? ref(res.get()) : np_words(1));
+    Obj obase(num_recv ? ref(res.get()) : np_words(1));
+    Obj wbase(num_recv ? ref(res.get()) : np_words(1));
     if (!obase || !wbase) return nullptr;
     Obj origins(np_view(obase.get(), num_recv ? r : words(obase.get()), 2, o_dims, false));
     Obj weights(np_view(wbase.get(), num_recv ? r + off[6] : words(wbase.get()), 1, w_dims, true));
@@ -289,8 +292,8 @@ PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     PyObject* handle = instance(results.handle, {
         {k_buffer_id, ref(d[TD_BUFFER_ID])}, {k_call, PyLong_FromLongLong(call)},
         {k_num_tokens, PyLong_FromLongLong(t_n)}, {k_num_recv, PyLong_FromLongLong(num_recv)},
-        {k_hidden, PyLong_FromLongLong(hidden)}, {k_topk_idx, ref(a[2])},
-        {k_topk_weights, ref(a[3])}, {k_origins, origins.release()},
+        {k_hidden, PyLong_FromLongLong(hidden)}, {k_topk_idx, ref(idx_obj)},
+        {k_topk_weights, ref(w_obj)}, {k_origins, origins.release()},
         {k_state, state.release()}});
     if (!handle) return nullptr;
     const double t5 = now_us();
@@ -308,25 +311,19 @@ PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   }
 }
 
-// torch_combine(door, expert_out, state, weighted) -> CombineResult: expert_out's rows
-// (contiguous, the partials' dtype) summed per received token into the send buffer, the
-// collective (this rank's own tokens summed while a small one runs, after a large one), then
-// each token's partials summed at the source into a new y
-PyObject* torch_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+
+// a combine of `e_obj`'s rows for the dispatch whose state is `st` through a shape's door
+// words `d` (TC_*), as `torch_combine` answers
+static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st, int weighted) {
   static PyObject *k_at = key("at"), *k_sizes = key("sizes"), *k_num_tokens = key("num_tokens"),
                   *k_recv_per_rank = key("recv_per_rank"),
                   *k_sent_per_rank = key("sent_per_rank"), *k_y = key("y"),
                   *k_stats = key("stats");
-  if (!arity(nargs, 4) || !tuple_of(a[0], TC_LEN, "door")) return nullptr;
-  PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
   try {
     int64_t* b = words(d[TC_B]);
     Group* g = group_of(d[TC_GROUP]);
     if (!g) return nullptr;
-    const at::Tensor& e = THPVariable_Unpack(a[1]);
-    PyObject* st = a[2];
-    const int weighted = PyObject_IsTrue(a[3]);
-    if (weighted < 0) return nullptr;
+    const at::Tensor& e = THPVariable_Unpack(e_obj);
     Obj at_words(PyObject_GetAttr(st, k_at)), sizes(PyObject_GetAttr(st, k_sizes));
     Obj t_obj(PyObject_GetAttr(st, k_num_tokens));
     Obj to_peers(PyObject_GetAttr(st, k_recv_per_rank));
@@ -400,6 +397,157 @@ PyObject* torch_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
+}
+
+
+// torch_dispatch(door, x, topk_idx, topk_weights, call) -> DispatchResult, or
+// (global_max, num_bags, t0, t1, t2) when some peer sent more than phase 1 holds (the Python
+// path runs phase 2 from there; the door's K array holds the plan's words)
+PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (!arity(nargs, 5) || !tuple_of(a[0], TD_LEN, "door")) return nullptr;
+  const int64_t call = PyLong_AsLongLong(a[4]);
+  if (call == -1 && PyErr_Occurred()) return nullptr;
+  return dispatch_core(&PyTuple_GET_ITEM(a[0], 0), a[1], a[2], a[3], call);
+}
+
+// torch_combine(door, expert_out, state, weighted) -> CombineResult: expert_out's rows
+// (contiguous, the partials' dtype) summed per received token into the send buffer, the
+// collective (this rank's own tokens summed while a small one runs, after a large one), then
+// each token's partials summed at the source into a new y
+PyObject* torch_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (!arity(nargs, 4) || !tuple_of(a[0], TC_LEN, "door")) return nullptr;
+  const int weighted = PyObject_IsTrue(a[3]);
+  if (weighted < 0) return nullptr;
+  return combine_core(&PyTuple_GET_ITEM(a[0], 0), a[1], a[2], weighted);
+}
+
+// torch_door_dispatch(door, buf, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented:
+// `Buffer.dispatch`'s common call on the torch backend's compiled path, from the inputs' fast
+// check to the last stats (as door.cpp for the shm direct path): declined, before any state
+// moves, unless the inputs pass the fast check, the Buffer takes calls and the backend has
+// this shape's door words (its first call of a shape runs in Python and makes them)
+PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  static PyObject *k_inline = key("_inline"), *k_calls = key("_calls"),
+                  *k_rest = key("_native_rest"), *k_stats = key("stats"),
+                  *k_last_stats = key("last_stats");
+  if (!arity(nargs, 5) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
+  PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
+  PyObject* buf = a[1];
+  int64_t lim[4];
+  if (!ints(d + TR_HIDDEN, 4, lim)) return nullptr;
+  bool ready = false;
+  try {
+    ready = dispatch_ready(a + 2, lim);
+  } catch (const std::exception&) {
+    ready = false;
+  }
+  if (!ready) return not_taken();
+  Locked locked(d[TR_LOCK]);
+  if (!locked.ok()) return nullptr;
+  const int ok = usable(buf);
+  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
+  PyObject* backend = d[TR_BACKEND];
+  const at::Tensor& x = THPVariable_Unpack(a[2]);
+  const at::Tensor& idx = THPVariable_Unpack(a[3]);
+  int64_t inl;
+  if (!get_int(backend, k_inline, inl)) return nullptr;
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
+  Obj k(Py_BuildValue("(LLLOL)", static_cast<long long>(idx.size(0)),
+                      static_cast<long long>(idx.size(1)), static_cast<long long>(x.size(1)),
+                      dtype, static_cast<long long>(inl)));
+  if (!k) return nullptr;
+  PyObject* shape = lookup(d[TR_SHAPES], k.get());      // (`TorchBackend._cpu_shape`)
+  if (!shape || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) == 0) return not_taken();
+  Obj shape_ref(ref(shape));   // held while the call runs
+  PyObject* door = PyTuple_GET_ITEM(shape, PyTuple_GET_SIZE(shape) - 1);
+  if (!PyTuple_CheckExact(door) || PyTuple_GET_SIZE(door) != TD_LEN) return not_taken();
+  // the call: from here on its state moves (as `Buffer._dispatch_checked` moves it)
+  int64_t call;
+  if (!get_int(buf, k_calls, call) || !set_int(buf, k_calls, ++call)) return nullptr;
+  PyObject* r = dispatch_core(&PyTuple_GET_ITEM(door, 0), a[2], a[3], a[4], call);
+  if (!r) return failed(buf);
+  if (PyTuple_Check(r)) {      // phase 2: on in Python from the first collective's end
+    Obj cl(PyLong_FromLongLong(call));
+    PyObject* args[7] = {backend, shape, a[2], a[3], a[4], cl.get(), r};
+    PyObject* res = cl ? PyObject_VectorcallMethod(k_rest, args, 7, nullptr) : nullptr;
+    Py_DECREF(r);
+    if (!res) return failed(buf);
+    r = res;
+  }
+  PyObject* stats = PyObject_GetAttr(r, k_stats);
+  if (!stats || PyObject_SetAttr(buf, k_last_stats, stats) < 0) {
+    Py_XDECREF(stats);
+    Py_DECREF(r);
+    return nullptr;
+  }
+  Py_DECREF(stats);
+  return r;
+}
+
+// torch_door_combine(door, buf, expert_out, handle, weighted) -> y or NotImplemented: the
+// common combine (this Buffer's handle of a compiled-layout CPU dispatch, bf16 or fp32 rows, no
+// `out`) as `torch_door_dispatch` takes the common dispatch
+PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
+                  *k_hidden = key("hidden"), *k_state = key("state"), *k_res = key("res"),
+                  *k_nret = key("num_remote_bags"), *k_own = key("num_own"),
+                  *k_back = key("num_back"), *k_combine = key("combine"), *k_y = key("y"),
+                  *k_stats = key("stats"), *k_last_stats = key("last_stats");
+  if (!arity(nargs, 5) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
+  PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
+  PyObject *buf = a[1], *rows = a[2], *handle = a[3];
+  if (!is_handle(handle)) return not_taken();
+  int64_t hv[3], own_id;        // buffer_id, num_recv, hidden
+  if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
+      || !get_int(handle, k_hidden, hv[2]))
+    return nullptr;
+  own_id = PyLong_AsLongLong(d[TR_BUFFER_ID]);
+  if (own_id == -1 && PyErr_Occurred()) return nullptr;
+  if (hv[0] != own_id) return not_taken();
+  bool ready = false;
+  try {
+    ready = combine_ready(&rows, hv + 1);
+  } catch (const std::exception&) {
+    ready = false;
+  }
+  if (!ready) return not_taken();
+  const at::Tensor& e = THPVariable_Unpack(rows);
+  if (e.scalar_type() != at::kBFloat16 && e.scalar_type() != at::kFloat) return not_taken();
+  const int weighted = PyObject_IsTrue(a[4]);
+  if (weighted < 0) return nullptr;
+  Locked locked(d[TR_LOCK]);
+  if (!locked.ok()) return nullptr;
+  const int ok = usable(buf);
+  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
+  Obj st(PyObject_GetAttr(handle, k_state));
+  if (!st) return nullptr;
+  if (reinterpret_cast<PyObject*>(Py_TYPE(st.get())) != d[TR_STATE_TYPE]) return not_taken();
+  Obj res(PyObject_GetAttr(st.get(), k_res));
+  if (!res) return nullptr;
+  if (res.get() == Py_None) return not_taken();       // a device dispatch's state
+  int64_t nret, own, back;
+  if (!get_int(st.get(), k_nret, nret) || !get_int(st.get(), k_own, own)
+      || !get_int(st.get(), k_back, back))
+    return nullptr;
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
+  Obj k(Py_BuildValue("(OOLLLL)", k_combine, dtype, static_cast<long long>(hv[2]),
+                      static_cast<long long>(nret), static_cast<long long>(own),
+                      static_cast<long long>(back)));
+  if (!k) return nullptr;
+  PyObject* views = lookup(d[TR_SHAPES], k.get());    // (`TorchBackend._combine_views`)
+  if (!views || !PyTuple_Check(views) || PyTuple_GET_SIZE(views) == 0) return not_taken();
+  Obj views_ref(ref(views));
+  PyObject* door = PyTuple_GET_ITEM(views, PyTuple_GET_SIZE(views) - 1);
+  if (!PyTuple_CheckExact(door) || PyTuple_GET_SIZE(door) != TC_LEN) return not_taken();
+  PyObject* r = combine_core(&PyTuple_GET_ITEM(door, 0), rows, st.get(), weighted);
+  if (!r) return failed(buf);
+  Obj result(r);
+  PyObject* stats = PyObject_GetAttr(r, k_stats);
+  if (!stats) return nullptr;
+  const int rc = PyObject_SetAttr(buf, k_last_stats, stats);
+  Py_DECREF(stats);
+  if (rc < 0) return nullptr;
+  return PyObject_GetAttr(r, k_y);
 }
 
 }  // namespace ubep_native

@@ -339,6 +339,20 @@ class TorchBackend:
         #: how long the compiled path polls a collective before blocking in its wait (`wait`)
         self._poll_ns = int(POLL_S * 1e9) if self._pg.name() in _HOST_BACKENDS else 0
 
+    #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
+    DOOR_ENTRIES = ("torch_door_dispatch", "torch_door_combine")
+
+    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+        """What `ubep.native`'s torch door (`torch_door_dispatch` / `torch_door_combine`)
+        reads to take a `Buffer`'s common call whole (`torch_path.cpp`'s TR_* words): this
+        backend, `lock` the Buffer's, the per-shape words (`_shapes`: a shape's first call
+        runs in Python and makes them), the handle state's class, and `limits` the fast
+        checks' (hidden, num_experts, max_tokens_per_rank, max_top_k). None without
+        `ubep.native`."""
+        if self._native is None:
+            return None
+        return (self, lock, self._shapes, _TorchState, self.buffer_id, *limits)
+
     def _buffer(self, name: str, rows: int, row_bytes: int, device,
                 keep: int = 0) -> torch.Tensor:
         """`[rows, row_bytes]` uint8 scratch, reused across calls (grown when too small,
@@ -672,13 +686,7 @@ class TorchBackend:
             r = self._native.torch_dispatch(door, x, topk_idx, topk_weights, call)
             if type(r) is not tuple:
                 return r
-            global_max, num_bags, t0, t1, t2 = r
-            from ubep.runtime import torch_entries as te
-
-            num_back, sends, first, n_me = door[0][te.K_NUM_BACK:te.K_N_ME + 1].tolist()
-            return self._dispatch_rest(shape, x, topk_idx, topk_weights, call, t0, t1, t2,
-                                       global_max, num_bags, None, 0, num_back, sends, first,
-                                       n_me)
+            return self._native_rest(shape, x, topk_idx, topk_weights, call, r)
         (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1, recv1, send1,
          coll1, bytes1, send_addr, send_bytes, recv_addr, recv1_bytes, ws, ws_addr, ws_len,
          wsv, _) = shape
@@ -717,6 +725,18 @@ class TorchBackend:
         return self._dispatch_rest(shape, x, topk_idx, topk_weights, call, t0, t1, t2,
                                    global_max, num_bags, pool, pool_addr, num_back, sends,
                                    first, n_me)
+
+    def _native_rest(self, shape: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
+                     topk_weights: torch.Tensor, call: int, r: tuple):
+        """A compiled dispatch that handed back after its first collective (`r`: the largest
+        count, tokens received and its timestamps; the plan's words in the door's block): on
+        in Python (`_dispatch_rest`)."""
+        from ubep.runtime import torch_entries as te
+
+        global_max, num_bags, t0, t1, t2 = r
+        num_back, sends, first, n_me = shape[-1][0][te.K_NUM_BACK:te.K_N_ME + 1].tolist()
+        return self._dispatch_rest(shape, x, topk_idx, topk_weights, call, t0, t1, t2,
+                                   global_max, num_bags, None, 0, num_back, sends, first, n_me)
 
     def _dispatch_rest(self, shape: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
                        topk_weights: torch.Tensor, call: int, t0: float, t1: float,

@@ -45,6 +45,9 @@ B_LEN = 28
 DISPATCH_DOOR = ("k", "group", "recv", "send", "backend", "state", "build", "coll",
                  "buffer_id", "rank", "bytes", "pool")
 COMBINE_DOOR = ("b", "group", "recv", "send", "build", "rank")
+#: `TorchBackend.door`'s tuple (TR_*): the Buffer-level door's words
+BUFFER_DOOR = ("backend", "lock", "shapes", "state_type", "buffer_id", "hidden", "experts",
+               "max_tokens", "max_top_k")
 
 _SIG = types.void(types.CPointer(types.int64))
 

@@ -243,6 +243,9 @@ class ShmBackend:
             self.in_step = False
             raise
 
+    #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
+    DOOR_ENTRIES = ("door_dispatch", "door_combine")
+
     def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
         """The path's words for `ubep.native`'s door (`DirectPath.door`), or None: only the
         direct path has them, and only a path whose calls this layer adds nothing to."""
