@@ -34,10 +34,11 @@ using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 // `ubep.runtime.torch_entries`' K_* and B_* words (tests/test_native.py checks they agree)
 enum K : int64_t {
   K_ROW_BYTES, K_PER_RANK, K_WORLD, K_ME, K_META_K, K_INLINE, K_HROWS, K_WS, K_WS_LEN, K_SEND,
-  K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_PACK, K_HEADERS,
-  K_GATHER, K_IDX, K_W, K_T, K_K, K_X, K_X_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN,
-  K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_REMOTE_BAGS, K_NUM_RECV,
-  K_OFFSETS, K_ERR = K_OFFSETS + 8, K_LEN
+  K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_RECV_CAP,
+  K_HDR_IN, K_PACK, K_HEADERS, K_COUNTS, K_PHASE2, K_PLAN, K_ROWS, K_IDX, K_W, K_T, K_K, K_X,
+  K_X_BYTES, K_WORK_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN, K_GATHER_AT, K_GATHER_LEN,
+  K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_SUM_R2, K_SUM_S2, K_NUM_REMOTE,
+  K_REMOTE_BAGS, K_NUM_RECV, K_OFFSETS, K_ERR = K_OFFSETS + 8, K_LEN
 };
 enum B : int64_t {
   B_SEND_AT, B_OWN_AT, B_BACK_AT, B_NRET, B_OWN, B_BACK, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS,
@@ -47,8 +48,8 @@ enum B : int64_t {
 };
 // the door tuples' words: `TorchBackend._dispatch_door` / `_combine_door`
 enum Td : Py_ssize_t {
-  TD_K, TD_GROUP, TD_RECV, TD_SEND, TD_BACKEND, TD_STATE, TD_BUILD, TD_COLL, TD_BUFFER_ID,
-  TD_RANK, TD_BYTES, TD_POOL, TD_LEN
+  TD_K, TD_GROUP, TD_RECV, TD_SEND, TD_HDR_SEND, TD_HDR_RECV, TD_BACKEND, TD_STATE, TD_BUILD,
+  TD_BUILD_ROWS, TD_COLL, TD_BUFFER_ID, TD_RANK, TD_BYTES, TD_POOL, TD_LEN
 };
 enum Tc : Py_ssize_t { TC_B, TC_GROUP, TC_RECV, TC_SEND, TC_BUILD, TC_RANK, TC_LEN };
 // the Buffer-level door's words: `TorchBackend.door`
@@ -226,33 +227,70 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     const double t0 = now_us();
     if (!run(k, K_PACK, K_ERR)) return nullptr;
     const double t1 = now_us();
-    std::vector<int64_t> split(world, k[K_BLK_BYTES]);
-    split[me] = 0;
+    // the first collective: phase 1's blocks (their headers, then `inline` tokens per peer),
+    // or the headers alone (a count exchange)
+    const int64_t inl = k[K_INLINE], rb = k[K_ROW_BYTES], n1 = k[K_RECV_BYTES];
     at::Tensor recv = THPVariable_Unpack(d[TD_RECV]), send = THPVariable_Unpack(d[TD_SEND]);
-    if (!exchange(*g, recv, send, split, split, k[K_POLL_NS], [] {})) return nullptr;
-    if (!run(k, K_HEADERS, K_ERR)) return nullptr;
+    if (inl) {
+      std::vector<int64_t> split(world, k[K_BLK_BYTES]);
+      split[me] = 0;
+      at::Tensor r1 = recv.narrow(0, 0, n1), s1 = send.narrow(0, 0, n1);
+      if (!exchange(*g, r1, s1, split, split, k[K_POLL_NS], [] {})) return nullptr;
+      if (!run(k, K_HEADERS, K_ERR)) return nullptr;
+    } else {
+      at::Tensor hr = THPVariable_Unpack(d[TD_HDR_RECV]), hs = THPVariable_Unpack(d[TD_HDR_SEND]);
+      std::vector<int64_t> equal;
+      if (!exchange(*g, hr, hs, equal, equal, k[K_POLL_NS], [] {})) return nullptr;
+      if (!run(k, K_COUNTS, K_ERR)) return nullptr;
+    }
     const double t2 = now_us();
     const int64_t gmax = k[K_GMAX], num_bags = k[K_NUM_BAGS];
-    if (gmax > k[K_INLINE])
-      return tuple_steal({PyLong_FromLongLong(gmax), PyLong_FromLongLong(num_bags),
-                          PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
-                          PyFloat_FromDouble(t2)});
-    Obj inl(PyLong_FromLongLong(gmax <= k[K_CAP] ? gmax : 0));
-    if (!inl || PyObject_SetAttr(d[TD_BACKEND], k_inline, inl.get()) < 0) return nullptr;
-    // room for every pair the received tokens could name: recv_x's rows and the plan's words
-    // (torch_layout.res_offsets' end at num_recv = most)
+    // phase 2: the tokens that did not fit phase 1, if any rank had more (every rank knows)
+    int64_t* ws = reinterpret_cast<int64_t*>(static_cast<intptr_t>(k[K_WS]));
+    std::vector<int64_t> s2, r2;
+    k[K_WORK_BYTES] = n1;
+    if (gmax > inl) {
+      if (!run(k, K_PHASE2, K_ERR)) return nullptr;
+      const int64_t got = n1 + k[K_SUM_R2] * rb;
+      if (got > k[K_RECV_CAP])      // the scratch must grow: Python does it, then phase 2
+        return tuple_steal({PyLong_FromLongLong(gmax), PyLong_FromLongLong(num_bags),
+                            PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
+                            PyFloat_FromDouble(t2)});
+      s2.assign(ws + world, ws + 2 * world);          // the workspace's send2 and recv2
+      r2.assign(ws + 3 * world, ws + 4 * world);
+      std::vector<int64_t> sb(world), gb(world);
+      for (int64_t i = 0; i < world; ++i) {
+        sb[i] = s2[i] * rb;
+        gb[i] = r2[i] * rb;
+      }
+      const int64_t send1 = (world - 1) * (k[K_HROWS] + inl) * rb;
+      at::Tensor r = recv.narrow(0, n1, k[K_SUM_R2] * rb);
+      at::Tensor s = send.narrow(0, send1, k[K_SUM_S2] * rb);
+      if (!exchange(*g, r, s, gb, sb, k[K_POLL_NS], [] {})) return nullptr;
+      k[K_WORK_BYTES] = got;
+    }
+    const double t3 = now_us();
+    Obj next_inline(PyLong_FromLongLong(gmax <= k[K_CAP] ? gmax : 0));
+    if (!next_inline || PyObject_SetAttr(d[TD_BACKEND], k_inline, next_inline.get()) < 0)
+      return nullptr;
+    // the plan, into room for every pair the received tokens could name (res_offsets' end at
+    // num_recv = most); then recv_x's rows, exactly
     const int64_t most = num_bags * k[K_PAIRS], n_me = k[K_N_ME], sends = k[K_SENDS];
-    at::Tensor mem = owned_bytes(d[TD_POOL], most * k[K_ROW_BYTES]);
-    const int64_t n = most, bound = 4 * n + num_bags + k[K_PER_RANK] + sends + t_n + (n + 1) / 2;
+    const int64_t bound = 4 * most + num_bags + k[K_PER_RANK] + sends + t_n + (most + 1) / 2;
     Obj res(np_words(bound));
     if (!res) return nullptr;
-    k[K_OUT] = reinterpret_cast<intptr_t>(mem.data_ptr());
-    k[K_OUT_BYTES] = most * k[K_ROW_BYTES];
+    at::Tensor gather = at::empty({std::max<int64_t>(most, 1)}, at::kLong);
     k[K_RES] = reinterpret_cast<intptr_t>(np_data(res.get()));
     k[K_RES_LEN] = bound;
-    if (!run(k, K_GATHER, K_ERR)) return nullptr;
-    const double t4 = now_us();
+    k[K_GATHER_AT] = reinterpret_cast<intptr_t>(gather.data_ptr());
+    k[K_GATHER_LEN] = most;
+    if (!run(k, K_PLAN, K_ERR)) return nullptr;
     const int64_t num_recv = k[K_NUM_RECV];
+    at::Tensor mem = owned_bytes(d[TD_POOL], num_recv * rb);
+    k[K_OUT] = reinterpret_cast<intptr_t>(mem.data_ptr());
+    k[K_OUT_BYTES] = num_recv * rb;
+    if (!run(k, K_ROWS, K_ERR)) return nullptr;
+    const double t4 = now_us();
     const int64_t* off = k + K_OFFSETS;
     int64_t* r = words(res.get());
     const int64_t o_dims[2] = {3, num_recv}, w_dims[1] = {num_recv},
@@ -273,7 +311,6 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
       if (!v) return nullptr;
       PyTuple_SET_ITEM(offsets.get(), i, v);
     }
-    const int64_t* ws = reinterpret_cast<const int64_t*>(static_cast<intptr_t>(k[K_WS]));
     Obj sent(int_list(ws, world, me)), got(int_list(ws + 2 * world, world, me));
     if (!sent || !got) return nullptr;
     // _TorchState.cpu(res, res_addr, offsets, recv_weights, num_pairs, num_bags, sends,
@@ -298,10 +335,18 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     if (!handle) return nullptr;
     const double t5 = now_us();
     PyObject* times = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
-                                   PyFloat_FromDouble(t2), PyFloat_FromDouble(t2),
+                                   PyFloat_FromDouble(t2), PyFloat_FromDouble(t3),
                                    PyFloat_FromDouble(t4), PyFloat_FromDouble(t5)});
-    PyObject* stats = deferred_stats(d[TD_BUILD], tuple_steal({
-        ref(d[TD_RANK]), times, ref(d[TD_BYTES]), ref(d[TD_COLL])}));
+    PyObject* stats;
+    if (gmax > inl) {          // _rows_dispatch_stats(world, me, t, inline, block, row, s2, r2)
+      stats = deferred_stats(d[TD_BUILD_ROWS], tuple_steal({
+          PyLong_FromLongLong(world), ref(d[TD_RANK]), times, PyLong_FromLongLong(inl),
+          PyLong_FromLongLong(k[K_BLK_BYTES]), PyLong_FromLongLong(rb),
+          int_list(s2.data(), world, -1), int_list(r2.data(), world, -1)}));
+    } else {                   // _cpu_dispatch_stats(rank, t, bytes, collectives)
+      stats = deferred_stats(d[TD_BUILD], tuple_steal({
+          ref(d[TD_RANK]), times, ref(d[TD_BYTES]), ref(d[TD_COLL])}));
+    }
     return instance(results.dispatch, {
         {k_recv_x, recv_x.release()}, {k_weights, weights.release()}, {k_tpe, tpe.release()},
         {k_handle, handle}, {k_stats, stats}});

@@ -105,6 +105,8 @@ from ubep.runtime.torch_layout import (
     final_sums_f32_at,
     gather_at,
     pack_send_at,
+    phase2_at,
+    read_counts_at,
     read_headers_at,
     recv_gather_at,
     recv_plan,
@@ -209,6 +211,35 @@ def _torch_stats(op: str, rank: int, phases: dict[str, float], sent: int, recv: 
     return Stats(op=op, backend="torch", rank=rank, total_us=sum(phases.values()),
                  phases_us=phases, bytes_sent=sent, bytes_recv=recv, payload_efficiency=None,
                  extra={"collectives": collectives})
+
+
+def _dispatch_stats(world: int, me: int, phases: dict[str, float], inline: int,
+                    block_bytes: int, row_bytes: int,
+                    rows: tuple[list[int], list[int]] | None) -> Stats:
+    """A dispatch's stats with the collectives it ran: the first carries the counts and,
+    when `inline` rows fit, a `block_bytes` block to each peer; `rows` (rows sent to and
+    received from each rank) when a second collective moved them."""
+    if inline:
+        b1 = [0 if r == me else block_bytes for r in range(world)]
+        collectives = [("inline", b1, b1)]
+    else:
+        collectives = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
+    if rows is not None:
+        collectives.append(("rows", [r * row_bytes for r in rows[0]],
+                            [r * row_bytes for r in rows[1]]))
+    sent = sum(sum(b) for _, b, _ in collectives)
+    return _torch_stats("dispatch", me, phases, sent, sum(sum(b) for _, _, b in collectives),
+                        collectives)
+
+
+def _rows_dispatch_stats(world: int, me: int, t: tuple, inline: int, block_bytes: int,
+                         row_bytes: int, sent_rows: list, got_rows: list) -> Stats:
+    """A two-collective CPU dispatch's Stats from its timestamps (`DeferredStats`)."""
+    t0, t1, t2, t3, t4, t5 = t
+    phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
+              "token_exchange": t3 - t2, "reorder": t4 - t3}
+    return _dispatch_stats(world, me, phases, inline, block_bytes, row_bytes,
+                           (sent_rows, got_rows))
 
 
 def _cpu_dispatch_stats(rank: int, t: tuple, nbytes: int, collectives: list) -> Stats:
@@ -417,21 +448,9 @@ class TorchBackend:
 
     def _dispatch_stats(self, phases: dict[str, float], inline: int, block_bytes: int,
                         row_bytes: int, rows: tuple[list[int], list[int]] | None) -> Stats:
-        """A dispatch's stats with the collectives it ran: the first carries the counts and,
-        when `inline` rows fit, a `block_bytes` block to each peer; `rows` (rows sent to and
-        received from each rank) when a second collective moved them."""
-        world, me = self.config.world_size, self.config.rank
-        if inline:
-            b1 = [0 if r == me else block_bytes for r in range(world)]
-            collectives = [("inline", b1, b1)]
-        else:
-            collectives = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
-        if rows is not None:
-            collectives.append(("rows", [r * row_bytes for r in rows[0]],
-                                [r * row_bytes for r in rows[1]]))
-        sent = sum(sum(b) for _, b, _ in collectives)
-        return self._stats("dispatch", phases, sent, sum(sum(b) for _, _, b in collectives),
-                           collectives)
+        """`_dispatch_stats` of this backend's rank."""
+        return _dispatch_stats(self.config.world_size, self.config.rank, phases, inline,
+                               block_bytes, row_bytes, rows)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int):
@@ -639,32 +658,41 @@ class TorchBackend:
         else:
             coll1 = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
         door = None
-        if self._native is not None and C:
+        if self._native is not None:
             door = self._dispatch_door(
                 (row_bytes, c.experts_per_rank, world, me, meta_k, C, hrows, ws.ctypes.data,
                  len(ws), send.data_ptr(), most * row_bytes, recv.data_ptr(), n1,
                  blk * row_bytes, min(meta_k, c.experts_per_rank), cap),
-                recv[:n1], send[:n1], coll1, sum(coll1[0][1]))
+                recv, send, torch.from_numpy(ws_views(ws, world, num_tokens, top_k,
+                                                      meta_k)[4]),
+                coll1, sum(coll1[0][1]))
         return (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1,
                 recv[:n1], send[:n1], coll1, sum(coll1[0][1]), send.data_ptr(),
                 most * row_bytes, recv.data_ptr(), n1, ws, ws.ctypes.data, len(ws),
                 ws_views(ws, world, num_tokens, top_k, meta_k), door)
 
-    def _dispatch_door(self, consts: tuple, recv1: torch.Tensor, send1: torch.Tensor,
-                       coll1: list, bytes1: int) -> tuple:
+    def _dispatch_door(self, consts: tuple, recv: torch.Tensor, send: torch.Tensor,
+                       header: torch.Tensor, coll1: list, bytes1: int) -> tuple:
         """What `ubep.native.torch_dispatch` reads for one shape (`torch_path.cpp`'s TD_*
-        words): its block (`torch_entries`' K_* words: `consts` in order, the poll, the
-        kernels' addresses), the group, phase 1's buffers, this backend (its `_inline`), how
-        to make the handle's state and the stats."""
+        words, `torch_entries.DISPATCH_DOOR`): its block (`torch_entries`' K_* words:
+        `consts` in order, the poll, the receive scratch's size, the kernels' addresses), the
+        group, the scratch (flat bytes), the count exchange's headers (`header`, this rank's,
+        a view of the workspace; room for the peers'), this backend (its `_inline`), how to
+        make the handle's state and the stats."""
         from ubep.runtime import torch_entries as te
 
+        hdr_recv = torch.empty_like(header)
         k = np.zeros(te.K_LEN, dtype=np.int64)
         k[:te.K_POLL_NS] = consts
-        k[te.K_POLL_NS] = self._poll_ns
-        k[te.K_PACK], k[te.K_HEADERS] = te.pack_c.address, te.headers_c.address
-        k[te.K_GATHER] = te.gather_c.address
-        return (k, self._group_cap, recv1, send1, self, _TorchState.cpu, _cpu_dispatch_stats,
-                coll1, self.buffer_id, self.config.rank, bytes1, self._owned_t)
+        k[te.K_POLL_NS], k[te.K_RECV_CAP] = self._poll_ns, recv.numel()
+        k[te.K_HDR_IN] = hdr_recv.data_ptr()
+        for word, fn in ((te.K_PACK, te.pack_c), (te.K_HEADERS, te.headers_c),
+                         (te.K_COUNTS, te.counts_c), (te.K_PHASE2, te.phase2_c),
+                         (te.K_PLAN, te.plan_c), (te.K_ROWS, te.rows_c)):
+            k[word] = fn.address
+        return (k, self._group_cap, recv, send, header, hdr_recv, self, _TorchState.cpu,
+                _cpu_dispatch_stats, _rows_dispatch_stats, coll1, self.buffer_id,
+                self.config.rank, bytes1, self._owned_t)
 
     def _dispatch_cpu(self, x: torch.Tensor, topk_idx: torch.Tensor,
                       topk_weights: torch.Tensor, call: int):
@@ -699,7 +727,7 @@ class TorchBackend:
             topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens, top_k, xa, x_bytes,
             send_addr, send_bytes, row_bytes, per_rank, world, me, meta_k, C, hrows, ws_addr,
             ws_len)
-        header, srcs, recv2 = wsv[4], wsv[2], wsv[3]
+        header = wsv[4]
         t1 = _now_us()
 
         pairs = min(meta_k, per_rank)          # most local experts one token can name
@@ -715,11 +743,8 @@ class TorchBackend:
         else:
             hdr_in = torch.empty((world, _HEADER_BYTES // 4), dtype=torch.int32)
             all_to_all(self._pg, hdr_in, torch.from_numpy(header), [], [])
-            h = hdr_in.numpy()
-            srcs[:] = h[:, 0]
-            srcs[me] = n_me
-            recv2[:] = 0
-            global_max, num_bags = int(h[:, 1].max()), int(srcs.sum())
+            global_max, num_bags = read_counts_at(hdr_in.data_ptr(), me, world, ws_addr,
+                                                  ws_len)
             pool, pool_addr = None, 0
         t2 = _now_us()
         return self._dispatch_rest(shape, x, topk_idx, topk_weights, call, t0, t1, t2,
@@ -758,9 +783,8 @@ class TorchBackend:
         hidden = x.shape[1]
         xa, x_bytes = x.data_ptr(), num_tokens * row_bytes
         if global_max > C:
-            r2 = [0 if s == me or n <= C else -(-(n - C) * meta_bytes // row_bytes) + n - C
-                  for s, n in enumerate(srcs.tolist())]
-            s2 = send2.tolist()
+            phase2_at(ws_addr, ws_len, world, me, C, meta_bytes, row_bytes)   # into recv2
+            r2, s2 = recv2.tolist(), send2.tolist()
             num_remote = recv1_rows + sum(r2)
             work = self._buffer("recv", num_remote, row_bytes, x.device, keep=recv1_rows)
             all_to_all(
@@ -768,7 +792,6 @@ class TorchBackend:
                 self._flat("recv", recv1_rows * row_bytes, (num_remote - recv1_rows) * row_bytes),
                 self._flat("send", send1_rows * row_bytes, sum(s2) * row_bytes),
                 [r * row_bytes for r in r2], [r * row_bytes for r in s2])
-            recv2[:] = r2
             work_addr, work_bytes = work.data_ptr(), num_remote * row_bytes
         else:
             work, work_addr, work_bytes = None, recv_addr, recv1_bytes

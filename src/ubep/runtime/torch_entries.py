@@ -12,24 +12,29 @@ RuntimeError.
 from __future__ import annotations
 
 import torch
-from numba import cfunc, types
+from numba import carray, cfunc, types
 
+from ubep.runtime.shm.atomics import i64_ptr
 from ubep.runtime.torch_layout import (
     bag_sums_bf16_at,
     bag_sums_f32_at,
     final_sums_bf16_at,
     final_sums_f32_at,
+    gather_at,
     pack_send_at,
+    phase2_at,
+    read_counts_at,
     read_headers_at,
-    recv_gather_at,
+    recv_plan_at,
 )
 
 # a dispatch shape's block: constants (the backend fills them once), one call's inputs, outputs
 (K_ROW_BYTES, K_PER_RANK, K_WORLD, K_ME, K_META_K, K_INLINE, K_HROWS, K_WS, K_WS_LEN, K_SEND,
- K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_PACK, K_HEADERS,
- K_GATHER, K_IDX, K_W, K_T, K_K, K_X, K_X_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN,
- K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_REMOTE_BAGS, K_NUM_RECV,
- K_OFFSETS) = range(39)
+ K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_RECV_CAP,
+ K_HDR_IN, K_PACK, K_HEADERS, K_COUNTS, K_PHASE2, K_PLAN, K_ROWS, K_IDX, K_W, K_T, K_K, K_X,
+ K_X_BYTES, K_WORK_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN, K_GATHER_AT, K_GATHER_LEN,
+ K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_SUM_R2, K_SUM_S2, K_NUM_REMOTE,
+ K_REMOTE_BAGS, K_NUM_RECV, K_OFFSETS) = range(50)
 K_ERR = K_OFFSETS + 8          # after res_offsets' 8 words
 K_LEN = K_ERR + 1
 
@@ -42,8 +47,8 @@ B_LEN = 28
 
 #: the words of the tuples the backend hands `torch_dispatch` / `torch_combine` (in
 #: `torch_path.cpp`'s TD_* / TC_* order; tests/test_native_torch.py checks the two agree)
-DISPATCH_DOOR = ("k", "group", "recv", "send", "backend", "state", "build", "coll",
-                 "buffer_id", "rank", "bytes", "pool")
+DISPATCH_DOOR = ("k", "group", "recv", "send", "hdr_send", "hdr_recv", "backend", "state",
+                 "build", "build_rows", "coll", "buffer_id", "rank", "bytes", "pool")
 COMBINE_DOOR = ("b", "group", "recv", "send", "build", "rank")
 #: `TorchBackend.door`'s tuple (TR_*): the Buffer-level door's words
 BUFFER_DOOR = ("backend", "lock", "shapes", "state_type", "buffer_id", "hidden", "experts",
@@ -78,22 +83,62 @@ def headers_c(k):
 
 
 @cfunc(_SIG, cache=True, nogil=True)
-def gather_c(k):
-    """`recv_gather_at` of a call that fit phase 1: the plan into `res` (`K_RES_LEN` words,
-    room for every pair the received tokens could name) and recv_x's rows into `out`;
-    res_offsets' words into `K_OFFSETS..`."""
+def counts_c(k):
+    """`read_counts_at` of the count exchange's headers (no rows in phase 1)."""
     try:
-        _, _, remote_bags, num_recv, off = recv_gather_at(
-            k[K_RECV], k[K_RECV_BYTES], k[K_X], k[K_X_BYTES], k[K_OUT], k[K_OUT_BYTES],
-            k[K_ROW_BYTES], k[K_INLINE], k[K_HROWS], k[K_ME], k[K_PER_RANK], k[K_WORLD],
-            k[K_T], k[K_K], k[K_META_K], k[K_FIRST], k[K_N_ME], k[K_SENDS], k[K_WS],
-            k[K_WS_LEN], k[K_RES], k[K_RES_LEN])
-        if off[7] > k[K_RES_LEN]:       # more than the room given: not in res
-            k[K_ERR] = 2
+        k[K_GMAX], k[K_NUM_BAGS] = read_counts_at(k[K_HDR_IN], k[K_ME], k[K_WORLD], k[K_WS],
+                                                  k[K_WS_LEN])
+        k[K_ERR] = 0
+    except Exception:  # noqa: BLE001
+        k[K_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def phase2_c(k):
+    """`phase2_at`: the rows phase 2 receives from each peer, and the totals both ways."""
+    try:
+        k[K_SUM_R2], k[K_SUM_S2] = phase2_at(k[K_WS], k[K_WS_LEN], k[K_WORLD], k[K_ME],
+                                             k[K_INLINE], 4 * (1 + 2 * k[K_META_K]),
+                                             k[K_ROW_BYTES])
+        k[K_ERR] = 0
+    except Exception:  # noqa: BLE001
+        k[K_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def plan_c(k):
+    """`recv_plan_at` of the received bytes (`K_WORK_BYTES` at `K_RECV`): the plan into `res`
+    (`K_RES_LEN` words, room for every pair the received tokens could name), recv_x's row
+    sources into `K_GATHER_AT` (`K_GATHER_LEN` words); res_offsets' words into
+    `K_OFFSETS..`."""
+    try:
+        _, _, remote_bags, num_recv, off, gather, num_remote = recv_plan_at(
+            k[K_RECV], k[K_WORK_BYTES], k[K_ROW_BYTES], k[K_INLINE], k[K_HROWS], k[K_ME],
+            k[K_PER_RANK], k[K_WORLD], k[K_T], k[K_K], k[K_META_K], k[K_FIRST], k[K_N_ME],
+            k[K_SENDS], k[K_WS], k[K_WS_LEN], k[K_RES], k[K_RES_LEN])
+        if off[7] > k[K_RES_LEN] or num_recv > k[K_GATHER_LEN]:
+            k[K_ERR] = 2                # more than the room given
             return
-        k[K_REMOTE_BAGS], k[K_NUM_RECV] = remote_bags, num_recv
+        out = carray(i64_ptr(k[K_GATHER_AT]), (num_recv,))
+        out[:] = gather[:num_recv]
+        k[K_REMOTE_BAGS], k[K_NUM_RECV], k[K_NUM_REMOTE] = remote_bags, num_recv, num_remote
         for i in range(8):
             k[K_OFFSETS + i] = off[i]
+        k[K_ERR] = 0
+    except Exception:  # noqa: BLE001
+        k[K_ERR] = 1
+
+
+@cfunc(_SIG, cache=True, nogil=True)
+def rows_c(k):
+    """`gather_at`: recv_x's `K_NUM_RECV` rows into `K_OUT` (received ones from `K_RECV`,
+    this rank's own from x), as `plan_c` found their sources."""
+    try:
+        n = k[K_NUM_RECV]
+        gather_at(k[K_RECV], k[K_WORK_BYTES], k[K_X], k[K_X_BYTES], k[K_OUT], k[K_OUT_BYTES],
+                  carray(i64_ptr(k[K_GATHER_AT]), (n,)), k[K_NUM_REMOTE], k[K_ROW_BYTES],
+                  k[K_WORLD], k[K_T], k[K_K], k[K_META_K], k[K_FIRST], k[K_N_ME], k[K_WS],
+                  k[K_WS_LEN])
         k[K_ERR] = 0
     except Exception:  # noqa: BLE001
         k[K_ERR] = 1

@@ -486,6 +486,43 @@ def read_headers_at(work_addr, work_bytes, blk_bytes, me, world, ws_addr, ws_len
 
 
 @njit(nogil=True, cache=True)
+def read_counts_at(hdr_addr, me, world, ws_addr, ws_len):
+    """The count exchange's headers (`[world, 4]` int32 at `hdr_addr`: row r = rank r's
+    header to this rank) into the workspace's `srcs` (this rank's own count from its header
+    row) and `recv2` (zeros), as `read_headers_at` does for phase 1; returns `(the largest
+    count any rank sends any peer, sum(srcs))`."""
+    _, _, srcs, recv2, header = _ws_head(ws_addr, ws_len, world)
+    hdr = carray(void_ptr(hdr_addr), (world, 4), np.int32)
+    global_max, total = np.int64(0), 0
+    for r in range(world):
+        recv2[r] = 0
+        srcs[r] = header[me, 0] if r == me else hdr[r, 0]
+        m = np.int64(header[me, 1] if r == me else hdr[r, 1])
+        if m > global_max:
+            global_max = m
+        total += srcs[r]
+    return global_max, total
+
+
+@njit(nogil=True, cache=True)
+def phase2_at(ws_addr, ws_len, world, me, inline, meta_bytes, row_bytes):
+    """Phase 2's rows from each peer into the workspace's `recv2` (a peer that sends more
+    than `inline` tokens: the rest's routing words, rounded up to whole rows, then their
+    rows); returns `(rows received, rows sent)` in phase 2 (`send2`, from `pack_send_at`)."""
+    _, send2, srcs, recv2, _ = _ws_head(ws_addr, ws_len, world)
+    got, sent = 0, 0
+    for s in range(world):
+        n = srcs[s]
+        if s == me or n <= inline:
+            recv2[s] = 0
+        else:
+            recv2[s] = -(-(n - inline) * meta_bytes // row_bytes) + n - inline
+        got += recv2[s]
+        sent += send2[s]
+    return got, sent
+
+
+@njit(nogil=True, cache=True)
 def _recv_segs(srcs, recv2, inline, hrows, row_bytes, me, world):
     """The runs of received tokens in the layout `pack_send_at` writes, found from the
     peers' counts (`srcs`) and phase-2 rows (`recv2`): `(segs [S, 4] as `recv_plan` takes
