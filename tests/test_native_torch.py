@@ -184,6 +184,46 @@ def test_phase_2_runs_compiled_and_hands_to_python_when_the_scratch_must_grow():
             assert torch.allclose(y.float(), ref_y[r].float(), rtol=2e-2, atol=2e-2)
 
 
+def _serving(rank, world, calls):
+    """`calls` dispatch+combine calls whose batch (1-16 tokens) and routing change every call,
+    as a server's decode steps do, on a compiled-path Buffer and a Python-path one."""
+    import ubep
+    from ubep.testing import make_routing, make_tokens
+
+    kw = dict(num_experts=16, hidden=4096, max_tokens_per_rank=16, backend="torch")
+    nat = ubep.Buffer(**kw)
+    os.environ["UBEP_NATIVE"] = "0"
+    try:
+        py = ubep.Buffer(**kw)
+    finally:
+        os.environ.pop("UBEP_NATIVE")
+    d = nat._door_dispatch = _Counted(nat._door_dispatch)
+    c = nat._door_combine = _Counted(nat._door_combine)
+    g = torch.Generator().manual_seed(rank)
+    with nat, py:
+        for call in range(calls):
+            n = int(torch.randint(1, 17, (1,), generator=g))
+            idx, w = make_routing(n, 4, 16, kind="uniform", seed=1000 * call + rank)
+            x = make_tokens(rank, n, 4096, torch.bfloat16, seed=call)
+            a, b = nat.dispatch(x, idx, w), py.dispatch(x, idx, w)
+            assert torch.equal(_bits(a.recv_x), _bits(b.recv_x))
+            assert torch.equal(a.recv_src_token, b.recv_src_token)
+            assert torch.equal(a.tokens_per_expert, b.tokens_per_expert)
+            weighted = call % 3 != 0
+            ya = nat.combine(expert_fn(a.recv_x), a.handle, weighted=weighted)
+            yb = py.combine(expert_fn(b.recv_x), b.handle, weighted=weighted)
+            assert torch.equal(_bits(ya), _bits(yb))
+    return d.took, d.declined, c.took, c.declined
+
+
+def test_the_door_keeps_taking_calls_when_the_batch_and_routing_change_every_call():
+    """The compiled path's words are per row type and inline capacity, not per batch: a
+    server's changing batches do not make every call a first one."""
+    for took, declined, c_took, c_declined in run_ranks(_serving, 2, 60, timeout_s=300):
+        assert took + declined == 60 and took >= 40, (took, declined)
+        assert c_took + c_declined == 60 and c_took >= 50, (c_took, c_declined)
+
+
 def _peer_gone(rank, world):
     import ubep
     from ubep.testing import make_routing, make_tokens

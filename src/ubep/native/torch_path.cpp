@@ -31,30 +31,30 @@ using ubep_native::ref;
 using ubep_native::tuple_steal;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-// `ubep.runtime.torch_entries`' K_* and B_* words (tests/test_native.py checks they agree)
+// `ubep.runtime.torch_entries`' K_* and B_* words (tests/test_native_torch.py: they agree)
 enum K : int64_t {
   K_ROW_BYTES, K_PER_RANK, K_WORLD, K_ME, K_META_K, K_INLINE, K_HROWS, K_WS, K_WS_LEN, K_SEND,
   K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_RECV_CAP,
   K_HDR_IN, K_PACK, K_HEADERS, K_COUNTS, K_PHASE2, K_PLAN, K_ROWS, K_IDX, K_W, K_T, K_K, K_X,
-  K_X_BYTES, K_WORK_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN, K_GATHER_AT, K_GATHER_LEN,
-  K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_SUM_R2, K_SUM_S2, K_NUM_REMOTE,
-  K_REMOTE_BAGS, K_NUM_RECV, K_OFFSETS, K_ERR = K_OFFSETS + 8, K_LEN
+  K_X_BYTES, K_WORK_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN, K_GATHER_AT,
+  K_GATHER_LEN, K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_SUM_R2, K_SUM_S2,
+  K_NUM_REMOTE, K_REMOTE_BAGS, K_NUM_RECV, K_OFFSETS, K_ERR = K_OFFSETS + 8, K_LEN
 };
 enum B : int64_t {
-  B_SEND_AT, B_OWN_AT, B_BACK_AT, B_NRET, B_OWN, B_BACK, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS,
-  B_BAGS, B_FINAL, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT,
-  B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y, B_ERR,
-  B_LEN
+  B_SEND_AT, B_BACK_AT, B_SEND_CAP, B_BACK_CAP, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
+  B_FINAL, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT,
+  B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0,
+  B_J1, B_DST, B_Y, B_ERR, B_LEN
 };
 // the door tuples' words: `TorchBackend._dispatch_door` / `_combine_door`
 enum Td : Py_ssize_t {
-  TD_K, TD_GROUP, TD_RECV, TD_SEND, TD_HDR_SEND, TD_HDR_RECV, TD_BACKEND, TD_STATE, TD_BUILD,
+  TD_K, TD_WS, TD_GROUP, TD_SCRATCH, TD_HDR_SEND, TD_HDR_RECV, TD_BACKEND, TD_STATE, TD_BUILD,
   TD_BUILD_ROWS, TD_COLL, TD_BUFFER_ID, TD_RANK, TD_BYTES, TD_POOL, TD_LEN
 };
-enum Tc : Py_ssize_t { TC_B, TC_GROUP, TC_RECV, TC_SEND, TC_BUILD, TC_RANK, TC_LEN };
+enum Tc : Py_ssize_t { TC_B, TC_GROUP, TC_SCRATCH, TC_BUILD, TC_RANK, TC_LEN };
 // the Buffer-level door's words: `TorchBackend.door`
 enum Tr : Py_ssize_t {
-  TR_BACKEND, TR_LOCK, TR_SHAPES, TR_STATE_TYPE, TR_BUFFER_ID, TR_HIDDEN, TR_EXPERTS,
+  TR_BACKEND, TR_LOCK, TR_DOORS, TR_STATE_TYPE, TR_BUFFER_ID, TR_HIDDEN, TR_EXPERTS,
   TR_MAX_TOKENS, TR_MAX_TOP_K, TR_LEN
 };
 
@@ -77,6 +77,29 @@ int64_t* words(PyObject* arr) { return static_cast<int64_t*>(ubep_native::np_dat
 // the group a capsule from `torch_group` holds
 Group* group_of(PyObject* capsule) {
   return static_cast<Group*>(PyCapsule_GetPointer(capsule, "ubep.torch_group"));
+}
+
+// scratch buffer `name` of the backend's `_scratch` (flat uint8), or nullptr (none yet)
+const at::Tensor* scratch(PyObject* dict, const char* name) {
+  PyObject* t = PyDict_GetItemString(dict, name);
+  return t && THPVariable_Check(t) ? &THPVariable_Unpack(t) : nullptr;
+}
+
+// whether a dispatch of `t_n` tokens fits the scratch (as `TorchBackend._cpu_shape` sizes
+// it): phase 1 in the receive buffer, phase 1 and every peer's phase 2 in the send buffer;
+// if so, their addresses and sizes into the block
+bool fits(int64_t* k, PyObject* dict, int64_t t_n) {
+  const at::Tensor *send = scratch(dict, "send"), *recv = scratch(dict, "recv");
+  if (!send || !recv) return false;
+  const int64_t rb = k[K_ROW_BYTES], peers = k[K_WORLD] - 1, meta = 4 * (1 + 2 * k[K_META_K]);
+  const int64_t rows =
+      peers * (k[K_HROWS] + k[K_INLINE]) + peers * (t_n + (t_n * meta + rb - 1) / rb);
+  if (rows * rb > send->numel() || k[K_RECV_BYTES] > recv->numel()) return false;
+  k[K_SEND] = reinterpret_cast<intptr_t>(send->data_ptr());
+  k[K_SEND_BYTES] = send->numel();
+  k[K_RECV] = reinterpret_cast<intptr_t>(recv->data_ptr());
+  k[K_RECV_CAP] = recv->numel();
+  return true;
 }
 
 // One all_to_all_single on `g`, from launch to completion: `between` runs while it is in
@@ -218,6 +241,7 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     const at::Tensor& idx = THPVariable_Unpack(idx_obj);
     const at::Tensor& w = THPVariable_Unpack(w_obj);
     const int64_t t_n = idx.size(0), hidden = x.size(1), world = k[K_WORLD], me = k[K_ME];
+    if (!fits(k, d[TD_SCRATCH], t_n)) return not_taken();   // the scratch must grow: Python
     k[K_IDX] = reinterpret_cast<intptr_t>(idx.const_data_ptr());
     k[K_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
     k[K_T] = t_n;
@@ -230,7 +254,7 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     // the first collective: phase 1's blocks (their headers, then `inline` tokens per peer),
     // or the headers alone (a count exchange)
     const int64_t inl = k[K_INLINE], rb = k[K_ROW_BYTES], n1 = k[K_RECV_BYTES];
-    at::Tensor recv = THPVariable_Unpack(d[TD_RECV]), send = THPVariable_Unpack(d[TD_SEND]);
+    at::Tensor recv = *scratch(d[TD_SCRATCH], "recv"), send = *scratch(d[TD_SCRATCH], "send");
     if (inl) {
       std::vector<int64_t> split(world, k[K_BLK_BYTES]);
       split[me] = 0;
@@ -363,7 +387,8 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
   static PyObject *k_at = key("at"), *k_sizes = key("sizes"), *k_num_tokens = key("num_tokens"),
                   *k_recv_per_rank = key("recv_per_rank"),
                   *k_sent_per_rank = key("sent_per_rank"), *k_y = key("y"),
-                  *k_stats = key("stats");
+                  *k_stats = key("stats"), *k_nret = key("num_remote_bags"),
+                  *k_own = key("num_own"), *k_back = key("num_back");
   try {
     int64_t* b = words(d[TC_B]);
     Group* g = group_of(d[TC_GROUP]);
@@ -382,7 +407,18 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
       return nullptr;
     const int64_t t_n = PyLong_AsLongLong(t_obj.get());
     if (t_n == -1 && PyErr_Occurred()) return nullptr;
+    int64_t nret, own, back;   // partials: of received tokens, of mine, coming back
+    if (!get_int(st, k_nret, nret) || !get_int(st, k_own, own) || !get_int(st, k_back, back))
+      return nullptr;
     const int64_t hidden = b[B_HIDDEN], prow = hidden * static_cast<int64_t>(e.element_size());
+    const at::Tensor *csend = scratch(d[TC_SCRATCH], "csend"),
+                     *cback = scratch(d[TC_SCRATCH], "combine");
+    if (!csend || !cback || (nret + own) * prow > csend->numel() || back * prow > cback->numel())
+      return not_taken();      // the scratch must grow: the Python path does it
+    b[B_SEND_AT] = reinterpret_cast<intptr_t>(csend->data_ptr());
+    b[B_BACK_AT] = reinterpret_cast<intptr_t>(cback->data_ptr());
+    b[B_SEND_CAP] = csend->numel() / prow;
+    b[B_BACK_CAP] = cback->numel() / prow;
     std::vector<int64_t> send_splits, recv_splits;
     if (!splits(to_peers.get(), prow, send_splits) || !splits(from_peers.get(), prow, recv_splits))
       return nullptr;
@@ -399,12 +435,15 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
     b[B_NUM_BAGS] = sz[1];
     b[B_SENDS] = sz[2];
     b[B_NUM_TOKENS] = t_n;
-    const int64_t nret = b[B_NRET], own = b[B_OWN];
+    b[B_NRET] = nret;
+    b[B_OWN] = own;
+    b[B_BACK] = back;
+    b[B_OWN_AT] = b[B_SEND_AT] + nret * prow;
     b[B_J0] = 0;
     b[B_J1] = nret;
     b[B_DST] = b[B_SEND_AT];
     if (!run(b, B_BAGS, B_ERR)) return nullptr;
-    at::Tensor recv = THPVariable_Unpack(d[TC_RECV]), send = THPVariable_Unpack(d[TC_SEND]);
+    at::Tensor recv = cback->narrow(0, 0, back * prow), send = csend->narrow(0, 0, nret * prow);
     b[B_J0] = nret;
     b[B_J1] = nret + own;
     b[B_DST] = b[B_OWN_AT];
@@ -436,7 +475,7 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
                                    PyFloat_FromDouble(t3), PyFloat_FromDouble(t4)});
     PyObject* stats = deferred_stats(d[TC_BUILD], tuple_steal({
         ref(d[TC_RANK]), times, PyLong_FromLongLong(nret * prow),
-        PyLong_FromLongLong(b[B_BACK] * prow), ref(st), PyLong_FromLongLong(prow)}));
+        PyLong_FromLongLong(back * prow), ref(st), PyLong_FromLongLong(prow)}));
     return instance(results.combine, {{k_y, y_obj.release()}, {k_stats, stats}});
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -497,24 +536,24 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   int64_t inl;
   if (!get_int(backend, k_inline, inl)) return nullptr;
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
-  Obj k(Py_BuildValue("(LLLOL)", static_cast<long long>(idx.size(0)),
-                      static_cast<long long>(idx.size(1)), static_cast<long long>(x.size(1)),
-                      dtype, static_cast<long long>(inl)));
+  Obj k(Py_BuildValue("(LOL)", static_cast<long long>(x.size(1)), dtype,
+                      static_cast<long long>(inl)));
   if (!k) return nullptr;
-  PyObject* shape = lookup(d[TR_SHAPES], k.get());      // (`TorchBackend._cpu_shape`)
-  if (!shape || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) == 0) return not_taken();
-  Obj shape_ref(ref(shape));   // held while the call runs
-  PyObject* door = PyTuple_GET_ITEM(shape, PyTuple_GET_SIZE(shape) - 1);
-  if (!PyTuple_CheckExact(door) || PyTuple_GET_SIZE(door) != TD_LEN) return not_taken();
+  PyObject* door = lookup(d[TR_DOORS], k.get());        // (`TorchBackend._dispatch_door`)
+  if (!door || !PyTuple_CheckExact(door) || PyTuple_GET_SIZE(door) != TD_LEN) return not_taken();
+  Obj door_ref(ref(door));     // held while the call runs
+  if (!fits(words(PyTuple_GET_ITEM(door, TD_K)), PyTuple_GET_ITEM(door, TD_SCRATCH),
+            idx.size(0)))
+    return not_taken();        // the scratch must grow: the Python path does it
   // the call: from here on its state moves (as `Buffer._dispatch_checked` moves it)
   int64_t call;
   if (!get_int(buf, k_calls, call) || !set_int(buf, k_calls, ++call)) return nullptr;
   PyObject* r = dispatch_core(&PyTuple_GET_ITEM(door, 0), a[2], a[3], a[4], call);
   if (!r) return failed(buf);
-  if (PyTuple_Check(r)) {      // phase 2: on in Python from the first collective's end
+  if (PyTuple_Check(r)) {      // phase 2 needs more receive scratch: on in Python
     Obj cl(PyLong_FromLongLong(call));
-    PyObject* args[7] = {backend, shape, a[2], a[3], a[4], cl.get(), r};
-    PyObject* res = cl ? PyObject_VectorcallMethod(k_rest, args, 7, nullptr) : nullptr;
+    PyObject* args[6] = {backend, a[2], a[3], a[4], cl.get(), r};
+    PyObject* res = cl ? PyObject_VectorcallMethod(k_rest, args, 6, nullptr) : nullptr;
     Py_DECREF(r);
     if (!res) return failed(buf);
     r = res;
@@ -535,8 +574,7 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
                   *k_hidden = key("hidden"), *k_state = key("state"), *k_res = key("res"),
-                  *k_nret = key("num_remote_bags"), *k_own = key("num_own"),
-                  *k_back = key("num_back"), *k_combine = key("combine"), *k_y = key("y"),
+                  *k_combine = key("combine"), *k_y = key("y"),
                   *k_stats = key("stats"), *k_last_stats = key("last_stats");
   if (!arity(nargs, 5) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
   PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
@@ -570,22 +608,15 @@ PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   Obj res(PyObject_GetAttr(st.get(), k_res));
   if (!res) return nullptr;
   if (res.get() == Py_None) return not_taken();       // a device dispatch's state
-  int64_t nret, own, back;
-  if (!get_int(st.get(), k_nret, nret) || !get_int(st.get(), k_own, own)
-      || !get_int(st.get(), k_back, back))
-    return nullptr;
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
-  Obj k(Py_BuildValue("(OOLLLL)", k_combine, dtype, static_cast<long long>(hv[2]),
-                      static_cast<long long>(nret), static_cast<long long>(own),
-                      static_cast<long long>(back)));
+  Obj k(Py_BuildValue("(OOL)", k_combine, dtype, static_cast<long long>(hv[2])));
   if (!k) return nullptr;
-  PyObject* views = lookup(d[TR_SHAPES], k.get());    // (`TorchBackend._combine_views`)
-  if (!views || !PyTuple_Check(views) || PyTuple_GET_SIZE(views) == 0) return not_taken();
-  Obj views_ref(ref(views));
-  PyObject* door = PyTuple_GET_ITEM(views, PyTuple_GET_SIZE(views) - 1);
-  if (!PyTuple_CheckExact(door) || PyTuple_GET_SIZE(door) != TC_LEN) return not_taken();
+  PyObject* door = lookup(d[TR_DOORS], k.get());        // (`TorchBackend._combine_door`)
+  if (!door || !PyTuple_CheckExact(door) || PyTuple_GET_SIZE(door) != TC_LEN) return not_taken();
+  Obj door_ref(ref(door));
   PyObject* r = combine_core(&PyTuple_GET_ITEM(door, 0), rows, st.get(), weighted);
   if (!r) return failed(buf);
+  if (r == Py_NotImplemented) return r;      // the scratch must grow: the Python path
   Obj result(r);
   PyObject* stats = PyObject_GetAttr(r, k_stats);
   if (!stats) return nullptr;

@@ -354,6 +354,10 @@ class TorchBackend:
         #: `_combine_views`); emptied whenever a scratch buffer is reallocated, so its views
         #: are always the current ones
         self._shapes: dict[tuple, tuple] = {}
+        #: the compiled path's words per row type and inline capacity (`_dispatch_door`,
+        #: `_combine_door`): they read the scratch from `_scratch` on every call, so a
+        #: scratch buffer's growth leaves them valid (never emptied but at close)
+        self._doors: dict[tuple, tuple] = {}
         #: the compiled CPU path (`ubep.native.torch_dispatch` / `torch_combine`) when built,
         #: with the group as C++ sees it; None: the Python path below runs every call
         self._native = self._group_cap = None
@@ -376,13 +380,13 @@ class TorchBackend:
     def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
         """What `ubep.native`'s torch door (`torch_door_dispatch` / `torch_door_combine`)
         reads to take a `Buffer`'s common call whole (`torch_path.cpp`'s TR_* words): this
-        backend, `lock` the Buffer's, the per-shape words (`_shapes`: a shape's first call
-        runs in Python and makes them), the handle state's class, and `limits` the fast
-        checks' (hidden, num_experts, max_tokens_per_rank, max_top_k). None without
-        `ubep.native`."""
+        backend, `lock` the Buffer's, the compiled path's words (`_doors`: the first call of
+        a row type and inline capacity runs through the backend and makes them), the handle
+        state's class, and `limits` the fast checks' (hidden, num_experts,
+        max_tokens_per_rank, max_top_k). None without `ubep.native`."""
         if self._native is None:
             return None
-        return (self, lock, self._shapes, _TorchState, self.buffer_id, *limits)
+        return (self, lock, self._doors, _TorchState, self.buffer_id, *limits)
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device,
                 keep: int = 0) -> torch.Tensor:
@@ -626,16 +630,18 @@ class TorchBackend:
                                      (send2, recv2) if global_max > C else None)
         return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
 
-    def _cpu_shape(self, num_tokens: int, top_k: int, x: torch.Tensor) -> tuple:
-        """What a CPU dispatch of `num_tokens` x `top_k` rows like `x` needs before its
-        first collective, computed once per shape and inline capacity: sizes, the phase-1
-        splits, the scratch views (send and phase-1 receive regions as tensors, and their
-        addresses) and the workspace the kernels keep their per-call plan in (`ws_size`;
-        with its numpy views and address)."""
+    def _cpu_shape(self, num_tokens: int, x: torch.Tensor) -> tuple:
+        """What a CPU dispatch of rows like `x` needs before its first collective, computed
+        once per row type and inline capacity (whatever the batch: a server's batch changes
+        every step) and again when a batch outgrows it: sizes, the phase-1 splits, the
+        scratch views (send, room for `num_tokens` tokens or more, and phase-1 receive
+        regions as tensors, and their addresses) and the workspace the kernels keep their
+        per-call plan in (`ws_size` of the largest batch; with its head's numpy views and
+        address). Its last word: the most tokens a call of it may send."""
         c = self.config
         world, me = c.world_size, c.rank
         row_bytes = x.shape[1] * x.element_size()
-        meta_k = max(c.max_top_k, top_k)
+        meta_k = c.max_top_k
         meta_bytes = 4 * (1 + 2 * meta_k)
         cap = max(0, _INLINE_BYTES // (max(1, world - 1) * row_bytes) - 1)
         C = min(self._inline, cap)
@@ -647,50 +653,60 @@ class TorchBackend:
         self._buffer("send", most, row_bytes, x.device)
         self._buffer("recv", send1_rows, row_bytes, x.device)
         send, recv = self._scratch["send"], self._scratch["recv"]
+        # the most tokens the send scratch holds a call of (it may have grown for another)
+        per_token = (world - 1) * (row_bytes + meta_bytes)
+        t_cap = max(num_tokens, (send.numel() - send1_rows * row_bytes - (world - 1) * row_bytes)
+                    // max(per_token, 1))
+        most = send1_rows + (world - 1) * (t_cap + -(-t_cap * meta_bytes // row_bytes))
+        assert most * row_bytes <= send.numel()
         split1 = [0 if r == me else blk * row_bytes for r in range(world)]
         n1 = send1_rows * row_bytes
         if len(self._shapes) > 32:
             self._shapes.clear()
-        ws = np.zeros(ws_size(world, num_tokens, top_k, meta_k), dtype=np.int64)
+        ws = np.zeros(ws_size(world, c.max_tokens_per_rank, c.max_top_k, meta_k),
+                      dtype=np.int64)
+        # the head of the workspace (the same for every batch)
+        wsv = ws_views(ws, world, 1, 1, meta_k)[:5]
         # the collectives a call of this shape runs when no rank overflows (Stats)
         if C:
             coll1 = [("inline", split1, split1)]
         else:
             coll1 = [("counts", [_HEADER_BYTES] * world, [_HEADER_BYTES] * world)]
-        door = None
-        if self._native is not None:
-            door = self._dispatch_door(
-                (row_bytes, c.experts_per_rank, world, me, meta_k, C, hrows, ws.ctypes.data,
-                 len(ws), send.data_ptr(), most * row_bytes, recv.data_ptr(), n1,
-                 blk * row_bytes, min(meta_k, c.experts_per_rank), cap),
-                recv, send, torch.from_numpy(ws_views(ws, world, num_tokens, top_k,
-                                                      meta_k)[4]),
-                coll1, sum(coll1[0][1]))
         return (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1,
                 recv[:n1], send[:n1], coll1, sum(coll1[0][1]), send.data_ptr(),
-                most * row_bytes, recv.data_ptr(), n1, ws, ws.ctypes.data, len(ws),
-                ws_views(ws, world, num_tokens, top_k, meta_k), door)
+                most * row_bytes, recv.data_ptr(), n1, ws, ws.ctypes.data, len(ws), wsv,
+                t_cap)
 
-    def _dispatch_door(self, consts: tuple, recv: torch.Tensor, send: torch.Tensor,
-                       header: torch.Tensor, coll1: list, bytes1: int) -> tuple:
-        """What `ubep.native.torch_dispatch` reads for one shape (`torch_path.cpp`'s TD_*
-        words, `torch_entries.DISPATCH_DOOR`): its block (`torch_entries`' K_* words:
-        `consts` in order, the poll, the receive scratch's size, the kernels' addresses), the
-        group, the scratch (flat bytes), the count exchange's headers (`header`, this rank's,
-        a view of the workspace; room for the peers'), this backend (its `_inline`), how to
-        make the handle's state and the stats."""
+    def _dispatch_door(self, shape: tuple) -> tuple:
+        """What `ubep.native.torch_dispatch` reads for calls of `shape`'s row type and inline
+        capacity (`torch_path.cpp`'s TD_* words, `torch_entries.DISPATCH_DOOR`): its block
+        (`torch_entries`' K_* words: sizes, the workspace (its own, for any batch), the
+        poll, the kernels' addresses), the group, the scratch (`_scratch`, read on every
+        call: the call is declined when its batch does not fit), the count exchange's headers
+        (this rank's, a view of the workspace; room for the peers'), this backend (its
+        `_inline`), how to make the handle's state and the stats."""
         from ubep.runtime import torch_entries as te
 
+        c = self.config
+        (row_bytes, meta_k, _, cap, C, hrows, blk, _, _, _, _, coll1, bytes1, _, _, _, n1, _,
+         _, _, wsv, _) = shape
+        ws = np.zeros(ws_size(c.world_size, c.max_tokens_per_rank, c.max_top_k, meta_k),
+                      dtype=np.int64)
+        header = torch.from_numpy(ws_views(ws, c.world_size, 1, 1, meta_k)[4])
         hdr_recv = torch.empty_like(header)
         k = np.zeros(te.K_LEN, dtype=np.int64)
-        k[:te.K_POLL_NS] = consts
-        k[te.K_POLL_NS], k[te.K_RECV_CAP] = self._poll_ns, recv.numel()
-        k[te.K_HDR_IN] = hdr_recv.data_ptr()
-        for word, fn in ((te.K_PACK, te.pack_c), (te.K_HEADERS, te.headers_c),
-                         (te.K_COUNTS, te.counts_c), (te.K_PHASE2, te.phase2_c),
-                         (te.K_PLAN, te.plan_c), (te.K_ROWS, te.rows_c)):
-            k[word] = fn.address
-        return (k, self._group_cap, recv, send, header, hdr_recv, self, _TorchState.cpu,
+        words = {te.K_ROW_BYTES: row_bytes, te.K_PER_RANK: c.experts_per_rank,
+                 te.K_WORLD: c.world_size, te.K_ME: c.rank, te.K_META_K: meta_k,
+                 te.K_INLINE: C, te.K_HROWS: hrows, te.K_WS: ws.ctypes.data,
+                 te.K_WS_LEN: len(ws), te.K_RECV_BYTES: n1, te.K_BLK_BYTES: blk * row_bytes,
+                 te.K_PAIRS: min(meta_k, c.experts_per_rank), te.K_CAP: cap,
+                 te.K_POLL_NS: self._poll_ns, te.K_HDR_IN: hdr_recv.data_ptr(),
+                 te.K_PACK: te.pack_c.address, te.K_HEADERS: te.headers_c.address,
+                 te.K_COUNTS: te.counts_c.address, te.K_PHASE2: te.phase2_c.address,
+                 te.K_PLAN: te.plan_c.address, te.K_ROWS: te.rows_c.address}
+        for word, v in words.items():
+            k[word] = v
+        return (k, ws, self._group_cap, self._scratch, header, hdr_recv, self, _TorchState.cpu,
                 _cpu_dispatch_stats, _rows_dispatch_stats, coll1, self.buffer_id,
                 self.config.rank, bytes1, self._owned_t)
 
@@ -705,16 +721,20 @@ class TorchBackend:
         c = self.config
         world, per_rank, me = c.world_size, c.experts_per_rank, c.rank
         num_tokens, top_k = topk_idx.shape
-        key = (num_tokens, top_k, x.shape[1], x.dtype, self._inline)
-        shape = self._shapes.get(key)
-        if shape is None:
-            shape = self._shapes[key] = self._cpu_shape(num_tokens, top_k, x)
-        door = shape[-1]
+        key = (x.shape[1], x.dtype, self._inline)
+        door = self._doors.get(key)
         if door is not None:     # compiled (`ubep.native`): the whole call, or phase 1 of it
             r = self._native.torch_dispatch(door, x, topk_idx, topk_weights, call)
-            if type(r) is not tuple:
+            if type(r) is tuple:
+                return self._native_rest(x, topk_idx, topk_weights, call, r)
+            if r is not NotImplemented:
                 return r
-            return self._native_rest(shape, x, topk_idx, topk_weights, call, r)
+        shape = self._shapes.get(key)
+        if shape is None or num_tokens > shape[-1]:     # (grows the send scratch)
+            shape = self._shapes[key] = self._cpu_shape(num_tokens, x)
+        if door is None and self._native is not None:
+            self._doors[key] = self._dispatch_door(shape)
+            return self._dispatch_cpu(x, topk_idx, topk_weights, call)
         (row_bytes, meta_k, meta_bytes, cap, C, hrows, blk, send1_rows, split1, recv1, send1,
          coll1, bytes1, send_addr, send_bytes, recv_addr, recv1_bytes, ws, ws_addr, ws_len,
          wsv, _) = shape
@@ -751,15 +771,27 @@ class TorchBackend:
                                    global_max, num_bags, pool, pool_addr, num_back, sends,
                                    first, n_me)
 
-    def _native_rest(self, shape: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
+    def _native_rest(self, x: torch.Tensor, topk_idx: torch.Tensor,
                      topk_weights: torch.Tensor, call: int, r: tuple):
-        """A compiled dispatch that handed back after its first collective (`r`: the largest
-        count, tokens received and its timestamps; the plan's words in the door's block): on
-        in Python (`_dispatch_rest`)."""
+        """A compiled dispatch that handed back after its first collective because phase 2
+        needs a larger receive scratch (`r`: the largest count, tokens received and its
+        timestamps; the plan's words in its door's block and workspace): on in Python
+        (`_dispatch_rest`, which grows the scratch). The inline capacity is still the one
+        the call began with (this call sets the next one)."""
         from ubep.runtime import torch_entries as te
 
+        key = (x.shape[1], x.dtype, self._inline)
+        door = self._doors[key]
+        shape = self._shapes.get(key)
+        if shape is None or topk_idx.shape[0] > shape[-1]:
+            # (the send scratch already holds this call: the compiled path checked it, so
+            # this grows nothing that phase 2 is about to send)
+            shape = self._shapes[key] = self._cpu_shape(topk_idx.shape[0], x)
+        # phase 2 reads the plan the compiled pack wrote in the door's workspace
+        shape = (*shape[:17], door[1], door[1].ctypes.data, len(door[1]),
+                 ws_views(door[1], self.config.world_size, 1, 1, shape[1])[:5], shape[-1])
         global_max, num_bags, t0, t1, t2 = r
-        num_back, sends, first, n_me = shape[-1][0][te.K_NUM_BACK:te.K_N_ME + 1].tolist()
+        num_back, sends, first, n_me = door[0][te.K_NUM_BACK:te.K_N_ME + 1].tolist()
         return self._dispatch_rest(shape, x, topk_idx, topk_weights, call, t0, t1, t2,
                                    global_max, num_bags, None, 0, num_back, sends, first, n_me)
 
@@ -929,15 +961,23 @@ class TorchBackend:
         rows, (num_rows, hidden) = src.data_ptr(), src.shape
         itemsize = src.element_size()
         back, own, nret = st.num_back, st.num_own, st.num_remote_bags
-        key = ("combine", pdtype, hidden, nret, own, back)
-        v = self._shapes.get(key)
-        if v is None:
-            v = self._shapes[key] = self._combine_views(pdtype, hidden, nret, own, back,
-                                                        expert_out.device)
-        send_at, own_at, back_at, recv_flat, send_flat, door = v
+        key = ("combine", pdtype, hidden)
+        door = self._doors.get(key)
+        if door is None and self._native is not None and expert_out.is_cpu:
+            door = self._doors[key] = self._combine_door(pdtype, hidden)
         if door is not None and out is None and src is expert_out:
             # compiled (`ubep.native`): the same kernels and collective, no Python between
-            return self._native.torch_combine(door, expert_out, st, weighted)
+            r = self._native.torch_combine(door, expert_out, st, weighted)
+            if r is not NotImplemented:
+                return r
+        v = self._shapes.get(key)
+        if v is None or nret + own > v[2] or back > v[3]:
+            v = self._shapes[key] = self._combine_views(pdtype, hidden, nret + own, back,
+                                                        expert_out.device)
+        send_at, back_at, _, _, send_t, back_t = v
+        nbytes = itemsize * hidden
+        own_at, recv_flat, send_flat = send_at + nret * nbytes, back_t[:back * nbytes], \
+            send_t[:nret * nbytes]
         send_splits, recv_splits, coll = _combine_splits(st, itemsize * hidden)
         w_at, rows_at, offs_at, fin_rows_at, fin_offs_at = st.at
         num_pairs, num_bags, sends = st.sizes
@@ -970,39 +1010,42 @@ class TorchBackend:
             if out is not None:
                 y = out.copy_(y)
         t4 = _now_us()
-        nbytes = itemsize * hidden
         return new_combine_result(y, DeferredStats.of(
             _cpu_combine_stats, self.config.rank, (t0, t2, t3, t4), nret * nbytes,
             back * nbytes, coll))
 
-    def _combine_views(self, pdtype: torch.dtype, hidden: int, nret: int, own: int,
-                       back: int, device) -> tuple:
-        """The scratch a CPU combine of this shape reuses (kept in `_shapes`, so dropped
-        whenever a scratch buffer is reallocated): the addresses of the send buffer
-        [partials of `nret` received tokens | `own` of this rank's], of its own part and of
-        the `back` received partials; both collective buffers as flat bytes."""
+    def _combine_views(self, pdtype: torch.dtype, hidden: int, sums: int, back: int,
+                       device) -> tuple:
+        """The scratch CPU combines of `pdtype` partials reuse (kept in `_shapes`, so dropped
+        whenever a scratch buffer is reallocated; made again when a call needs more): the
+        send buffer's address [partials of the received tokens | this rank's own], room for
+        `sums` partials or more, the received partials' (`back` or more), both capacities in
+        partials, both buffers as flat bytes."""
         word = _CPU_COMBINE[pdtype][0]
         prow_bytes = hidden * torch.empty(0, dtype=word).element_size()
-        self._buffer("csend", nret + own, prow_bytes, device)
+        self._buffer("csend", sums, prow_bytes, device)
         self._buffer("combine", back, prow_bytes, device)
-        send_at = self._scratch["csend"].data_ptr()
+        send_t, back_t = self._scratch["csend"], self._scratch["combine"]
         if len(self._shapes) > 32:
             self._shapes.clear()
-        back_at = self._scratch["combine"].data_ptr()
-        recv_flat = self._flat("combine", 0, back * prow_bytes)
-        send_flat = self._flat("csend", 0, nret * prow_bytes)
-        door = None
-        if self._native is not None and device.type == "cpu":
-            from ubep.runtime import torch_entries as te
+        send_at, back_at = send_t.data_ptr(), back_t.data_ptr()
+        send_cap, back_cap = send_t.numel() // prow_bytes, back_t.numel() // prow_bytes
+        return (send_at, back_at, send_cap, back_cap, send_t, back_t)
 
-            b = np.zeros(te.B_LEN, dtype=np.int64)
-            bags, final = te.COMBINE[pdtype]
-            b[:te.B_ROWS] = (send_at, send_at + nret * prow_bytes, back_at, nret, own, back,
-                             hidden, _INLINE_BYTES, self._poll_ns, bags.address,
-                             final.address)
-            door = (b, self._group_cap, recv_flat, send_flat, _native_combine_stats,
-                    self.config.rank)
-        return (send_at, send_at + nret * prow_bytes, back_at, recv_flat, send_flat, door)
+    def _combine_door(self, pdtype: torch.dtype, hidden: int) -> tuple:
+        """What `ubep.native.torch_combine` reads for combines of `pdtype` partials
+        (`torch_path.cpp`'s TC_* words, `torch_entries.COMBINE_DOOR`): its block (B_* words:
+        sizes, the poll, the kernels' addresses), the group, the scratch (`_scratch`, read on
+        every call: a call whose partials do not fit is declined, and the Python path grows
+        it), how to make the stats."""
+        from ubep.runtime import torch_entries as te
+
+        b = np.zeros(te.B_LEN, dtype=np.int64)
+        bags, final = te.COMBINE[pdtype]
+        b[te.B_HIDDEN], b[te.B_INLINE_BYTES], b[te.B_POLL_NS] = hidden, _INLINE_BYTES, \
+            self._poll_ns
+        b[te.B_BAGS], b[te.B_FINAL] = bags.address, final.address
+        return (b, self._group_cap, self._scratch, _native_combine_stats, self.config.rank)
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""
@@ -1010,3 +1053,4 @@ class TorchBackend:
         self._views.clear()
         self._owned.clear()
         self._owned_t.clear()
+        self._doors.clear()

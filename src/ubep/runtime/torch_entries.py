@@ -38,20 +38,20 @@ from ubep.runtime.torch_layout import (
 K_ERR = K_OFFSETS + 8          # after res_offsets' 8 words
 K_LEN = K_ERR + 1
 
-# a combine shape's block: constants, one call's inputs (bag: rows, sizes, the handle's plan)
-(B_SEND_AT, B_OWN_AT, B_BACK_AT, B_NRET, B_OWN, B_BACK, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS,
- B_BAGS, B_FINAL, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT,
- B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y,
- B_ERR) = range(28)
-B_LEN = 28
+# a combine's block: constants (the scratch, its room in partials), one call's inputs
+(B_SEND_AT, B_BACK_AT, B_SEND_CAP, B_BACK_CAP, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
+ B_FINAL, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT,
+ B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0,
+ B_J1, B_DST, B_Y, B_ERR) = range(30)
+B_LEN = 30
 
 #: the words of the tuples the backend hands `torch_dispatch` / `torch_combine` (in
 #: `torch_path.cpp`'s TD_* / TC_* order; tests/test_native_torch.py checks the two agree)
-DISPATCH_DOOR = ("k", "group", "recv", "send", "hdr_send", "hdr_recv", "backend", "state",
+DISPATCH_DOOR = ("k", "ws", "group", "scratch", "hdr_send", "hdr_recv", "backend", "state",
                  "build", "build_rows", "coll", "buffer_id", "rank", "bytes", "pool")
-COMBINE_DOOR = ("b", "group", "recv", "send", "build", "rank")
+COMBINE_DOOR = ("b", "group", "scratch", "build", "rank")
 #: `TorchBackend.door`'s tuple (TR_*): the Buffer-level door's words
-BUFFER_DOOR = ("backend", "lock", "shapes", "state_type", "buffer_id", "hidden", "experts",
+BUFFER_DOOR = ("backend", "lock", "doors", "state_type", "buffer_id", "hidden", "experts",
                "max_tokens", "max_top_k")
 
 _SIG = types.void(types.CPointer(types.int64))
