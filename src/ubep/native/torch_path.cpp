@@ -79,17 +79,25 @@ Group* group_of(PyObject* capsule) {
   return static_cast<Group*>(PyCapsule_GetPointer(capsule, "ubep.torch_group"));
 }
 
-// scratch buffer `name` of the backend's `_scratch` (flat uint8), or nullptr (none yet)
-const at::Tensor* scratch(PyObject* dict, const char* name) {
-  PyObject* t = PyDict_GetItemString(dict, name);
+// scratch buffer `name` (an interned key) of the backend's `_scratch` (flat uint8), or
+// nullptr (none yet)
+const at::Tensor* scratch(PyObject* dict, PyObject* name) {
+  PyObject* t = PyDict_GetItemWithError(dict, name);
+  if (!t) PyErr_Clear();
   return t && THPVariable_Check(t) ? &THPVariable_Unpack(t) : nullptr;
+}
+// the scratch buffers' names in `_scratch` (interned once, at first use)
+enum Scratch { S_SEND, S_RECV, S_CSEND, S_COMBINE };
+PyObject* scratch_name(Scratch which) {
+  static PyObject* names[4] = {key("send"), key("recv"), key("csend"), key("combine")};
+  return names[which];
 }
 
 // whether a dispatch of `t_n` tokens fits the scratch (as `TorchBackend._cpu_shape` sizes
 // it): phase 1 in the receive buffer, phase 1 and every peer's phase 2 in the send buffer;
 // if so, their addresses and sizes into the block
 bool fits(int64_t* k, PyObject* dict, int64_t t_n) {
-  const at::Tensor *send = scratch(dict, "send"), *recv = scratch(dict, "recv");
+  const at::Tensor *send = scratch(dict, scratch_name(S_SEND)), *recv = scratch(dict, scratch_name(S_RECV));
   if (!send || !recv) return false;
   const int64_t rb = k[K_ROW_BYTES], peers = k[K_WORLD] - 1, meta = 4 * (1 + 2 * k[K_META_K]);
   const int64_t rows =
@@ -254,7 +262,8 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     // the first collective: phase 1's blocks (their headers, then `inline` tokens per peer),
     // or the headers alone (a count exchange)
     const int64_t inl = k[K_INLINE], rb = k[K_ROW_BYTES], n1 = k[K_RECV_BYTES];
-    at::Tensor recv = *scratch(d[TD_SCRATCH], "recv"), send = *scratch(d[TD_SCRATCH], "send");
+    at::Tensor recv = *scratch(d[TD_SCRATCH], scratch_name(S_RECV)),
+               send = *scratch(d[TD_SCRATCH], scratch_name(S_SEND));
     if (inl) {
       std::vector<int64_t> split(world, k[K_BLK_BYTES]);
       split[me] = 0;
@@ -411,8 +420,8 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
     if (!get_int(st, k_nret, nret) || !get_int(st, k_own, own) || !get_int(st, k_back, back))
       return nullptr;
     const int64_t hidden = b[B_HIDDEN], prow = hidden * static_cast<int64_t>(e.element_size());
-    const at::Tensor *csend = scratch(d[TC_SCRATCH], "csend"),
-                     *cback = scratch(d[TC_SCRATCH], "combine");
+    const at::Tensor *csend = scratch(d[TC_SCRATCH], scratch_name(S_CSEND)),
+                     *cback = scratch(d[TC_SCRATCH], scratch_name(S_COMBINE));
     if (!csend || !cback || (nret + own) * prow > csend->numel() || back * prow > cback->numel())
       return not_taken();      // the scratch must grow: the Python path does it
     b[B_SEND_AT] = reinterpret_cast<intptr_t>(csend->data_ptr());
