@@ -97,7 +97,8 @@ PyObject* scratch_name(Scratch which) {
 // it): phase 1 in the receive buffer, phase 1 and every peer's phase 2 in the send buffer;
 // if so, their addresses and sizes into the block
 bool fits(int64_t* k, PyObject* dict, int64_t t_n) {
-  const at::Tensor *send = scratch(dict, scratch_name(S_SEND)), *recv = scratch(dict, scratch_name(S_RECV));
+  const at::Tensor* send = scratch(dict, scratch_name(S_SEND));
+  const at::Tensor* recv = scratch(dict, scratch_name(S_RECV));
   if (!send || !recv) return false;
   const int64_t rb = k[K_ROW_BYTES], peers = k[K_WORLD] - 1, meta = 4 * (1 + 2 * k[K_META_K]);
   const int64_t rows =
