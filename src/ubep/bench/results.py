@@ -330,7 +330,30 @@ a 3-5 ms p99 on this VM (docs/results/torch_backend.md). ~33 µs a pair at batch
 process (was ~60), ~1.5-2× that in place, where gloo's threads share the two cores.
 `tests/runtime/bench_torch_floor.py` replays the raw collectives with a busy wait of the
 backend's measured host time in each gap; the backend's own collectives still run 1.1-1.3×
-slower than the bare ones, which is most of what is left at batch 1.
+slower than the bare ones. With `ubep.native` the whole CPU call is compiled (next paragraph).
+
+*The torch path, compiled* (`ubep.native`, 2026-12-02, 04:10-05:20 UTC). The Python between
+the collectives (the numba entries' argument boxing, result arrays and views, the handle and
+its state, `Buffer`'s layers) cost more than the collectives' own host work, on caches gloo's
+threads had just used. `native/torch_path.cpp` runs a CPU dispatch or combine in C++: the same
+kernels as numba cfuncs (`runtime/torch_entries.py`), the same collectives on the group's C++
+`ProcessGroup` (`all_to_all_single`, polled as the Python path polls, then `wait()`: the
+group's timeout and errors as before; a failed collective breaks the Buffer), the results made
+in C++, and a door that takes `Buffer`'s common call whole, as on the shm path. Its words are
+per row type and inline capacity, not per batch, and it reads the scratch buffers on every
+call, so a server whose batch and routing change every step stays on it (a test drawing both
+per call: 83-85% of dispatches and 90-93% of combines through the door, the rest the first call of
+an inline capacity or a scratch that had to grow, which the Python path grows). Same bits as
+the Python path (`tests/test_native_torch.py`). In-process A/B, 2 ranks, every call interleaved
+with the Python path, the raw collectives and the copy (`tests/runtime/bench_torch_native.py`,
+three runs at batch 1, one at 8): batch 1 compiled / Python 0.471, 0.429, 0.545 (compiled /
+(raw + copy) 1.34×, 1.24×, 1.53× against the Python path's 2.85×, 2.90×, 2.81×); batch 8 0.658
+(1.42× against 2.17×). In `ubep results` (three runs, 05:16-05:19 UTC): batch 1 1.64×, 1.66×,
+1.57× in turns, 1.41×, 1.43×, 1.51× interleaved (2.12-2.32× and 1.68-1.76× the session
+before); batch 128 1.49-1.59× and 1.06-1.12×. What is left at batch 1 in turns, in place
+(stats phases, one run): dispatch 140-155 µs against its raw collective's 104-106 (pack 2-3,
+the collective and headers 107-111, plan and rows 10-16, results 6-9, `Buffer` and the entry
+~15), combine 136-142 against 90-96; no single part is large.
 
 *AgRs.* vLLM's path moves every token to every rank whatever the routing (one all-gather)
 and reduce-scatters a `[all tokens, hidden]` tensor of partial sums: fewer rows than a

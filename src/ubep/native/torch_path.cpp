@@ -1,14 +1,16 @@
 // The torch backend's CPU dispatch and combine as one C++ entry each: the kernels between the
 // collectives (numba cfuncs, `ubep.runtime.torch_entries`), the collectives themselves
 // (`c10d::ProcessGroup::all_to_all_single` on the caller's group, polled as the Python path's
-// `wait` polls it) and the results. Why: at batch 1 the Python around a collective cost more
-// than the collective's own host work (docs/results.md, "The torch path"); gloo's threads share
-// the cores with the caller, so each Python statement between them runs on cold caches.
+// `wait` polls them) and the results; and a door that takes `Buffer`'s common call whole, as
+// door.cpp does for the shm direct path. Why: at batch 1 the Python around the collectives
+// cost more than the collectives' own host work (docs/results.md, "The torch path, compiled");
+// gloo's threads share the cores with the caller, so each Python statement runs on cold caches.
 //
-// The Python path (`TorchBackend._dispatch_cpu` / `_combine_cpu`) stays the definition: the
-// backend calls these only for a call its Python would run straight (a CPU dispatch whose
-// tokens fit the first collective; a combine of bf16 or fp32 rows with no `out`), and a
-// dispatch whose peers sent more than fit hands back to Python for its second collective.
+// The Python path (`TorchBackend._dispatch_cpu` / `_combine_cpu`) stays the definition: these
+// take a call only when the backend has made its words (`_dispatch_door` / `_combine_door`,
+// per row type and inline capacity) and the call fits the scratch, and otherwise decline
+// (NotImplemented) before anything moves; a dispatch whose phase 2 needs a larger receive
+// buffer hands back to Python after its first collective (`_native_rest` grows it).
 #include "native.h"
 
 #include <torch/csrc/DynamicTypes.h>

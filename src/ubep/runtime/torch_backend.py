@@ -58,16 +58,18 @@ collectives" line. Every collective is called on the process group object (`all_
 not through `dist.all_to_all_single`'s Python wrapper, whose checks cost 15-20 µs a call on
 a slow host; the raw line calls it the same way.
 
-Where `ubep.native` is built, a CPU call runs compiled (`native/torch_path.cpp`): the same
-numba kernels as cfuncs (`torch_entries`), the same collective on the group's C++ object
-(`c10d::ProcessGroup::all_to_all_single`, polled as `wait` polls it, then its `wait()`), the
-result objects made in C++, no Python between pack, collective and results. It takes a
-dispatch whose tokens ride in the first collective (`_INLINE_BYTES`) and every bf16/fp32
-combine without `out`; a dispatch whose peers sent more than the first collective holds goes
-on in Python from there (`_dispatch_rest`), as does everything else. Same bits as the Python
-path (tests/test_native_torch.py). Why: at batch 1 the Python between the collectives cost
-more than the collectives' own host work, each statement on caches gloo's threads had just
-cooled (docs/results.md, "The torch path").
+Where `ubep.native` is built, a CPU call runs compiled (`native/torch_path.cpp`, from
+`Buffer` through its door): the same numba kernels as cfuncs (`torch_entries`), the same
+collectives on the group's C++ object (`c10d::ProcessGroup::all_to_all_single`, polled as
+`wait` polls them, then their `wait()`), the result objects made in C++, no Python between
+pack, collectives and results. It takes every CPU dispatch whose batch fits the scratch and
+every bf16/fp32 combine without `out`; its words (`_doors`) are per row type and inline
+capacity and read the scratch on every call, so changing batches keep it. A dispatch whose
+phase 2 needs a larger receive buffer goes on in Python after its first collective
+(`_native_rest`); everything else runs the Python path below, the definition. Same bits as
+the Python path (tests/test_native_torch.py). Why: at batch 1 the Python between the
+collectives cost more than the collectives' own host work, each statement on caches gloo's
+threads had just used (docs/results.md, "The torch path, compiled").
 
 On a host with one core per rank (2 ranks on 2 cores, gloo) the overlap is partial: gloo
 runs a collective on its own threads (a worker, a socket loop), ~100 µs of CPU per rank per
