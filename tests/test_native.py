@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ubep import validate
 from ubep.native import load_native, status
-from ubep.testing import check_case, expert_fn, run_case, run_ranks, runtime_cases
+from ubep.testing import Counted, check_case, expert_fn, run_case, run_ranks, runtime_cases
 
 NATIVE = load_native()
 needs_native = pytest.mark.skipif(
@@ -290,21 +290,6 @@ def test_the_door_reads_its_words_where_directpath_puts_them():
     assert tuple(n[3:].lower() for n in names[:-1]) == DOOR_FIELDS
 
 
-class _Counted:
-    """A door entry that counts the calls it took (a result) and declined (NotImplemented)."""
-
-    def __init__(self, fn):
-        self.fn, self.took, self.declined = fn, 0, 0
-
-    def __call__(self, *args):
-        r = self.fn(*args)
-        if r is NotImplemented:
-            self.declined += 1
-        else:
-            self.took += 1
-        return r
-
-
 def _door(rank, world, direct, cases):
     """Every runtime case through a Buffer whose door is on, then the calls the door must
     leave to the Python path (each leaves the Buffer usable): all lent areas held, an older
@@ -316,8 +301,8 @@ def _door(rank, world, direct, cases):
                      max_tokens_per_rank=16, backend="shm", max_top_k=8, timeout_s=30,
                      direct=direct) as buf:
         assert buf._door is not None
-        d = buf._door_dispatch = _Counted(buf._door_dispatch)
-        c = buf._door_combine = _Counted(buf._door_combine)
+        d = buf._door_dispatch = Counted(buf._door_dispatch)
+        c = buf._door_combine = Counted(buf._door_combine)
         for case in cases:                    # makes each dtype's views (declined: first
             run_case(buf, case, rank)         # calls of a dtype run the Python path)
         d.took = d.declined = c.took = c.declined = 0

@@ -15,7 +15,7 @@ import torch
 
 from ubep import validate
 from ubep.native import load_native
-from ubep.testing import check_case, expert_fn, run_case, run_ranks, runtime_cases
+from ubep.testing import Counted, check_case, expert_fn, run_case, run_ranks, runtime_cases
 
 NATIVE = load_native()
 pytestmark = pytest.mark.skipif(
@@ -48,19 +48,23 @@ def test_the_torch_path_reads_its_words_where_python_puts_them():
         assert tuple(n[3:].lower() for n in names[:-1]) == fields
 
 
-class _Counted:
-    """An entry that counts its answers: a result (`took`) or NotImplemented (`declined`)."""
+def _both(**kw):
+    """A torch Buffer on the compiled path and one on the Python path (made under
+    `UBEP_NATIVE=0`), same arguments; the first's door entries and phase-2 hand-over counted
+    (`Counted`: `.dispatch`, `.combine`, `.rest`)."""
+    import ubep
 
-    def __init__(self, fn):
-        self.fn, self.took, self.declined = fn, 0, 0
-
-    def __call__(self, *args):
-        r = self.fn(*args)
-        if r is NotImplemented:
-            self.declined += 1
-        else:
-            self.took += 1
-        return r
+    nat = ubep.Buffer(backend="torch", **kw)
+    os.environ["UBEP_NATIVE"] = "0"
+    try:
+        py = ubep.Buffer(backend="torch", **kw)
+    finally:
+        os.environ.pop("UBEP_NATIVE")
+    assert nat._door is not None and py._backend._native is None and py._door is None
+    nat.dispatch_count = nat._door_dispatch = Counted(nat._door_dispatch)
+    nat.combine_count = nat._door_combine = Counted(nat._door_combine)
+    nat.rest_count = nat._backend._native_rest = Counted(nat._backend._native_rest)
+    return nat, py
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,20 +77,9 @@ def _both_paths(rank, world, cases, rounds):
     times (the inline capacity changes with the batches, so some calls need phase 2; the
     first round's growing scratch drops the shapes' words, so the door takes calls from the
     second round on)."""
-    import ubep
-
-    kw = dict(num_experts=cases[0].num_experts, hidden=max(c.hidden for c in cases),
-              max_tokens_per_rank=16, backend="torch", max_top_k=8)
-    nat = ubep.Buffer(**kw)
-    os.environ["UBEP_NATIVE"] = "0"
-    try:
-        py = ubep.Buffer(**kw)
-    finally:
-        os.environ.pop("UBEP_NATIVE")
-    assert py._backend._native is None and py._door is None
-    d = nat._door_dispatch = _Counted(nat._door_dispatch)
-    c = nat._door_combine = _Counted(nat._door_combine)
-    rest = nat._backend._native_rest = _Counted(nat._backend._native_rest)
+    nat, py = _both(num_experts=cases[0].num_experts, hidden=max(c.hidden for c in cases),
+                    max_tokens_per_rank=16, max_top_k=8)
+    d, c, rest = nat.dispatch_count, nat.combine_count, nat.rest_count
     outs, same = [], True
     with nat, py:
         for _ in range(rounds):
@@ -131,17 +124,8 @@ def _phase2(rank, world):
     rank 0, call 3 finds its receive scratch too small for phase 2 (the door hands it to
     Python, which grows it); call 4, a new shape (no tokens inline: a count exchange first),
     runs in Python and makes its words; call 5 runs both collectives compiled."""
-    import ubep
-
-    kw = dict(num_experts=16, hidden=7168, max_tokens_per_rank=16, backend="torch")
-    nat = ubep.Buffer(**kw)
-    os.environ["UBEP_NATIVE"] = "0"
-    try:
-        py = ubep.Buffer(**kw)
-    finally:
-        os.environ.pop("UBEP_NATIVE")
-    d = nat._door_dispatch = _Counted(nat._door_dispatch)
-    rest = nat._backend._native_rest = _Counted(nat._backend._native_rest)
+    nat, py = _both(num_experts=16, hidden=7168, max_tokens_per_rank=16)
+    d, rest = nat.dispatch_count, nat.rest_count
     out, log = [], []
     with nat, py:
         for call in range(6):
@@ -187,18 +171,10 @@ def test_phase_2_runs_compiled_and_hands_to_python_when_the_scratch_must_grow():
 def _serving(rank, world, calls):
     """`calls` dispatch+combine calls whose batch (1-16 tokens) and routing change every call,
     as a server's decode steps do, on a compiled-path Buffer and a Python-path one."""
-    import ubep
     from ubep.testing import make_routing, make_tokens
 
-    kw = dict(num_experts=16, hidden=4096, max_tokens_per_rank=16, backend="torch")
-    nat = ubep.Buffer(**kw)
-    os.environ["UBEP_NATIVE"] = "0"
-    try:
-        py = ubep.Buffer(**kw)
-    finally:
-        os.environ.pop("UBEP_NATIVE")
-    d = nat._door_dispatch = _Counted(nat._door_dispatch)
-    c = nat._door_combine = _Counted(nat._door_combine)
+    nat, py = _both(num_experts=16, hidden=4096, max_tokens_per_rank=16)
+    d, c = nat.dispatch_count, nat.combine_count
     g = torch.Generator().manual_seed(rank)
     with nat, py:
         for call in range(calls):

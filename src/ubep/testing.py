@@ -219,6 +219,23 @@ def print_turns(per_rank: list[dict[str, list[int]]], label: str) -> dict[str, f
     return med
 
 
+class Counted:
+    """A callable that counts its answers: a result (`took`) or NotImplemented (`declined`), as
+    `ubep.native`'s doors answer; the tests wrap a Buffer's door entries in it to see which
+    calls the compiled path took."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn, self.took, self.declined = fn, 0, 0
+
+    def __call__(self, *args: Any) -> Any:
+        r = self.fn(*args)
+        if r is NotImplemented:
+            self.declined += 1
+        else:
+            self.took += 1
+        return r
+
+
 def make_routing(num_tokens: int, top_k: int, num_experts: int, *, kind: str = "uniform",
                  seed: int = 0):
     """`(topk_idx [T, K] int64, topk_weights [T, K] float32)` for a named routing.

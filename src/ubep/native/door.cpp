@@ -67,8 +67,7 @@ namespace ubep_native {
 // door_dispatch(door, buf, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented
 PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   static PyObject *k_calls = key("_calls"), *k_epoch = key("_epoch"),
-                  *k_last_call = key("_last_call"), *k_last_dtype = key("_last_dtype"),
-                  *k_last_stats = key("last_stats"), *k_stats = key("stats");
+                  *k_last_call = key("_last_call"), *k_last_dtype = key("_last_dtype");
   if (!arity(nargs, 5)) return nullptr;
   Door d;
   if (!parse(a[0], d)) return nullptr;
@@ -128,14 +127,7 @@ PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     Py_DECREF(r);
     return failed(buf);
   }
-  PyObject* stats = PyObject_GetAttr(r, k_stats);
-  if (!stats || PyObject_SetAttr(buf, k_last_stats, stats) < 0) {
-    Py_XDECREF(stats);
-    Py_DECREF(r);
-    return nullptr;
-  }
-  Py_DECREF(stats);
-  return r;
+  return finish(buf, r);
 }
 
 
@@ -145,8 +137,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                   *k_hidden = key("hidden"), *k_call = key("call"),
                   *k_last_call = key("_last_call"), *k_lent_comb = key("_lent_comb"),
                   *k_c_epoch = key("_c_epoch"), *k_num_tokens = key("num_tokens"),
-                  *k_state = key("state"), *k_topk_idx = key("topk_idx"),
-                  *k_last_stats = key("last_stats"), *k_stats = key("stats"), *k_y = key("y");
+                  *k_state = key("state"), *k_topk_idx = key("topk_idx");
   if (!arity(nargs, 5)) return nullptr;
   Door d;
   if (!parse(a[0], d)) return nullptr;
@@ -250,13 +241,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     if (!res) return nullptr;          // recorded by the Python side
     r = res;
   }
-  Obj result(r);
-  PyObject* stats = PyObject_GetAttr(r, k_stats);
-  if (!stats) return nullptr;
-  const int rc = PyObject_SetAttr(buf, k_last_stats, stats);
-  Py_DECREF(stats);
-  if (rc < 0) return nullptr;
-  return PyObject_GetAttr(r, k_y);
+  return finish(buf, r, true);
 }
 
 }  // namespace ubep_native

@@ -135,6 +135,22 @@ inline PyObject* failed(PyObject* buf) {
   return nullptr;
 }
 
+// a call's result `r` (a new reference, stolen) once `buf.last_stats = r.stats` (as `Buffer`'s
+// Python path sets it): `r` itself, or its `y` (`y`: a combine's answer); nullptr on error
+inline PyObject* finish(PyObject* buf, PyObject* r, bool y = false) {
+  static PyObject *k_stats = key("stats"), *k_last_stats = key("last_stats"), *k_y = key("y");
+  PyObject* stats = PyObject_GetAttr(r, k_stats);
+  const int rc = stats ? PyObject_SetAttr(buf, k_last_stats, stats) : -1;
+  Py_XDECREF(stats);
+  if (rc < 0 || !y) {
+    if (rc < 0) Py_CLEAR(r);
+    return r;
+  }
+  PyObject* out = PyObject_GetAttr(r, k_y);
+  Py_DECREF(r);
+  return out;
+}
+
 // borrowed `dict[key]` or nullptr (no error: a missing key is "not taken")
 inline PyObject* lookup(PyObject* dict, PyObject* k) {
   PyObject* v = PyDict_GetItemWithError(dict, k);

@@ -44,9 +44,9 @@ enum K : int64_t {
 };
 enum B : int64_t {
   B_SEND_AT, B_BACK_AT, B_SEND_CAP, B_BACK_CAP, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
-  B_FINAL, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT,
-  B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0,
-  B_J1, B_DST, B_Y, B_ERR, B_LEN
+  B_FINAL, B_BF16, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT,
+  B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS,
+  B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y, B_ERR, B_LEN
 };
 // the door tuples' words: `TorchBackend._dispatch_door` / `_combine_door`
 enum Td : Py_ssize_t {
@@ -524,8 +524,7 @@ PyObject* torch_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 // this shape's door words (its first call of a shape runs in Python and makes them)
 PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   static PyObject *k_inline = key("_inline"), *k_calls = key("_calls"),
-                  *k_rest = key("_native_rest"), *k_stats = key("stats"),
-                  *k_last_stats = key("last_stats");
+                  *k_rest = key("_native_rest");
   if (!arity(nargs, 5) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
   PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
   PyObject* buf = a[1];
@@ -570,14 +569,7 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     if (!res) return failed(buf);
     r = res;
   }
-  PyObject* stats = PyObject_GetAttr(r, k_stats);
-  if (!stats || PyObject_SetAttr(buf, k_last_stats, stats) < 0) {
-    Py_XDECREF(stats);
-    Py_DECREF(r);
-    return nullptr;
-  }
-  Py_DECREF(stats);
-  return r;
+  return finish(buf, r);
 }
 
 // torch_door_combine(door, buf, expert_out, handle, weighted) -> y or NotImplemented: the
@@ -586,8 +578,7 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
                   *k_hidden = key("hidden"), *k_state = key("state"), *k_res = key("res"),
-                  *k_combine = key("combine"), *k_y = key("y"),
-                  *k_stats = key("stats"), *k_last_stats = key("last_stats");
+                  *k_combine = key("combine");
   if (!arity(nargs, 5) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
   PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
   PyObject *buf = a[1], *rows = a[2], *handle = a[3];
@@ -629,13 +620,7 @@ PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   PyObject* r = combine_core(&PyTuple_GET_ITEM(door, 0), rows, st.get(), weighted);
   if (!r) return failed(buf);
   if (r == Py_NotImplemented) return r;      // the scratch must grow: the Python path
-  Obj result(r);
-  PyObject* stats = PyObject_GetAttr(r, k_stats);
-  if (!stats) return nullptr;
-  const int rc = PyObject_SetAttr(buf, k_last_stats, stats);
-  Py_DECREF(stats);
-  if (rc < 0) return nullptr;
-  return PyObject_GetAttr(r, k_y);
+  return finish(buf, r, true);
 }
 
 }  // namespace ubep_native

@@ -1043,10 +1043,10 @@ class TorchBackend:
         from ubep.runtime import torch_entries as te
 
         b = np.zeros(te.B_LEN, dtype=np.int64)
-        bags, final = te.COMBINE[pdtype]
         b[te.B_HIDDEN], b[te.B_INLINE_BYTES], b[te.B_POLL_NS] = hidden, _INLINE_BYTES, \
             self._poll_ns
-        b[te.B_BAGS], b[te.B_FINAL] = bags.address, final.address
+        b[te.B_BAGS], b[te.B_FINAL] = te.bags_c.address, te.final_c.address
+        b[te.B_BF16] = pdtype == torch.bfloat16
         return (b, self._group_cap, self._scratch, _native_combine_stats, self.config.rank)
 
     def close(self) -> None:

@@ -11,7 +11,6 @@ RuntimeError.
 
 from __future__ import annotations
 
-import torch
 from numba import carray, cfunc, types
 
 from ubep.runtime.shm.atomics import i64_ptr
@@ -40,10 +39,10 @@ K_LEN = K_ERR + 1
 
 # a combine's block: constants (the scratch, its room in partials), one call's inputs
 (B_SEND_AT, B_BACK_AT, B_SEND_CAP, B_BACK_CAP, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
- B_FINAL, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT,
- B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0,
- B_J1, B_DST, B_Y, B_ERR) = range(30)
-B_LEN = 30
+ B_FINAL, B_BF16, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT,
+ B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS,
+ B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y, B_ERR) = range(31)
+B_LEN = 31
 
 #: the words of the tuples the backend hands `torch_dispatch` / `torch_combine` (in
 #: `torch_path.cpp`'s TD_* / TC_* order; tests/test_native_torch.py checks the two agree)
@@ -145,52 +144,32 @@ def rows_c(k):
 
 
 @cfunc(_SIG, cache=True, nogil=True)
-def bags_bf16_c(b):
-    """`bag_sums_bf16_at` of bags `B_J0..B_J1` into `B_DST` (combine's expert side)."""
+def bags_c(b):
+    """`bag_sums_*_at` of bags `B_J0..B_J1` into `B_DST` (combine's expert side), bfloat16
+    partials when `B_BF16` is set, else float32."""
     try:
-        bag_sums_bf16_at(b[B_ROWS], b[B_NUM_ROWS], b[B_HIDDEN], b[B_W_AT], b[B_WEIGHTED] != 0,
-                         b[B_ROWS_AT], b[B_OFFS_AT], b[B_NUM_PAIRS], b[B_NUM_BAGS], b[B_J0],
-                         b[B_J1], b[B_DST])
+        args = (b[B_ROWS], b[B_NUM_ROWS], b[B_HIDDEN], b[B_W_AT], b[B_WEIGHTED] != 0,
+                b[B_ROWS_AT], b[B_OFFS_AT], b[B_NUM_PAIRS], b[B_NUM_BAGS], b[B_J0], b[B_J1],
+                b[B_DST])
+        if b[B_BF16]:
+            bag_sums_bf16_at(*args)
+        else:
+            bag_sums_f32_at(*args)
         b[B_ERR] = 0
     except Exception:  # noqa: BLE001
         b[B_ERR] = 1
 
 
 @cfunc(_SIG, cache=True, nogil=True)
-def bags_f32_c(b):
-    """`bags_bf16_c` for float32 partials."""
+def final_c(b):
+    """`final_sums_*_at`: each token's received and own partials summed into `B_Y`."""
     try:
-        bag_sums_f32_at(b[B_ROWS], b[B_NUM_ROWS], b[B_HIDDEN], b[B_W_AT], b[B_WEIGHTED] != 0,
-                        b[B_ROWS_AT], b[B_OFFS_AT], b[B_NUM_PAIRS], b[B_NUM_BAGS], b[B_J0],
-                        b[B_J1], b[B_DST])
+        args = (b[B_BACK_AT], b[B_BACK], b[B_OWN_AT], b[B_OWN], b[B_HIDDEN], b[B_FIN_ROWS_AT],
+                b[B_FIN_OFFS_AT], b[B_SENDS], b[B_NUM_TOKENS], b[B_Y])
+        if b[B_BF16]:
+            final_sums_bf16_at(*args)
+        else:
+            final_sums_f32_at(*args)
         b[B_ERR] = 0
     except Exception:  # noqa: BLE001
         b[B_ERR] = 1
-
-
-@cfunc(_SIG, cache=True, nogil=True)
-def final_bf16_c(b):
-    """`final_sums_bf16_at`: each token's received and own partials summed into `B_Y`."""
-    try:
-        final_sums_bf16_at(b[B_BACK_AT], b[B_BACK], b[B_OWN_AT], b[B_OWN], b[B_HIDDEN],
-                           b[B_FIN_ROWS_AT], b[B_FIN_OFFS_AT], b[B_SENDS], b[B_NUM_TOKENS],
-                           b[B_Y])
-        b[B_ERR] = 0
-    except Exception:  # noqa: BLE001
-        b[B_ERR] = 1
-
-
-@cfunc(_SIG, cache=True, nogil=True)
-def final_f32_c(b):
-    """`final_bf16_c` for float32 partials."""
-    try:
-        final_sums_f32_at(b[B_BACK_AT], b[B_BACK], b[B_OWN_AT], b[B_OWN], b[B_HIDDEN],
-                          b[B_FIN_ROWS_AT], b[B_FIN_OFFS_AT], b[B_SENDS], b[B_NUM_TOKENS],
-                          b[B_Y])
-        b[B_ERR] = 0
-    except Exception:  # noqa: BLE001
-        b[B_ERR] = 1
-
-
-#: combine's (expert-side, source-side) sums by partial dtype
-COMBINE = {torch.bfloat16: (bags_bf16_c, final_bf16_c), torch.float32: (bags_f32_c, final_f32_c)}
