@@ -73,13 +73,7 @@ PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!parse(a[0], d)) return nullptr;
   PyObject* buf = a[1];
   const int64_t* lim = d.v + DR_HIDDEN;
-  bool ready = false;
-  try {
-    ready = dispatch_ready(a + 2, lim);
-  } catch (const std::exception&) {
-    ready = false;
-  }
-  if (!ready) return not_taken();
+  if (!passes(dispatch_ready, a + 2, lim)) return not_taken();
   Locked locked(d.o[DR_LOCK]);
   if (!locked.ok()) return nullptr;
   const int ok = usable(buf);
@@ -148,13 +142,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
       || !get_int(handle, k_hidden, hv[2]))
     return nullptr;
   if (hv[0] != d.v[DR_BUFFER_ID]) return not_taken();
-  bool ready = false;
-  try {
-    ready = combine_ready(&rows, hv + 1);
-  } catch (const std::exception&) {
-    ready = false;
-  }
-  if (!ready) return not_taken();
+  if (!passes(combine_ready, &rows, hv + 1)) return not_taken();
   const int weighted = PyObject_IsTrue(a[4]);
   if (weighted < 0) return nullptr;
   Locked locked(d.o[DR_LOCK]);

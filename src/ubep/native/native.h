@@ -151,6 +151,17 @@ inline PyObject* finish(PyObject* buf, PyObject* r, bool y = false) {
   return out;
 }
 
+// a fast check's rule (`dispatch_ready` / `combine_ready`) as a door asks it: a torch error
+// inside it is "not sure", as in the Python check
+inline bool passes(bool (*rule)(PyObject* const*, const int64_t*), PyObject* const* a,
+                   const int64_t* lim) {
+  try {
+    return rule(a, lim);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // borrowed `dict[key]` or nullptr (no error: a missing key is "not taken")
 inline PyObject* lookup(PyObject* dict, PyObject* k) {
   PyObject* v = PyDict_GetItemWithError(dict, k);

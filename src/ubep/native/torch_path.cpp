@@ -530,13 +530,7 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   PyObject* buf = a[1];
   int64_t lim[4];
   if (!ints(d + TR_HIDDEN, 4, lim)) return nullptr;
-  bool ready = false;
-  try {
-    ready = dispatch_ready(a + 2, lim);
-  } catch (const std::exception&) {
-    ready = false;
-  }
-  if (!ready) return not_taken();
+  if (!passes(dispatch_ready, a + 2, lim)) return not_taken();
   Locked locked(d[TR_LOCK]);
   if (!locked.ok()) return nullptr;
   const int ok = usable(buf);
@@ -590,13 +584,7 @@ PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   own_id = PyLong_AsLongLong(d[TR_BUFFER_ID]);
   if (own_id == -1 && PyErr_Occurred()) return nullptr;
   if (hv[0] != own_id) return not_taken();
-  bool ready = false;
-  try {
-    ready = combine_ready(&rows, hv + 1);
-  } catch (const std::exception&) {
-    ready = false;
-  }
-  if (!ready) return not_taken();
+  if (!passes(combine_ready, &rows, hv + 1)) return not_taken();
   const at::Tensor& e = THPVariable_Unpack(rows);
   if (e.scalar_type() != at::kBFloat16 && e.scalar_type() != at::kFloat) return not_taken();
   const int weighted = PyObject_IsTrue(a[4]);
