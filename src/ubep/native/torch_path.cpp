@@ -43,7 +43,7 @@ enum K : int64_t {
   K_NUM_REMOTE, K_REMOTE_BAGS, K_NUM_RECV, K_OFFSETS, K_ERR = K_OFFSETS + 8, K_LEN
 };
 enum B : int64_t {
-  B_SEND_AT, B_BACK_AT, B_SEND_CAP, B_BACK_CAP, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
+  B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
   B_FINAL, B_BF16, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT,
   B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS,
   B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y, B_ERR, B_LEN
@@ -429,8 +429,6 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
       return not_taken();      // the scratch must grow: the Python path does it
     b[B_SEND_AT] = reinterpret_cast<intptr_t>(csend->data_ptr());
     b[B_BACK_AT] = reinterpret_cast<intptr_t>(cback->data_ptr());
-    b[B_SEND_CAP] = csend->numel() / prow;
-    b[B_BACK_CAP] = cback->numel() / prow;
     std::vector<int64_t> send_splits, recv_splits;
     if (!splits(to_peers.get(), prow, send_splits) || !splits(from_peers.get(), prow, recv_splits))
       return nullptr;

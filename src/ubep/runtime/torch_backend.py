@@ -682,19 +682,18 @@ class TorchBackend:
     def _dispatch_door(self, shape: tuple) -> tuple:
         """What `ubep.native.torch_dispatch` reads for calls of `shape`'s row type and inline
         capacity (`torch_path.cpp`'s TD_* words, `torch_entries.DISPATCH_DOOR`): its block
-        (`torch_entries`' K_* words: sizes, the workspace (its own, for any batch), the
-        poll, the kernels' addresses), the group, the scratch (`_scratch`, read on every
-        call: the call is declined when its batch does not fit), the count exchange's headers
+        (`torch_entries`' K_* words: sizes, the shape's workspace (for any batch; kept alive
+        here when the shape is dropped), the poll, the kernels' addresses), the group, the
+        scratch (`_scratch`, read on every call: the call is declined when its batch does not
+        fit), the count exchange's headers
         (this rank's, a view of the workspace; room for the peers'), this backend (its
         `_inline`), how to make the handle's state and the stats."""
         from ubep.runtime import torch_entries as te
 
         c = self.config
-        (row_bytes, meta_k, _, cap, C, hrows, blk, _, _, _, _, coll1, bytes1, _, _, _, n1, _,
+        (row_bytes, meta_k, _, cap, C, hrows, blk, _, _, _, _, coll1, bytes1, _, _, _, n1, ws,
          _, _, wsv, _) = shape
-        ws = np.zeros(ws_size(c.world_size, c.max_tokens_per_rank, c.max_top_k, meta_k),
-                      dtype=np.int64)
-        header = torch.from_numpy(ws_views(ws, c.world_size, 1, 1, meta_k)[4])
+        header = torch.from_numpy(wsv[4])
         hdr_recv = torch.empty_like(header)
         k = np.zeros(te.K_LEN, dtype=np.int64)
         words = {te.K_ROW_BYTES: row_bytes, te.K_PER_RANK: c.experts_per_rank,

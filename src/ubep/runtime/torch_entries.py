@@ -37,12 +37,12 @@ from ubep.runtime.torch_layout import (
 K_ERR = K_OFFSETS + 8          # after res_offsets' 8 words
 K_LEN = K_ERR + 1
 
-# a combine's block: constants (the scratch, its room in partials), one call's inputs
-(B_SEND_AT, B_BACK_AT, B_SEND_CAP, B_BACK_CAP, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
- B_FINAL, B_BF16, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT,
- B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS,
- B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y, B_ERR) = range(31)
-B_LEN = 31
+# a combine's block: the scratch's addresses (each call), constants, one call's inputs
+(B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS, B_FINAL, B_BF16, B_OWN_AT,
+ B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT,
+ B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1,
+ B_DST, B_Y, B_ERR) = range(29)
+B_LEN = 29
 
 #: the words of the tuples the backend hands `torch_dispatch` / `torch_combine` (in
 #: `torch_path.cpp`'s TD_* / TC_* order; tests/test_native_torch.py checks the two agree)

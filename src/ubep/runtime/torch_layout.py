@@ -610,13 +610,13 @@ def gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, gathe
 @njit(nogil=True, cache=True)
 def recv_gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, row_bytes,
                    inline, hrows, me, per_rank, world, num_tokens, top_k, meta_k, first, n_me,
-                   sends, ws_addr, ws_len, res_addr=0, res_len=0):
+                   sends, ws_addr, ws_len):
     """The receive side of a dispatch in one call: `recv_plan_at`, then `gather_at` into
     `out` (room for at least as many rows as the plan has pairs). Returns `recv_plan_at`'s
     first five: `(res, its address, num_remote_bags, num_recv, offsets)`."""
     res, at, num_remote_bags, num_recv, offsets, gather, num_remote = recv_plan_at(
         work_addr, work_bytes, row_bytes, inline, hrows, me, per_rank, world, num_tokens,
-        top_k, meta_k, first, n_me, sends, ws_addr, ws_len, res_addr, res_len)
+        top_k, meta_k, first, n_me, sends, ws_addr, ws_len)
     gather_at(work_addr, work_bytes, x_addr, x_bytes, out_addr, out_bytes, gather, num_remote,
               row_bytes, world, num_tokens, top_k, meta_k, first, n_me, ws_addr, ws_len)
     return res, at, num_remote_bags, num_recv, offsets
