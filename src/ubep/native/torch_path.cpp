@@ -116,7 +116,9 @@ bool fits(int64_t* k, PyObject* dict, int64_t t_n) {
 // One all_to_all_single on `g`, from launch to completion: `between` runs while it is in
 // flight; the wait polls `isCompleted()` for up to `poll_ns`, yielding the core (as
 // `torch_backend.wait`), then blocks in `wait()`, which raises the collective's error and keeps
-// the group's timeout. Runs without the GIL; false with a RuntimeError on a collective's error.
+// the group's timeout. All of it without the GIL, the launch too: gloo's thread takes the GIL
+// to drop a finished collective's Python-owned tensors while it holds the lock a launch takes.
+// False with a RuntimeError on a collective's error.
 template <typename F>
 bool exchange(Group& g, at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
               std::vector<int64_t>& in_splits, int64_t poll_ns, F between) {
@@ -125,6 +127,9 @@ bool exchange(Group& g, at::Tensor& out, at::Tensor& in, std::vector<int64_t>& o
   try {
     c10d::AllToAllOptions opts;
     opts.asyncOp = true;
+    // scratch bytes that never require grad: straight to the group's kernel, past autograd's
+    // fallback for an op without a derivative (its checks cost a µs or two a call)
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto work = g->all_to_all_single(out, in, out_splits, in_splits, opts);
     between();
     if (work) {
@@ -139,6 +144,19 @@ bool exchange(Group& g, at::Tensor& out, at::Tensor& in, std::vector<int64_t>& o
   if (error.empty()) return true;
   PyErr_SetString(PyExc_RuntimeError, error.c_str());
   return false;
+}
+
+// bytes [at, at + n) of flat uint8 `t`, as `t.narrow(0, at, n)`, for a collective: a tensor
+// of C++'s alone, on memory `t` (a scratch buffer the backend holds) keeps alive past the
+// call. A narrow would cost the dispatcher's view bookkeeping (several µs a call on the cold
+// caches gloo's threads leave) and tie the collective to `t`'s Python object: gloo's thread,
+// dropping a finished collective's tensors, would take the GIL from the caller's next kernel
+at::Tensor bytes_of(const at::Tensor& t, int64_t at, int64_t n) {
+  return at::from_blob(static_cast<uint8_t*>(t.data_ptr()) + at, {n}, t.options());
+}
+// all of contiguous `t` as `bytes_of` views it
+at::Tensor whole(const at::Tensor& t) {
+  return at::from_blob(t.data_ptr(), t.sizes(), t.options());
 }
 
 bool tuple_of(PyObject* t, Py_ssize_t n, const char* what) {
@@ -270,11 +288,13 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     if (inl) {
       std::vector<int64_t> split(world, k[K_BLK_BYTES]);
       split[me] = 0;
-      at::Tensor r1 = recv.narrow(0, 0, n1), s1 = send.narrow(0, 0, n1);
+      at::Tensor r1 = bytes_of(recv, 0, n1), s1 = bytes_of(send, 0, n1);
       if (!exchange(*g, r1, s1, split, split, k[K_POLL_NS], [] {})) return nullptr;
       if (!run(k, K_HEADERS, K_ERR)) return nullptr;
     } else {
-      at::Tensor hr = THPVariable_Unpack(d[TD_HDR_RECV]), hs = THPVariable_Unpack(d[TD_HDR_SEND]);
+      // C++-only views (`bytes_of`): gloo's thread then drops them without the GIL
+      at::Tensor hr = whole(THPVariable_Unpack(d[TD_HDR_RECV])),
+                 hs = whole(THPVariable_Unpack(d[TD_HDR_SEND]));
       std::vector<int64_t> equal;
       if (!exchange(*g, hr, hs, equal, equal, k[K_POLL_NS], [] {})) return nullptr;
       if (!run(k, K_COUNTS, K_ERR)) return nullptr;
@@ -300,8 +320,8 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
         gb[i] = r2[i] * rb;
       }
       const int64_t send1 = (world - 1) * (k[K_HROWS] + inl) * rb;
-      at::Tensor r = recv.narrow(0, n1, k[K_SUM_R2] * rb);
-      at::Tensor s = send.narrow(0, send1, k[K_SUM_S2] * rb);
+      at::Tensor r = bytes_of(recv, n1, k[K_SUM_R2] * rb);
+      at::Tensor s = bytes_of(send, send1, k[K_SUM_S2] * rb);
       if (!exchange(*g, r, s, gb, sb, k[K_POLL_NS], [] {})) return nullptr;
       k[K_WORK_BYTES] = got;
     }
@@ -315,10 +335,11 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     const int64_t bound = 4 * most + num_bags + k[K_PER_RANK] + sends + t_n + (most + 1) / 2;
     Obj res(np_words(bound));
     if (!res) return nullptr;
-    at::Tensor gather = at::empty({std::max<int64_t>(most, 1)}, at::kLong);
+    thread_local std::vector<int64_t> gather;    // recv_x's row sources, for `rows_c`
+    gather.resize(std::max<int64_t>(most, 1));
     k[K_RES] = reinterpret_cast<intptr_t>(np_data(res.get()));
     k[K_RES_LEN] = bound;
-    k[K_GATHER_AT] = reinterpret_cast<intptr_t>(gather.data_ptr());
+    k[K_GATHER_AT] = reinterpret_cast<intptr_t>(gather.data());
     k[K_GATHER_LEN] = most;
     if (!run(k, K_PLAN, K_ERR)) return nullptr;
     const int64_t num_recv = k[K_NUM_RECV];
@@ -453,7 +474,8 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
     b[B_J1] = nret;
     b[B_DST] = b[B_SEND_AT];
     if (!run(b, B_BAGS, B_ERR)) return nullptr;
-    at::Tensor recv = cback->narrow(0, 0, back * prow), send = csend->narrow(0, 0, nret * prow);
+    at::Tensor recv = bytes_of(*cback, 0, back * prow);
+    at::Tensor send = bytes_of(*csend, 0, nret * prow);
     b[B_J0] = nret;
     b[B_J1] = nret + own;
     b[B_DST] = b[B_OWN_AT];
