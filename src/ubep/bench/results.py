@@ -355,9 +355,10 @@ before); batch 128 1.49-1.59× and 1.06-1.12×. What is left at batch 1 in turns
 the collective and headers 107-111, plan and rows 10-16, results 6-9, `Buffer` and the entry
 ~15), combine 136-142 against 90-96; no single part is large. Later (08:00 UTC) its collectives
 were given views of the scratch that only C++ holds (`at::from_blob`, launched below autograd)
-instead of narrows: a narrow went through the dispatcher's view bookkeeping, and one of a
-Python-owned tensor made gloo's thread take the GIL to drop it when the collective finished,
-from the caller's next kernel (`tests/runtime/bench_torch_solo.py`, one rank: a compiled
+instead of narrows, which went through the dispatcher's view bookkeeping; the count exchange
+handed gloo the headers' Python-owned tensors, which gloo's thread dropped under the GIL when
+the collective finished, taking it from the caller's next kernel (now C++-only views too;
+`tests/runtime/bench_torch_solo.py`, one rank: a compiled
 dispatch 10-12 µs over its bare collective, combine 8-9, the Python path 53 and 28; three
 `ubep results` runs at 08:08-08:11 UTC, a quieter host than at 05:16: batch 1 1.56×, 1.27×,
 1.31× in turns, batch 128 1.41×, 1.38×, 1.46×).
