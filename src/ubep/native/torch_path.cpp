@@ -147,16 +147,18 @@ bool exchange(Group& g, at::Tensor& out, at::Tensor& in, std::vector<int64_t>& o
 }
 
 // bytes [at, at + n) of flat uint8 `t`, as `t.narrow(0, at, n)`, for a collective: a tensor
-// of C++'s alone, on memory `t` (a scratch buffer the backend holds) keeps alive past the
-// call. A narrow would cost the dispatcher's view bookkeeping (several µs a call on the cold
-// caches gloo's threads leave) and tie the collective to `t`'s Python object: gloo's thread,
-// dropping a finished collective's tensors, would take the GIL from the caller's next kernel
+// on `t`'s memory that holds `t`'s storage, not `t`. A narrow would cost the dispatcher's view
+// bookkeeping (several µs a call on the cold caches gloo's threads leave) and tie the
+// collective to `t`'s Python object: gloo's thread, dropping a finished collective's tensors,
+// would take the GIL from the caller's next kernel. The storage (which Python never sees)
+// keeps the memory alive as long as gloo holds the collective, a failed or timed-out one too.
 at::Tensor bytes_of(const at::Tensor& t, int64_t at, int64_t n) {
-  return at::from_blob(static_cast<uint8_t*>(t.data_ptr()) + at, {n}, t.options());
+  return at::from_blob(static_cast<uint8_t*>(t.data_ptr()) + at, {n},
+                       [keep = t.storage()](void*) {}, t.options());
 }
 // all of contiguous `t` as `bytes_of` views it
 at::Tensor whole(const at::Tensor& t) {
-  return at::from_blob(t.data_ptr(), t.sizes(), t.options());
+  return at::from_blob(t.data_ptr(), t.sizes(), [keep = t.storage()](void*) {}, t.options());
 }
 
 bool tuple_of(PyObject* t, Py_ssize_t n, const char* what) {
