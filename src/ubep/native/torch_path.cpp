@@ -294,7 +294,7 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
       if (!exchange(*g, r1, s1, split, split, k[K_POLL_NS], [] {})) return nullptr;
       if (!run(k, K_HEADERS, K_ERR)) return nullptr;
     } else {
-      // C++-only views (`bytes_of`): gloo's thread then drops them without the GIL
+      // views on their storage (`bytes_of`): gloo's thread then drops them without the GIL
       at::Tensor hr = whole(THPVariable_Unpack(d[TD_HDR_RECV])),
                  hs = whole(THPVariable_Unpack(d[TD_HDR_SEND]));
       std::vector<int64_t> equal;
