@@ -61,11 +61,18 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip install -q -e . pytest pytest-timeout
 	touch $(VLLM_STAMP)
 
-vllm-venv: $(VLLM_STAMP)
+# ubep.native in that venv too (same torch): vLLM's MoE layers then take the compiled paths
+VLLM_NATIVE := $(VLLM_VENV)/.native
+
+$(VLLM_NATIVE): $(VLLM_STAMP) $(wildcard src/ubep/native/*.cpp src/ubep/native/*.h)
+	$(VLLM_BIN)/python -m ubep.native build
+	touch $(VLLM_NATIVE)
+
+vllm-venv: $(VLLM_NATIVE)
 
 # the plugin's tests, the end-to-end one included (DP 2 + EP through ubep vs one engine)
-test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q tests/integrations
+test-vllm: $(VLLM_NATIVE)
+	UBEP_REQUIRE_NATIVE=1 $(VLLM_BIN)/python -m pytest -q tests/integrations
 	@leftover=$$(ls /dev/shm | grep -i ubep || true); \
 	if [ -n "$$leftover" ]; then echo "leaked shared memory: $$leftover"; exit 1; fi
 
