@@ -46,6 +46,7 @@ def _rank(rank: int, world: int, batch: int, rounds: int) -> dict:
     import ubep
     import ubep.runtime.torch_backend as tb
     from ubep.bench.flags import HostSync
+    from ubep.bench.systems import replay_calls
     from ubep.testing import make_routing, make_tokens
 
     torch.set_num_threads(1)
@@ -99,11 +100,7 @@ def _rank(rank: int, world: int, batch: int, rounds: int) -> dict:
             if i >= 10:
                 gaps[op].append([edges[j + 1] - edges[j] for j in range(0, len(edges), 2)])
     gaps = {op: np.median(np.array(g), axis=0) for op, g in gaps.items()}
-    calls = {}
-    for op, st in (("dispatch", res.stats), ("combine", buf.last_stats)):
-        calls[op] = [(torch.empty(sum(r), dtype=torch.uint8),
-                      torch.ones(sum(s), dtype=torch.uint8), list(r), list(s))
-                     for _, s, r in st.extra["collectives"]]
+    calls = {"dispatch": replay_calls(res.stats), "combine": replay_calls(buf.last_stats)}
     nbytes = {"dispatch": int((idx >= 0).sum()) * 7168 * 2,
               "combine": res.recv_x.numel() * 2}
     src = np.ones(max(nbytes.values()), dtype=np.uint8)

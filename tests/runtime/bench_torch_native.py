@@ -32,6 +32,7 @@ def _rank(rank: int, world: int, batch: int, rounds: int) -> dict:
     import ubep
     import ubep.runtime.torch_backend as tb
     from ubep.bench.flags import HostSync
+    from ubep.bench.systems import replay_calls
     from ubep.testing import make_routing, make_tokens
 
     torch.set_num_threads(1)
@@ -48,11 +49,7 @@ def _rank(rank: int, world: int, batch: int, rounds: int) -> dict:
     x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=1)
     res = compiled.dispatch(x, idx, w)
     compiled.combine(res.recv_x, res.handle)
-    calls = ([], [])           # the collectives of dispatch and of combine, as Stats lists them
-    for op, st in enumerate((res.stats, compiled.last_stats)):
-        for _, sent, got in st.extra["collectives"]:
-            calls[op].append((torch.empty(sum(got), dtype=torch.uint8),
-                              torch.ones(sum(sent), dtype=torch.uint8), list(got), list(sent)))
+    calls = (replay_calls(res.stats), replay_calls(compiled.last_stats))
     nbytes = (int((idx >= 0).sum()) * 7168 * 2, res.recv_x.numel() * 2)
     src = np.ones(max(nbytes), dtype=np.uint8)
     dst = np.zeros_like(src)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 def main() -> None:
     import ubep
     import ubep.runtime.torch_backend as tb
+    from ubep.bench.systems import replay_calls
     from ubep.testing import make_routing, make_tokens
 
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
@@ -41,10 +42,7 @@ def main() -> None:
         for _ in range(5):
             res = buf.dispatch(x, idx, w)
             buf.combine(res.recv_x, res.handle)
-        calls = [[(torch.empty(sum(got), dtype=torch.uint8),
-                   torch.ones(sum(sent), dtype=torch.uint8), list(got), list(sent))
-                  for _, sent, got in st.extra["collectives"]]
-                 for st in (res.stats, buf.last_stats)]
+        calls = [replay_calls(res.stats), replay_calls(buf.last_stats)]
         pg = dist.group.WORLD
         n = 500
         out: dict[str, list[float]] = {"dispatch": [], "combine": [], "raw dispatch": [],

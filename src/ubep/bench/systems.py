@@ -241,6 +241,16 @@ class CopyBound:
         pass
 
 
+def replay_calls(stats) -> list[tuple]:
+    """The collectives a torch-backend call issued (its `Stats.extra["collectives"]`) as
+    `all_to_all(group, *call)` replays them: `(out, in, out_splits, in_splits)` on
+    preallocated uint8 buffers of the same bytes (the send side written: an untouched
+    `torch.zeros` block maps every page to the kernel's one zero page, which a socket copy
+    reads from cache, faster than any real rows)."""
+    return [(torch.empty(sum(recv), dtype=torch.uint8), torch.ones(sum(send), dtype=torch.uint8),
+             list(recv), list(send)) for _, send, recv in stats.extra["collectives"]]
+
+
 class RawCollectives:
     """The torch backend's collectives alone: the same calls on the same bytes, nothing else.
 
@@ -249,9 +259,7 @@ class RawCollectives:
     each peer (`Stats.extra["collectives"]`); `dispatch()` and `combine()` then replay
     exactly those `all_to_all_single` calls, made as the backend makes them
     (`torch_backend.all_to_all`: on the process group object, not through the Python
-    wrapper), on preallocated buffers (the send side written: an untouched `torch.zeros`
-    block maps every page to the kernel's one zero page, which a socket copy reads from
-    cache, faster than any real rows). Two calls, because the
+    wrapper), on preallocated buffers (`replay_calls`). Two calls, because the
     backend sizes dispatch's first collective from the previous call (how many tokens ride
     inline): the second is the steady state the timed Buffer runs in. The torch backend's
     time over this line is what its own packing, reordering and reduction cost. The backend
@@ -274,10 +282,7 @@ class RawCollectives:
             res = self.buf.dispatch(x, topk_idx, topk_weights)
             self.buf.combine(res.recv_x, res.handle)
         for op, st in (("dispatch", res.stats), ("combine", self.buf.last_stats)):
-            self._calls[op] = [
-                (torch.empty(sum(recv), dtype=torch.uint8),
-                 torch.ones(sum(send), dtype=torch.uint8), list(recv), list(send))
-                for _, send, recv in st.extra["collectives"]]
+            self._calls[op] = replay_calls(st)
 
     def _replay(self, op: str) -> None:
         pg = dist.group.WORLD       # the group the Buffer above runs on

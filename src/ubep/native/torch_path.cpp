@@ -146,19 +146,16 @@ bool exchange(Group& g, at::Tensor& out, at::Tensor& in, std::vector<int64_t>& o
   return false;
 }
 
-// bytes [at, at + n) of flat uint8 `t`, as `t.narrow(0, at, n)`, for a collective: a tensor
-// on `t`'s memory that holds `t`'s storage, not `t`. A narrow would cost the dispatcher's view
-// bookkeeping (several µs a call on the cold caches gloo's threads leave) and tie the
-// collective to `t`'s Python object: gloo's thread, dropping a finished collective's tensors,
-// would take the GIL from the caller's next kernel. The storage (which Python never sees)
-// keeps the memory alive as long as gloo holds the collective, a failed or timed-out one too.
-at::Tensor bytes_of(const at::Tensor& t, int64_t at, int64_t n) {
-  return at::from_blob(static_cast<uint8_t*>(t.data_ptr()) + at, {n},
+// `sizes` of `t`'s dtype from byte `at` of `t`'s memory, for a collective: a tensor that holds
+// `t`'s storage, not `t` (as `t.narrow(0, at, n)` of flat uint8 `t`, or `t` itself). A narrow
+// would cost the dispatcher's view bookkeeping (several µs a call on the cold caches gloo's
+// threads leave), and `t` would tie the collective to its Python object: gloo's thread,
+// dropping a finished collective's tensors, would take the GIL from the caller's next kernel.
+// The storage (which Python never sees) keeps the memory alive as long as gloo holds the
+// collective, a failed or timed-out one too.
+at::Tensor on_storage(const at::Tensor& t, int64_t at, at::IntArrayRef sizes) {
+  return at::from_blob(static_cast<uint8_t*>(t.data_ptr()) + at, sizes,
                        [keep = t.storage()](void*) {}, t.options());
-}
-// all of contiguous `t` as `bytes_of` views it
-at::Tensor whole(const at::Tensor& t) {
-  return at::from_blob(t.data_ptr(), t.sizes(), [keep = t.storage()](void*) {}, t.options());
 }
 
 bool tuple_of(PyObject* t, Py_ssize_t n, const char* what) {
@@ -290,13 +287,13 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     if (inl) {
       std::vector<int64_t> split(world, k[K_BLK_BYTES]);
       split[me] = 0;
-      at::Tensor r1 = bytes_of(recv, 0, n1), s1 = bytes_of(send, 0, n1);
+      at::Tensor r1 = on_storage(recv, 0, {n1}), s1 = on_storage(send, 0, {n1});
       if (!exchange(*g, r1, s1, split, split, k[K_POLL_NS], [] {})) return nullptr;
       if (!run(k, K_HEADERS, K_ERR)) return nullptr;
     } else {
-      // views on their storage (`bytes_of`): gloo's thread then drops them without the GIL
-      at::Tensor hr = whole(THPVariable_Unpack(d[TD_HDR_RECV])),
-                 hs = whole(THPVariable_Unpack(d[TD_HDR_SEND]));
+      const at::Tensor &hr_t = THPVariable_Unpack(d[TD_HDR_RECV]),
+                       &hs_t = THPVariable_Unpack(d[TD_HDR_SEND]);
+      at::Tensor hr = on_storage(hr_t, 0, hr_t.sizes()), hs = on_storage(hs_t, 0, hs_t.sizes());
       std::vector<int64_t> equal;
       if (!exchange(*g, hr, hs, equal, equal, k[K_POLL_NS], [] {})) return nullptr;
       if (!run(k, K_COUNTS, K_ERR)) return nullptr;
@@ -322,8 +319,8 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
         gb[i] = r2[i] * rb;
       }
       const int64_t send1 = (world - 1) * (k[K_HROWS] + inl) * rb;
-      at::Tensor r = bytes_of(recv, n1, k[K_SUM_R2] * rb);
-      at::Tensor s = bytes_of(send, send1, k[K_SUM_S2] * rb);
+      at::Tensor r = on_storage(recv, n1, {k[K_SUM_R2] * rb});
+      at::Tensor s = on_storage(send, send1, {k[K_SUM_S2] * rb});
       if (!exchange(*g, r, s, gb, sb, k[K_POLL_NS], [] {})) return nullptr;
       k[K_WORK_BYTES] = got;
     }
@@ -476,8 +473,8 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
     b[B_J1] = nret;
     b[B_DST] = b[B_SEND_AT];
     if (!run(b, B_BAGS, B_ERR)) return nullptr;
-    at::Tensor recv = bytes_of(*cback, 0, back * prow);
-    at::Tensor send = bytes_of(*csend, 0, nret * prow);
+    at::Tensor recv = on_storage(*cback, 0, {back * prow});
+    at::Tensor send = on_storage(*csend, 0, {nret * prow});
     b[B_J0] = nret;
     b[B_J1] = nret + own;
     b[B_DST] = b[B_OWN_AT];
