@@ -39,3 +39,25 @@ def test_barrier_and_ping_pong():
     assert peer_us > 0 and own_us > 0
     assert out[1][2] is None and out[2][2] is None and {o[3] for o in out} == {None}
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("ubep-bench-t")]
+
+
+def test_bounds_copy_between_page_aligned_buffers():
+    # memcpy between buffers malloc placed back to back (16 bytes apart modulo 4 KiB) hits
+    # `rep movsb`'s page-aliasing slow case on AMD Zen 3: the bounds' buffers start on a page
+    import mmap
+
+    import torch
+
+    from ubep.bench.config import BOUND, BenchConfig
+    from ubep.bench.pages import page_aligned
+    from ubep.bench.systems import CopyBound
+
+    a = page_aligned(3 * mmap.PAGESIZE + 5)
+    assert a.ctypes.data % mmap.PAGESIZE == 0 and a.size == 3 * mmap.PAGESIZE + 5
+    assert a.dtype == "uint8" and not a.any()
+    a[-1] = 7                                   # writable, the whole length
+    cfg = BenchConfig(batches=(1, 4), hiddens=(64,), top_k=2, experts=4, ranks=(2,))
+    bound = CopyBound(BOUND, cfg, 64)
+    assert bound._src.ctypes.data % mmap.PAGESIZE == 0
+    assert bound._dst.ctypes.data % mmap.PAGESIZE == 0
+    assert bound.row_bytes == 64 * torch.empty(0, dtype=cfg.torch_dtype).element_size()

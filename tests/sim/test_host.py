@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from ubep.bench.pages import page_aligned
 from ubep.sim import host, hostbench
 from ubep.sim.hostbench import CopyTable
 
@@ -143,7 +144,7 @@ def test_the_direct_exchange_never_moves_less_than_a_token():
     """At the hidden-64 footprints (a few KB) the direct exchange still moves one token's 8
     rows of 14 KB: its price per byte there is a one-token round's, fixed costs included,
     which is why a running maximum must not carry it to the larger footprints."""
-    buf = hostbench._aligned(1 << 21)
+    buf = page_aligned(1 << 21)
     small = host.footprint_bytes("shm-direct", 8, host.TINY_HIDDEN)
     assert small < 8 * R
     assert hostbench._exchange_setup("direct", small, R, buf, buf, 0)[2] == 8 * R
@@ -181,7 +182,7 @@ def test_exchange_rounds_are_the_same_for_every_process_and_bounded():
 def test_microbenchmark_buffers_are_on_small_pages_like_the_runtimes():
     """numpy advises huge pages for its large arrays; the runtime's shared memory has none,
     so the timed buffers are shared mappings too."""
-    a = hostbench._aligned(8 << 20)
+    a = page_aligned(8 << 20)
     assert a.nbytes == 8 << 20 and a.ctypes.data % 4096 == 0 and not a.any()
     addr = a.ctypes.data
     with open("/proc/self/maps") as f:              # "lo-hi perms ...": shared = "s"
@@ -268,7 +269,7 @@ def test_an_exchange_reads_what_the_peer_wrote():
     import numpy as np
 
     for name in ("dispatch_peer", "combine_peer"):
-        a, b = hostbench._aligned(1 << 20), hostbench._aligned(1 << 20)
+        a, b = page_aligned(1 << 20), page_aligned(1 << 20)
         # process A (own a) writes into its peer's b; process B (own b) reads b
         write, _, n = hostbench._exchange_setup(name, 1 << 18, R, a, b)
         _, read, _ = hostbench._exchange_setup(name, 1 << 18, R, b, a)
@@ -313,7 +314,7 @@ def test_direct_exchange_puts_rows_in_the_destinations_area_with_their_meta_word
     import numpy as np
 
     fp = 1 << 19
-    bufs = [hostbench._aligned(4 * fp), hostbench._aligned(4 * fp)]
+    bufs = [page_aligned(4 * fp), page_aligned(4 * fp)]
     ex = [hostbench._exchange_setup("direct", fp, R, bufs[me], bufs[1 - me], me)
           for me in (0, 1)]
     errors = []
@@ -343,7 +344,7 @@ def test_direct_exchange_puts_rows_in_the_destinations_area_with_their_meta_word
     for me in (0, 1):                                 # 8 rows of 1.0 at weight 0.5: 4.0
         assert (ex[me][1](5) == 0x4080).all()
     # alone: both destinations' areas in my buffer, nothing to wait for, the same sums
-    alone = hostbench._aligned(4 * fp)
+    alone = page_aligned(4 * fp)
     write, read, _ = hostbench._exchange_setup("direct", fp, R, alone, alone, 0)
     write(3)
     assert (read(3) == 0x4080).all()
@@ -356,7 +357,7 @@ def test_record_layout_matches_the_runtime():
 
 
 def test_spin_barrier_passes_when_all_arrived_and_names_a_missing_peer_by_deadline():
-    words = hostbench._aligned(4096)
+    words = page_aligned(4096)
     alone = hostbench.SpinBarrier(words.ctypes.data, 0, 1)
     alone.wait()
     alone.wait()
@@ -451,7 +452,7 @@ def test_the_window_exchanges_lie_apart_and_run_in_the_benchs_order():
     import numpy as np
 
     f = 1 << 21
-    own, peer = hostbench._aligned(2 * f), hostbench._aligned(2 * f)
+    own, peer = page_aligned(2 * f), page_aligned(2 * f)
     ws = hostbench.window_setups(f, R, own, peer, 0, copies=2)
     assert list(ws) == [("dispatch_peer", 0), ("combine_peer", 0), ("dispatch_peer", 1),
                         ("combine_peer", 1)]
@@ -541,7 +542,7 @@ def test_rounds_are_timed_in_the_given_order_with_fresh_epochs():
 def test_window_passes_come_from_their_own_exchanges_rounds():
     """One process alone (its peer buffer is its own): every pass of the four priced."""
     f = 1 << 20
-    buf = hostbench._aligned(4 * f)
+    buf = page_aligned(4 * f)
 
     class Alone:
         def wait(self):
@@ -559,7 +560,7 @@ def test_each_combine_window_sends_back_what_its_dispatch_received():
     import numpy as np
 
     f = 1 << 20
-    buf = hostbench._aligned(4 * f)
+    buf = page_aligned(4 * f)
     ws = hostbench.window_setups(f, R, buf, buf, 0, copies=1)
     (dw, dr, _), (cw, _, _) = ws[("dispatch_peer", 0)], ws[("combine_peer", 0)]
     before = buf.copy()

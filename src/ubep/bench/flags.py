@@ -22,6 +22,7 @@ import time
 import numpy as np
 from numba import njit
 
+from ubep.bench.pages import page_aligned
 from ubep.runtime.shm import segments
 from ubep.runtime.shm.atomics import cpu_pause as _pause
 from ubep.runtime.shm.atomics import load_acquire as _load_acquire_addr
@@ -222,7 +223,8 @@ class HostSync:
         if self.world < 2 or nbytes <= 0 or nbytes > self._data.size:
             return None
         shared = self._data[:nbytes]
-        src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        src, dst = page_aligned(nbytes), page_aligned(nbytes)      # (`ubep.bench.pages`)
+        src[:] = 1
         flag = (2 + self.world) * _SLOT
         peer, own = [], []
         for i in range(repeats):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ubep.bench.config import AGRS_RAW, BOUND, BUFFER_SYSTEMS, MPI_RAW, RAW, BenchConfig
+from ubep.bench.pages import page_aligned
 from ubep.reference import ReferenceDispatch
 from ubep.runtime.torch_backend import all_to_all
 
@@ -210,7 +211,8 @@ class CopyBound:
 
     Dispatch must write each routed (token, expert) row of this rank once; combine must
     bring each received row back once. `dispatch()` and `combine()` copy exactly those byte
-    counts, contiguous (memcpy, the fastest copy this core has). The flag round trip is
+    counts, contiguous (memcpy between page-aligned buffers, the fastest copy this core
+    has: `ubep.bench.pages` says why the alignment matters). The flag round trip is
     added when the results are summarised, not here.
     """
 
@@ -218,8 +220,10 @@ class CopyBound:
         self.name = name
         self.row_bytes = hidden * torch.empty(0, dtype=cfg.torch_dtype).element_size()
         rows = max(cfg.batches) * cfg.top_k * max(cfg.ranks)  # room for any skew
-        self._src = np.ones(rows * self.row_bytes, dtype=np.uint8)
-        self._dst = np.zeros_like(self._src)
+        # page-aligned, both: memcpy's fast case on every CPU (`ubep.bench.pages`)
+        n = rows * self.row_bytes
+        self._src, self._dst = page_aligned(n), page_aligned(n)
+        self._src[:] = 1
         self.dispatch_bytes = self.combine_bytes = 0
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:

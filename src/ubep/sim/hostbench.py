@@ -78,6 +78,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ubep.bench.pages import page_aligned
 from ubep.runtime.shm.atomics import (
     cpu_pause,
     load_acquire,
@@ -242,14 +243,6 @@ def _first_touch(nbytes: int, reps: int) -> None:
         m.close()
 
 
-def _aligned(nbytes: int) -> np.ndarray:
-    """`nbytes` of zeroed uint8 on 4 KiB pages at a page-aligned address: a shared
-    anonymous mapping, the memory the runtime's regions are (numpy would advise huge pages
-    for 4 MiB and more)."""
-    m = mmap.mmap(-1, max(nbytes, 1))
-    return np.frombuffer(m, np.uint8)[:nbytes]
-
-
 def expert_places(rows: int, fan: int = FAN, experts: int = 2 * FAN, seed: int = 0
                   ) -> np.ndarray:
     """Where row i = t * fan + j (token t's j-th expert) lies in an expert-major layout:
@@ -370,17 +363,17 @@ def _setup(pass_: str, footprint: int, row_bytes: int):
     hidden = rb // 2
     if pass_ == "copy_fanout":
         n = max(FAN, footprint // (rb + rb // FAN) // FAN * FAN)
-        src, dst = _aligned(n // FAN * rb).reshape(n // FAN, rb), _aligned(n * rb)
+        src, dst = page_aligned(n // FAN * rb).reshape(n // FAN, rb), page_aligned(n * rb)
         src[:] = 1
         return (lambda reps: _copy(src, dst, n, reps)), n * rb
     if pass_ == "record_write_fanout":
         n = max(FAN, footprint // (wire + rb // FAN) // FAN * FAN)
-        src, dst = _aligned(n // FAN * rb).reshape(n // FAN, rb), _aligned(n * wire)
+        src, dst = page_aligned(n // FAN * rb).reshape(n // FAN, rb), page_aligned(n * wire)
         src[:] = 1
         return (lambda reps: _record_write(src, dst, n, wire, reps, 2)), n * rb
     if pass_ in ("record_write", "record_read"):
         n = max(1, footprint // (rb + wire))
-        src, dst = _aligned(n * rb).reshape(n, rb), _aligned(n * wire)
+        src, dst = page_aligned(n * rb).reshape(n, rb), page_aligned(n * wire)
         src[:] = 1
         _record_write(src, dst, n, wire, 1, 1)
         if pass_ == "record_write":
@@ -392,9 +385,9 @@ def _setup(pass_: str, footprint: int, row_bytes: int):
         stride = num_blocks(rb, ppb) * BLOCK_BYTES if blocks else rb
         epb, blk = (ppb // 2, BLOCK_BYTES) if blocks else (SUM_CHUNK, SUM_CHUNK * 2)
         tokens = max(1, footprint // (TOP_K * stride + rb))
-        src = _aligned(tokens * TOP_K * stride)
+        src = page_aligned(tokens * TOP_K * stride)
         src.view(np.uint16)[:] = _BF16_ONE
-        out16 = _aligned(tokens * rb).view(np.uint16).reshape(tokens, hidden)
+        out16 = page_aligned(tokens * rb).view(np.uint16).reshape(tokens, hidden)
         return (lambda reps: _reduce(src, stride, blk, epb, out16, reps)), tokens * TOP_K * rb
     if pass_ == "first_touch":
         n = max(1, footprint // PAGE) * PAGE
@@ -424,18 +417,18 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
     if name == "dispatch_peer":
         wire = record_wire_bytes(rb)
         n = max(FAN, footprint // (wire + rb + rb // FAN) // FAN * FAN)
-        src = _aligned(n // FAN * rb).reshape(n // FAN, rb)
+        src = page_aligned(n // FAN * rb).reshape(n // FAN, rb)
         src[:] = 1
-        out = _aligned(n * rb).reshape(n, rb) if rows is None else _rows(rows, n, rb)
+        out = page_aligned(n * rb).reshape(n, rb) if rows is None else _rows(rows, n, rb)
         places = expert_places(n)
         return (lambda e: _record_write_places(src, peer, places, FAN, wire, HEAD_BYTES, e),
                 lambda e: _record_read(own, out, wire, 1, e), n * rb)
     if name == "combine_peer":
         wire = record_wire_bytes(rb, 0)
         n = max(TOP_K, footprint // (wire + rb + rb // TOP_K) // TOP_K * TOP_K)
-        src = _aligned(n * rb).reshape(n, rb) if rows is None else _rows(rows, n, rb)
+        src = page_aligned(n * rb).reshape(n, rb) if rows is None else _rows(rows, n, rb)
         src.view(np.uint16)[:] = _BF16_ONE
-        out16 = _aligned(n // TOP_K * rb).view(np.uint16).reshape(n // TOP_K, hidden)
+        out16 = page_aligned(n // TOP_K * rb).view(np.uint16).reshape(n // TOP_K, hidden)
         # the expert side sends its rows in its (expert-major) order to slot token*8 + k
         slots = np.argsort(expert_places(n)).astype(np.int64)
         ppb = BLOCK_BYTES - FLAG_BYTES
@@ -443,9 +436,9 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
                 lambda e: _reduce(own, wire, BLOCK_BYTES, ppb // 2, out16, 1), n * rb)
     if name == "direct":
         n = max(FAN, footprint // (rb + 2 * rb // FAN) // FAN * FAN)
-        src = _aligned(n // FAN * rb).reshape(n // FAN, rb)
+        src = page_aligned(n // FAN * rb).reshape(n // FAN, rb)
         src.view(np.uint16)[:] = _BF16_ONE
-        out16 = _aligned(n // FAN * rb).view(np.uint16).reshape(n // FAN, hidden)
+        out16 = page_aligned(n // FAN * rb).view(np.uint16).reshape(n // FAN, hidden)
         dest, place, rows = direct_places(n // FAN)
         alone = own is peer
         # destination d's area and meta words: in d's buffer (alone: both in mine), at slot d
@@ -567,7 +560,7 @@ def window_setups(footprint: int, row_bytes: int, own: np.ndarray, peer: np.ndar
     n = max(FAN, part // (wire + row_bytes + row_bytes // FAN) // FAN * FAN)
     out, k = {}, 0
     for c in range(copies):
-        received = _aligned(n * row_bytes).reshape(n, row_bytes)
+        received = page_aligned(n * row_bytes).reshape(n, row_bytes)
         for name in WINDOWS:
             o = k * step
             out[(name, c)] = _exchange_setup(name, part, row_bytes, own[o:o + step],
