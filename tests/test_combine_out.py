@@ -1,10 +1,14 @@
 """`Buffer.combine(..., out=)`: y written into the caller's tensor, checked against the oracle."""
 
+import os
+import time
+
 import pytest
 import torch
 
 import ubep
-from ubep.testing import Case, check_case, expert_fn, run_ranks
+from ubep.native import load_native
+from ubep.testing import Case, Counted, check_case, expert_fn, run_ranks
 
 _CASES = [
     Case(8, 16, 2, (5, 7), "uniform", "fp32", seed=11),
@@ -131,3 +135,72 @@ def test_out_sharing_memory_with_expert_out(kw):
     per_rank = run_ranks(_combine_into_expert_out, 2, kw, _CASES, timeout_s=180)
     for i, case in enumerate(_CASES):
         check_case(case, [per_rank[r][i] for r in range(2)])
+
+
+def _door_out(rank, world, kw, cases):
+    """One Buffer, every case twice: first without `out` (a dtype's first calls make the
+    door's words), then into a row-major `out` (what vLLM's finalize passes: the compiled
+    door takes it), into an `out` on the rows' own memory and into a strided one (both
+    declined: the Python path). On the shm path rank 1 comes late to the first case's
+    `out` combine, so rank 0's door hands a wait on to Python, `out` with it."""
+    res_out, counts = [], []
+    with ubep.Buffer(num_experts=cases[0].num_experts, hidden=cases[0].hidden,
+                     max_tokens_per_rank=max(max(c.tokens) for c in cases), timeout_s=30,
+                     **kw) as buf:
+        assert buf._door is not None
+        for case in cases:
+            x, idx, w = case.inputs(rank)
+            res = buf.dispatch(x, idx, w)
+            buf.combine(expert_fn(res.recv_x), res.handle, weighted=case.weighted)
+        c = buf._door_combine = Counted(buf._door_combine)
+        path = getattr(buf._backend, "_path", None)
+        if path is not None:        # shm: count the waits the door hands on
+            path.combine_resume = resumed = Counted(path.combine_resume)
+        for i, case in enumerate(cases):
+            x, idx, w = case.inputs(rank)
+            res = buf.dispatch(x, idx, w)
+            rows = expert_fn(res.recv_x)
+            T, N = case.tokens[rank], rows.shape[0]
+            if i == 0 and rank == 1 and kw.get("backend") == "shm":
+                time.sleep(0.05)
+            before = c.took, c.declined
+            out = torch.full((T, case.hidden), 7.0, dtype=rows.dtype)
+            got = buf.combine(rows, res.handle, weighted=case.weighted, out=out)
+            took = (c.took - before[0], c.declined - before[1])
+            if got is not out:
+                raise AssertionError("combine(out=) must return out itself")
+            stats = buf.last_stats
+            res_out.append(_for_oracle(res, out))
+            # `out` on the rows' memory, then a strided `out`: declined, same sums
+            work = torch.empty(max(T, N), case.hidden, dtype=rows.dtype)
+            work[:N] = rows
+            before = c.took, c.declined
+            on_rows = buf.combine(work[:N], res.handle, weighted=case.weighted, out=work[:T])
+            store = torch.full((T, 2 * case.hidden), 7.0, dtype=rows.dtype)
+            strided = buf.combine(rows, res.handle, weighted=case.weighted, out=store[:, ::2])
+            declined = (c.took - before[0], c.declined - before[1])
+            same = (torch.equal(on_rows, out) and torch.equal(strided, out)
+                    and bool(torch.all(store[:, 1::2] == 7.0)))
+            counts.append((case.dtype, took, declined, same, stats.op, N, T))
+    return res_out, counts, resumed.took if path is not None else None
+
+
+@pytest.mark.skipif(load_native() is None and not os.environ.get("UBEP_REQUIRE_NATIVE"),
+                    reason="ubep.native not built (python -m ubep.native build)")
+@pytest.mark.parametrize("kw", [dict(backend="torch"), dict(backend="shm", direct=True),
+                                dict(backend="shm", direct="owned")],
+                         ids=["torch", "shm-direct", "shm-owned"])
+def test_the_compiled_door_combines_into_a_contiguous_out(kw):
+    per_rank = run_ranks(_door_out, 2, kw, _CASES, timeout_s=180)
+    for i, case in enumerate(_CASES):
+        check_case(case, [per_rank[r][0][i] for r in range(2)])
+    if kw["backend"] == "shm":      # rank 0 waited for rank 1 in Python, `out` handed on
+        assert per_rank[0][2] >= 1
+    for _, counts, _ in per_rank:
+        for dtype, took, declined, same, op, n, t in counts:
+            # bf16/fp32 rows into a contiguous out: the door; fp16: the Python path; an out
+            # on the rows' memory or strided: the Python path (unless one side is empty)
+            assert took == ((1, 0) if dtype != "fp16" else (0, 1)), (dtype, took)
+            empty = (n == 0 or t == 0) + (t == 0) if dtype != "fp16" else 0
+            assert declined == (empty, 2 - empty), (dtype, declined, n, t)
+            assert same and op == "combine", (dtype, same, op)

@@ -342,10 +342,11 @@ class Buffer:
         when they require grad (see `ubep.ops`); under `torch.compile` the call is the
         `ubep::combine` operator.
         """
-        # the common call (eager, this Buffer's handle, rows as the handle expects, no `out`):
-        # the rows' fast check alone, then the backend (as in `dispatch`)
-        if out is None and self._door is not None and not _is_compiling():
-            y = self._door_combine(self._door, self, expert_out, handle, weighted)
+        # the common call (eager, this Buffer's handle, rows as the handle expects, `out`
+        # None or a contiguous tensor apart from them): the rows' fast check alone, then the
+        # backend (as in `dispatch`)
+        if self._door is not None and not _is_compiling():
+            y = self._door_combine(self._door, self, expert_out, handle, weighted, out)
             if y is not NotImplemented:
                 return y
         if (type(handle) is DispatchHandle and out is None and handle.buffer_id == self._id

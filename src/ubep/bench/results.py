@@ -277,7 +277,8 @@ call on the direct path whole: the inputs' fast check, the Buffer's lock, its cl
 state and call counter, the free lent area (the storages' use counts, as `DirectPath` counts
 them), the epoch, the compiled entry and the last stats, in one C++ call from `Buffer.dispatch`
 / `Buffer.combine`; anything else (a held area everywhere, a first call of a dtype, an older
-handle with `direct=True`, fp16 rows, bad input, a closed or broken Buffer) it declines before
+handle with `direct=True`, fp16 rows, an `out=` not contiguous or on the rows, bad input, a
+closed or broken Buffer) it declines before
 changing anything and the Python layers run as before; a wait goes on in Python, the lock held.
 In-process A/B, two ranks, the same Buffer kind with the door on and off
 (`tests/runtime/bench_shm_door.py` and its first draft, 800 calls each, the slower rank's):

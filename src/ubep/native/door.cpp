@@ -125,17 +125,18 @@ PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 }
 
 
-// door_combine(door, buf, expert_out, handle, weighted) -> y or NotImplemented
+// door_combine(door, buf, expert_out, handle, weighted, out) -> y or NotImplemented (`out`:
+// None, or the caller's `[T, hidden]` tensor the sums land in, which is y)
 PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
                   *k_hidden = key("hidden"), *k_call = key("call"),
                   *k_last_call = key("_last_call"), *k_lent_comb = key("_lent_comb"),
                   *k_c_epoch = key("_c_epoch"), *k_num_tokens = key("num_tokens"),
                   *k_state = key("state"), *k_topk_idx = key("topk_idx");
-  if (!arity(nargs, 5)) return nullptr;
+  if (!arity(nargs, 6)) return nullptr;
   Door d;
   if (!parse(a[0], d)) return nullptr;
-  PyObject *buf = a[1], *rows = a[2], *handle = a[3];
+  PyObject *buf = a[1], *rows = a[2], *handle = a[3], *out = a[5];
   if (!is_handle(handle)) return not_taken();
   int64_t hv[3];               // buffer_id, num_recv, hidden
   if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
@@ -193,6 +194,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!origins_ok(origins)) return not_taken();
   int64_t t_n;
   if (!get_int(handle, k_num_tokens, t_n)) return nullptr;
+  if (!out_ready(out, rows, t_n)) return not_taken();
   PyObject* topk_idx = PyObject_GetAttr(handle, k_topk_idx);
   if (!topk_idx) return nullptr;
   Obj topk_ref(topk_idx);
@@ -215,16 +217,16 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   v[13] = sv[3];
   PyObject* copied_obj = copied ? Py_True : Py_False;
   PyObject* r = combine_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0])), v,
-                             origins, Py_None, e.scalar_type() == at::kBFloat16, t0,
+                             origins, out, e.scalar_type() == at::kBFloat16, t0,
                              d.o[DR_CBUILD], copied_obj, topk_idx);
   if (!r) return failed(buf);
   if (PyTuple_Check(r)) {      // a wait: Python goes on from where the entry stopped
-    PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOdLLLO)",
+    PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOdLLLOO)",
                                         "combine_resume", r, rows, handle,
                                         weighted ? Py_True : Py_False, t0,
                                         static_cast<long long>(epoch),
                                         static_cast<long long>(v[4]),
-                                        static_cast<long long>(ptr), copied_obj);
+                                        static_cast<long long>(ptr), copied_obj, out);
     Py_DECREF(r);
     if (!res) return nullptr;          // recorded by the Python side
     r = res;

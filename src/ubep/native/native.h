@@ -173,6 +173,10 @@ inline PyObject* lookup(PyObject* dict, PyObject* k) {
 // num_experts, max_tokens, max_top_k); (expert_out) against (num_recv, hidden)
 bool dispatch_ready(PyObject* const* a, const int64_t* lim);
 bool combine_ready(PyObject* const* a, const int64_t* lim);
+// combine's `out` as a door takes it: None, or a plain contiguous CPU tensor `[num_tokens,
+// hidden]` of the (checked) rows' dtype, not requiring grad, sharing no byte with the rows;
+// anything else is the Python path's (which checks it and names the error)
+bool out_ready(PyObject* out, PyObject* rows, int64_t num_tokens);
 
 // the direct path's calls once their arguments are parsed (direct.cpp; `direct_dispatch` and
 // `direct_combine` document them); `v`: direct_combine's ints in its argument order

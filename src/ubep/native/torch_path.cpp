@@ -414,8 +414,9 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
 
 
 // a combine of `e_obj`'s rows for the dispatch whose state is `st` through a shape's door
-// words `d` (TC_*), as `torch_combine` answers
-static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st, int weighted) {
+// words `d` (TC_*) into `out_arg` (None: a new y), as `torch_combine` answers
+static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st, int weighted,
+                              PyObject* out_arg) {
   static PyObject *k_at = key("at"), *k_sizes = key("sizes"), *k_num_tokens = key("num_tokens"),
                   *k_recv_per_rank = key("recv_per_rank"),
                   *k_sent_per_rank = key("sent_per_rank"), *k_y = key("y"),
@@ -439,6 +440,7 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
       return nullptr;
     const int64_t t_n = PyLong_AsLongLong(t_obj.get());
     if (t_n == -1 && PyErr_Occurred()) return nullptr;
+    if (!out_ready(out_arg, e_obj, t_n)) return not_taken();
     int64_t nret, own, back;   // partials: of received tokens, of mine, coming back
     if (!get_int(st, k_nret, nret) || !get_int(st, k_own, own) || !get_int(st, k_back, back))
       return nullptr;
@@ -496,11 +498,12 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
       t3 = now_us();
       if (!run(b, B_BAGS, B_ERR)) return nullptr;
     }
-    at::Tensor y = at::empty({t_n, hidden}, e.options());
+    at::Tensor y = out_arg == Py_None ? at::empty({t_n, hidden}, e.options())
+                                      : THPVariable_Unpack(out_arg);
     b[B_Y] = reinterpret_cast<intptr_t>(y.data_ptr());
     if (!run(b, B_FINAL, B_ERR)) return nullptr;
     const double t4 = now_us();
-    Obj y_obj(THPVariable_Wrap(y));
+    Obj y_obj(out_arg == Py_None ? THPVariable_Wrap(y) : ref(out_arg));
     if (!y_obj) return nullptr;
     PyObject* times = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t2),
                                    PyFloat_FromDouble(t3), PyFloat_FromDouble(t4)});
@@ -525,15 +528,16 @@ PyObject* torch_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   return dispatch_core(&PyTuple_GET_ITEM(a[0], 0), a[1], a[2], a[3], call);
 }
 
-// torch_combine(door, expert_out, state, weighted) -> CombineResult: expert_out's rows
+// torch_combine(door, expert_out, state, weighted, out) -> CombineResult: expert_out's rows
 // (contiguous, the partials' dtype) summed per received token into the send buffer, the
 // collective (this rank's own tokens summed while a small one runs, after a large one), then
-// each token's partials summed at the source into a new y
+// each token's partials summed at the source into y (`out` when not None: contiguous, the
+// rows' dtype; anything `out_ready` refuses answers NotImplemented)
 PyObject* torch_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  if (!arity(nargs, 4) || !tuple_of(a[0], TC_LEN, "door")) return nullptr;
+  if (!arity(nargs, 5) || !tuple_of(a[0], TC_LEN, "door")) return nullptr;
   const int weighted = PyObject_IsTrue(a[3]);
   if (weighted < 0) return nullptr;
-  return combine_core(&PyTuple_GET_ITEM(a[0], 0), a[1], a[2], weighted);
+  return combine_core(&PyTuple_GET_ITEM(a[0], 0), a[1], a[2], weighted, a[4]);
 }
 
 // torch_door_dispatch(door, buf, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented:
@@ -585,14 +589,14 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   return finish(buf, r);
 }
 
-// torch_door_combine(door, buf, expert_out, handle, weighted) -> y or NotImplemented: the
-// common combine (this Buffer's handle of a compiled-layout CPU dispatch, bf16 or fp32 rows, no
-// `out`) as `torch_door_dispatch` takes the common dispatch
+// torch_door_combine(door, buf, expert_out, handle, weighted, out) -> y or NotImplemented: the
+// common combine (this Buffer's handle of a compiled-layout CPU dispatch, bf16 or fp32 rows,
+// `out` None or as `out_ready` takes it) as `torch_door_dispatch` takes the common dispatch
 PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
                   *k_hidden = key("hidden"), *k_state = key("state"), *k_res = key("res"),
                   *k_combine = key("combine");
-  if (!arity(nargs, 5) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
+  if (!arity(nargs, 6) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
   PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
   PyObject *buf = a[1], *rows = a[2], *handle = a[3];
   if (!is_handle(handle)) return not_taken();
@@ -624,7 +628,7 @@ PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   PyObject* door = lookup(d[TR_DOORS], k.get());        // (`TorchBackend._combine_door`)
   if (!door || !PyTuple_CheckExact(door) || PyTuple_GET_SIZE(door) != TC_LEN) return not_taken();
   Obj door_ref(ref(door));
-  PyObject* r = combine_core(&PyTuple_GET_ITEM(door, 0), rows, st.get(), weighted);
+  PyObject* r = combine_core(&PyTuple_GET_ITEM(door, 0), rows, st.get(), weighted, a[5]);
   if (!r) return failed(buf);
   if (r == Py_NotImplemented) return r;      // the scratch must grow: the Python path
   return finish(buf, r, true);

@@ -63,11 +63,11 @@ Where `ubep.native` is built, a CPU call runs compiled (`native/torch_path.cpp`,
 collectives on the group's C++ object (`c10d::ProcessGroup::all_to_all_single`, polled as
 `wait` polls them, then their `wait()`), the result objects made in C++, no Python between
 pack, collectives and results. It takes every CPU dispatch whose batch fits the scratch and
-every bf16/fp32 combine without `out`; its words (`_doors`) are per row type and inline
-capacity and read the scratch on every call, so changing batches keep it. A dispatch whose
-phase 2 needs a larger receive buffer goes on in Python after its first collective
-(`_native_rest`); everything else runs the Python path below, the definition. Same bits as
-the Python path (tests/test_native_torch.py). Why: at batch 1 the Python between the
+every bf16/fp32 combine (into a contiguous `out` too); its words (`_doors`) are per row type
+and inline capacity and read the scratch on every call, so changing batches keep it. A
+dispatch whose phase 2 needs a larger receive buffer goes on in Python after its first
+collective (`_native_rest`); everything else runs the Python path below, the definition.
+Same bits as the Python path (tests/test_native_torch.py). Why: at batch 1 the Python between the
 collectives cost more than the collectives' own host work, each statement on caches gloo's
 threads had just used (docs/results.md, "The torch path, compiled").
 
@@ -966,9 +966,9 @@ class TorchBackend:
         door = self._doors.get(key)
         if door is None and self._native is not None and expert_out.is_cpu:
             door = self._doors[key] = self._combine_door(pdtype, hidden)
-        if door is not None and out is None and src is expert_out:
+        if door is not None and src is expert_out and (out is None or out.is_contiguous()):
             # compiled (`ubep.native`): the same kernels and collective, no Python between
-            r = self._native.torch_combine(door, expert_out, st, weighted)
+            r = self._native.torch_combine(door, expert_out, st, weighted, out)
             if r is not NotImplemented:
                 return r
         v = self._shapes.get(key)

@@ -524,13 +524,14 @@ class DirectPath:
 
     def combine_resume(self, r: tuple, expert_out: torch.Tensor, handle: DispatchHandle,
                        weighted: bool, t0: float, epoch: int, offset: int, ptr: int,
-                       copied: bool) -> CombineResult:
-        """The rest of a combine (no `out`) whose compiled entry, called by `ubep.native`'s
-        door, stopped at a wait and returned `r`: the Python path's waits from there."""
+                       copied: bool, dest: torch.Tensor | None = None) -> CombineResult:
+        """The rest of a combine whose compiled entry, called by `ubep.native`'s door,
+        stopped at a wait and returned `r` (`dest`: the caller's contiguous `out`, which the
+        entry sums into): the Python path's waits from there."""
         dtype = expert_out.dtype
         code, ecode, lut = _elem(dtype)
         es = dtype.itemsize
-        return self._combine_rest(handle, expert_out, None, epoch, code, ecode, lut, es,
+        return self._combine_rest(handle, expert_out, dest, epoch, code, ecode, lut, es,
                                   self.hidden * es, offset, ptr, handle.num_recv, copied,
                                   weighted, t0, r)
 
