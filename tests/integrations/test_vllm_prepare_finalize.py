@@ -57,9 +57,10 @@ def _layer(rank, world, combos):
         expert_map[held] = torch.arange(len(held), dtype=torch.int32)
         with ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=8, max_top_k=K,
                          backend=backend) as buf:
-            door = None
+            door = comb = None
             if buf._door is not None:      # ubep.native built: count the compiled calls
                 door = buf._door_dispatch = Counted(buf._door_dispatch)
+                comb = buf._door_combine = Counted(buf._door_combine)
             pf = UbepPrepareAndFinalize(buf, dist.group.WORLD)
             for _ in range(3):   # the later calls reuse the gathered placement
                 a, scale, meta, rows_ids, rows_w = pf.prepare(
@@ -79,8 +80,9 @@ def _layer(rank, world, combos):
                 pf.finalize(out, rows, w, ids, False, impl)
             outs.append(out)
             assert pf.num_dispatches == pf.num_combines == 3
-            if door is not None:
+            if door is not None:    # finalize's combine into vLLM's output too
                 assert door.took >= 1, (placement, rule, backend, door.declined)
+                assert comb.took >= 1, (placement, rule, backend, comb.declined)
     return outs
 
 
