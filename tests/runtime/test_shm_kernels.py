@@ -270,6 +270,26 @@ def test_copy_kernels_do_not_call_memcpy():
 
 
 
+@pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 14336, 3 * 4096 + 5])
+@pytest.mark.parametrize("gap", [0, 1, 16, 31, 63, 64, 4080])
+def test_memcpy_at_copies_every_byte_at_any_page_offset(n, gap):
+    # a destination 1-63 bytes past the source modulo 4 KiB is copied in ALIAS_PIECE pieces
+    # (rep movsb's slow case on AMD Zen 3); every offset must give the same bytes
+    from ubep.runtime.shm.atomics import memcpy_at
+
+    @njit
+    def copy(d, s, k):
+        memcpy_at(d, s, k)
+
+    src = np.random.default_rng(n + gap).integers(0, 256, n + 8192, dtype=np.uint8)
+    dst = np.zeros(n + 2 * 8192, np.uint8)
+    s_at = -src.ctypes.data % 4096          # the source on a page boundary
+    d_at = -dst.ctypes.data % 4096 + 4096 + gap
+    copy(dst.ctypes.data + d_at, src.ctypes.data + s_at, n)
+    assert np.array_equal(dst[d_at:d_at + n], src[s_at:s_at + n])
+    assert not dst[:d_at].any() and not dst[d_at + n:].any()
+
+
 def test_a_dispatch_record_is_a_meta_bytes_header_then_the_row():
     mem, lay, base, bases = _region("tff", 512)
     idx = np.array([[-1, 1]], np.int64)
