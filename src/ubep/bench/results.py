@@ -146,8 +146,8 @@ _SYSTEM_ROWS = (
      "kernel's epilogue would), the partial sums reduce-scattered in bf16 (gloo)"),
     ('copy bound',
      'the bytes dispatch and combine must move on each rank (every routed row once each '
-     "way), memcpy'd contiguously by one core per rank at the same time, plus one flag "
-     'round trip between the processes'),
+     "way), memcpy'd contiguously between page-aligned buffers by one core per rank at the "
+     'same time, plus one flag round trip between the processes'),
 )
 _MEASURED = "| system | what it is |\n|:---|:---|\n" + "".join(
     f"| {name} | {text} |\n" for name, text in _SYSTEM_ROWS) + """
@@ -180,6 +180,23 @@ in the same order (same bits). Measured side by side with the previous version, 
 (2026-12-01, Intel VM): shm-owned/copy bound at batch 128 in turns 1.96 and 2.09 before,
 1.44 and 1.37 after; the batch-128 dispatch of shm-direct 1.95-2.15 ms before, 1.15-1.3 ms
 after.
+
+*Where a row lies in its page.* glibc before 2.39 copies a few KiB and more with `rep
+movsb`, which AMD Zen 3 (the EPYC VMs these runs sometimes get) runs ~8x slower when the
+destination lies 1-63 bytes past the source modulo 4 KiB: 112 KiB in 39 µs against 4.8 at
+any other offset (glibc 2.36). Two numpy arrays malloc placed back to back sit exactly 16
+bytes apart that way, and the copy bound and the cross-core probe used such a pair until
+2026-12-02 (their batch-1 bound read 87 µs, above shm-owned's 37: a bound that was not
+one); they now copy between page-aligned buffers (`ubep.bench.pages`). The runtime met it
+too: its receive areas are page-aligned, so an `x` 16 bytes before a page boundary (a
+slice of a framework's flat workspace can lie anywhere) made every row's copy slow. Measured
+with `tests/runtime/bench_copy_alias.py` (batch 128, P=2, two runs each, alternated,
+2026-12-02, AMD EPYC VM): the batch-128 dispatch from such an `x` took 5.7 and 3.9 ms
+(shm-owned) and 3.7 and 3.7 ms (shm-direct) against 1.0-1.5 ms from any other offset;
+`memcpy_at` now copies such rows in 2 KiB pieces, below glibc's `rep movsb` threshold, and
+the same dispatch took 1.4 and 1.5 ms (owned), 1.9 and 1.4 ms (direct), inside the spread of
+the other offsets (1.2-1.8 ms in those runs). The torch backend's rows cross gloo's copies,
+not ours: no difference by offset.
 
 *One worker per rank.* With 2 cores and 2 ranks each rank has one worker: kernel
 decomposition has no second core to overlap its count, send and reorder roles on, so
