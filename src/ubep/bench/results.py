@@ -169,6 +169,14 @@ DeepEP low-latency semantics (`recv_x` valid until the next dispatch), which is 
 areas lent as `recv_x` only while nothing else holds them (else copied out), so results are
 the caller's and any handle combines: what `backend="auto"` runs on one host.
 
+*Under the copy bound at batch 128.* shm-direct and shm-owned can take less than the copy
+bound there (0.5-0.9x): the bound copies every received row back for combine (a read and a
+write of each row, as a transport between address spaces must), while these read each
+expert output where it lies and write only each token's sum (one read of each row); and the
+bound's one 14.7 MB memcpy per rank takes glibc's non-temporal path, which copied the same
+bytes 10-20% slower than row-size pieces (one process, AMD EPYC VM, 2026-12-02). The ratio
+says the systems move no more than one copy's worth; it is not a floor they broke.
+
 *How a row is written.* A loop of ordinary stores first reads every cache line it
 overwrites (from memory, or from the core that last wrote it); memcpy's string stores write
 whole lines without reading them, and the copy bound is a memcpy. shm-direct and shm-owned
