@@ -204,3 +204,32 @@ def test_the_compiled_door_combines_into_a_contiguous_out(kw):
             empty = (n == 0 or t == 0) + (t == 0) if dtype != "fp16" else 0
             assert declined == (empty, 2 - empty), (dtype, declined, n, t)
             assert same and op == "combine", (dtype, same, op)
+
+
+def _out_in_combine_buffer(rank, world, kw, case):
+    """`out` in the Buffer's own combine buffer while expert_out is another tensor: combine
+    puts the rows peers read there, so summing into it would hand peers its sums. Refused on
+    every rank (ValueError, before anything moved), then the same handle combines."""
+    with ubep.Buffer(num_experts=case.num_experts, hidden=case.hidden,
+                     max_tokens_per_rank=max(case.tokens), backend="shm", timeout_s=30,
+                     **kw) as buf:
+        x, idx, w = case.inputs(rank)
+        for _ in range(2):                      # the second call's door is warm
+            res = buf.dispatch(x, idx, w)
+            rows = expert_fn(res.recv_x).clone()
+            T = case.tokens[rank]
+            cb = buf.get_combine_buffer(res.handle)
+            assert cb.shape[0] >= T
+            with pytest.raises(ValueError, match="out lies in this Buffer's combine buffer"):
+                buf.combine(rows, res.handle, weighted=case.weighted, out=cb[:T])
+            out = torch.empty(T, case.hidden, dtype=rows.dtype)
+            y = buf.combine(rows, res.handle, weighted=case.weighted, out=out)
+        return _for_oracle(res, y)
+
+
+@pytest.mark.parametrize("kw", [dict(direct=True), dict(direct="owned"),
+                                dict(direct="owned", workers=2)],
+                         ids=["direct", "owned", "owned-2"])
+def test_out_in_the_combine_buffer_is_refused_and_the_buffer_stays_usable(kw):
+    case = Case(8, 16, 2, (6, 6), "uniform", "fp32", seed=21)
+    check_case(case, run_ranks(_out_in_combine_buffer, 2, kw, case, timeout_s=120))

@@ -27,6 +27,7 @@ from ubep.runtime.auto import choose_backend
 from ubep.runtime.bootstrap import agree
 from ubep.stats import Stats
 from ubep.validate import (
+    byte_span,
     check_combine_inputs,
     check_combine_out,
     check_dispatch_inputs,
@@ -331,7 +332,9 @@ class Buffer:
             weighted: multiply each row by its gating weight before summing (default).
             out: optional `[T, hidden]` tensor of `expert_out.dtype` on its device (any
                 strides) that receives `y`, as a framework's preallocated output (vLLM's
-                `finalize(output, ...)`); checked before any communication.
+                `finalize(output, ...)`); checked before any communication. It may share
+                memory with `expert_out` (then filled once the sums are done), not with
+                `get_combine_buffer`'s memory (ValueError: peers read rows there meanwhile).
 
         Returns:
             `y` `[T, hidden]` in `expert_out.dtype`: for each token, the fp32 sum over its
@@ -443,10 +446,5 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the byte ranges `a` and `b` span on one device intersect (strides included)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:       # torch strides are never negative
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
+    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
     return a0 < b1 and b0 < a1

@@ -278,6 +278,15 @@ def check_combine_out(out: object, *, num_tokens: int, hidden: int, dtype: torch
 _SUMMABLE: dict[torch.dtype, bool] = {}
 
 
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range `[lo, hi)` a tensor's elements span in its device's memory (strides
+    included; torch strides are never negative); `(0, 0)` when it has no elements."""
+    if t.numel() == 0:
+        return 0, 0
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
 def _summable(dtype: torch.dtype) -> bool:
     """Whether combine can sum rows of `dtype`: floating, at most 4 bytes (memoized)."""
     ok = _SUMMABLE.get(dtype)

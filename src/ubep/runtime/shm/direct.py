@@ -76,7 +76,7 @@ from ubep.runtime.shm.region import (
 )
 from ubep.runtime.shm.waits import INLINE_SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
-from ubep.validate import MOVABLE_DTYPES
+from ubep.validate import MOVABLE_DTYPES, byte_span
 
 _CODES = DTYPE_CODES
 _NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_direct: "do not round to bf16 here"
@@ -475,6 +475,13 @@ class DirectPath:
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
                 t0: float, dest: torch.Tensor | None = None) -> CombineResult:
         b = self.ctx
+        if dest is not None:
+            lo, hi = byte_span(dest)
+            if lo < self._comb_addr + self._area and self._comb_addr < hi:
+                raise ValueError(
+                    "out lies in this Buffer's combine buffer (get_combine_buffer's memory), "
+                    "where combine puts the rows peers read while it sums: pass an out of "
+                    "your own (or combine without out)")
         if handle.call != self._last_call and not self.owned:
             raise ValueError("handle is not from this Buffer's latest dispatch; with "
                              "direct=True only the latest dispatch can be combined (its rows "
