@@ -163,6 +163,35 @@ def test_owned_combine_buffer_serves_any_handle_once():
     assert all(o[3] for o in outs)
 
 
+def _one_rank_refused(rank, world, workers):
+    """Rank 0 alone passes a stale combine buffer (refused), then retries with its own
+    tensor; rank 1 combines once and waits for it meanwhile: the refusal moved nothing, so
+    the retry is the combine rank 1 waits for."""
+    with _owned(num_experts=8, hidden=1024, max_tokens_per_rank=64, max_top_k=4,
+                workers=workers) as buf:
+        x, idx, w = CASES[0].inputs(rank)
+        a, b = buf.dispatch(x, idx, w), buf.dispatch(x, idx, w)
+        error = None
+        if rank == 0:
+            stale = buf.get_combine_buffer(a.handle)
+            buf.get_combine_buffer(b.handle)            # a's tensor is stale from here on
+            try:
+                buf.combine(stale, a.handle)
+            except ValueError as e:
+                error = str(e)
+        ya = buf.combine(expert_fn(a.recv_x), a.handle)
+        yb = buf.combine(expert_fn(b.recv_x), b.handle)
+    return error, _kept(a, ya), _kept(b, yb)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_refused_combine_on_one_rank_leaves_it_in_step_with_its_peers(workers):
+    outs = run_ranks(_one_rank_refused, 2, workers, timeout_s=120)
+    assert "get_combine_buffer" in outs[0][0] and outs[1][0] is None
+    check_case(CASES[0], [o[1] for o in outs])
+    check_case(CASES[0], [o[2] for o in outs])
+
+
 def _refusals(rank, world):
     import ubep
 

@@ -492,7 +492,6 @@ class DirectPath:
         es = dtype.itemsize
         rb = self.hidden * es
         n_recv = handle.num_recv
-        self._c_epoch = epoch = self._c_epoch + 1
         ptr = expert_out.data_ptr()
         if self.owned:      # the combine area holds what was written last
             if ptr == self._comb_addr and n_recv and handle.call != self._lent_comb:
@@ -500,6 +499,9 @@ class DirectPath:
                     "expert_out is the combine buffer of another dispatch (or one a later "
                     "combine overwrote): with direct='owned' get_combine_buffer's tensor is "
                     "valid until the next combine or get_combine_buffer")
+        # refused above before anything moved (a retry keeps this rank in step); from here on
+        self._c_epoch = epoch = self._c_epoch + 1
+        if self.owned:
             # a tensor in a lent area (a recv_x the caller holds) is read where it lies
             lent = self._lent_lo <= ptr and ptr + n_recv * rb <= self._lent_hi
             copied = n_recv > 0 and ptr != self._comb_addr and not lent
