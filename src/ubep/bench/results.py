@@ -223,6 +223,16 @@ core has just written them take 2.3-2.7x as long (the probe in the header above;
 9.6 vs 3.5 µs on the Intel VM), the coherence traffic every transport between two processes
 pays at least once per row.
 
+*The host's own gaps.* A tight clock loop on each core (`tests/runtime/bench_host_gaps.py`,
+3 s, AMD EPYC VM, 2026-12-02) saw 162 and 30 gaps longer than 20 µs a second on cores 0 and 1
+at 10:45 UTC, and 470-880 and 420-740 an hour later (median gap 27-28 µs, 10-50 a second
+longer than 50 µs). A call that needs both cores for d µs meets one about (gaps a second)
+x (d + 28 µs) of the time: 1-2% of batch-1 shm calls at the first rate, 5-10% at the
+second. So the p99 of any batch-1 call here is a gap, the copy bound's included (its own
+p99/median in the table above), and at the second rate the median moves too: shm-owned's
+batch-1 median in turns read 35.7 µs at 11:20 and 50.0 and 49.9 µs at 11:26-11:27 UTC, with
+no change to the code between.
+
 *Where a batch-1 call's time goes, warm and cold.* Timestamps at 38 points of the one-worker
 `direct="owned"` path (a temporary instrumented copy; one process, 1-rank group, 2,000 calls,
 medians; 2026-12-01, 18:30 UTC), calls back to back against calls each after 16 MB of other
