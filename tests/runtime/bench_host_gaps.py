@@ -15,20 +15,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
-import time
 
 
 def _gaps(core: int, seconds: float) -> tuple[int, list[int]]:
+    from ubep.bench.flags import clock_gaps
+
     os.sched_setaffinity(0, [core])
-    clock = time.perf_counter_ns
-    end = clock() + int(seconds * 1e9)
-    gaps, last = [], clock()
-    while last < end:
-        now = clock()
-        if now - last > 20_000:
-            gaps.append(now - last)
-        last = now
-    return core, gaps
+    return core, clock_gaps(seconds)
 
 
 def main() -> None:

@@ -92,6 +92,21 @@ def _ping_pong(words, me_first, rounds, start, max_spins):
     return rounds
 
 
+def clock_gaps(seconds: float, min_us: float = 20.0) -> list[int]:
+    """The gaps longer than `min_us` (ns each) in `seconds` of reading the clock back to back
+    on this thread: the times the host took the core away (other tenants of the VM,
+    interrupts, the kernel's own work), which any call running then waits out."""
+    clock, limit = time.perf_counter_ns, int(min_us * 1e3)
+    end = clock() + int(seconds * 1e9)
+    gaps, last = [], clock()
+    while last < end:
+        now = clock()
+        if now - last > limit:
+            gaps.append(now - last)
+        last = now
+    return gaps
+
+
 def _words(world: int) -> int:
     """int64 words of the flag slots: ping, pong, one barrier word per rank, the probe's."""
     return (3 + world) * _SLOT
@@ -172,6 +187,15 @@ class HostSync:
         base = (2 + 0) * _SLOT
         _store(self.words, base + self.rank * _SLOT, self._epoch)
         self._wait("barrier", base, self.world, _SLOT, self._epoch)
+
+    def gaps_per_s(self, seconds: float = 0.5) -> float:
+        """Gaps longer than 20 µs a second on this rank's core while every rank looks at once
+        (`clock_gaps`): how often a call that needs every core meets one. Every rank calls
+        it; each returns its own."""
+        self.barrier()
+        n = len(clock_gaps(seconds))
+        self.barrier()
+        return n / seconds
 
     def flag_round_trip_us(self, rounds: int = 200, repeats: int = 25) -> float | None:
         """The best over `repeats` of the mean time of one flag round trip, rank 0 <-> rank 1.
