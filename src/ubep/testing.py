@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 
@@ -142,11 +143,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     done = [False] * world_size
     deadline = time.monotonic() + timeout_s
     try:
-        while not all(done) and time.monotonic() < deadline:
+        while not all(done) and (left := deadline - time.monotonic()) > 0:
+            # one blocking wait for any rank's answer or exit: no periodic wake-up of this
+            # process, which would take a core from the ranks (benchmarks run under it)
+            mp_wait([w for r in range(world_size) if not done[r]
+                     for w in (conns[r], procs[r].sentinel)], timeout=left)
             for r in range(world_size):
                 if done[r]:
                     continue
-                if conns[r].poll(0.01):
+                if conns[r].poll(0):
                     try:
                         status, payload = _loads(conns[r].recv_bytes())
                     except EOFError:

@@ -65,6 +65,9 @@ def test_bench_side_by_side(tmp_path):
     xcopy = run["cross_core_copy"]["2"]
     assert xcopy["bytes"] == 1 * 2 * 64 * 2 and xcopy["peer_written_us"] > 0 \
         and xcopy["own_cache_us"] > 0
+    # the host's gaps probe: a rate per rank, at the start and at the end
+    gaps = run["host_gaps_per_s"]["2"]
+    assert len(gaps) == 2 and all(len(g) == 2 and min(g) >= 0 for g in gaps)
     # ranks bound to disjoint slices of the usable cores when there are enough of them
     cores = run["rank_cores"]["2"]
     if len(os.sched_getaffinity(0)) >= 2:

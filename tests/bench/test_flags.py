@@ -26,6 +26,8 @@ def _rank(rank, world):
         # than the segment has room for: not measured, on every rank
         xcopy = sync.cross_core_copy_us(1 << 16, repeats=20)
         too_big = sync.cross_core_copy_us((1 << 16) + 1, repeats=2)
+        gaps = sync.gaps_per_s(0.05)           # every rank looks at once; a rate each
+        assert gaps >= 0 and isinstance(gaps, float)
     finally:
         sync.close()
     return early, rtt, xcopy, too_big

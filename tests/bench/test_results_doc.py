@@ -22,7 +22,7 @@ def _result(scale: float, block: int) -> BenchResult:
             t[:, 2] *= 2                                       # one slow iteration: p99
             times[(name, H, batch)] = t
     rank = {"times": times, "phases": {}, "unavailable": {}, "rtt_us": 0.0,
-            "xcopy": (114688, 6.0 * scale, 3.0 * scale),
+            "xcopy": (114688, 6.0 * scale, 3.0 * scale), "gaps": (150.0, 40.0 * scale),
             "bytes": {(H, 1): (1, 1), (H, 128): (1, 1)}}
     res = BenchResult(config=cfg, machine={"time_utc": "now", "cpus_usable": 2,
                                            "load_avg_1m": 0.1})
@@ -46,5 +46,6 @@ def test_figures_are_ratios_of_one_run():
         "2.00×") == 2
     md = render(turns, inter, command="ubep results")
     assert "    ubep results" in md and "112 KiB a batch-1 dispatch moves takes 6.0 µs" in md
+    assert "150/150 times a second at the start of run 1 and 40/40 at its end" in md
     assert "    ubep results" in md and "## Run 2: every iteration interleaved" in md
     assert "| 1 | raw collectives |" in md and "× raw+copy" in md

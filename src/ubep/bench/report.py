@@ -111,7 +111,8 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
     console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
                   f"{'?' if load is None else f'{load:.1f}'}; flag round trip "
                   + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
-                  + cross_core(res) + f"; {pinning(res)}; {m.get('native', '?')}; "
+                  + cross_core(res) + host_gaps(res) + f"; {pinning(res)}; "
+                  f"{m.get('native', '?')}; "
                   f"{res.elapsed_s:.0f} s[/]")
 
 
@@ -120,6 +121,13 @@ def cross_core(res: BenchResult) -> str:
     return "".join(f"; cross-core copy P={p}: {n / 1024:.0f} KiB in {peer:.1f} µs "
                    f"({peer / own:.1f}× the {own:.1f} µs from the copying core's cache)"
                    for p, (n, peer, own) in sorted(res.xcopy.items()))
+
+
+def host_gaps(res: BenchResult) -> str:
+    """The host's gaps probe in words ("" if not measured)."""
+    return "".join(f"; host gaps > 20 µs P={p}: " + ", ".join(
+        f"rank {r} {a:.0f}/s then {b:.0f}/s" for r, (a, b) in enumerate(per_rank))
+        for p, per_rank in sorted(res.gaps.items()))
 
 
 def pinning(res: BenchResult) -> str:
@@ -232,6 +240,7 @@ def write_json(res: BenchResult, out_dir: Path) -> Path:
         "cross_core_copy": {str(k): {"bytes": n, "peer_written_us": a, "own_cache_us": b}
                             for k, (n, a, b) in res.xcopy.items()},
         "rank_cores": {str(k): v for k, v in res.cores.items()},
+        "host_gaps_per_s": {str(k): v for k, v in res.gaps.items()},
         "unavailable": res.unavailable, "elapsed_s": res.elapsed_s}, indent=2))
     return path
 

@@ -436,6 +436,18 @@ def _xcopy_words(res: BenchResult) -> str:
             ").")
 
 
+def _gaps_words(res: BenchResult) -> str:
+    """The host's gaps probe of a run in a sentence ("" if not measured)."""
+    if 2 not in res.gaps:
+        return ""
+    starts, ends = zip(*res.gaps[2])
+    return (f" The host took a rank's core away for more than 20 µs (a gap in a clock loop, "
+            f"`ubep.bench.flags.clock_gaps`) {'/'.join(f'{g:.0f}' for g in starts)} times a "
+            f"second at the start of run 1 and {'/'.join(f'{g:.0f}' for g in ends)} at its end "
+            "(ranks 0/1; \"The host's own gaps\" below says what that does to a batch-1 "
+            "call).")
+
+
 def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
     """docs/results.md from the two runs."""
     from ubep.bench.report import load_warning, markdown
@@ -451,7 +463,7 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
         f"{m.get('python')}, torch {m.get('torch')}"
         + (f", {' '.join(m['mpi'].split())}" if m.get("mpi") else "")
         + (f"; {m['native']}" if m.get("native") else "") + ". Flag round trip "
-        f"{turns.rtt_us.get(2, 0):.2f} µs." + _xcopy_words(turns)
+        f"{turns.rtt_us.get(2, 0):.2f} µs." + _xcopy_words(turns) + _gaps_words(turns)
         + f" Run 1 took {turns.elapsed_s:.0f} s, run 2 {inter.elapsed_s:.0f} s.", "",
         "P=2 ranks, bf16, top-8, 16 experts, uniform routing, batch = tokens per rank. Every "
         "figure is a median (or p99) over iterations, or a ratio of two medians, of ONE run; "

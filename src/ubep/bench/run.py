@@ -96,6 +96,8 @@ class BenchResult:
     cores: dict = field(default_factory=dict)     # P -> each rank's cores (None: unbound)
     #: P -> (bytes, µs to copy them as another core just wrote them, µs from own cache)
     xcopy: dict = field(default_factory=dict)
+    #: P -> per rank, gaps > 20 µs a second on its core (start, end): the host's own noise
+    gaps: dict = field(default_factory=dict)
     bytes: dict = field(default_factory=dict)     # (P, hidden, batch) -> (dispatch, combine) B
     #: one dict per (system, P, hidden, batch, "<op>:<phase>"): the backend's own phase times,
     #: median over iterations of the max over ranks (Buffer systems only)
@@ -174,6 +176,8 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
     res.cores[world] = [r.get("cpu") for r in per_rank]
     if first.get("xcopy") is not None:
         res.xcopy[world] = tuple(first["xcopy"])
+    if all(r.get("gaps") is not None for r in per_rank):
+        res.gaps[world] = [tuple(r["gaps"]) for r in per_rank]
     for (hidden, batch) in first["bytes"]:
         res.bytes[(world, hidden, batch)] = tuple(
             max(r["bytes"][(hidden, batch)][i] for r in per_rank) for i in range(2))
