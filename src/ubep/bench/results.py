@@ -231,7 +231,10 @@ x (d + 28 µs) of the time: 1-2% of batch-1 shm calls at the first rate, 5-10% a
 second. So the p99 of any batch-1 call here is a gap, the copy bound's included (its own
 p99/median in the table above), and at the second rate the median moves too: shm-owned's
 batch-1 median in turns read 35.7 µs at 11:20 and 50.0 and 49.9 µs at 11:26-11:27 UTC, with
-no change to the code between.
+no change to the code between; in six runs of `ubep bench --systems shm-owned shm-direct
+--tokens 1 --iters 200` at 12:03-12:06 it read 32.2 and 39.8 µs where every rank's probe saw
+at most ~500 gaps a second, 49.4-58.7 µs where one saw 600-1350. Each run's rates are in
+the header line (and in this file's first paragraph).
 
 *Where a batch-1 call's time goes, warm and cold.* Timestamps at 38 points of the one-worker
 `direct="owned"` path (a temporary instrumented copy; one process, 1-rank group, 2,000 calls,
