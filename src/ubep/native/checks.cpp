@@ -73,21 +73,23 @@ bool combine_ready(PyObject* const* a, const int64_t* lim) {
       && e->stride(1) == 1;
 }
 
-bool out_ready(PyObject* out, PyObject* rows, int64_t num_tokens) try {
+bool out_ready(PyObject* out, PyObject* rows, int64_t num_tokens, int64_t avoid,
+               int64_t avoid_len) try {
   if (out == Py_None) return true;
   const at::Tensor *o = plain(out), *e = plain(rows);
   if (!o || !e || o->dim() != 2 || o->size(0) != num_tokens || o->size(1) != e->size(1)
       || o->scalar_type() != e->scalar_type() || !o->is_contiguous() || o->requires_grad())
     return false;
-  // no byte shared with the rows (`Buffer._overlap`: such an `out` is filled afterwards)
+  // no byte shared with the rows (`Buffer._overlap`: such an `out` is filled afterwards) nor
+  // with [avoid, avoid + avoid_len) (the Python path names that error)
+  if (o->numel() == 0) return true;
   const auto span = [](const at::Tensor& t) {
-    const auto* p = static_cast<const char*>(t.const_data_ptr());
-    return std::make_pair(p, p + t.numel() * t.element_size());
+    const int64_t p = reinterpret_cast<intptr_t>(t.const_data_ptr());
+    return std::pair<int64_t, int64_t>(p, p + t.numel() * t.element_size());
   };
-  if (o->numel() == 0 || e->numel() == 0) return true;
   const auto [o0, o1] = span(*o);
   const auto [e0, e1] = span(*e);
-  return o1 <= e0 || e1 <= o0;
+  return (e->numel() == 0 || o1 <= e0 || e1 <= o0) && (o1 <= avoid || avoid + avoid_len <= o0);
 } catch (const std::exception&) {     // a torch error on an odd tensor: "not sure"
   return false;
 }

@@ -194,13 +194,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!origins_ok(origins)) return not_taken();
   int64_t t_n;
   if (!get_int(handle, k_num_tokens, t_n)) return nullptr;
-  if (!out_ready(out, rows, t_n)) return not_taken();
-  if (out != Py_None) {        // in my combine area: the Python path names the error
-    const at::Tensor& o = THPVariable_Unpack(out);
-    const int64_t lo = reinterpret_cast<intptr_t>(o.const_data_ptr());
-    if (o.numel() && lo < comb + d.v[DR_AREA] && comb < lo + o.numel() * o.element_size())
-      return not_taken();
-  }
+  if (!out_ready(out, rows, t_n, comb, d.v[DR_AREA])) return not_taken();   // not in my comb
   PyObject* topk_idx = PyObject_GetAttr(handle, k_topk_idx);
   if (!topk_idx) return nullptr;
   Obj topk_ref(topk_idx);

@@ -174,9 +174,11 @@ inline PyObject* lookup(PyObject* dict, PyObject* k) {
 bool dispatch_ready(PyObject* const* a, const int64_t* lim);
 bool combine_ready(PyObject* const* a, const int64_t* lim);
 // combine's `out` as a door takes it: None, or a plain contiguous CPU tensor `[num_tokens,
-// hidden]` of the (checked) rows' dtype, not requiring grad, sharing no byte with the rows;
-// anything else is the Python path's (which checks it and names the error)
-bool out_ready(PyObject* out, PyObject* rows, int64_t num_tokens);
+// hidden]` of the (checked) rows' dtype, not requiring grad, sharing no byte with the rows
+// nor with [avoid, avoid + avoid_len); anything else is the Python path's (which checks it
+// and names the error)
+bool out_ready(PyObject* out, PyObject* rows, int64_t num_tokens, int64_t avoid = 0,
+               int64_t avoid_len = 0);
 
 // the direct path's calls once their arguments are parsed (direct.cpp; `direct_dispatch` and
 // `direct_combine` document them); `v`: direct_combine's ints in its argument order
