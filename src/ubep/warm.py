@@ -10,7 +10,9 @@ build): later processes load the kernels from the cache in a few seconds.
 
 The work is split into jobs that exercise the real entry points on a private 1-rank group
 (the same argument types as a P-rank call) and run in separate processes: the shm region
-kernels beside the torch backend and the tools first, then every Buffer system and dtype.
+kernels beside the torch backend and the tools (MPI peer, simulator, benchmark probes)
+first, then every shm Buffer system and dtype. `--only shm` warms what an application on one
+host uses (the vLLM plugin's venv does that).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ DTYPES = ("bfloat16", "float32", "float16")
 
 
 def _one_rank_group():
-    """A private 1-rank gloo group (a file store: no port), for the Buffer jobs."""
+    """A private 1-rank gloo group (a file store: no port), for the Buffer jobs; a pool
+    process keeps the one an earlier job made."""
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        return
     fd, path = tempfile.mkstemp(prefix="ubep-warm-pg-")
     os.close(fd)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
@@ -42,16 +47,21 @@ def _shm_kernels() -> None:
     import ubep._preload  # noqa: F401 - importing it compiles the region kernels
 
 
-def _torch_and_tools() -> None:
-    """The torch backend's kernels (compiled door on and off), validation, the MPI peer's,
-    the simulator's event queue and host microbenchmark, the benchmark's probes."""
+def _torch() -> None:
+    """The torch backend's kernels (compiled door on and off) and the AgRs peer's."""
+    _buffers(("torch",), DTYPES)
+
+
+def _tools() -> None:
+    """The MPI peer's kernels, the simulator's event queue and host microbenchmark, the
+    benchmark's probes."""
     import numpy as np
 
     from ubep.bench import flags
     from ubep.sim import hostbench
     from ubep.sim.api import simulate
 
-    _buffers(("torch",), DTYPES)
+    _one_rank_group()
     try:
         from mpi4py import MPI
     except ImportError:                     # the MPI peer is optional (ubep[mpi])
@@ -70,15 +80,13 @@ def _buffers(systems, dtypes) -> None:
     """One dispatch and combine of each Buffer system in `systems` and dtype, through the
     compiled door and through Python (`UBEP_NATIVE=0`), then the bench's peers and bounds."""
     import torch
-    import torch.distributed as dist
 
     import ubep
     from ubep.bench.config import BUFFER_SYSTEMS
     from ubep.bench.runner import bench_rank
     from ubep.testing import make_routing, make_tokens
 
-    if not dist.is_initialized():
-        _one_rank_group()
+    _one_rank_group()
     idx, w = make_routing(2, 2, 4, seed=1)
     for name in systems:
         backend, mode, direct = BUFFER_SYSTEMS[name]
@@ -132,11 +140,14 @@ def _shm_buffers_other() -> None:
             buf.combine(r.recv_x, r.handle)
 
 
-#: rounds of jobs; the jobs of a round run in parallel processes (the second round's find the
-#: shm region kernels the first compiled)
-ROUNDS: tuple[tuple[Callable[[], None], ...], ...] = (
-    (_shm_kernels, _torch_and_tools),
-    (_shm_buffers_bf16, _shm_buffers_other),
+#: what `--only` can choose: the shared-memory runtime, the torch backend, the tools (MPI
+#: peer, simulator, benchmark probes)
+PARTS = ("shm", "torch", "tools")
+#: rounds of (part, job); the jobs of a round run in parallel processes (the second round's
+#: find the shm region kernels the first compiled)
+ROUNDS: tuple[tuple[tuple[str, Callable[[], None]], ...], ...] = (
+    (("shm", _shm_kernels), ("torch", _torch), ("tools", _tools)),
+    (("shm", _shm_buffers_bf16), ("shm", _shm_buffers_other)),
 )
 
 
@@ -167,22 +178,25 @@ def _timed(job: Callable[[], None]) -> tuple[str, float]:
     return job.__name__.lstrip("_"), time.perf_counter() - t
 
 
-def warm(procs: int | None = None) -> list[tuple[str, float]]:
-    """Run every job (`procs` processes at a time; default: this host's cores); returns each
-    job's name and seconds."""
+def warm(procs: int | None = None, parts=PARTS) -> list[tuple[str, float]]:
+    """Run the jobs of `parts` (`procs` processes at a time; default: this host's cores);
+    returns each job's name and seconds."""
     import multiprocessing as mp
 
+    for p in parts:
+        if p not in PARTS:
+            raise ValueError(f"parts: {p!r} is not one of {PARTS}")
     procs = procs or len(os.sched_getaffinity(0))
     done = []
     with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as ex:
         for jobs in ROUNDS:
-            done += list(ex.map(_timed, jobs))
+            done += list(ex.map(_timed, [job for part, job in jobs if part in parts]))
     return done
 
 
 def _cmd(args: argparse.Namespace) -> int:
     t = time.perf_counter()
-    for name, s in warm(args.procs):
+    for name, s in warm(args.procs, tuple(args.only)):
         print(f"ubep warm: {name} {s:.1f} s")
     print(f"ubep warm: every kernel in Numba's cache ({time.perf_counter() - t:.1f} s)")
     return 0
@@ -193,4 +207,6 @@ def register(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--procs", type=int, default=None,
                    help="processes compiling at once (default: this host's cores)")
+    p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="what to warm (default: all; an app using only Buffer's shm path: shm)")
     p.set_defaults(func=_cmd)
