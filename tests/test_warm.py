@@ -17,7 +17,7 @@ SYSTEMS = ("shm-owned", "shm-ubep", "torch")
 def _warm_job(q) -> None:
     from ubep import warm
 
-    warm._buffers(SYSTEMS, ("bfloat16",))
+    warm._buffers(SYSTEMS, ("bfloat16",), bench=False)
     q.put(compiled_signatures())
 
 

@@ -11,8 +11,9 @@ build): later processes load the kernels from the cache in a few seconds.
 The work is split into jobs that exercise the real entry points on a private 1-rank group
 (the same argument types as a P-rank call) and run in separate processes: the shm region
 kernels beside the torch backend and the tools (MPI peer, simulator, benchmark probes)
-first, then every shm Buffer system and dtype. `--only shm` warms what an application on one
-host uses (the vLLM plugin's venv does that).
+first, then every shm Buffer system and dtype. `--only shm torch` warms what an application
+uses (the vLLM plugin's venv does that; importing ubep compiles the torch backend's C entry
+points, so an shm-only application needs "torch" too).
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ def _tools() -> None:
     flags._ping_pong(np.zeros(64, np.int64), True, 0, 1, 1)     # a peer's; 0 rounds
 
 
-def _buffers(systems, dtypes) -> None:
+def _buffers(systems, dtypes, bench: bool = True) -> None:
     """One dispatch and combine of each Buffer system in `systems` and dtype, through the
-    compiled door and through Python (`UBEP_NATIVE=0`), then the bench's peers and bounds."""
+    compiled door and through Python (`UBEP_NATIVE=0`), then (`bench`) the bench's peers
+    and bounds."""
     import torch
 
     import ubep
@@ -102,7 +104,7 @@ def _buffers(systems, dtypes) -> None:
                 buf.combine(r.recv_x, r.handle)
     os.environ.pop("UBEP_NATIVE", None)
     peers = ("agrs",) if "torch" in systems else ()
-    for dt in dtypes:
+    for dt in dtypes if bench else ():
         bench_rank(0, 1, _bench_config(dt, (*systems, *peers)))
 
 
@@ -208,5 +210,5 @@ def register(sub) -> None:
     p.add_argument("--procs", type=int, default=None,
                    help="processes compiling at once (default: this host's cores)")
     p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
-                   help="what to warm (default: all; an app using only Buffer's shm path: shm)")
+                   help="what to warm (default: all; an application: shm torch)")
     p.set_defaults(func=_cmd)

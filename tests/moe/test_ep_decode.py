@@ -69,7 +69,7 @@ def test_ep_decode_matches_unsplit_p2(two_rank_reports, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("arch", ["deepseek"])     # shared experts and dense layers too
 def test_ep_decode_matches_unsplit_p4(arch):
     backends = tuple(b for b in ("gloo", "shm-ubep") if b in available_backends())
     reports = _decode_all(arch, 4, backends, timeout_s=600.0)
