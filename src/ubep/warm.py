@@ -83,7 +83,6 @@ def _buffers(systems, dtypes, bench: bool = True) -> None:
     and bounds."""
     import torch
 
-    import ubep
     from ubep.bench.config import BUFFER_SYSTEMS
     from ubep.bench.runner import bench_rank
     from ubep.testing import make_routing, make_tokens
@@ -96,13 +95,11 @@ def _buffers(systems, dtypes, bench: bool = True) -> None:
         for workers, native, dt in itertools.product(
                 (1, 2) if backend == "shm" else (None,), ("1", "0"), dtypes):
             os.environ["UBEP_NATIVE"] = native
-            x = make_tokens(0, 2, 64, getattr(torch, dt), seed=2)
-            with ubep.Buffer(num_experts=4, hidden=64, max_tokens_per_rank=2, max_top_k=2,
-                             backend=backend, mode=mode, direct=direct, workers=workers) as buf:
-                r = buf.dispatch(x, idx, w)
-                buf.combine(r.recv_x, r.handle, out=torch.empty_like(x))
-                buf.combine(r.recv_x, r.handle)
-    os.environ.pop("UBEP_NATIVE", None)
+            try:
+                _call(make_tokens(0, 2, 64, getattr(torch, dt), seed=2), idx, w, out=True,
+                      backend=backend, mode=mode, direct=direct, workers=workers)
+            finally:
+                os.environ.pop("UBEP_NATIVE", None)
     peers = ("agrs",) if "torch" in systems else ()
     for dt in dtypes if bench else ():
         bench_rank(0, 1, _bench_config(dt, (*systems, *peers)))
@@ -126,7 +123,6 @@ def _shm_buffers_other() -> None:
     """The other dtypes, then every sync variant and schedule of the multi-worker path."""
     import torch
 
-    import ubep
     from ubep.bench.config import BUFFER_SYSTEMS
     from ubep.options import SCHEDULES, SYNCS
     from ubep.testing import make_routing, make_tokens
@@ -135,11 +131,21 @@ def _shm_buffers_other() -> None:
     idx, w = make_routing(2, 2, 4, seed=1)
     x = make_tokens(0, 2, 64, torch.bfloat16, seed=2)
     for mode, sync, schedule in itertools.product(("ubep", "bsp"), SYNCS, SCHEDULES):
-        with ubep.Buffer(num_experts=4, hidden=64, max_tokens_per_rank=2, max_top_k=2,
-                         backend="shm", mode=mode, sync=sync, schedule=schedule,
-                         workers=2) as buf:
-            r = buf.dispatch(x, idx, w)
-            buf.combine(r.recv_x, r.handle)
+        _call(x, idx, w, backend="shm", mode=mode, sync=sync, schedule=schedule, workers=2)
+
+
+def _call(x, idx, w, out: bool = False, **options) -> None:
+    """One dispatch and combine (and one into an `out`) on a small Buffer of `options`."""
+    import torch
+
+    import ubep
+
+    with ubep.Buffer(num_experts=4, hidden=64, max_tokens_per_rank=2, max_top_k=2,
+                     **options) as buf:
+        r = buf.dispatch(x, idx, w)
+        if out:
+            buf.combine(r.recv_x, r.handle, out=torch.empty_like(x))
+        buf.combine(r.recv_x, r.handle)
 
 
 #: what `--only` can choose: the shared-memory runtime, the torch backend, the tools (MPI
