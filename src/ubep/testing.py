@@ -14,6 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -44,6 +45,7 @@ class RankFailure:
 
 
 _ctx: mp.context.BaseContext | None = None
+_RUNNER_MODULES = ("pytest", "hypothesis")
 
 
 def _dumps(obj: Any) -> bytes:
@@ -64,7 +66,11 @@ def _context() -> mp.context.BaseContext:
     global _ctx
     if _ctx is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep", "ubep._preload"])
+        # a rank unpickles `fn` by importing its module; a test module imports pytest (and
+        # hypothesis), ~0.4 s a rank on every start unless the forkserver holds them already
+        runners = [m for m in _RUNNER_MODULES if m in sys.modules]
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep", "ubep._preload",
+                                    *runners])
         _ctx = ctx
     return _ctx
 
