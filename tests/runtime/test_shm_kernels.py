@@ -345,3 +345,59 @@ def test_direct_rows_copied_by_memcpy_then_fenced():
     assert "memcpy" in asm
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert "sfence" in asm
+
+
+def _f16_kernels():
+    """Loops over the scalar fp16 conversions: the one combine uses here and the integer one
+    used where the CPU has no fp16 instructions (both must match torch bit for bit)."""
+    from numba import njit
+
+    from ubep.runtime.shm.kernels.combine import (
+        f16_to_f32,
+        f16_to_f32_soft,
+        f32_bits_to_f16,
+        f32_to_f16_soft,
+    )
+
+    def ups(conv):
+        @njit
+        def up(h, out):
+            for i in range(h.shape[0]):
+                out[i] = conv(h[i])
+        return up
+
+    def downs(conv):
+        @njit
+        def down(u, out):
+            for i in range(u.shape[0]):
+                out[i] = conv(u[i])
+        return down
+
+    return ([ups(f16_to_f32), ups(f16_to_f32_soft)],
+            [downs(f32_bits_to_f16), downs(f32_to_f16_soft)])
+
+
+def test_fp16_conversions_match_torch_bit_for_bit():
+    """Combine sums fp16 rows in fp32 and rounds back: every fp16 value up (NaNs included:
+    quieted, payload kept, as torch does), and down: every fp16 value, each midpoint between
+    neighbours and one ulp either side (the ties), overflow, subnormals and a sweep of all fp32
+    bit patterns."""
+    up_kernels, down_kernels = _f16_kernels()
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want_up = torch.from_numpy(h.view(np.int16)).view(torch.float16).float().numpy()
+    for up in up_kernels:
+        got = np.empty(h.shape, np.float32)
+        up(h, got)
+        assert np.array_equal(got.view(np.uint32), want_up.view(np.uint32))
+
+    fin = np.unique(want_up[np.isfinite(want_up)])
+    mids = ((fin[:-1].astype(np.float64) + fin[1:]) / 2).astype(np.float32).view(np.uint32)
+    sweep = np.arange(0, 1 << 32, 8191, dtype=np.uint64).astype(np.uint32)
+    u = np.concatenate([want_up.view(np.uint32), mids - 1, mids, mids + 1, sweep,
+                        np.float32([65504, 65519.99, 65520, 1e9, 2**-25, 2**-24 * 1.5,
+                                    -2**-14]).view(np.uint32)])
+    want_down = torch.from_numpy(u.view(np.float32)).to(torch.float16).view(torch.int16)
+    for down in down_kernels:
+        got = np.empty(u.shape, np.uint16)
+        down(u, got)
+        assert np.array_equal(got, want_down.numpy().view(np.uint16))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import platform
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -23,6 +24,10 @@ from numba.extending import intrinsic
 
 _I64 = ir.IntType(64)
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+#: whether LLVM's fp16 conversions are instructions here (x86 with F16C, 64-bit ARM), which
+#: loops vectorize; elsewhere they would be calls into a runtime library the JIT may lack
+HALF_IN_HARDWARE = (bool(llvm.get_host_cpu_features().get("f16c")) if _IS_X86 else
+                    platform.machine().lower() in ("aarch64", "arm64"))
 
 
 def _ptr(builder, addr):
@@ -196,6 +201,35 @@ def bits_to_f32(typingctx, bits):
         return builder.bitcast(v, ir.FloatType())
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def half_bits_to_f32(typingctx, bits):
+    """The fp32 value of the fp16 bit pattern `bits` (LLVM `fpext half`: exact; only where
+    `HALF_IN_HARDWARE`)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint16)
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def f32_bits_to_half(typingctx, bits):
+    """The fp32 bit pattern `bits` rounded to fp16 bits (LLVM `fptrunc` to `half`: nearest
+    even, overflow to inf; only where `HALF_IN_HARDWARE`)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint32)
+        h = builder.fptrunc(builder.bitcast(v, ir.FloatType()), ir.HalfType())
+        return builder.bitcast(h, ir.IntType(16))
+
+    return types.uint16(bits), codegen
 
 
 #: Which ordering guarantee the runtime relies on here (see `ubep.runtime.shm.memory_model`).

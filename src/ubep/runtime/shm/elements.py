@@ -7,10 +7,12 @@ import torch
 
 from ubep.runtime.shm.kernels.combine import (
     ELEM_BF16,
+    ELEM_F16,
     ELEM_F32,
     ELEM_LUT8,
     ELEM_LUT16,
     f32_to_bf16,
+    f32_to_f16,
 )
 
 _LUTS: dict[torch.dtype, np.ndarray] = {}
@@ -22,6 +24,8 @@ def combine_elem(dtype: torch.dtype) -> tuple[int, np.ndarray]:
         return ELEM_F32, np.zeros(1, np.float32)
     if dtype == torch.bfloat16:
         return ELEM_BF16, np.zeros(1, np.float32)
+    if dtype == torch.float16:
+        return ELEM_F16, np.zeros(1, np.float32)
     lut = _LUTS.get(dtype)
     if lut is None:
         if dtype.itemsize == 2:
@@ -33,7 +37,8 @@ def combine_elem(dtype: torch.dtype) -> tuple[int, np.ndarray]:
 
 
 def cast_rows(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 sums `y` as a tensor of `dtype`, single-threaded (see `f32_to_bf16`)."""
+    """The fp32 sums `y` as a tensor of `dtype`, single-threaded (see `f32_to_bf16`,
+    `f32_to_f16`)."""
     if dtype == torch.float32:
         return torch.from_numpy(y)
     if dtype == torch.bfloat16:
@@ -41,6 +46,7 @@ def cast_rows(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         f32_to_bf16(y, bits)
         return torch.from_numpy(bits).view(torch.bfloat16)
     if dtype == torch.float16:
-        with np.errstate(over="ignore"):                # > 65504 -> inf, as torch does
-            return torch.from_numpy(y.astype(np.float16))   # round to nearest even
+        bits = np.empty(y.shape, np.uint16)
+        f32_to_f16(y, bits)
+        return torch.from_numpy(bits).view(torch.float16)
     return torch.from_numpy(y).to(dtype)                # fp8: rare, small
