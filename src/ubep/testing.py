@@ -10,14 +10,16 @@ calling process, so no port is raced for.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait as mp_wait
@@ -185,6 +187,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             if isinstance(o, RankFailure):
                 raise RankFailedError(o.rank, f"[{o.kind}] {o.message}")
     return outcomes
+
+
+@contextlib.contextmanager
+def one_rank_group(timeout_s: float = 60.0) -> Iterator[None]:
+    """A world-size-1 gloo default group in this process (a file store: no port), destroyed
+    on exit: what a single-process benchmark of a Buffer needs (no peer, so no wait)."""
+    import torch.distributed as dist
+
+    fd, path = tempfile.mkstemp(prefix="ubep-pg-")
+    os.close(fd)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 # -- workloads for tests and benchmarks ------------------------------------------------------

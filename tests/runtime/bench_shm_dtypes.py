@@ -9,33 +9,25 @@ rounding back (docs/results/dtypes.md).
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
+
+import ubep
+from ubep.testing import make_routing, make_tokens, one_rank_group
 
 
 def main() -> None:
     backend = sys.argv[1] if len(sys.argv) > 1 else "shm"
     calls = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     torch.set_num_threads(1)
-    fd, path = tempfile.mkstemp(prefix="ubep-pg-")
-    os.close(fd)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    import ubep
-    from ubep.testing import make_routing, make_tokens
-
     kw = dict(backend="shm", workers=1, direct="owned") if backend == "shm" else dict(
         backend="torch")
-    try:
-        print(f"{backend}: 1 rank, 7168-wide rows, top-8 of 16 experts, {calls} calls, µs "
-              f"(median): dispatch / combine")
+    print(f"{backend}: 1 rank, 7168-wide rows, top-8 of 16 experts, {calls} calls, µs "
+          f"(median): dispatch / combine")
+    with one_rank_group():
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             cells = []
             for tokens in (1, 32):
@@ -56,10 +48,6 @@ def main() -> None:
                 cells.append(f"batch {tokens}: {statistics.median(d):7.1f} / "
                              f"{statistics.median(c):7.1f}")
             print(f"  {str(dtype).removeprefix('torch.'):9s}  " + "   ".join(cells))
-    finally:
-        dist.destroy_process_group()
-        if os.path.exists(path):
-            os.unlink(path)
 
 
 if __name__ == "__main__":

@@ -10,53 +10,40 @@ Stable to a few percent even on a busy host, unlike a 2-rank latency.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
+
+import ubep
+from ubep.testing import make_routing, make_tokens, one_rank_group
 
 
 def main() -> None:
     kind = sys.argv[1] if len(sys.argv) > 1 else "direct"
     pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
     torch.set_num_threads(1)
-    fd, path = tempfile.mkstemp(prefix="ubep-pg-")
-    os.close(fd)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    import ubep
-    from ubep.testing import make_routing, make_tokens
-
     opts = {"direct": dict(direct=True), "owned": dict(direct="owned"),
             "ubep": dict(mode="ubep"), "bsp": dict(mode="bsp")}
     idx, w = make_routing(1, 8, 16, kind="uniform", seed=7)
     x = make_tokens(0, 1, 7168, torch.bfloat16, seed=3)
-    try:
-        with ubep.Buffer(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="shm",
-                         workers=1, **opts[kind]) as buf:
-            def pair() -> None:
-                r = buf.dispatch(x, idx, w)
-                buf.combine(r.recv_x, r.handle)
+    with one_rank_group(), ubep.Buffer(num_experts=16, hidden=7168, max_tokens_per_rank=128,
+                                       backend="shm", workers=1, **opts[kind]) as buf:
+        def pair() -> None:
+            r = buf.dispatch(x, idx, w)
+            buf.combine(r.recv_x, r.handle)
 
-            for _ in range(300):
-                pair()
-            ts = []
-            for _ in range(pairs):
-                t0 = time.perf_counter_ns()
-                pair()
-                ts.append(time.perf_counter_ns() - t0)
-        ts.sort()
-        print(f"{kind}: batch-1 dispatch+combine, 1 rank, {pairs} pairs: median "
-              f"{ts[pairs // 2] / 1e3:.1f} µs, p10 {ts[pairs // 10] / 1e3:.1f} µs, p99 "
-              f"{ts[pairs * 99 // 100] / 1e3:.1f} µs")
-    finally:
-        dist.destroy_process_group()
-        if os.path.exists(path):
-            os.unlink(path)
+        for _ in range(300):
+            pair()
+        ts = []
+        for _ in range(pairs):
+            t0 = time.perf_counter_ns()
+            pair()
+            ts.append(time.perf_counter_ns() - t0)
+    ts.sort()
+    print(f"{kind}: batch-1 dispatch+combine, 1 rank, {pairs} pairs: median "
+          f"{ts[pairs // 2] / 1e3:.1f} µs, p10 {ts[pairs // 10] / 1e3:.1f} µs, p99 "
+          f"{ts[pairs * 99 // 100] / 1e3:.1f} µs")
 
 
 if __name__ == "__main__":
