@@ -359,22 +359,15 @@ def _f16_kernels():
         f32_to_f16_soft,
     )
 
-    def ups(conv):
+    def each(conv):
         @njit
-        def up(h, out):
-            for i in range(h.shape[0]):
-                out[i] = conv(h[i])
-        return up
+        def loop(a, out):
+            for i in range(a.shape[0]):
+                out[i] = conv(a[i])
+        return loop
 
-    def downs(conv):
-        @njit
-        def down(u, out):
-            for i in range(u.shape[0]):
-                out[i] = conv(u[i])
-        return down
-
-    return ([ups(f16_to_f32), ups(f16_to_f32_soft)],
-            [downs(f32_bits_to_f16), downs(f32_to_f16_soft)])
+    return [each(f16_to_f32), each(f16_to_f32_soft)], [each(f32_bits_to_f16),
+                                                        each(f32_to_f16_soft)]
 
 
 def test_fp16_conversions_match_torch_bit_for_bit():

@@ -10,7 +10,6 @@ from ubep.runtime.shm.kernels.combine import (
     ELEM_F16,
     ELEM_F32,
     ELEM_LUT8,
-    ELEM_LUT16,
     f32_to_bf16,
     f32_to_f16,
 )
@@ -26,14 +25,13 @@ def combine_elem(dtype: torch.dtype) -> tuple[int, np.ndarray]:
         return ELEM_BF16, np.zeros(1, np.float32)
     if dtype == torch.float16:
         return ELEM_F16, np.zeros(1, np.float32)
+    if dtype.itemsize != 1:
+        raise TypeError(f"combine has no element conversion for {dtype}")
     lut = _LUTS.get(dtype)
-    if lut is None:
-        if dtype.itemsize == 2:
-            bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
-        else:
-            bits = torch.arange(256, dtype=torch.int16).to(torch.uint8)
+    if lut is None:             # the fp8 formats: every bit pattern's value
+        bits = torch.arange(256, dtype=torch.int16).to(torch.uint8)
         lut = _LUTS[dtype] = bits.view(dtype).to(torch.float32).numpy().copy()
-    return (ELEM_LUT16 if dtype.itemsize == 2 else ELEM_LUT8), lut
+    return ELEM_LUT8, lut
 
 
 def cast_rows(y: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -114,7 +114,7 @@ class CombineCall(Call):
     w: np.ndarray                   # [T, K] float32
     elem: int                       # dtype code
     ecode: int                      # element code (`kernels.combine.ELEM_*`)
-    lut: np.ndarray                 # fp32 lookup table of ecode LUT8/LUT16
+    lut: np.ndarray                 # fp32 lookup table of ecode LUT8 (fp8)
     weighted: bool
     es: int                         # element size, bytes
     y: np.ndarray                   # [T, hidden] float32 sums

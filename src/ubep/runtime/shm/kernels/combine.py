@@ -43,9 +43,9 @@ from ubep.runtime.shm.region import (
     L_WORLD,
 )
 
-#: combine row element codes: how `reduce` turns stored elements into fp32 (LUT: through a
-#: table of every bit pattern's value, for the fp8 formats)
-ELEM_F32, ELEM_BF16, ELEM_LUT16, ELEM_LUT8, ELEM_F16 = 0, 1, 2, 3, 4
+#: combine row element codes: how `reduce` turns stored elements into fp32 (LUT8: through a
+#: table of the 256 bit patterns' values, for the fp8 formats)
+ELEM_F32, ELEM_BF16, ELEM_F16, ELEM_LUT8 = 0, 1, 2, 3
 
 
 @jit
@@ -165,10 +165,6 @@ def accumulate(src, bb, ppb, rb, es, elem, lut, wgt, y):
             v16 = carray(u16_ptr(blk), n)
             for i in range(n):
                 yv[i] += wgt * f16_to_f32(v16[i])
-        elif elem == ELEM_LUT16:
-            v16 = carray(u16_ptr(blk), n)
-            for i in range(n):
-                yv[i] += wgt * lut[v16[i]]
         else:
             v8 = carray(u8_ptr(blk), n)
             for i in range(n):
@@ -239,10 +235,6 @@ def sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, y, out16):
                 v16 = carray(u16_ptr(src), n)
                 for i in range(n):
                     a[i] += wgt * f16_to_f32(v16[i])
-            elif elem == ELEM_LUT16:
-                v16 = carray(u16_ptr(src), n)
-                for i in range(n):
-                    a[i] += wgt * lut[v16[i]]
             else:
                 v8 = carray(u8_ptr(src), n)
                 for i in range(n):
