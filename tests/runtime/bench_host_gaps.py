@@ -1,13 +1,20 @@
-"""How often this host takes a core away: gaps in a tight clock loop, one process per core.
+"""How often this host takes a core away, and how fast it runs the core it gives.
 
 Not a test (pytest does not collect it). Each process, bound to its core, reads the clock
 back to back for `seconds` and counts the gaps longer than 20, 50 and 100 µs (the VM's
-other tenants, interrupts, the kernel's own work). A call of d µs that needs both cores is
-hit by a gap about (gaps per second on both cores) x (d + typical gap) of the time: at
-~200 gaps a second, a 35 µs batch-1 dispatch+combine about 1.4% of calls, so its p99 is
-one of them, whatever the call does (docs/results.md: the copy bound's own p99/median).
+other tenants, interrupts, the kernel's own work), beside the local timer interrupts the
+core took meanwhile (`/proc/interrupts`, Linux: how many of the gaps the kernel's own tick
+could explain). A call of d µs that needs both cores is hit by a gap about (gaps per second on both
+cores) x (d + typical gap) of the time: at ~200 gaps a second, a 35 µs batch-1
+dispatch+combine about 1.4% of calls, so its p99 is one of them, whatever the call does
+(docs/results.md: the copy bound's own p99/median).
 
-    .venv/bin/python tests/runtime/bench_host_gaps.py [seconds]
+Then a fixed loop of Python arithmetic is timed in 100 ms chunks, on one core alone and on
+both at once, `rounds` times: on a VM whose cores share physical cores with other tenants
+(SMT siblings) the same loop runs at two speeds, and a median read while the host is in
+the slow one is not the code's.
+
+    .venv/bin/python tests/runtime/bench_host_gaps.py [seconds] [rounds]
 """
 
 from __future__ import annotations
@@ -15,6 +22,22 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import time
+
+
+def timer_ticks() -> dict[int, int] | None:
+    """Local timer interrupts so far per core (the LOC row of /proc/interrupts), or None."""
+    try:
+        with open("/proc/interrupts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    cpus = [int(c[3:]) for c in lines[0].split()]
+    for line in lines[1:]:
+        parts = line.split()
+        if parts and parts[0] == "LOC:":
+            return {c: int(v) for c, v in zip(cpus, parts[1:1 + len(cpus)])}
+    return None
 
 
 def _gaps(core: int, seconds: float) -> tuple[int, list[int]]:
@@ -24,18 +47,48 @@ def _gaps(core: int, seconds: float) -> tuple[int, list[int]]:
     return core, clock_gaps(seconds)
 
 
+def _speed(core: int, seconds: float) -> list[float]:
+    """Loop iterations a microsecond, per 100 ms chunk, on `core`."""
+    os.sched_setaffinity(0, [core])
+    clock, out = time.perf_counter, []
+    end = clock() + seconds
+    while clock() < end:
+        t0, n = clock(), 0
+        while clock() - t0 < 0.1:
+            for i in range(2000):
+                n += i & 7
+        out.append(n / (clock() - t0) / 1e6)
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 3.0
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 6
     cores = sorted(os.sched_getaffinity(0))
-    with mp.get_context("spawn").Pool(len(cores)) as pool:
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(len(cores)) as pool:
+        ticks0 = timer_ticks()
         results = pool.starmap(_gaps, [(c, seconds) for c in cores])
-    for core, gaps in results:
-        us = sorted(g / 1e3 for g in gaps)
-        med = us[len(us) // 2] if us else 0.0
-        print(f"core {core}: gaps > 20 µs {len(us) / seconds:.0f}/s, > 50 µs "
-              f"{sum(g > 50 for g in us) / seconds:.0f}/s, > 100 µs "
-              f"{sum(g > 100 for g in us) / seconds:.0f}/s; median gap {med:.0f} µs, "
-              f"longest {us[-1] if us else 0:.0f} µs")
+        ticks1 = timer_ticks()
+        for core, gaps in results:
+            us = sorted(g / 1e3 for g in gaps)
+            med = us[len(us) // 2] if us else 0.0
+            tick = ("" if ticks0 is None or core not in ticks0 else
+                    f"; timer interrupts {(ticks1[core] - ticks0[core]) / seconds:.0f}/s")
+            print(f"core {core}: gaps > 20 µs {len(us) / seconds:.0f}/s, > 50 µs "
+                  f"{sum(g > 50 for g in us) / seconds:.0f}/s, > 100 µs "
+                  f"{sum(g > 100 for g in us) / seconds:.0f}/s; median gap {med:.0f} µs, "
+                  f"longest {us[-1] if us else 0:.0f} µs{tick}")
+        print("fixed loop, 1 s a round, median of 100 ms chunks (loop iterations a µs):")
+        for r in range(rounds):
+            solo = _median(pool.apply(_speed, (cores[0], 1.0)))
+            both = pool.starmap(_speed, [(c, 1.0) for c in cores])
+            print(f"  round {r}: core {cores[0]} alone {solo:.1f}; all at once "
+                  + ", ".join(f"core {c} {_median(s):.1f}" for c, s in zip(cores, both)))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ the next, as a decode loop holds it.
 Not a test (pytest does not collect it); the numbers are in docs/results.md ("Where a batch-1
 call's time goes").
 
-    .venv/bin/python tests/runtime/bench_shm_spins.py [owned|direct] [SPINS,SPINS,...] [BATCH]
+    .venv/bin/python tests/runtime/bench_shm_spins.py [owned|direct|staged] [SPINS,...] [BATCH]
+
+("staged": `direct=False`, the paper's two copies, rows through the receiver's window.)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def _rank(rank: int, world: int, kind: str, spins: list[int], batch: int, calls:
     os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})
     import ubep
     import ubep.runtime.shm.direct as direct
+    import ubep.runtime.shm.single as single
     from ubep.bench.flags import HostSync
     from ubep.testing import make_routing, make_tokens
 
@@ -37,11 +40,12 @@ def _rank(rank: int, world: int, kind: str, spins: list[int], batch: int, calls:
     gc.disable()
     try:
         with ubep.Buffer(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="shm",
-                         workers=1, direct=True if kind == "direct" else "owned") as buf:
+                         workers=1, mode="ubep" if kind == "staged" else None,
+                         direct={"direct": True, "owned": "owned", "staged": False}[kind]) as buf:
             held = None
             for i in range(calls + 200):
                 s = spins[(i // 20) % len(spins)]
-                direct.INLINE_SPINS = s
+                direct.INLINE_SPINS = single.INLINE_SPINS = s
                 sync.barrier()
                 t0 = perf()
                 res = buf.dispatch(x, idx, w)
