@@ -340,12 +340,12 @@ def test_the_door_takes_the_common_call_and_leaves_the_rest_to_python(direct):
     outs = run_ranks(_door, 2, direct, cases, timeout_s=200)
     for k, case in enumerate([*cases, cases[0]]):
         check_case(case, [o[0][k] for o in outs])
-    fp16 = sum(c.dtype == "fp16" for c in cases)
+    assert any(c.dtype == "fp16" for c in cases)
     for rank, (_, counts, calls, ys) in enumerate(outs):
         # every dispatch but those of no tokens (the Python checks take T = 0); every combine
-        # of bf16/fp32 rows (the expert function's output of int8/fp8 rows is bf16 too)
+        # (bf16, fp16 and fp32 rows; the expert function's output of int8/fp8 rows is bf16)
         empty = sum(c.tokens[rank] == 0 for c in cases)
-        assert counts["cases"] == (len(cases) - empty, empty, len(cases) - fp16, fp16)
+        assert counts["cases"] == (len(cases) - empty, empty, len(cases), 0)
         assert [c for c, _ in calls] == list(range(2 * len(cases) + 1, 2 * len(cases) + 7))
         assert all(same for _, same in calls)
         held_took, held_declined = counts["held"]

@@ -306,7 +306,8 @@ storage), combine's output and the result objects (handle, deferred Stats,
 `DispatchResult`/`CombineResult`, filled as the Python constructors fill them) and calls the
 numba kernels as cfuncs by address, without the GIL (`kernels/entries.py`: the same kernels, so
 one protocol). Whatever waits (counts, rows or done words not in after the kernels' inline
-spins), fp16/fp8 combines, `workers > 1` and a build-less install keep the Python path.
+spins), fp8 combines (fp16 ones too until 2026-12-03, docs/results/dtypes.md), `workers > 1`
+and a build-less install keep the Python path.
 In-process A/B against the previous main (`tests/runtime/bench_shm_ab.py`, batch 1,
 `direct="owned"` unless said): the compiled checks alone 0.855 (one process) and 0.851 (2-rank
 pair); the entries with Python making the result objects, one process 0.490-0.545, the pair

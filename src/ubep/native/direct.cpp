@@ -307,13 +307,14 @@ PyObject* dispatch_call(int64_t* st, PyObject* x_obj, PyObject* idx_obj, PyObjec
 }
 
 // direct_combine(st_addr, epoch, code, ecode, offset, copy_src, copy_n, ints, idx_addr,
-//                w_addr, t_n, k_n, weighted, pos_addr, out, bf16, t0, build, copied,
+//                w_addr, t_n, k_n, weighted, pos_addr, out, kind, t0, build, copied,
 //                topk_idx) -> CombineResult, or (left, waiting, out, t1) when not complete
 // The CombineResult (and DeferredStats(build, ...)) when every token is summed and every rank
 // done reading mine, and `build` (the path's stats builder) is not None.
 // `ints` `[3, N]` int64 numpy: the handle's row origins (row 0: each row's source rank).
-// Sums bf16 (`bf16` true: rounded from fp32 sums in kept scratch) or fp32 rows into `out`
-// `[t_n, hidden]` (a new tensor when None). `left` tokens not summed yet (or -(r + 1): rank
+// Sums fp32 (`kind` 0), bf16 (1) or fp16 (2) rows into `out` `[t_n, hidden]` of that dtype
+// (a new tensor when None): fp32 sums land there as they are, 16-bit ones rounded token by
+// token (`DirectPath._OUT_KIND`). `left` tokens not summed yet (or -(r + 1): rank
 // r published another dtype); `waiting` ranks not done reading mine (-1: not told yet).
 PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!arity(nargs, 20)) return nullptr;
@@ -325,14 +326,21 @@ PyObject* direct_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "ints must be a C-contiguous [3, N] int64 numpy array");
     return nullptr;
   }
-  int bf16 = PyObject_IsTrue(a[15]);
-  if (bf16 < 0 || (a[14] != Py_None && !tensors({a[14]}))) return nullptr;
+  const int64_t kind = PyLong_AsLongLong(a[15]);
+  if (kind == -1 && PyErr_Occurred()) return nullptr;
+  if (kind < 0 || kind > 2) {
+    PyErr_Format(PyExc_ValueError, "kind must be 0 (fp32), 1 (bf16) or 2 (fp16), got %lld",
+                 static_cast<long long>(kind));
+    return nullptr;
+  }
+  if (a[14] != Py_None && !tensors({a[14]})) return nullptr;
+  static constexpr at::ScalarType kinds[3] = {at::kFloat, at::kBFloat16, at::kHalf};
   return combine_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0])), v, a[7], a[14],
-                      bf16, t0, a[17], a[18], a[19]);
+                      kinds[kind], t0, a[17], a[18], a[19]);
 }
 
 PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins_obj, PyObject* out_arg,
-                       bool bf16, double t0, PyObject* build, PyObject* copied,
+                       at::ScalarType dtype, double t0, PyObject* build, PyObject* copied,
                        PyObject* topk_idx) {
   PyArrayObject* origins = reinterpret_cast<PyArrayObject*>(origins_obj);
   try {
@@ -340,15 +348,15 @@ PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins_obj, PyO
     Obj out_obj;
     at::Tensor out;
     if (out_arg == Py_None) {
-      out = at::empty({t_n, hidden}, at::TensorOptions().dtype(bf16 ? at::kBFloat16
-                                                                      : at::kFloat));
+      out = at::empty({t_n, hidden}, at::TensorOptions().dtype(dtype));
       out_obj = Obj(THPVariable_Wrap(out));
       if (!out_obj) return nullptr;
     } else {
       out = THPVariable_Unpack(out_arg);
       out_obj = Obj(ref(out_arg));
     }
-    const int64_t es = bf16 ? 2 : 4;
+    const bool rounded = dtype != at::kFloat;      // 16-bit: rounded from fp32 sums
+    const int64_t es = rounded ? 2 : 4;
     int64_t c[C_LEN] = {};
     c[C_EPOCH] = v[1];
     c[C_CODE] = v[2];
@@ -367,8 +375,8 @@ PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins_obj, PyO
     c[C_RB] = hidden * es;
     c[C_ES] = es;
     const int64_t o = reinterpret_cast<intptr_t>(out.data_ptr());
-    c[C_Y] = bf16 ? st[ST_Y] : o;
-    c[C_OUT] = bf16 ? o : 0;
+    c[C_Y] = rounded ? st[ST_Y] : o;
+    c[C_OUT] = rounded ? o : 0;
     run(st, ST_COMBINE, c);
     double t1 = now_us();
     if (c[C_LEFT] == 0 && c[C_WAITING] == 0 && build != Py_None && results.combine) {

@@ -161,7 +161,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   }
   const at::Tensor& e = THPVariable_Unpack(rows);
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
-  PyObject* codes = lookup(d.o[DR_ELEMS], dtype);    // (code, ecode): bf16 and fp32 only
+  PyObject* codes = lookup(d.o[DR_ELEMS], dtype);    // (code, ecode): bf16, fp16, fp32
   if (!codes) return not_taken();
   int64_t v[15] = {};          // direct_combine's ints, in its argument order
   PyObject* cc[2] = {PyTuple_GET_ITEM(codes, 0), PyTuple_GET_ITEM(codes, 1)};
@@ -217,7 +217,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   v[13] = sv[3];
   PyObject* copied_obj = copied ? Py_True : Py_False;
   PyObject* r = combine_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0])), v,
-                             origins, out, e.scalar_type() == at::kBFloat16, t0,
+                             origins, out, e.scalar_type(), t0,
                              d.o[DR_CBUILD], copied_obj, topk_idx);
   if (!r) return failed(buf);
   if (PyTuple_Check(r)) {      // a wait: Python goes on from where the entry stopped

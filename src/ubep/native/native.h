@@ -186,7 +186,7 @@ PyObject* dispatch_call(int64_t* st, PyObject* x, PyObject* idx, PyObject* w, in
                         int64_t code, int64_t roff, bool owned, PyObject* view, int64_t call,
                         int64_t buffer_id, double t0, PyObject* build);
 PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins, PyObject* out,
-                       bool bf16, double t0, PyObject* build, PyObject* copied,
+                       at::ScalarType dtype, double t0, PyObject* build, PyObject* copied,
                        PyObject* topk_idx);
 // the result classes `set_result_types` gave (direct.cpp)
 struct Results {

@@ -79,7 +79,12 @@ from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES, byte_span
 
 _CODES = DTYPE_CODES
-_NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_direct: "do not round to bf16 here"
+_NO_16 = np.zeros((0, 0), np.uint16)        # reduce_direct: "do not round here"
+#: combine dtypes whose fp32 sums the kernels round into the output (the rest: fp32 sums in
+#: place, fp8 cast after); the compiled entry takes these and fp32
+_ROUNDED = (torch.bfloat16, torch.float16)
+#: `ubep.native.direct_combine`'s output kinds: fp32 sums in place, else rounded to these
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: strong references to a torch storage (by its `_cdata`): `_free_area`'s test, ~0.1 µs
 _use_count = torch._C._storage_Use_Count
 
@@ -142,7 +147,7 @@ class DirectPath:
         self._areas = {"recv": torch.from_numpy(region[int(dlay[D_RECV_OFF]):][:area]),
                        "comb": torch.from_numpy(region[int(dlay[D_COMB_OFF]):][:area])}
         self._views: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-        self._y = np.zeros((c.max_tokens_per_rank, c.hidden), np.float32)  # bf16 sums
+        self._y = np.zeros((c.max_tokens_per_rank, c.hidden), np.float32)  # fp32 sums, kept
         self._y_addr = self._y.ctypes.data
         self._timeout_s = c.timeout_s
         #: direct="owned": recv_x copied out, `pos` in each handle, any handle combinable
@@ -175,7 +180,7 @@ class DirectPath:
             return None
         words = {"path": self, "lock": lock, "cdata": self._area_cdata,
                  "uses": self._area_uses, "views": self._area_views, "codes": _CODES,
-                 "elems": {d: _elem(d)[:2] for d in (torch.bfloat16, torch.float32)},
+                 "elems": {d: _elem(d)[:2] for d in _OUT_KIND},
                  "dbuild": self._dispatch_stats, "cbuild": self._combine_stats,
                  "st": self._st_addr, "owned": int(self.owned), "buffer_id": self.ctx.buffer_id,
                  "recv_off": self._recv_off, "area": self._area, "base": self.ctx.base,
@@ -512,13 +517,13 @@ class DirectPath:
         t_n = handle.num_tokens
         weighted = bool(weighted)
         begun = None
-        if self._native is not None and (dtype is torch.bfloat16 or dtype is torch.float32):
+        if self._native is not None and dtype in _OUT_KIND:
             # one C++ entry (`ubep.native`), straight-line while nothing waits (as dispatch)
             idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
             r = self._native.direct_combine(
                 self._st_addr, epoch, code, ecode, offset, ptr, n_recv if copied else 0, ints,
                 idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
-                self._combine_out(dest, t_n, rb, dtype), dtype is torch.bfloat16, t0,
+                self._combine_out(dest, t_n, rb, dtype), _OUT_KIND[dtype], t0,
                 self._combine_stats if dest is None else None, copied, handle.topk_idx)
             if type(r) is not tuple:    # the CombineResult: all summed, every rank done
                 return r
@@ -559,10 +564,10 @@ class DirectPath:
             ivs = None
         else:
             idx, w, pos, _, src_rank = handle.state
-            if dtype == torch.bfloat16:           # sums in kept scratch, rounded in the kernel
+            if dtype in _ROUNDED:                 # rounded in the kernel, token by token
                 y, out16 = self._y[:t_n], np.empty((t_n, self.hidden), np.uint16)
             else:
-                y, out16 = np.empty((t_n, self.hidden), np.float32), _NO_BF16
+                y, out16 = np.empty((t_n, self.hidden), np.float32), _NO_16
             done = np.zeros(t_n, np.uint8)
             ready = self._ready
             if copied:          # only the rows peers read; mine are summed where they lie
@@ -572,8 +577,8 @@ class DirectPath:
             t1 = now_us()
             ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
                                      y, out16, ptr if copied else 0, deadline)
-            if dtype == torch.bfloat16:
-                out = torch.from_numpy(out16).view(torch.bfloat16)
+            if dtype in _ROUNDED:
+                out = torch.from_numpy(out16).view(dtype)
             elif dtype == torch.float32:
                 out = torch.from_numpy(y)
             else:
@@ -594,8 +599,8 @@ class DirectPath:
                      weighted: bool, deadline: float,
                      begun: tuple | None = None) -> tuple[torch.Tensor, float, int]:
         """One worker: copy in (`copy_n` rows: those peers read), publish, sum and, when every
-        token was summed there, tell the peers I am done reading, in one kernel entry (bf16
-        and fp32 sums land in the output itself, a caller's row-major `dest` included);
+        token was summed there, tell the peers I am done reading, in one kernel entry (bf16,
+        fp16 and fp32 sums land in the output itself, a caller's row-major `dest` included);
         `(y, time published, ranks not done reading mine or -1: not told yet)`. `begun`: what
         the compiled entry returned, which ran that kernel entry already."""
         b = self.ctx
@@ -603,16 +608,17 @@ class DirectPath:
         idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
         t_n, hidden = handle.num_tokens, self.hidden
         own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
-        sums = dtype is torch.bfloat16 or dtype is torch.float32    # into the output itself
+        rounded = dtype in _ROUNDED
+        sums = rounded or dtype is torch.float32    # into the output itself
         if begun is not None:           # the compiled entry ran the kernel entry below
             left, waiting, out, t1 = begun
-        else:           # no ubep.native, or fp16/fp8 (fp32 sums in scratch, cast below)
+        else:           # no ubep.native, or fp8 (fp32 sums in scratch, cast below)
             out = self._combine_out(dest, t_n, rb, dtype) if sums else None
             left, waiting = DK.combine_begin_at(
                 b.bases, self.dlay, b.rank, epoch, code, offset, ptr, copy_n, ints[0], idx_addr,
                 w_addr, t_n, k_n, weighted, pos_addr, self.el, rb, es, ecode, lut, self._ready,
                 self._done_t, self._y_addr if dtype is not torch.float32 else out.data_ptr(),
-                out.data_ptr() if dtype is torch.bfloat16 else 0, hidden, INLINE_SPINS,
+                out.data_ptr() if rounded else 0, hidden, INLINE_SPINS,
                 self._done_mine, self._done_first)
             t1 = now_us()
         if left < 0:
@@ -620,7 +626,7 @@ class DirectPath:
         ready, done = self._ready, self._done_t
         if left:
             y_addr = out.data_ptr() if dtype is torch.float32 else self._y_addr
-            out_addr = out.data_ptr() if dtype is torch.bfloat16 else 0
+            out_addr = out.data_ptr() if rounded else 0
             bad = [-1]                  # a rank that published another dtype
 
             def poll(s: int) -> int:
@@ -638,13 +644,13 @@ class DirectPath:
                    deadline=deadline)
             if bad[0] >= 0:
                 raise self._combine_dtype_error(dtype, bad[0])
-        if out is None:                                  # fp16, fp8: cast from the fp32 sums
+        if out is None:                                  # fp8: cast from the fp32 sums
             out = cast_rows(self._y[:t_n], dtype)
         return out, t1, waiting
 
     def _combine_out(self, dest: torch.Tensor | None, t_n: int, rb: int,
                      dtype: torch.dtype) -> torch.Tensor | None:
-        """Where bf16/fp32 sums land: a caller's row-major `dest`, a pooled block (owned,
+        """Where bf16/fp16/fp32 sums land: a caller's row-major `dest`, a pooled block (owned,
         large), else a new tensor (None: the compiled entry makes it; a `dest` that is not
         row-major gets the sums copied in afterwards)."""
         if dest is not None and dest.is_contiguous():

@@ -59,7 +59,9 @@ from ubep.runtime.shm.single import missing_sources
 from ubep.runtime.shm.waits import now_us
 from ubep.stats import Interval, Stats
 
-_NO_BF16 = np.zeros((0, 0), np.uint16)      # reduce_tokens_into: "do not round to bf16 here"
+_NO_16 = np.zeros((0, 0), np.uint16)        # reduce_tokens_into: "do not round here"
+#: combine dtypes whose sums land in the output tensor itself (fp32) or are rounded into it
+_IN_PLACE = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -118,7 +120,7 @@ class CombineCall(Call):
     weighted: bool
     es: int                         # element size, bytes
     y: np.ndarray                   # [T, hidden] float32 sums
-    out16: np.ndarray               # [T, hidden] bf16 bits the sums are rounded into, or
+    out16: np.ndarray               # [T, hidden] bf16/fp16 bits the sums are rounded into, or
                                     # no rows (the sums stay in `y`)
     done: np.ndarray                # [T] uint8: token summed
     n_tw: int                       # workers that send rows back (batch flags per rank)
@@ -401,14 +403,13 @@ class PoolPath:
         ecode, lut = combine_elem(dtype)
         num_tokens, top_k = idx.shape
         n_count = self._count_workers(num_tokens, top_k)
-        # fp32 sums land in the output itself, bf16 ones rounded straight into it; others
-        # in kept scratch, cast after
-        y = self._lend.empty(num_tokens, hidden, dtype) \
-            if dtype in (torch.float32, torch.bfloat16) else None
+        # fp32 sums land in the output itself, bf16 and fp16 ones rounded straight into it;
+        # others (fp8) in kept scratch, cast after
+        y = self._lend.empty(num_tokens, hidden, dtype) if dtype in _IN_PLACE else None
         sums = y.numpy() if dtype == torch.float32 else \
             self._y[:num_tokens * hidden].reshape(num_tokens, hidden)
-        out16 = y.view(torch.int16).numpy().view(np.uint16) if dtype == torch.bfloat16 \
-            else _NO_BF16
+        out16 = y.view(torch.int16).numpy().view(np.uint16) \
+            if dtype in (torch.bfloat16, torch.float16) else _NO_16
         cl = self.runner.start(CombineCall(
             epoch=epoch, deadline=ctx.deadline(), n=n, rows=rows, ints=ints, idx=idx, w=w,
             elem=elem, ecode=ecode, lut=lut, weighted=bool(weighted),
@@ -419,7 +420,7 @@ class PoolPath:
             self.runner.run(cl, lambda j: self._combine_bsp(cl, j))
         else:
             self.runner.run(cl, lambda j: self._combine_ubep(cl, j))
-        if y is None:                              # fp16, fp8: rare, cast by numpy/torch
+        if y is None:                              # fp8: rare, cast by numpy/torch
             y = cast_rows(cl.y, dtype)
         if out is not None:
             y = out.copy_(y)

@@ -135,8 +135,8 @@ class SinglePath:
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
                 t0: float, dest: torch.Tensor | None = None) -> CombineResult:
-        """Rows back in one kernel entry, then sum (and round to bf16) in the poll. fp32 sums
-        land in the output itself, bf16 ones in kept scratch; by address."""
+        """Rows back in one kernel entry, then sum (and round to bf16/fp16) in the poll: fp32
+        sums land in the output itself, 16-bit ones are rounded into it; by address."""
         ctx = self.ctx
         dtype = expert_out.dtype
         idx_addr, w_addr, top_k, ints = handle.state
@@ -160,9 +160,9 @@ class SinglePath:
             raise sentinel_error("expert_out", -bad - 1)
         t1 = now_us()
         cast, out_addr = KS.CAST_NONE, 0
-        if dtype is torch.bfloat16:                   # the poll rounds into it once complete
+        if dtype is torch.bfloat16 or dtype is torch.float16:   # the poll rounds into it
             out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
-            cast, out_addr = KS.CAST_BF16, out.data_ptr()
+            cast, out_addr = KS.CAST_16, out.data_ptr()
         weighted = bool(weighted)
         if KS.combine_poll_at(state, epoch, idx_addr, w_addr, num_tokens, top_k, weighted, rb, es,
                               ecode, lut_addr, n_lut, y_addr, hidden, SPINS, elem, cast, out_addr,
@@ -176,7 +176,7 @@ class SinglePath:
         _, code, _, routed = res.tolist()
         if code:
             check_peers_meta(hello, elem, ctx.rank, "combine")
-        if out is None:                                # fp16, fp8: rare, cast by torch/numpy
+        if out is None:                                # fp8: rare, cast by torch/numpy
             out = cast_rows(self._y[:num_tokens * hidden].reshape(num_tokens, hidden), dtype)
         if dest is not None and out is not dest:
             out = dest.copy_(out)

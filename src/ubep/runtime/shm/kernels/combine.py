@@ -207,7 +207,8 @@ def sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, y, out16):
     Row j's elements lie in blocks of `epb` elements, `blks[j]` bytes apart (the wire
     format; a contiguous row: `epb * es`). Each block of the token is summed over all its rows
     at once in `acc` (`[>= epb]` float32) and written once: into `y` (`[hidden]` float32)
-    if it has elements, rounded to bf16 bits into `out16` if that has. One pass over the
+    if it has elements, rounded to the rows' own 16-bit format (fp16 bits where `elem` is
+    `ELEM_F16`, else bf16 bits) into `out16` if that has. One pass over the
     output instead of one per row, and no zeroing or rounding pass after. Per element the
     arithmetic is the reference's: 0.0, then `+= w * row` in slot order.
     """
@@ -245,14 +246,17 @@ def sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, y, out16):
             for i in range(n):
                 yv[i] = a[i]
         if out16.shape[0]:
-            f32_to_bf16_row(a, out16[c0:c0 + n])
+            if elem == ELEM_F16:
+                f32_to_f16_row(a, out16[c0:c0 + n])
+            else:
+                f32_to_bf16_row(a, out16[c0:c0 + n])
 
 
 @jit
 def reduce_tokens(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello, tlo, thi,
                   done, batch, y, spins):
     """Sum each token of [tlo, thi) once all its routed slots arrived into `y` `[T, hidden]`
-    float32; return tokens missing (`reduce_tokens_into` without bf16 output)."""
+    float32; return tokens missing (`reduce_tokens_into` without 16-bit output)."""
     return reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut,
                               hello, tlo, thi, done, batch, y, np.zeros((0, 0), np.uint16),
                               spins)
@@ -264,8 +268,8 @@ def reduce_tokens_into(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
     """Sum each token of [tlo, thi) once all its routed slots arrived; return tokens missing.
 
     Slot order as the reference sums (`sum_slots`). Each finished token's fp32 sum goes to
-    `y[t]` (`[T, hidden]`), or, if `out16` has rows, only rounded to bf16 bits into
-    `out16[t]`. A token with no routed slot gets zeros.
+    `y[t]` (`[T, hidden]`), or, if `out16` has rows, only rounded into `out16[t]` in the
+    rows' own 16-bit format (bf16 or fp16 bits). A token with no routed slot gets zeros.
     """
     return reduce_tokens_mine(base, lay, epoch, idx, weights, weighted, rb, es, elem, lut, hello,
                               tlo, thi, done, batch, y, out16, -1, np.zeros(0, np.int64), 0,
@@ -293,7 +297,7 @@ def reduce_tokens_mine(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
     in_win = np.empty(k_n, np.bool_)
     wgts = np.empty(k_n, np.float32)
     acc = np.empty(epb, np.float32)
-    to_bf16 = out16.shape[0] > 0
+    rounded = out16.shape[0] > 0
     no_y = np.empty(0, np.float32)
     no_out = np.empty(0, np.uint16)
     remaining = 0
@@ -354,7 +358,7 @@ def reduce_tokens_mine(base, lay, epoch, idx, weights, weighted, rb, es, elem, l
                 # reference's plain sum bit for bit)
                 wgts[m] = weights[t, k] if weighted else np.float32(1.0)
                 m += 1
-            if to_bf16:
+            if rounded:
                 sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, no_y, out16[t])
             else:
                 sum_slots(srcs, blks, wgts, m, epb, es, elem, lut, acc, y[t], no_out)
@@ -380,6 +384,14 @@ def f32_to_bf16_row(y, out):
         else:
             bias = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
             out[j] = np.uint16((u + bias) >> np.uint32(16))
+
+
+@jit
+def f32_to_f16_row(y, out):
+    """`f32_to_f16` of one row: fp32 `y` `[n]` rounded into the fp16 bits `out` `[n]`."""
+    yu = y.view(np.uint32)
+    for j in range(yu.shape[0]):
+        out[j] = f32_bits_to_f16(yu[j])
 
 
 @jit

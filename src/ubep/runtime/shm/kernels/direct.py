@@ -221,16 +221,16 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
     rank holding one of its rows has published them; return tokens missing.
 
     Each token is summed in slot order (as the reference, `sum_slots`) into `y[t]`, or, if
-    `out16` has rows, only rounded to bf16 bits into `out16[t]`. `ready[r]`: -1 unknown,
-    else the byte offset of rank r's outputs. `dtype_code` is my outputs' dtype (every rank
-    must agree), `ecode`/`lut` how to read it as fp32 (see `kernels.sum_slots`). A rank that
-    disagrees returns -(r + 1) (the caller names it). If `own` is not 0, rows of my own
-    experts (rank `me`) are read from my expert outputs at `own` (they were not copied into
-    the combine area: only peers need that).
+    `out16` has rows, only rounded into `out16[t]` in the rows' 16-bit format (bf16, fp16).
+    `ready[r]`: -1 unknown, else the byte offset of rank r's outputs. `dtype_code` is my
+    outputs' dtype (every rank must agree), `ecode`/`lut` how to read it as fp32 (see
+    `kernels.sum_slots`). A rank that disagrees returns -(r + 1) (the caller names it). If
+    `own` is not 0, rows of my own experts (rank `me`) are read from my expert outputs at
+    `own` (they were not copied into the combine area: only peers need that).
     """
     world = bases.shape[0]
     k_n = idx.shape[1]
-    to_bf16 = out16.shape[0] > 0
+    rounded = out16.shape[0] > 0
     epb = SUM_CHUNK
     srcs = np.empty(k_n, np.int64)
     blks = np.full(k_n, epb * es, np.int64)      # rows lie contiguous
@@ -273,7 +273,7 @@ def reduce_direct(bases, dlay, epoch, idx, weights, weighted, pos, el, rb, es, d
                     srcs[m] = bases[r] + ready[r] + pos[t, k] * rb
                 wgts[m] = weights[t, k] if weighted else np.float32(1.0)
                 m += 1
-            if to_bf16:
+            if rounded:
                 sum_slots(srcs, blks, wgts, m, epb, es, ecode, lut, acc, no_y, out16[t])
             else:
                 sum_slots(srcs, blks, wgts, m, epb, es, ecode, lut, acc, y[t], no_out)
@@ -408,7 +408,8 @@ def reduce_direct_at(bases, dlay, epoch, idx_addr, w_addr, t_n, k_n, weighted, p
                      rb, es, dtype_code, ecode, lut, ready, done, y_addr, out_addr, hidden, me,
                      own, spins):
     """`reduce_direct` of all `t_n` tokens, by address: sums into the fp32 `[t_n, hidden]` at
-    `y_addr`, or, if `out_addr` is not 0, rounded into the bf16 `[t_n, hidden]` there."""
+    `y_addr`, or, if `out_addr` is not 0, rounded into the `[t_n, hidden]` there in the
+    rows' 16-bit format (bf16, or fp16 where `ecode` is `ELEM_F16`)."""
     idx = carray(i64_ptr(idx_addr), (t_n, k_n))
     w = carray(f32_ptr(w_addr), (t_n, k_n))
     pos = carray(i64_ptr(pos_addr), (t_n, k_n))

@@ -99,7 +99,7 @@ def combine_poll_single(base, lay, epoch, idx, weights, weighted, rb, es, elem, 
                         done, batch, y, out16, me, row_of_slot, rows_addr, spins, hellos_first):
     """Collect hellos and sum the tokens whose rows arrived; returns what is still missing.
 
-    Sums go to `y`, or rounded to bf16 into `out16` if it has rows (`reduce_tokens_mine`;
+    Sums go to `y`, or rounded to 16 bits into `out16` if it has rows (`reduce_tokens_mine`;
     my own experts' rows are read in place at `rows_addr`, `row_of_slot` says which).
     `hellos_first` (bsp): no token is summed before every peer's hello (flag) arrived.
     """
@@ -117,8 +117,9 @@ def combine_poll_single(base, lay, epoch, idx, weights, weighted, rb, es, elem, 
 # the Python side. The caller keeps the tensors alive for the call. `res` receives results
 # that are not a poll's "still missing" count.
 RES_SENDS, RES_META, RES_RECV, RES_ROUTED = 0, 1, 2, 3
-#: combine_poll_at: how the fp32 sums reach the output (in place; bf16 rounding; by the caller)
-CAST_NONE, CAST_BF16 = 0, 1
+#: combine_poll_at: how the fp32 sums reach the output (in place; rounded to the rows' 16-bit
+#: format, bf16 or fp16; by the caller)
+CAST_NONE, CAST_16 = 0, 1
 # The path's kept state is one int64 array (`state_words` long) that the kernels take by
 # address: first what stays the same for the Buffer's life (`K_*`: addresses of the region
 # layout, the regions, the kept flags and notes, the planner's mapper arrays; rank, mode),
@@ -293,8 +294,9 @@ def combine_begin_at(state, epoch, rows_addr, n, rb, ints, elem, num_tokens):
 def combine_poll_at(state, epoch, idx_addr, w_addr, num_tokens, top_k, weighted, rb, es, ecode,
                     lut_addr, n_lut, y_addr, hidden, spins, elem, cast, out_addr, rows_addr):
     """`combine_poll_single` over the routing at `idx_addr`/`w_addr` into the sums at
-    `y_addr`, or (`cast` == CAST_BF16) rounded token by token into the bf16
-    `[num_tokens, hidden]` at `out_addr` (then `y_addr` is not written); `lut_addr` is the
+    `y_addr`, or (`cast` == CAST_16) rounded token by token into the 16-bit (bf16, or fp16
+    where `ecode` is `ELEM_F16`) `[num_tokens, hidden]` at `out_addr` (then `y_addr` is not
+    written); `lut_addr` is the
     `[n_lut]` float32 table of `ecode`. Once complete, `check_meta` of the hellos into
     `res[RES_META]` and the routed slots into `res[RES_ROUTED]`.
 
@@ -307,7 +309,7 @@ def combine_poll_at(state, epoch, idx_addr, w_addr, num_tokens, top_k, weighted,
     idx = carray(i64_ptr(idx_addr), (num_tokens, top_k))
     w = carray(f32_ptr(w_addr), (num_tokens, top_k))
     lut = carray(f32_ptr(lut_addr), n_lut)
-    if cast == CAST_BF16:
+    if cast == CAST_16:
         y = carray(f32_ptr(y_addr), (0, hidden))
         out16 = carray(u16_ptr(out_addr), (num_tokens, hidden))
     else:

@@ -51,7 +51,7 @@ from ubep.runtime.shm.kernels.local import (
 )
 from ubep.runtime.shm.kernels.sentinel import sp_check_routing
 from ubep.runtime.shm.kernels.single import (
-    CAST_BF16,
+    CAST_16,
     RES_RECV,
     combine_begin_at,
     combine_poll_at,
@@ -118,7 +118,7 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     lut = np.zeros(1, np.float32)
     combine_begin_at(st, epoch, out.ctypes.data, n, 8, ints, 0, 1)
     combine_poll_at(st, epoch, idx_addr, w_addr, 1, 1, True, 8, 4, ELEM_F32, lut.ctypes.data, 1,
-                    y.ctypes.data, 2, 1, 0, CAST_BF16, y16.ctypes.data, out.ctypes.data)
+                    y.ctypes.data, 2, 1, 0, CAST_16, y16.ctypes.data, out.ctypes.data)
 
 
 def warm_up(lay_of, multi: bool) -> None:
