@@ -198,12 +198,10 @@ def test_the_compiled_door_combines_into_a_contiguous_out(kw):
         assert per_rank[0][2] >= 1
     for _, counts, _ in per_rank:
         for dtype, took, declined, same, op, n, t in counts:
-            # rows into a contiguous out: the door (the torch backend's takes bf16/fp32 rows,
-            # the shm one fp16 too); an out on the rows' memory or strided: the Python path
-            # (unless one side is empty)
-            door = dtype != "fp16" or kw["backend"] == "shm"
-            assert took == ((1, 0) if door else (0, 1)), (dtype, took)
-            empty = (n == 0 or t == 0) + (t == 0) if door else 0
+            # rows (bf16, fp16, fp32) into a contiguous out: the door; an out on the rows'
+            # memory or strided: the Python path (unless one side is empty)
+            assert took == (1, 0), (dtype, took)
+            empty = (n == 0 or t == 0) + (t == 0)
             assert declined == (empty, 2 - empty), (dtype, declined, n, t)
             assert same and op == "combine", (dtype, same, op)
 

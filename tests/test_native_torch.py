@@ -101,7 +101,7 @@ def test_the_compiled_torch_path_gives_the_python_paths_bits_and_the_oracles_res
         assert same
         # the door takes every call but a shape's first (which makes its words)
         assert took > 0 and declined > 0
-        # combines of bf16 and fp32 expert outputs (fp16 ones take the torch ops: declined)
+        # combines of bf16, fp16 and fp32 expert outputs (a shape's first: declined)
         assert c_took > 0 and c_declined > 0
         assert stats["backend"] == "torch" and stats["op"] == "combine"
         assert stats["extra"]["collectives"][0][0] == "partials_back"

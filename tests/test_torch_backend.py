@@ -227,7 +227,7 @@ def test_bf16_weight_split_matches_torch():
 
 
 @pytest.mark.parametrize("world,hidden", [(2, 48), (3, 48), (4, 48), (2, 1100)])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_final_sums_match_embedding_bag(world, hidden, dtype):
     """The compiled source-side sum of each token's partials (CPU path) gives the same bits
     as `embedding_bag` over the partials laid out [received | own] (what the device path
@@ -238,7 +238,7 @@ def test_final_sums_match_embedding_bag(world, hidden, dtype):
     import torch
 
     from ubep.runtime.torch_backend import _bag_sum
-    from ubep.runtime.torch_layout import final_sums_bf16, final_sums_f32
+    from ubep.runtime.torch_layout import BAG_WORDS, final_sums_16, final_sums_f32
 
     dt = getattr(torch, dtype)
     rng = np.random.default_rng(world)
@@ -259,11 +259,11 @@ def test_final_sums_match_embedding_bag(world, hidden, dtype):
             o, b = o + (r == 0), b + (r != 0)
     rows, offsets = np.array(rows, dtype=np.int64), np.array(offsets, dtype=np.int64)
     want = _bag_sum(torch.cat([back, own]), torch.from_numpy(rows), torch.from_numpy(offsets))
-    if dt == torch.bfloat16:
-        got = final_sums_bf16(back.view(torch.uint16).numpy(), own.view(torch.uint16).numpy(),
-                              rows, offsets, num_back,
-                              np.empty((tokens, hidden), dtype=np.uint16))
-        got = torch.from_numpy(got).view(torch.bfloat16)
+    if dt != torch.float32:             # 16-bit partials as their bits (`BAG_WORDS`)
+        word = BAG_WORDS[dt]
+        got = final_sums_16(back.view(word).numpy(), own.view(word).numpy(), rows, offsets,
+                            num_back, torch.empty((tokens, hidden), dtype=word).numpy())
+        got = torch.from_numpy(got).view(dt)
     else:
         got = torch.from_numpy(final_sums_f32(back.numpy(), own.numpy(), rows, offsets,
                                               num_back, np.empty((tokens, hidden), np.float32)))
@@ -306,7 +306,7 @@ def test_torch_backend_across_the_inline_switch_over(world):
         check_case(case, [per_rank[r][i] for r in range(world)])
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("weighted", [True, False])
 def test_bag_sums_match_the_oracle_sum(dtype, weighted):
     """The CPU combine's expert-side sums (compiled, two slots a pass, rows in chunks) give
@@ -316,7 +316,7 @@ def test_bag_sums_match_the_oracle_sum(dtype, weighted):
     import numpy as np
     import torch
 
-    from ubep.runtime.torch_layout import bag_sums
+    from ubep.runtime.torch_layout import BAG_WORDS, bag_sums
 
     dt = getattr(torch, dtype)
     rng = np.random.default_rng(3)
@@ -338,11 +338,12 @@ def test_bag_sums_match_the_oracle_sum(dtype, weighted):
         want.append(acc.to(dt))
     want = torch.stack(want)
     j0, j1 = 1, len(sizes) - 1                          # a range of bags, as combine asks
-    if dt == torch.bfloat16:
-        out = np.empty((j1 - j0, hidden), dtype=np.uint16)
-        bag_sums(rows.view(torch.uint16).numpy(), weights.numpy(), weighted,
+    if dt != torch.float32:             # 16-bit rows as their bits (`BAG_WORDS`)
+        word = BAG_WORDS[dt]
+        out = torch.empty((j1 - j0, hidden), dtype=word).numpy()
+        bag_sums(rows.view(word).numpy(), weights.numpy(), weighted,
                  bag_rows.numpy(), offsets, j0, j1, out)
-        got = torch.from_numpy(out).view(torch.bfloat16)
+        got = torch.from_numpy(out).view(dt)
     else:
         out = np.empty((j1 - j0, hidden), dtype=np.float32)
         got = torch.from_numpy(bag_sums(rows.numpy(), weights.numpy(), weighted,

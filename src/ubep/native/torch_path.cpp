@@ -44,7 +44,7 @@ enum K : int64_t {
 };
 enum B : int64_t {
   B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
-  B_FINAL, B_BF16, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT,
+  B_FINAL, B_KIND, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT,
   B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS,
   B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y, B_ERR, B_LEN
 };
@@ -609,7 +609,9 @@ PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (hv[0] != own_id) return not_taken();
   if (!passes(combine_ready, &rows, hv + 1)) return not_taken();
   const at::Tensor& e = THPVariable_Unpack(rows);
-  if (e.scalar_type() != at::kBFloat16 && e.scalar_type() != at::kFloat) return not_taken();
+  if (e.scalar_type() != at::kBFloat16 && e.scalar_type() != at::kHalf
+      && e.scalar_type() != at::kFloat)
+    return not_taken();
   const int weighted = PyObject_IsTrue(a[4]);
   if (weighted < 0) return nullptr;
   Locked locked(d[TR_LOCK]);

@@ -22,15 +22,17 @@ ranks would otherwise send a token ~4 times to each):
 
 What that costs in rounding: the oracle (and the shm backend) sums a token's slots in slot
 order in fp32 and rounds once; here the slots are summed per rank and each partial is
-rounded to the output dtype before the partials are summed. On CPU with bf16/fp32 partials
-the expert-side sums are the oracle's loop for the slots a rank holds (`bag_sums`: fp32
-weights, `acc + w * row` in slot order, rounded to nearest even), so a token whose experts
-all live on one rank gets the oracle's bits. Elsewhere (other devices, fp16) they are
-`embedding_bag` with the weights in the rows' dtype split as `hi + lo` (16+ significant bits
-of the fp32 weight); measured there (P=2, hidden 7168, top-8 of 16, T=128, the tests'
-expert function): 77% of bf16 and fp16 outputs bit-identical to the oracle, the rest one
-unit in the last place off (none more); fp32 56% identical, at most 3e-7 relative. Within
-the tests' tolerance; the shm backend stays bit-exact.
+rounded to the output dtype before the partials are summed. On CPU (bf16, fp16 and fp32
+partials; fp16 since 2026-12-03) the expert-side sums are the oracle's loop for the slots a
+rank holds (`bag_sums`: fp32 weights, `acc + w * row` in slot order, rounded to nearest
+even), so a token whose experts all live on one rank gets the oracle's bits, and the
+source-side sums round as `embedding_bag` does (tests/test_torch_backend.py checks both bit
+for bit). On other devices they are `embedding_bag` with the weights in the rows' dtype
+split as `hi + lo` (16+ significant bits of the fp32 weight); measured there (P=2, hidden
+7168, top-8 of 16, T=128, the tests' expert function): 77% of bf16 and fp16 outputs
+bit-identical to the oracle, the rest one unit in the last place off (none more); fp32 56%
+identical, at most 3e-7 relative. Within the tests' tolerance; the shm backend stays
+bit-exact.
 
 At batch 1 the host work around the small collectives is what costs, so the index
 bookkeeping is compiled (`ubep.runtime.torch_layout`) instead of ~80 numpy/torch calls. On
@@ -63,7 +65,7 @@ Where `ubep.native` is built, a CPU call runs compiled (`native/torch_path.cpp`,
 collectives on the group's C++ object (`c10d::ProcessGroup::all_to_all_single`, polled as
 `wait` polls them, then their `wait()`), the result objects made in C++, no Python between
 pack, collectives and results. It takes every CPU dispatch whose batch fits the scratch and
-every bf16/fp32 combine (into a contiguous `out` too); its words (`_doors`) are per row type
+every bf16/fp16/fp32 combine (into a contiguous `out` too); its words (`_doors`) are per row type
 and inline capacity and read the scratch on every call, so changing batches keep it. A
 dispatch whose phase 2 needs a larger receive buffer goes on in Python after its first
 collective (`_native_rest`); everything else runs the Python path below, the definition.
@@ -102,8 +104,10 @@ from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
     bag_sums_bf16_at,
+    bag_sums_f16_at,
     bag_sums_f32_at,
     final_sums_bf16_at,
+    final_sums_f16_at,
     final_sums_f32_at,
     gather_at,
     pack_send_at,
@@ -127,9 +131,10 @@ _INLINE_BYTES = 64 << 10
 #: on CPU, move rows with numpy (tests turn it off to run the device path's torch ops on CPU)
 HOST_MOVES_ROWS = True
 #: the CPU combine by partial dtype: (row word, expert-side sums, source-side sums,
-#: compiled: the same bits as embedding_bag, which the device path and fp16 use)
+#: compiled: the same rounding as embedding_bag's, which the device path uses)
 _CPU_COMBINE = {
     torch.bfloat16: (BAG_WORDS[torch.bfloat16], bag_sums_bf16_at, final_sums_bf16_at),
+    torch.float16: (BAG_WORDS[torch.float16], bag_sums_f16_at, final_sums_f16_at),
     torch.float32: (BAG_WORDS[torch.float32], bag_sums_f32_at, final_sums_f32_at)}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -950,7 +955,7 @@ class TorchBackend:
 
     def _combine_cpu(self, expert_out: torch.Tensor, st: _TorchState, weighted: bool,
                      out: torch.Tensor | None, pdtype: torch.dtype) -> CombineResult:
-        """`combine` for a CPU dispatch with bf16/fp32 partials: each received token's
+        """`combine` for a CPU dispatch with bf16/fp16/fp32 partials: each received token's
         partial summed by a compiled pass straight into the send buffer (fp32 weights and
         accumulation, slot order, one rounding), the collective, this rank's own tokens'
         partials (while a small collective runs, after a large one), then each token's
@@ -1045,7 +1050,8 @@ class TorchBackend:
         b[te.B_HIDDEN], b[te.B_INLINE_BYTES], b[te.B_POLL_NS] = hidden, _INLINE_BYTES, \
             self._poll_ns
         b[te.B_BAGS], b[te.B_FINAL] = te.bags_c.address, te.final_c.address
-        b[te.B_BF16] = pdtype == torch.bfloat16
+        b[te.B_KIND] = {torch.bfloat16: te.KIND_BF16, torch.float16: te.KIND_F16}.get(
+            pdtype, te.KIND_F32)
         return (b, self._group_cap, self._scratch, _native_combine_stats, self.config.rank)
 
     def close(self) -> None:

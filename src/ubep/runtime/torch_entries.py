@@ -16,8 +16,10 @@ from numba import carray, cfunc, types
 from ubep.runtime.shm.atomics import i64_ptr
 from ubep.runtime.torch_layout import (
     bag_sums_bf16_at,
+    bag_sums_f16_at,
     bag_sums_f32_at,
     final_sums_bf16_at,
+    final_sums_f16_at,
     final_sums_f32_at,
     gather_at,
     pack_send_at,
@@ -38,11 +40,13 @@ K_ERR = K_OFFSETS + 8          # after res_offsets' 8 words
 K_LEN = K_ERR + 1
 
 # a combine's block: the scratch's addresses (each call), constants, one call's inputs
-(B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS, B_FINAL, B_BF16, B_OWN_AT,
+(B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS, B_FINAL, B_KIND, B_OWN_AT,
  B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT,
  B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1,
  B_DST, B_Y, B_ERR) = range(29)
 B_LEN = 29
+#: `B_KIND`: the partials' dtype
+KIND_F32, KIND_BF16, KIND_F16 = 0, 1, 2
 
 #: the words of the tuples the backend hands `torch_dispatch` / `torch_combine` (in
 #: `torch_path.cpp`'s TD_* / TC_* order; tests/test_native_torch.py checks the two agree)
@@ -145,14 +149,16 @@ def rows_c(k):
 
 @cfunc(_SIG, cache=True, nogil=True)
 def bags_c(b):
-    """`bag_sums_*_at` of bags `B_J0..B_J1` into `B_DST` (combine's expert side), bfloat16
-    partials when `B_BF16` is set, else float32."""
+    """`bag_sums_*_at` of bags `B_J0..B_J1` into `B_DST` (combine's expert side), partials
+    of the dtype `B_KIND` names."""
     try:
         args = (b[B_ROWS], b[B_NUM_ROWS], b[B_HIDDEN], b[B_W_AT], b[B_WEIGHTED] != 0,
                 b[B_ROWS_AT], b[B_OFFS_AT], b[B_NUM_PAIRS], b[B_NUM_BAGS], b[B_J0], b[B_J1],
                 b[B_DST])
-        if b[B_BF16]:
+        if b[B_KIND] == KIND_BF16:
             bag_sums_bf16_at(*args)
+        elif b[B_KIND] == KIND_F16:
+            bag_sums_f16_at(*args)
         else:
             bag_sums_f32_at(*args)
         b[B_ERR] = 0
@@ -166,8 +172,10 @@ def final_c(b):
     try:
         args = (b[B_BACK_AT], b[B_BACK], b[B_OWN_AT], b[B_OWN], b[B_HIDDEN], b[B_FIN_ROWS_AT],
                 b[B_FIN_OFFS_AT], b[B_SENDS], b[B_NUM_TOKENS], b[B_Y])
-        if b[B_BF16]:
+        if b[B_KIND] == KIND_BF16:
             final_sums_bf16_at(*args)
+        elif b[B_KIND] == KIND_F16:
+            final_sums_f16_at(*args)
         else:
             final_sums_f32_at(*args)
         b[B_ERR] = 0

@@ -22,6 +22,7 @@ from numba import carray, njit, types
 from numba.extending import overload
 
 from ubep.runtime.shm.atomics import bits_to_f32, memcpy_at, void_ptr
+from ubep.runtime.shm.kernels.combine import f16_to_f32, f32_bits_to_f16
 
 
 @njit(nogil=True, cache=True)
@@ -668,12 +669,13 @@ def gather_rows(work, x, gather, num_remote, own_tokens, out, rw):
 
 
 @njit(nogil=True, cache=True)
-def final_sums_bf16(back_rows, own_rows, final_rows, final_offsets, num_back, y):
-    """Each token's <= P partial rows (bfloat16 bits) summed in fp32 in rank order and
-    rounded once to bfloat16 as `embedding_bag` does it on CPU (to nearest, ties away from
-    zero), so the bits are those the backend gave before: row r < `num_back` of the combine
-    work buffer is `back_rows[r]` (received), row r >= `num_back` is `own_rows[r -
-    num_back]` (this rank's own partials, read where they were made, not copied).
+def final_sums_16(back_rows, own_rows, final_rows, final_offsets, num_back, y):
+    """Each token's <= P partial rows (16-bit: bfloat16 bits as uint16, fp16 bits as int16)
+    summed in fp32 in rank order and rounded once as `embedding_bag` does it on CPU (bf16:
+    to nearest, ties away from zero; fp16: to nearest even), so the bits are those the
+    backend gave before: row r < `num_back` of the combine work buffer is `back_rows[r]`
+    (received), row r >= `num_back` is `own_rows[r - num_back]` (this rank's own partials,
+    read where they were made, not copied).
 
     `_CHUNK` elements at a time, the accumulator in L1 (as `bag_sums`): whole rows through
     fp32 scratch took 0.68 ms for 128 tokens x 2 partials, 0.46 ms so (same bits)."""
@@ -695,19 +697,37 @@ def final_sums_bf16(back_rows, own_rows, final_rows, final_offsets, num_back, y)
                 s = (back_rows[r] if r < num_back else own_rows[r - num_back])[c0:c0 + n]
                 for h in range(n):
                     a[h] += _widen(s[h])
-            o = out[c0:c0 + n]
-            for h in range(n):
-                b = ab[h]
-                if (b & 0x7FFFFFFF) > 0x7F800000:
-                    o[h] = 0x7FC0
-                else:
-                    o[h] = np.uint16((np.uint64(b) + 0x8000) >> 16)
+            _final_store(out[c0:c0 + n], ab, n)
     return y
+
+
+def _final_store(out, acc_bits, n):
+    """`out[:n]` = the fp32 sums (as their bits `acc_bits`) rounded as `embedding_bag`
+    rounds its sums on CPU: bf16 bits (uint16 `out`) to nearest, ties away from zero, NaN
+    -> 0x7FC0; fp16 bits (int16 `out`) to nearest even."""
+
+
+@overload(_final_store, inline="always")
+def _final_store_impl(out, acc_bits, n):
+    if out.dtype == types.int16:
+        def store_f16(out, acc_bits, n):
+            for h in range(n):
+                out[h] = np.int16(f32_bits_to_f16(acc_bits[h]))
+        return store_f16
+
+    def store_bf16(out, acc_bits, n):
+        for h in range(n):
+            b = acc_bits[h]
+            if (b & 0x7FFFFFFF) > 0x7F800000:
+                out[h] = 0x7FC0
+            else:
+                out[h] = np.uint16((np.uint64(b) + 0x8000) >> 16)
+    return store_bf16
 
 
 @njit(nogil=True, cache=True)
 def final_sums_f32(back_rows, own_rows, final_rows, final_offsets, num_back, y):
-    """`final_sums_bf16` for float32 partials: summed in fp32 in rank order into `y`."""
+    """`final_sums_16` for float32 partials: summed in fp32 in rank order into `y`."""
     num_tokens, hidden = y.shape
     end = final_rows.shape[0]
     for t in range(num_tokens):
@@ -728,21 +748,25 @@ _CHUNK = 512
 
 
 def _widen(v):
-    """A row element as float32: bfloat16 bits (uint16) widened, float32 as it is."""
+    """A row element as float32: bfloat16 bits (uint16) or fp16 bits (int16) widened,
+    float32 as it is."""
 
 
 @overload(_widen, inline="always")
 def _widen_impl(v):
     if v == types.uint16:
         return lambda v: bits_to_f32(np.uint32(v) << np.uint32(16))   # a register bitcast
+    if v == types.int16:
+        return lambda v: f16_to_f32(np.uint16(v))      # the CPU's conversion where it has one
     if v == types.float32:
         return lambda v: v
     return None
 
 
 def _store(out, acc, acc_bits, n):
-    """`out[:n]` = the fp32 sums `acc[:n]` in `out`'s element type: bfloat16 bits rounded to
-    nearest even (uint16 `out`; `acc_bits` is `acc` as uint32), float32 as they are."""
+    """`out[:n]` = the fp32 sums `acc[:n]` in `out`'s element type: bfloat16 bits (uint16
+    `out`) or fp16 bits (int16) rounded to nearest even (`acc_bits` is `acc` as uint32),
+    float32 as they are."""
 
 
 @overload(_store, inline="always")
@@ -752,6 +776,11 @@ def _store_impl(out, acc, acc_bits, n):
             for h in range(n):
                 out[h] = _bf16_bits(acc_bits[h])
         return store_bf16
+    if out.dtype == types.int16:
+        def store_f16(out, acc, acc_bits, n):
+            for h in range(n):
+                out[h] = np.int16(f32_bits_to_f16(acc_bits[h]))
+        return store_f16
 
     def store_f32(out, acc, acc_bits, n):
         out[:n] = acc[:n]
@@ -763,9 +792,9 @@ def bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out):
     """Combine's expert-side sums: `out[j - j0]` = the sum over bag j's slots (rows
     `bag_rows[bag_offsets[j]:...]` of `rows`) of `weights[row] * row` (or `row`, not
     `weighted`) in fp32, slot order, rounded once to `out`'s type: what the oracle computes
-    for the slots a rank holds. `rows`/`out` are bfloat16 bits (uint16; rounded to nearest
-    even) or float32. fp32 weights as they are (not split into 16-bit halves as
-    `embedding_bag` needs them)."""
+    for the slots a rank holds. `rows`/`out` are bfloat16 bits (uint16) or fp16 bits
+    (int16), rounded to nearest even, or float32. fp32 weights as they are (not split into
+    16-bit halves as `embedding_bag` needs them)."""
     hidden = rows.shape[1]
     acc = np.empty(_CHUNK, dtype=np.float32)
     ab = acc.view(np.uint32)
@@ -848,6 +877,15 @@ def bag_sums_bf16_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_ro
 
 
 @njit(nogil=True, cache=True)
+def bag_sums_f16_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_rows_addr,
+                    bag_offsets_addr, num_pairs, num_bags, j0, j1, out_addr):
+    """`bag_sums_bf16_at` for fp16 rows (their bits as int16)."""
+    rows = carray(void_ptr(rows_addr), (num_rows, hidden), np.int16)
+    _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs,
+                 num_bags, j0, j1, out_addr)
+
+
+@njit(nogil=True, cache=True)
 def bag_sums_f32_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_rows_addr,
                     bag_offsets_addr, num_pairs, num_bags, j0, j1, out_addr):
     """`bag_sums_bf16_at` for float32 rows."""
@@ -856,8 +894,10 @@ def bag_sums_f32_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_row
                  num_bags, j0, j1, out_addr)
 
 
-#: the output dtypes `bag_sums` writes (bf16 as its bits), by the word its rows are read as
-BAG_WORDS = {torch.bfloat16: torch.uint16, torch.float32: torch.float32}
+#: the output dtypes `bag_sums` writes (16-bit ones as their bits), by the word its rows are
+#: read as (bf16 and fp16 differ in type so that one kernel compiles for each)
+BAG_WORDS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16,
+             torch.float32: torch.float32}
 
 
 def bags_by_token(token: np.ndarray, slot: np.ndarray, num_tokens: int
@@ -903,11 +943,21 @@ def _final_args(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
 @njit(nogil=True, cache=True)
 def final_sums_bf16_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
                        final_offsets_addr, sends, num_tokens, y_addr):
-    """`final_sums_bf16` with every array by address (`_final_args`; y as bfloat16 bits)."""
+    """`final_sums_16` with every array by address (`_final_args`; y as bfloat16 bits)."""
     back, own, rows, offsets, y = _final_args(back_addr, num_back, own_addr, num_own, hidden,
                                               final_rows_addr, final_offsets_addr, sends,
                                               num_tokens, y_addr, np.uint16)
-    final_sums_bf16(back, own, rows, offsets, num_back, y)
+    final_sums_16(back, own, rows, offsets, num_back, y)
+
+
+@njit(nogil=True, cache=True)
+def final_sums_f16_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
+                      final_offsets_addr, sends, num_tokens, y_addr):
+    """`final_sums_16` with every array by address (`_final_args`; y as fp16 bits)."""
+    back, own, rows, offsets, y = _final_args(back_addr, num_back, own_addr, num_own, hidden,
+                                              final_rows_addr, final_offsets_addr, sends,
+                                              num_tokens, y_addr, np.int16)
+    final_sums_16(back, own, rows, offsets, num_back, y)
 
 
 @njit(nogil=True, cache=True)
