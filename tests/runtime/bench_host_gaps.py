@@ -22,7 +22,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
-import time
 
 
 def timer_ticks() -> dict[int, int] | None:
@@ -47,22 +46,12 @@ def _gaps(core: int, seconds: float) -> tuple[int, list[int]]:
     return core, clock_gaps(seconds)
 
 
-def _speed(core: int, seconds: float) -> list[float]:
-    """Loop iterations a microsecond, per 100 ms chunk, on `core`."""
+def _speed(core: int, seconds: float) -> float:
+    """`loop_speed` on `core`: the median of 100 ms chunks, loop iterations a µs."""
+    from ubep.bench.flags import loop_speed
+
     os.sched_setaffinity(0, [core])
-    clock, out = time.perf_counter, []
-    end = clock() + seconds
-    while clock() < end:
-        t0, n = clock(), 0
-        while clock() - t0 < 0.1:
-            for i in range(2000):
-                n += i & 7
-        out.append(n / (clock() - t0) / 1e6)
-    return out
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+    return loop_speed(seconds, 0.1)
 
 
 def main() -> None:
@@ -85,10 +74,10 @@ def main() -> None:
                   f"longest {us[-1] if us else 0:.0f} µs{tick}")
         print("fixed loop, 1 s a round, median of 100 ms chunks (loop iterations a µs):")
         for r in range(rounds):
-            solo = _median(pool.apply(_speed, (cores[0], 1.0)))
+            solo = pool.apply(_speed, (cores[0], 1.0))
             both = pool.starmap(_speed, [(c, 1.0) for c in cores])
             print(f"  round {r}: core {cores[0]} alone {solo:.1f}; all at once "
-                  + ", ".join(f"core {c} {_median(s):.1f}" for c, s in zip(cores, both)))
+                  + ", ".join(f"core {c} {s:.1f}" for c, s in zip(cores, both)))
 
 
 if __name__ == "__main__":

@@ -107,6 +107,23 @@ def clock_gaps(seconds: float, min_us: float = 20.0) -> list[int]:
     return gaps
 
 
+def loop_speed(seconds: float, chunk_s: float = 0.05) -> float:
+    """A fixed loop of Python arithmetic on this thread for `seconds`: the median over
+    `chunk_s` chunks of loop iterations a microsecond. On a VM whose cores share physical
+    cores with other tenants the same loop runs at two speeds ~1.8x apart, switching from one
+    second to the next (docs/results.md, "Two machines in one"): a median read in the slow
+    one is not the code's."""
+    clock, speeds = time.perf_counter, []
+    end = clock() + seconds
+    while clock() < end:
+        t0, n = clock(), 0
+        while clock() - t0 < chunk_s:
+            for i in range(2000):
+                n += i & 7
+        speeds.append(n / (clock() - t0) / 1e6)
+    return sorted(speeds)[len(speeds) // 2]
+
+
 def _words(world: int) -> int:
     """int64 words of the flag slots: ping, pong, one barrier word per rank, the probe's."""
     return (3 + world) * _SLOT
@@ -196,6 +213,14 @@ class HostSync:
         n = len(clock_gaps(seconds))
         self.barrier()
         return n / seconds
+
+    def loop_speed(self, seconds: float = 0.3) -> float:
+        """`loop_speed` on every rank's core at once (each returns its own): the host's
+        speed for code that does not wait on anything."""
+        self.barrier()
+        speed = loop_speed(seconds)
+        self.barrier()
+        return speed
 
     def flag_round_trip_us(self, rounds: int = 200, repeats: int = 25) -> float | None:
         """The best over `repeats` of the mean time of one flag round trip, rank 0 <-> rank 1.

@@ -111,7 +111,7 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
     console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
                   f"{'?' if load is None else f'{load:.1f}'}; flag round trip "
                   + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
-                  + cross_core(res) + host_gaps(res) + f"; {pinning(res)}; "
+                  + cross_core(res) + host_gaps(res) + host_speed(res) + f"; {pinning(res)}; "
                   f"{m.get('native', '?')}; "
                   f"{res.elapsed_s:.0f} s[/]")
 
@@ -128,6 +128,13 @@ def host_gaps(res: BenchResult) -> str:
     return "".join(f"; host gaps > 20 µs P={p}: " + ", ".join(
         f"rank {r} {a:.0f}/s then {b:.0f}/s" for r, (a, b) in enumerate(per_rank))
         for p, per_rank in sorted(res.gaps.items()))
+
+
+def host_speed(res: BenchResult) -> str:
+    """The host's speed probe in words ("" if not measured)."""
+    return "".join(f"; fixed loop P={p}: " + ", ".join(
+        f"rank {r} {a:.0f} then {b:.0f} iterations/µs" for r, (a, b) in enumerate(per_rank))
+        for p, per_rank in sorted(res.speed.items()))
 
 
 def pinning(res: BenchResult) -> str:
@@ -241,6 +248,7 @@ def write_json(res: BenchResult, out_dir: Path) -> Path:
                             for k, (n, a, b) in res.xcopy.items()},
         "rank_cores": {str(k): v for k, v in res.cores.items()},
         "host_gaps_per_s": {str(k): v for k, v in res.gaps.items()},
+        "host_loop_speed": {str(k): v for k, v in res.speed.items()},
         "unavailable": res.unavailable, "elapsed_s": res.elapsed_s}, indent=2))
     return path
 

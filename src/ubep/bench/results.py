@@ -241,7 +241,8 @@ the header line (and in this file's first paragraph).
 while the cores took 550-594 local timer interrupts a second, and then timed a fixed loop of
 Python arithmetic in 1 s rounds: a core ran it at ~120 iterations a µs in some rounds and at
 ~68 in others (1.8x slower), alone or with the other core busy, switching from one second to
-the next (the VM's cores share physical cores with other tenants). A median read in the slow
+the next (the VM's cores share physical cores with other tenants; every run's header now
+gives the same loop's speed on each rank at its start and end). A median read in the slow
 state is not the code's: four runs of `tests/runtime/bench_shm_spins.py staged 256 1` one
 after the other, alternating two versions of the staged path (`direct=False`), read 37.1,
 60.7, 66.7 and 38.6 µs, the fast and the slow value once for each version. So a run's
@@ -465,7 +466,18 @@ def _gaps_words(res: BenchResult) -> str:
             f"`ubep.bench.flags.clock_gaps`) {'/'.join(f'{g:.0f}' for g in starts)} times a "
             f"second at the start of run 1 and {'/'.join(f'{g:.0f}' for g in ends)} at its end "
             "(ranks 0/1; \"The host's own gaps\" below says what that does to a batch-1 "
-            "call).")
+            "call)." + _speed_words(res))
+
+
+def _speed_words(res: BenchResult) -> str:
+    """The host's speed probe of a run in a sentence ("" if not measured)."""
+    if 2 not in res.speed:
+        return ""
+    starts, ends = zip(*res.speed[2])
+    return (f" A fixed loop ran at {'/'.join(f'{v:.0f}' for v in starts)} iterations a µs "
+            f"at the start of run 1 and {'/'.join(f'{v:.0f}' for v in ends)} at its end "
+            "(`ubep.bench.flags.loop_speed`; \"Two machines in one\" below: this host has a "
+            "fast and a slow state).")
 
 
 def render(turns: BenchResult, inter: BenchResult, command: str) -> str:

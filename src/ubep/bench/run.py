@@ -98,6 +98,8 @@ class BenchResult:
     xcopy: dict = field(default_factory=dict)
     #: P -> per rank, gaps > 20 µs a second on its core (start, end): the host's own noise
     gaps: dict = field(default_factory=dict)
+    #: P -> per rank, a fixed loop's iterations a µs on its core (start, end): the host's speed
+    speed: dict = field(default_factory=dict)
     bytes: dict = field(default_factory=dict)     # (P, hidden, batch) -> (dispatch, combine) B
     #: one dict per (system, P, hidden, batch, "<op>:<phase>"): the backend's own phase times,
     #: median over iterations of the max over ranks (Buffer systems only)
@@ -178,6 +180,8 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
         res.xcopy[world] = tuple(first["xcopy"])
     if all(r.get("gaps") is not None for r in per_rank):
         res.gaps[world] = [tuple(r["gaps"]) for r in per_rank]
+    if all(r.get("speed") is not None for r in per_rank):
+        res.speed[world] = [tuple(r["speed"]) for r in per_rank]
     for (hidden, batch) in first["bytes"]:
         res.bytes[(world, hidden, batch)] = tuple(
             max(r["bytes"][(hidden, batch)][i] for r in per_rank) for i in range(2))

@@ -67,7 +67,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     reason}, "rtt_us": float | None, "cpu": [cores this rank is bound to] | None,
     "xcopy": (bytes, peer-written µs, own-cache µs) | None}` (`HostSync.cross_core_copy_us`
     of the copy bound's dispatch bytes at the smallest batch and widest row), "gaps":
-    (per second at the start, at the end)}` (`HostSync.gaps_per_s` on this rank's core).
+    (per second at the start, at the end)}` (`HostSync.gaps_per_s` on this rank's core),
+    "speed": (at the start, at the end)` (`HostSync.loop_speed`, loop iterations a µs).
     """
     # one core per rank: torch's own intra-op threads would compete with the ranks
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -78,12 +79,13 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0),
                            copy_bytes=xbytes)
     out: dict = {"times": {}, "phases": {}, "bytes": {}, "unavailable": {}, "rtt_us": None,
-                 "cpu": pinned, "xcopy": None, "gaps": None}
+                 "cpu": pinned, "xcopy": None, "gaps": None, "speed": None}
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
         xcopy = sync.cross_core_copy_us(xbytes)
         out["xcopy"] = None if xcopy is None else (xbytes, *xcopy)
         gaps = sync.gaps_per_s()
+        speed = sync.loop_speed()
         names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else []),
                  *([AGRS_RAW] if "agrs" in cfg.systems else []),
                  *([MPI_RAW] if "mpi" in cfg.systems else [])]
@@ -107,6 +109,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
                     s.close()
         out["rtt_us_end"] = sync.flag_round_trip_us()
         out["gaps"] = (gaps, sync.gaps_per_s())
+        out["speed"] = (speed, sync.loop_speed())
     finally:
         sync.close()
     return out
