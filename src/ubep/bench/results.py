@@ -457,27 +457,27 @@ def _xcopy_words(res: BenchResult) -> str:
             ").")
 
 
+def _start_end(per_rank: list[tuple[float, float]]) -> tuple[str, str]:
+    """A probe's values per rank at the start and at the end of a run, as "a/b" each."""
+    starts, ends = zip(*per_rank)
+    return "/".join(f"{v:.0f}" for v in starts), "/".join(f"{v:.0f}" for v in ends)
+
+
 def _gaps_words(res: BenchResult) -> str:
-    """The host's gaps probe of a run in a sentence ("" if not measured)."""
-    if 2 not in res.gaps:
-        return ""
-    starts, ends = zip(*res.gaps[2])
-    return (f" The host took a rank's core away for more than 20 µs (a gap in a clock loop, "
-            f"`ubep.bench.flags.clock_gaps`) {'/'.join(f'{g:.0f}' for g in starts)} times a "
-            f"second at the start of run 1 and {'/'.join(f'{g:.0f}' for g in ends)} at its end "
-            "(ranks 0/1; \"The host's own gaps\" below says what that does to a batch-1 "
-            "call)." + _speed_words(res))
-
-
-def _speed_words(res: BenchResult) -> str:
-    """The host's speed probe of a run in a sentence ("" if not measured)."""
-    if 2 not in res.speed:
-        return ""
-    starts, ends = zip(*res.speed[2])
-    return (f" A fixed loop ran at {'/'.join(f'{v:.0f}' for v in starts)} iterations a µs "
-            f"at the start of run 1 and {'/'.join(f'{v:.0f}' for v in ends)} at its end "
-            "(`ubep.bench.flags.loop_speed`; \"Two machines in one\" below: this host has a "
-            "fast and a slow state).")
+    """The host's gaps and speed probes of a run in sentences ("" if not measured)."""
+    out = ""
+    if 2 in res.gaps:
+        start, end = _start_end(res.gaps[2])
+        out += (" The host took a rank's core away for more than 20 µs (a gap in a clock "
+                f"loop, `ubep.bench.flags.clock_gaps`) {start} times a second at the start of "
+                f"run 1 and {end} at its end (ranks 0/1; \"The host's own gaps\" below says "
+                "what that does to a batch-1 call).")
+    if 2 in res.speed:
+        start, end = _start_end(res.speed[2])
+        out += (f" A fixed loop ran at {start} iterations a µs at the start of run 1 and {end} "
+                "at its end (`ubep.bench.flags.loop_speed`; \"Two machines in one\" below: "
+                "this host has a fast and a slow state).")
+    return out
 
 
 def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
