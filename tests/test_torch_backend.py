@@ -612,17 +612,17 @@ def test_cpu_kernels_check_their_sizes():
     plan = np.array([0, 3, 1, 2, 0, 2], np.int64)   # bag rows [0, 3, 1, 2], offsets [0, 2]
     out = np.zeros((2, 8), np.float32)
     halves = np.array([0.5, 1.0, 2.0, 0.25], np.float32)
-    tl.bag_sums_f32_at(rows.ctypes.data, 4, 8, halves.ctypes.data, True, plan.ctypes.data,
-                       plan.ctypes.data + 32, 4, 2, 0, 2, out.ctypes.data)
+    tl.bag_sums_at(tl.KIND_F32, rows.ctypes.data, 4, 8, halves.ctypes.data, True,
+                   plan.ctypes.data, plan.ctypes.data + 32, 4, 2, 0, 2, out.ctypes.data)
     assert out[0].tolist() == [0.75] * 8 and out[1].tolist() == [3.0] * 8
     with pytest.raises(IndexError):             # bag row 3 past expert_out's 3 rows
-        tl.bag_sums_f32_at(rows.ctypes.data, 3, 8, halves.ctypes.data, True, plan.ctypes.data,
-                           plan.ctypes.data + 32, 4, 2, 0, 2, out.ctypes.data)
+        tl.bag_sums_at(tl.KIND_F32, rows.ctypes.data, 3, 8, halves.ctypes.data, True,
+                       plan.ctypes.data, plan.ctypes.data + 32, 4, 2, 0, 2, out.ctypes.data)
     y = np.zeros((2, 8), np.float32)
     fin = np.array([0, 1, 0, 2], np.int64)      # final rows [0, 1], offsets [0, 2]
-    tl.final_sums_f32_at(rows.ctypes.data, 1, rows.ctypes.data, 1, 8, fin.ctypes.data,
-                         fin.ctypes.data + 16, 2, 2, y.ctypes.data)
+    tl.final_sums_at(tl.KIND_F32, rows.ctypes.data, 1, rows.ctypes.data, 1, 8, fin.ctypes.data,
+                     fin.ctypes.data + 16, 2, 2, y.ctypes.data)
     assert y[0].tolist() == [2.0] * 8 and y[1].tolist() == [0.0] * 8
     with pytest.raises(IndexError):             # row 1 past a work buffer of one row
-        tl.final_sums_f32_at(rows.ctypes.data, 1, rows.ctypes.data, 0, 8, fin.ctypes.data,
-                             fin.ctypes.data + 16, 2, 2, y.ctypes.data)
+        tl.final_sums_at(tl.KIND_F32, rows.ctypes.data, 1, rows.ctypes.data, 0, 8,
+                         fin.ctypes.data, fin.ctypes.data + 16, 2, 2, y.ctypes.data)

@@ -39,8 +39,8 @@ bookkeeping is compiled (`ubep.runtime.torch_layout`) instead of ~80 numpy/torch
 CPU the rows move in the same compiled calls: `pack_send_at` writes the send buffer
 (headers, routing words, rows), `recv_gather_at` (`recv_plan_at` then `gather_at` at large
 batches) lays out recv_x from the received rows and, for this rank's own tokens, straight
-from x; combine's `bag_sums_*_at` write the partials straight into the send buffer and
-`final_sums_*_at` read the received partials and this rank's own where they lie (the
+from x; combine's `bag_sums_at` write the partials straight into the send buffer and
+`final_sums_at` read the received partials and this rank's own where they lie (the
 source-side rounding as `embedding_bag`'s). The kernels take ints only: x, the routing,
 expert_out, y and the scratch by address (contiguous CPU tensors Buffer checked;
 `view(word).numpy()`/`from_numpy` cost 10-20 µs each between collectives on a slow host),
@@ -103,12 +103,11 @@ from ubep.native import load_native
 from ubep.options import BufferConfig
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
-    bag_sums_bf16_at,
-    bag_sums_f16_at,
-    bag_sums_f32_at,
-    final_sums_bf16_at,
-    final_sums_f16_at,
-    final_sums_f32_at,
+    KIND_BF16,
+    KIND_F16,
+    KIND_F32,
+    bag_sums_at,
+    final_sums_at,
     gather_at,
     pack_send_at,
     phase2_at,
@@ -130,12 +129,10 @@ _HEADER_BYTES = 16
 _INLINE_BYTES = 64 << 10
 #: on CPU, move rows with numpy (tests turn it off to run the device path's torch ops on CPU)
 HOST_MOVES_ROWS = True
-#: the CPU combine by partial dtype: (row word, expert-side sums, source-side sums,
-#: compiled: the same rounding as embedding_bag's, which the device path uses)
-_CPU_COMBINE = {
-    torch.bfloat16: (BAG_WORDS[torch.bfloat16], bag_sums_bf16_at, final_sums_bf16_at),
-    torch.float16: (BAG_WORDS[torch.float16], bag_sums_f16_at, final_sums_f16_at),
-    torch.float32: (BAG_WORDS[torch.float32], bag_sums_f32_at, final_sums_f32_at)}
+#: the partial dtypes the CPU combine sums with its compiled kernels (`bag_sums_at`,
+#: `final_sums_at`: the same rounding as embedding_bag's, which the device path uses), by
+#: the kernels' code for them
+_CPU_COMBINE = {torch.bfloat16: KIND_BF16, torch.float16: KIND_F16, torch.float32: KIND_F32}
 #: partial sums travel in the output dtype for these; in fp32 for everything else
 _PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -961,7 +958,7 @@ class TorchBackend:
         partials (while a small collective runs, after a large one), then each token's
         partials summed at the source (`final_sums_*`) into y."""
         t0 = _now_us()
-        _, bag_sums, final_sums = _CPU_COMBINE[pdtype]
+        kind = _CPU_COMBINE[pdtype]
         # contiguous (Buffer's checks): the kernels read its rows by address
         src = expert_out if pdtype == expert_out.dtype else expert_out.to(pdtype)
         rows, (num_rows, hidden) = src.data_ptr(), src.shape
@@ -987,15 +984,15 @@ class TorchBackend:
         send_splits, recv_splits, coll = _combine_splits(st, itemsize * hidden)
         w_at, rows_at, offs_at, fin_rows_at, fin_offs_at = st.at
         num_pairs, num_bags, sends = st.sizes
-        bag_sums(rows, num_rows, hidden, w_at, weighted, rows_at, offs_at, num_pairs, num_bags,
-                 0, nret, send_at)
+        bag_sums_at(kind, rows, num_rows, hidden, w_at, weighted, rows_at, offs_at, num_pairs,
+                    num_bags, 0, nret, send_at)
         if nret * itemsize * hidden <= _INLINE_BYTES:
             # a small collective is latency: own tokens' partials (they do not travel) are
             # summed while it runs
             work = all_to_all(self._pg, recv_flat, send_flat, recv_splits, send_splits,
                               async_op=True)
-            bag_sums(rows, num_rows, hidden, w_at, weighted, rows_at, offs_at, num_pairs,
-                     num_bags, nret, nret + own, own_at)
+            bag_sums_at(kind, rows, num_rows, hidden, w_at, weighted, rows_at, offs_at,
+                        num_pairs, num_bags, nret, nret + own, own_at)
             t2 = _now_us()
             wait(work, self._pg)
             t3 = _now_us()
@@ -1003,13 +1000,13 @@ class TorchBackend:
             t2 = _now_us()
             all_to_all(self._pg, recv_flat, send_flat, recv_splits, send_splits)
             t3 = _now_us()
-            bag_sums(rows, num_rows, hidden, w_at, weighted, rows_at, offs_at, num_pairs,
-                     num_bags, nret, nret + own, own_at)
+            bag_sums_at(kind, rows, num_rows, hidden, w_at, weighted, rows_at, offs_at,
+                        num_pairs, num_bags, nret, nret + own, own_at)
         dtype = expert_out.dtype
         into_out = out is not None and pdtype == dtype and out.is_contiguous()
         y = out if into_out else torch.empty((st.num_tokens, hidden), dtype=pdtype)
-        final_sums(back_at, back, own_at, own, hidden, fin_rows_at, fin_offs_at, sends,
-                   st.num_tokens, y.data_ptr())
+        final_sums_at(kind, back_at, back, own_at, own, hidden, fin_rows_at, fin_offs_at,
+                      sends, st.num_tokens, y.data_ptr())
         if not into_out:
             if pdtype != dtype:
                 y = y.to(dtype)
@@ -1027,7 +1024,7 @@ class TorchBackend:
         send buffer's address [partials of the received tokens | this rank's own], room for
         `sums` partials or more, the received partials' (`back` or more), both capacities in
         partials, both buffers as flat bytes."""
-        word = _CPU_COMBINE[pdtype][0]
+        word = BAG_WORDS[pdtype]
         prow_bytes = hidden * torch.empty(0, dtype=word).element_size()
         self._buffer("csend", sums, prow_bytes, device)
         self._buffer("combine", back, prow_bytes, device)
@@ -1050,8 +1047,7 @@ class TorchBackend:
         b[te.B_HIDDEN], b[te.B_INLINE_BYTES], b[te.B_POLL_NS] = hidden, _INLINE_BYTES, \
             self._poll_ns
         b[te.B_BAGS], b[te.B_FINAL] = te.bags_c.address, te.final_c.address
-        b[te.B_KIND] = {torch.bfloat16: te.KIND_BF16, torch.float16: te.KIND_F16}.get(
-            pdtype, te.KIND_F32)
+        b[te.B_KIND] = _CPU_COMBINE[pdtype]
         return (b, self._group_cap, self._scratch, _native_combine_stats, self.config.rank)
 
     def close(self) -> None:

@@ -15,12 +15,8 @@ from numba import carray, cfunc, types
 
 from ubep.runtime.shm.atomics import i64_ptr
 from ubep.runtime.torch_layout import (
-    bag_sums_bf16_at,
-    bag_sums_f16_at,
-    bag_sums_f32_at,
-    final_sums_bf16_at,
-    final_sums_f16_at,
-    final_sums_f32_at,
+    bag_sums_at,
+    final_sums_at,
     gather_at,
     pack_send_at,
     phase2_at,
@@ -40,13 +36,12 @@ K_ERR = K_OFFSETS + 8          # after res_offsets' 8 words
 K_LEN = K_ERR + 1
 
 # a combine's block: the scratch's addresses (each call), constants, one call's inputs
+# (`B_KIND`: the partials' dtype, a `torch_layout.KIND_*` code)
 (B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS, B_FINAL, B_KIND, B_OWN_AT,
  B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT,
  B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1,
  B_DST, B_Y, B_ERR) = range(29)
 B_LEN = 29
-#: `B_KIND`: the partials' dtype
-KIND_F32, KIND_BF16, KIND_F16 = 0, 1, 2
 
 #: the words of the tuples the backend hands `torch_dispatch` / `torch_combine` (in
 #: `torch_path.cpp`'s TD_* / TC_* order; tests/test_native_torch.py checks the two agree)
@@ -149,18 +144,12 @@ def rows_c(k):
 
 @cfunc(_SIG, cache=True, nogil=True)
 def bags_c(b):
-    """`bag_sums_*_at` of bags `B_J0..B_J1` into `B_DST` (combine's expert side), partials
+    """`bag_sums_at` of bags `B_J0..B_J1` into `B_DST` (combine's expert side), partials
     of the dtype `B_KIND` names."""
     try:
-        args = (b[B_ROWS], b[B_NUM_ROWS], b[B_HIDDEN], b[B_W_AT], b[B_WEIGHTED] != 0,
-                b[B_ROWS_AT], b[B_OFFS_AT], b[B_NUM_PAIRS], b[B_NUM_BAGS], b[B_J0], b[B_J1],
-                b[B_DST])
-        if b[B_KIND] == KIND_BF16:
-            bag_sums_bf16_at(*args)
-        elif b[B_KIND] == KIND_F16:
-            bag_sums_f16_at(*args)
-        else:
-            bag_sums_f32_at(*args)
+        bag_sums_at(b[B_KIND], b[B_ROWS], b[B_NUM_ROWS], b[B_HIDDEN], b[B_W_AT],
+                    b[B_WEIGHTED] != 0, b[B_ROWS_AT], b[B_OFFS_AT], b[B_NUM_PAIRS],
+                    b[B_NUM_BAGS], b[B_J0], b[B_J1], b[B_DST])
         b[B_ERR] = 0
     except Exception:  # noqa: BLE001
         b[B_ERR] = 1
@@ -168,16 +157,10 @@ def bags_c(b):
 
 @cfunc(_SIG, cache=True, nogil=True)
 def final_c(b):
-    """`final_sums_*_at`: each token's received and own partials summed into `B_Y`."""
+    """`final_sums_at`: each token's received and own partials summed into `B_Y`."""
     try:
-        args = (b[B_BACK_AT], b[B_BACK], b[B_OWN_AT], b[B_OWN], b[B_HIDDEN], b[B_FIN_ROWS_AT],
-                b[B_FIN_OFFS_AT], b[B_SENDS], b[B_NUM_TOKENS], b[B_Y])
-        if b[B_KIND] == KIND_BF16:
-            final_sums_bf16_at(*args)
-        elif b[B_KIND] == KIND_F16:
-            final_sums_f16_at(*args)
-        else:
-            final_sums_f32_at(*args)
+        final_sums_at(b[B_KIND], b[B_BACK_AT], b[B_BACK], b[B_OWN_AT], b[B_OWN], b[B_HIDDEN],
+                      b[B_FIN_ROWS_AT], b[B_FIN_OFFS_AT], b[B_SENDS], b[B_NUM_TOKENS], b[B_Y])
         b[B_ERR] = 0
     except Exception:  # noqa: BLE001
         b[B_ERR] = 1

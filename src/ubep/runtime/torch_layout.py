@@ -697,25 +697,22 @@ def final_sums_16(back_rows, own_rows, final_rows, final_offsets, num_back, y):
                 s = (back_rows[r] if r < num_back else own_rows[r - num_back])[c0:c0 + n]
                 for h in range(n):
                     a[h] += _widen(s[h])
-            _final_store(out[c0:c0 + n], ab, n)
+            _final_store(out[c0:c0 + n], a, ab, n)
     return y
 
 
-def _final_store(out, acc_bits, n):
-    """`out[:n]` = the fp32 sums (as their bits `acc_bits`) rounded as `embedding_bag`
+def _final_store(out, acc, acc_bits, n):
+    """`out[:n]` = the fp32 sums `acc` (`acc_bits` as uint32) rounded as `embedding_bag`
     rounds its sums on CPU: bf16 bits (uint16 `out`) to nearest, ties away from zero, NaN
-    -> 0x7FC0; fp16 bits (int16 `out`) to nearest even."""
+    -> 0x7FC0; fp16 bits (int16 `out`) to nearest even, as `_store` does."""
 
 
 @overload(_final_store, inline="always")
-def _final_store_impl(out, acc_bits, n):
+def _final_store_impl(out, acc, acc_bits, n):
     if out.dtype == types.int16:
-        def store_f16(out, acc_bits, n):
-            for h in range(n):
-                out[h] = np.int16(f32_bits_to_f16(acc_bits[h]))
-        return store_f16
+        return lambda out, acc, acc_bits, n: _store(out, acc, acc_bits, n)
 
-    def store_bf16(out, acc_bits, n):
+    def store_bf16(out, acc, acc_bits, n):
         for h in range(n):
             b = acc_bits[h]
             if (b & 0x7FFFFFFF) > 0x7F800000:
@@ -866,32 +863,23 @@ def _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, 
     bag_sums(rows, weights, weighted, bag_rows, bag_offsets, j0, j1, out)
 
 
-@njit(nogil=True, cache=True)
-def bag_sums_bf16_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_rows_addr,
-                     bag_offsets_addr, num_pairs, num_bags, j0, j1, out_addr):
-    """`bag_sums` over bfloat16 rows (`[num_rows, hidden]` at `rows_addr`), all by
-    address (`_bag_sums_at`)."""
-    rows = carray(void_ptr(rows_addr), (num_rows, hidden), np.uint16)
-    _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs,
-                 num_bags, j0, j1, out_addr)
+#: a partial row type by code, for the by-address kernels and the torch door's block
+KIND_F32, KIND_BF16, KIND_F16 = 0, 1, 2
 
 
 @njit(nogil=True, cache=True)
-def bag_sums_f16_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_rows_addr,
-                    bag_offsets_addr, num_pairs, num_bags, j0, j1, out_addr):
-    """`bag_sums_bf16_at` for fp16 rows (their bits as int16)."""
-    rows = carray(void_ptr(rows_addr), (num_rows, hidden), np.int16)
-    _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs,
-                 num_bags, j0, j1, out_addr)
-
-
-@njit(nogil=True, cache=True)
-def bag_sums_f32_at(rows_addr, num_rows, hidden, weights_addr, weighted, bag_rows_addr,
-                    bag_offsets_addr, num_pairs, num_bags, j0, j1, out_addr):
-    """`bag_sums_bf16_at` for float32 rows."""
-    rows = carray(void_ptr(rows_addr), (num_rows, hidden), np.float32)
-    _bag_sums_at(rows, weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs,
-                 num_bags, j0, j1, out_addr)
+def bag_sums_at(kind, rows_addr, num_rows, hidden, weights_addr, weighted, bag_rows_addr,
+                bag_offsets_addr, num_pairs, num_bags, j0, j1, out_addr):
+    """`bag_sums` over `[num_rows, hidden]` rows at `rows_addr` of the type `kind` names
+    (`KIND_*`; 16-bit rows as their bits), all by address (`_bag_sums_at`)."""
+    args = (weights_addr, weighted, bag_rows_addr, bag_offsets_addr, num_pairs, num_bags,
+            j0, j1, out_addr)
+    if kind == KIND_BF16:
+        _bag_sums_at(carray(void_ptr(rows_addr), (num_rows, hidden), np.uint16), *args)
+    elif kind == KIND_F16:
+        _bag_sums_at(carray(void_ptr(rows_addr), (num_rows, hidden), np.int16), *args)
+    else:
+        _bag_sums_at(carray(void_ptr(rows_addr), (num_rows, hidden), np.float32), *args)
 
 
 #: the output dtypes `bag_sums` writes (16-bit ones as their bits), by the word its rows are
@@ -941,30 +929,18 @@ def _final_args(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
 
 
 @njit(nogil=True, cache=True)
-def final_sums_bf16_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
-                       final_offsets_addr, sends, num_tokens, y_addr):
-    """`final_sums_16` with every array by address (`_final_args`; y as bfloat16 bits)."""
-    back, own, rows, offsets, y = _final_args(back_addr, num_back, own_addr, num_own, hidden,
-                                              final_rows_addr, final_offsets_addr, sends,
-                                              num_tokens, y_addr, np.uint16)
-    final_sums_16(back, own, rows, offsets, num_back, y)
-
-
-@njit(nogil=True, cache=True)
-def final_sums_f16_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
-                      final_offsets_addr, sends, num_tokens, y_addr):
-    """`final_sums_16` with every array by address (`_final_args`; y as fp16 bits)."""
-    back, own, rows, offsets, y = _final_args(back_addr, num_back, own_addr, num_own, hidden,
-                                              final_rows_addr, final_offsets_addr, sends,
-                                              num_tokens, y_addr, np.int16)
-    final_sums_16(back, own, rows, offsets, num_back, y)
-
-
-@njit(nogil=True, cache=True)
-def final_sums_f32_at(back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
-                      final_offsets_addr, sends, num_tokens, y_addr):
-    """`final_sums_f32` with every array by address (`_final_args`)."""
-    back, own, rows, offsets, y = _final_args(back_addr, num_back, own_addr, num_own, hidden,
-                                              final_rows_addr, final_offsets_addr, sends,
-                                              num_tokens, y_addr, np.float32)
-    final_sums_f32(back, own, rows, offsets, num_back, y)
+def final_sums_at(kind, back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
+                  final_offsets_addr, sends, num_tokens, y_addr):
+    """`final_sums_16` / `final_sums_f32` with every array by address (`_final_args`), the
+    partials and y of the type `kind` names (`KIND_*`)."""
+    args = (back_addr, num_back, own_addr, num_own, hidden, final_rows_addr,
+            final_offsets_addr, sends, num_tokens, y_addr)
+    if kind == KIND_BF16:
+        back, own, rows, offsets, y = _final_args(*args, np.uint16)
+        final_sums_16(back, own, rows, offsets, num_back, y)
+    elif kind == KIND_F16:
+        back, own, rows, offsets, y = _final_args(*args, np.int16)
+        final_sums_16(back, own, rows, offsets, num_back, y)
+    else:
+        back, own, rows, offsets, y = _final_args(*args, np.float32)
+        final_sums_f32(back, own, rows, offsets, num_back, y)
