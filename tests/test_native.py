@@ -176,7 +176,16 @@ def test_the_cpp_entries_read_the_words_where_the_kernels_write_them():
             assert getattr(entries, name) == value, name
 
 
-def _late(rank, world, direct, cases):
+#: the shm paths with compiled entries, as Buffer options: the direct paths, and the
+#: one-worker staged path (`SinglePath`, its door `staged.cpp`) in both modes and more syncs
+PATHS = {"direct": dict(direct=True), "owned": dict(direct="owned"),
+         "staged": dict(direct=False, workers=1),
+         "staged-bsp": dict(direct=False, workers=1, mode="bsp"),
+         "staged-dc": dict(direct=False, workers=1, sync="dc"),
+         "staged-sw": dict(direct=False, workers=1, sync="sw")}
+
+
+def _late(rank, world, path, cases):
     """Every case once per (late rank, before dispatch or combine): the late rank sleeps
     50 ms, so the other's compiled entry finds counts or rows missing and hands the wait on."""
     import ubep
@@ -184,8 +193,8 @@ def _late(rank, world, direct, cases):
     out = []
     with ubep.Buffer(num_experts=cases[0].num_experts, hidden=max(c.hidden for c in cases),
                      max_tokens_per_rank=16, backend="shm", max_top_k=8, timeout_s=30,
-                     direct=direct) as buf:
-        native = buf._backend._path._native is not None
+                     **PATHS[path]) as buf:
+        native = buf._door is not None
         for case in cases:
             for late, where in ((0, "dispatch"), (1, "dispatch"), (1, "combine")):
                 x, idx, w = case.inputs(rank)
@@ -204,15 +213,15 @@ def _late(rank, world, direct, cases):
     return native, out
 
 
-@pytest.mark.parametrize("native", ["on", "off"])
-@pytest.mark.parametrize("direct", [True, "owned"])
-def test_late_ranks_on_both_paths_agree_with_the_oracle(direct, native):
+@pytest.mark.parametrize(("path", "native"), [
+    *((p, "on") for p in PATHS), *((p, "off") for p in ("direct", "owned", "staged"))])
+def test_late_ranks_on_both_paths_agree_with_the_oracle(path, native):
     if native == "on" and NATIVE is None:
         if os.environ.get("UBEP_REQUIRE_NATIVE"):
             pytest.fail(status())
         pytest.skip(status())
     cases = [c for c in runtime_cases(2) if sum(c.tokens)][:4]
-    outs = run_ranks(_late, 2, direct, cases, timeout_s=200,
+    outs = run_ranks(_late, 2, path, cases, timeout_s=200,
                      env={"UBEP_NATIVE": "0" if native == "off" else "1"})
     assert all(o[0] is (native == "on") for o in outs)
     k = 0
@@ -279,6 +288,43 @@ def test_the_compiled_entries_make_the_results_python_makes(direct):
     assert c_kinds == (c_type, True, "combine", True)
 
 
+def _staged_objects(rank, world):
+    """A staged Buffer's results through its door and through its Python path, side by
+    side: the objects, their fields and what their stats say apart from times."""
+    import ubep
+
+    x = torch.randn(3, H).to(torch.bfloat16)
+    idx, w = torch.tensor([[0, 5], [7, -1], [2, 3]]), torch.rand(3, 2)
+    out = []
+    with ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=4, backend="shm",
+                     **PATHS["staged"]) as buf:
+        door = buf._door
+        for on in (True, False):
+            buf._door = door if on else None
+            r = buf.dispatch(x, idx, w)
+            y = buf.combine(expert_fn(r.recv_x), r.handle)
+            c_stats = buf.last_stats
+            s = [(st.op, st.mode, st.rank, sorted(st.phases_us), st.bytes_sent, st.bytes_recv,
+                  st.extra["workers"]) for st in (r.stats, c_stats)]
+            out.append((type(r), type(r.handle), sorted(vars(r)), sorted(vars(r.handle)),
+                        r.handle.state[:3], r.recv_x.clone(), r.recv_weights.clone(),
+                        r.tokens_per_expert.clone(), r.recv_src_rank.clone(),
+                        r.recv_src_token.clone(), r.recv_src_slot.clone(), y, s,
+                        r.stats.extra["epoch"] - (1 if on else 2)))
+    return door is not None, out
+
+
+@needs_native
+def test_the_staged_door_makes_the_results_its_python_path_makes():
+    took, (door, py) = run_ranks(_staged_objects, 1)[0]
+    assert took
+    for a, b in zip(door, py, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        else:
+            assert a == b
+
+
 def test_the_door_reads_its_words_where_directpath_puts_them():
     """door.cpp's DR_* enum names `DirectPath.door`'s tuple in `DOOR_FIELDS`' order."""
     from ubep.runtime.shm.direct import DOOR_FIELDS
@@ -290,7 +336,27 @@ def test_the_door_reads_its_words_where_directpath_puts_them():
     assert tuple(n[3:].lower() for n in names[:-1]) == DOOR_FIELDS
 
 
-def _door(rank, world, direct, cases):
+def test_the_staged_door_reads_its_words_where_singlepath_puts_them():
+    """staged.cpp's SD_* enum names `SinglePath.door`'s tuple in `DOOR_FIELDS`' order, its
+    S_* enum the block words of `kernels/single_entries.py`, its CAST_* `kernels/single`'s."""
+    from ubep.runtime.shm import single
+    from ubep.runtime.shm.kernels import single as KS
+    from ubep.runtime.shm.kernels import single_entries as SE
+
+    cpp = (Path(validate.__file__).parent / "native" / "staged.cpp").read_text()
+    body = re.search(r"enum Sd : Py_ssize_t \{([^}]*)\}", cpp).group(1)
+    names = [n.strip() for n in body.split(",") if n.strip()]
+    assert names[-1] == "SD_LEN"
+    assert tuple(n[3:].lower() for n in names[:-1]) == single.DOOR_FIELDS
+    body = re.search(r"enum S : int64_t \{([^}]*)\}", cpp).group(1)
+    names = [n.strip() for n in body.split(",") if n.strip()]
+    assert names[-1] == "S_LEN" and SE.S_LEN == len(names) - 1
+    for value, name in enumerate(names[:-1]):
+        assert getattr(SE, name) == value, name
+    assert "CAST_NONE = 0, CAST_16 = 1;" in cpp and (KS.CAST_NONE, KS.CAST_16) == (0, 1)
+
+
+def _door(rank, world, path, cases):
     """Every runtime case through a Buffer whose door is on, then the calls the door must
     leave to the Python path (each leaves the Buffer usable): all lent areas held, an older
     handle with direct=True, bad input, a closed Buffer."""
@@ -299,7 +365,7 @@ def _door(rank, world, direct, cases):
     out, counts = [], {}
     with ubep.Buffer(num_experts=cases[0].num_experts, hidden=max(c.hidden for c in cases),
                      max_tokens_per_rank=16, backend="shm", max_top_k=8, timeout_s=30,
-                     direct=direct) as buf:
+                     **PATHS[path]) as buf:
         assert buf._door is not None
         d = buf._door_dispatch = Counted(buf._door_dispatch)
         c = buf._door_combine = Counted(buf._door_combine)
@@ -319,7 +385,7 @@ def _door(rank, world, direct, cases):
         counts["held"] = (d.took - took, d.declined - declined)
         ys = [buf.combine(expert_fn(r.recv_x), r.handle) for r in held[-1:]]
         counts["last_stats"] = buf.last_stats.op
-        if direct is True:                    # an older handle: the Python path names it
+        if path == "direct":                  # an older handle: the Python path names it
             with pytest.raises(ValueError, match="latest dispatch"):
                 buf.combine(expert_fn(held[0].recv_x), held[0].handle)
         del held, res
@@ -334,10 +400,10 @@ def _door(rank, world, direct, cases):
 
 
 @needs_native
-@pytest.mark.parametrize("direct", [True, "owned"])
-def test_the_door_takes_the_common_call_and_leaves_the_rest_to_python(direct):
+@pytest.mark.parametrize("path", ["direct", "owned", "staged"])
+def test_the_door_takes_the_common_call_and_leaves_the_rest_to_python(path):
     cases = runtime_cases(2)
-    outs = run_ranks(_door, 2, direct, cases, timeout_s=200)
+    outs = run_ranks(_door, 2, path, cases, timeout_s=200)
     for k, case in enumerate([*cases, cases[0]]):
         check_case(case, [o[0][k] for o in outs])
     assert any(c.dtype == "fp16" for c in cases)
@@ -349,7 +415,7 @@ def test_the_door_takes_the_common_call_and_leaves_the_rest_to_python(direct):
         assert [c for c, _ in calls] == list(range(2 * len(cases) + 1, 2 * len(cases) + 7))
         assert all(same for _, same in calls)
         held_took, held_declined = counts["held"]
-        if direct == "owned":     # each held result keeps its lent area: the door declines
+        if path == "owned":       # each held result keeps its lent area: the door declines
             assert held_declined > 0   # once all are held, and the Python path copies out
         else:
             assert held_declined == 0
@@ -357,7 +423,7 @@ def test_the_door_takes_the_common_call_and_leaves_the_rest_to_python(direct):
         assert counts["after"][0] > held_took
 
 
-def _door_timeout(rank, world, where):
+def _door_timeout(rank, world, where, path):
     """Rank 1 leaves before the second call; rank 0's door hands the wait to Python, which
     times out and breaks the Buffer, as the Python path does."""
     import ubep
@@ -365,7 +431,7 @@ def _door_timeout(rank, world, where):
     x = torch.randn(2, H).to(torch.bfloat16)
     idx, w = torch.tensor([[0, 5], [7, 1]]), torch.rand(2, 2)
     with ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=4, backend="shm",
-                     direct="owned", timeout_s=1.0) as buf:
+                     timeout_s=1.0, **PATHS[path]) as buf:
         first = buf.dispatch(x, idx, w)
         if rank == 1:
             time.sleep(2.5)
@@ -385,9 +451,10 @@ def _door_timeout(rank, world, where):
 
 
 @needs_native
+@pytest.mark.parametrize("path", ["owned", "staged"])
 @pytest.mark.parametrize("where", ["dispatch", "combine"])
-def test_a_wait_the_door_hands_on_times_out_and_breaks_the_buffer(where):
-    out = run_ranks(_door_timeout, 2, where, timeout_s=60)
+def test_a_wait_the_door_hands_on_times_out_and_breaks_the_buffer(where, path):
+    out = run_ranks(_door_timeout, 2, where, path, timeout_s=60)
     assert out[0] == ("PeerTimeoutError", "BrokenBufferError")
 
 
@@ -401,8 +468,8 @@ def _two_threads(rank, world, n):
     from ubep.testing import make_routing, make_tokens
 
     bufs = [ubep.Buffer(num_experts=E, hidden=H, max_tokens_per_rank=4, backend="shm",
-                        direct=d, timeout_s=30) for d in ("owned", True)]
-    errors, done = [], [0, 0]
+                        timeout_s=30, **PATHS[p]) for p in ("owned", "direct", "staged")]
+    errors, done = [], [0, 0, 0]
 
     def work(k):
         try:
@@ -423,7 +490,7 @@ def _two_threads(rank, world, n):
 
     try:
         assert all(b._door is not None for b in bufs)
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(len(bufs))]
         for t in threads:
             t.start()
         for t in threads:
@@ -437,4 +504,4 @@ def _two_threads(rank, world, n):
 @needs_native
 def test_two_threads_each_with_its_buffer_run_through_the_door_at_once():
     for errors, done in run_ranks(_two_threads, 2, 60, timeout_s=120):
-        assert errors == [] and done == [60, 60]
+        assert errors == [] and done == [60, 60, 60]

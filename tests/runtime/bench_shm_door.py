@@ -8,7 +8,9 @@ caches, as a MoE layer's call does after the attention layer before it. Results 
 equal first. Not a test (pytest does not collect it); the numbers are in docs/results.md
 ("The door").
 
-    .venv/bin/python tests/runtime/bench_shm_door.py [--direct owned|true] [--evict MB]
+`--direct false` is the one-worker staged path (`SinglePath`, its door `native/staged.cpp`).
+
+    .venv/bin/python tests/runtime/bench_shm_door.py [--direct owned|true|false] [--evict MB]
         [--rounds 40] [--batch 1]
 """
 
@@ -37,7 +39,8 @@ def _rank(rank: int, world: int, direct, rounds: int, evict_mb: int, batch: int)
     junk = np.zeros(max(1, evict_mb << 20), np.uint8)
     sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"], timeout_s=60)
     perf = time.perf_counter_ns
-    kw = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="shm", direct=direct)
+    kw = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, backend="shm", direct=direct,
+              workers=1)
     try:
         with ubep.Buffer(**kw) as door, ubep.Buffer(**kw) as layers:
             if door._door is None:
@@ -72,12 +75,12 @@ def main() -> None:
     from ubep.testing import print_turns, run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--direct", default="owned", choices=["owned", "true"])
+    p.add_argument("--direct", default="owned", choices=["owned", "true", "false"])
     p.add_argument("--evict", type=int, default=0, metavar="MB")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--batch", type=int, default=1)
     a = p.parse_args()
-    direct = True if a.direct == "true" else "owned"
+    direct = {"true": True, "false": False, "owned": "owned"}[a.direct]
     out = run_ranks(_rank, 2, direct, a.rounds, a.evict, a.batch, timeout_s=1800,
                     env={"UBEP_JOB_ID": f"door{os.getpid()}"})
     print_turns(out, f"direct={a.direct}, batch {a.batch}, evict {a.evict} MB,")

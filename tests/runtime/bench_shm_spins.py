@@ -43,9 +43,15 @@ def _rank(rank: int, world: int, kind: str, spins: list[int], batch: int, calls:
                          workers=1, mode="ubep" if kind == "staged" else None,
                          direct={"direct": True, "owned": "owned", "staged": False}[kind]) as buf:
             held = None
+            doors = {}                  # staged: its door reads the spins from its words
+            if kind == "staged" and buf._door is not None:
+                at = single.DOOR_FIELDS.index("spins")
+                doors = {s: (*buf._door[:at], s, *buf._door[at + 1:]) for s in spins}
             for i in range(calls + 200):
                 s = spins[(i // 20) % len(spins)]
                 direct.INLINE_SPINS = single.INLINE_SPINS = s
+                if doors:
+                    buf._door = doors[s]
                 sync.barrier()
                 t0 = perf()
                 res = buf.dispatch(x, idx, w)

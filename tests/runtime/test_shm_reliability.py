@@ -78,6 +78,7 @@ def _dies_mid_dispatch(rank, world, job):
                 slots.send_counts(bases, lay, me, epoch, counts, 1, 0, 0, 0, lay[L_WORLD])
                 os.kill(os.getpid(), signal.SIGKILL)    # counts are out, the rows never come
             single.dispatch_begin_at = die
+            buf._door = None         # the Python path, whose entry this rank replaced
         t0 = time.monotonic()
         try:
             buf.dispatch(x, idx, w)
@@ -181,6 +182,7 @@ def _corrupt_dc(rank, world, phase):
                 word[0] ^= 1                            # worker 0's checksum word
                 return out
             setattr(single, entry, send_then_corrupt)
+            buf._door = None         # the Python path, whose entry this rank replaced
         try:
             if rank == 1 and phase == "dispatch":
                 time.sleep(0.3)

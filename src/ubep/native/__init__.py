@@ -5,7 +5,9 @@ call (`checks.cpp`; the rules are `ubep.validate`'s), and the shm direct path's 
 dispatch and combine as one C++ entry each (`direct.cpp`), which call the path's numba
 kernels by address (`ubep.runtime.shm.kernels.entries`), and the door (`door.cpp`): `Buffer`'s
 common call on that path, from the input check to the stats, in one C++ call, which declines
-(NotImplemented) whatever the Python layers would not take straight; and the torch backend's
+(NotImplemented) whatever the Python layers would not take straight; the same door for the
+one-worker staged path (`staged.cpp`, kernels `ubep.runtime.shm.kernels.single_entries`);
+and the torch backend's
 CPU dispatch and combine (`torch_path.cpp`): its kernels (`ubep.runtime.torch_entries`) and its
 collectives (`c10d::ProcessGroup::all_to_all_single` on the caller's group) with no Python
 between them. Everything has a Python twin that gives the same results, used when the
@@ -35,7 +37,7 @@ import torch
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / f for f in ("module.cpp", "checks.cpp", "direct.cpp", "door.cpp",
-                                    "torch_path.cpp"))
+                                    "staged.cpp", "torch_path.cpp"))
 HEADERS = (_HERE / "native.h",)
 NAME = "ubep_native"
 

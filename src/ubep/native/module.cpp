@@ -23,6 +23,13 @@ PyMethodDef methods[] = {
     {"door_combine", (PyCFunction)(void (*)())ubep_native::door_combine, METH_FASTCALL,
      "door_combine(door, buffer, expert_out, handle, weighted): Buffer.combine's common call "
      "on the shm direct path, or NotImplemented (see native/door.cpp)"},
+    {"staged_door_dispatch", (PyCFunction)(void (*)())ubep_native::staged_door_dispatch,
+     METH_FASTCALL, "staged_door_dispatch(door, buffer, x, topk_idx, topk_weights): "
+     "Buffer.dispatch's common call on the shm one-worker staged path, or NotImplemented "
+     "(see native/staged.cpp)"},
+    {"staged_door_combine", (PyCFunction)(void (*)())ubep_native::staged_door_combine,
+     METH_FASTCALL, "staged_door_combine(door, buffer, expert_out, handle, weighted, out): "
+     "Buffer.combine's common call on the shm one-worker staged path, or NotImplemented"},
     {"torch_group", (PyCFunction)(void (*)())ubep_native::torch_group, METH_FASTCALL,
      "torch_group(group): the C++ ProcessGroup of a torch.distributed group, as a capsule"},
     {"torch_dispatch", (PyCFunction)(void (*)())ubep_native::torch_dispatch, METH_FASTCALL,
@@ -46,6 +53,6 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "ubep_native", nullptr, -1, methods
 
 // TORCH_EXTENSION_NAME: the module name torch.utils.cpp_extension.load was given
 PyMODINIT_FUNC UBEP_CAT(PyInit_, TORCH_EXTENSION_NAME)() {
-  if (!ubep_native::init_direct()) return nullptr;
+  if (!ubep_native::init_direct() || !ubep_native::init_staged()) return nullptr;
   return PyModule_Create(&module);
 }

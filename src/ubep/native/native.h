@@ -1,4 +1,5 @@
-// Shared by ubep's compiled entries (checks.cpp, direct.cpp, door.cpp; module.cpp lists them).
+// Shared by ubep's compiled entries (checks.cpp, direct.cpp, door.cpp, staged.cpp,
+// torch_path.cpp; module.cpp lists them).
 #pragma once
 
 #include <Python.h>
@@ -220,6 +221,9 @@ PyObject* torch_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* torch_combine(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* torch_door_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* torch_door_combine(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* staged_door_dispatch(PyObject*, PyObject* const*, Py_ssize_t);
+PyObject* staged_door_combine(PyObject*, PyObject* const*, Py_ssize_t);
 bool init_direct();     // numpy's C API, once at import
+bool init_staged();     // the same for staged.cpp
 
 }  // namespace ubep_native

@@ -243,12 +243,15 @@ class ShmBackend:
             self.in_step = False
             raise
 
-    #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
-    DOOR_ENTRIES = ("door_dispatch", "door_combine")
+    @property
+    def DOOR_ENTRIES(self) -> tuple[str, str]:    # noqa: N802 - the torch backend's constant
+        """`ubep_native`'s entries for `door`'s tuple (`Buffer` calls them): the path's."""
+        return self._path.DOOR_ENTRIES
 
     def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
-        """The path's words for `ubep.native`'s door (`DirectPath.door`), or None: only the
-        direct path has them, and only a path whose calls this layer adds nothing to."""
+        """The path's words for `ubep.native`'s door (`DirectPath.door`, `SinglePath.door`),
+        or None: the pool path has none, and only a path whose calls this layer adds nothing
+        to."""
         door = getattr(self._path, "door", None)
         return None if door is None or self._refuse_sp else door(lock, limits)
 

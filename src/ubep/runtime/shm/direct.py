@@ -171,6 +171,9 @@ class DirectPath:
             self._native.set_result_types(DispatchHandle, DispatchResult, CombineResult,
                                           DeferredStats)
 
+    #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
+    DOOR_ENTRIES = ("door_dispatch", "door_combine")
+
     def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
         """What `ubep.native`'s door (`door_dispatch`, `door_combine`) reads to take a
         `Buffer`'s common call whole: this path's kept objects and constants (`DOOR_FIELDS`),

@@ -26,6 +26,7 @@ from ubep.handle import (
     new_dispatch_result,
     new_handle,
 )
+from ubep.native import load_native
 from ubep.options import BufferConfig
 from ubep.plan import WorkerMapper
 from ubep.plan.blocks import BlockFormat
@@ -35,8 +36,14 @@ from ubep.runtime.shm.kernels import single as KS
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.shm.protocol import DTYPE_CODES, check_peers_meta, dc_detail, sentinel_error
 from ubep.runtime.shm.region import L_DROWS, L_EL, L_KMAX, META_BYTES, next_epoch
-from ubep.runtime.shm.waits import SPINS, deadline_after, now_us
+from ubep.runtime.shm.waits import INLINE_SPINS, SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
+
+#: the words of `SinglePath.door`'s tuple, in `native/staged.cpp`'s `SD_*` order: objects
+#: first, then ints (tests/test_native.py checks both sides agree)
+DOOR_FIELDS = ("path", "lock", "codes", "elems", "dbuild", "cbuild", "state", "y", "buffer_id",
+               "world", "el", "spins", "min_lent", "begin", "rows", "cbegin", "cpoll", "hidden",
+               "experts", "max_tokens", "max_top_k")
 
 
 class SinglePath:
@@ -79,32 +86,85 @@ class SinglePath:
         """Drop the output pool's kept blocks (at close; tensors lent out stay valid)."""
         self._lend.close()
 
+    # -- the door ---------------------------------------------------------------------------
+    #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
+    DOOR_ENTRIES = ("staged_door_dispatch", "staged_door_combine")
+
+    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+        """What `ubep.native`'s staged door (`native/staged.cpp`) reads to take a `Buffer`'s
+        common call whole: this path's kept objects and constants (`DOOR_FIELDS`), `lock`
+        the Buffer's and `limits` its fast checks' (hidden, num_experts, max_tokens_per_rank,
+        max_top_k). None where `ubep.native` is not built."""
+        native = load_native()
+        if native is None:
+            return None
+        from ubep.runtime.shm.kernels import single_entries as SE
+
+        native.set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats)
+        ctx, c = self.ctx, self.ctx.config
+        words = {"path": self, "lock": lock, "codes": dict(DTYPE_CODES),
+                 "elems": {d: _combine_elem(d) for d in (torch.bfloat16, torch.float16,
+                                                          torch.float32)},
+                 "dbuild": functools.partial(_dispatch_stats, c, ctx.fmt, ctx.rank),
+                 "cbuild": functools.partial(_combine_stats, c, ctx.fmt, ctx.rank),
+                 "state": self._state_addr, "y": self._y_addr, "buffer_id": ctx.buffer_id,
+                 "world": ctx.world, "el": c.experts_per_rank, "spins": INLINE_SPINS,
+                 "min_lent": self._lend.min_bytes,
+                 "begin": SE.dispatch_begin_c.address, "rows": SE.dispatch_rows_c.address,
+                 "cbegin": SE.combine_begin_c.address, "cpoll": SE.combine_poll_c.address,
+                 "hidden": limits[0], "experts": limits[1], "max_tokens": limits[2],
+                 "max_top_k": limits[3]}
+        return tuple(words[f] for f in DOOR_FIELDS)
+
+    def dispatch_resume(self, r: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
+                        topk_weights: torch.Tensor, call: int, t0: float,
+                        epoch: int) -> DispatchResult:
+        """The rest of a dispatch the door began and stopped at a wait or a check, `r` what
+        it made: `(tpe, left)` after the send (counts missing, or something to check or to
+        lend), `(tpe, recv_x, ints, wts, t1)` after a first look at the rows."""
+        if len(r) == 2:
+            tpe, left = r
+            return self._dispatch_rest(x, topk_idx, topk_weights, call, t0, epoch, tpe, left)
+        tpe, recv_x, ints, wts, t1 = r
+        return self._dispatch_end(x, topk_idx, topk_weights, call, t0, epoch, tpe, recv_x, ints,
+                                  wts, (t1, t1), 1)
+
+    def combine_resume(self, r: tuple, expert_out: torch.Tensor, handle: DispatchHandle,
+                       weighted: bool, t0: float, epoch: int) -> CombineResult:
+        """The rest of a combine the door began, `r` what it made: `(bad,)` after an sp
+        sentinel abort of the send, `(left, out, t1)` after a first poll (tokens missing,
+        or the peers' hellos to check)."""
+        if len(r) == 1:
+            raise sentinel_error("expert_out", -r[0] - 1)
+        left, out, t1 = r
+        return self._combine_end(expert_out, handle, weighted, t0, epoch, out, out, t1, left)
+
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int, t0: float) -> DispatchResult:
         """Send and a first look at the counts in one kernel entry, then the outputs, then
         the rows."""
-        ctx = self.ctx
-        c = ctx.config
-        res = self._res
-        num_tokens, hidden = x.shape
-        top_k = topk_idx.shape[1]
-        rb = hidden * x.element_size()
-        elem = DTYPE_CODES[x.dtype]
-        idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
         self._d_epoch = epoch = next_epoch(self._d_epoch)
-        deadline = deadline_after(t0, self._timeout_s)
-        rc, meta, got, batch, state = self._rc, self._meta, self._got, self._batch, self._state_addr
-        done, world = self._done_rows, ctx.world
-        tpe = np.empty(c.experts_per_rank, np.int64)
-        src_addr = x.data_ptr()
-        missing = KS.dispatch_begin_at(state, epoch, src_addr, num_tokens, rb, idx_addr, top_k,
-                                       w_addr, elem, tpe)
-        if missing:
+        tpe = np.empty(self.ctx.config.experts_per_rank, np.int64)
+        left = KS.dispatch_begin_at(self._state_addr, epoch, x.data_ptr(), x.shape[0],
+                                    x.shape[1] * x.element_size(), topk_idx.data_ptr(),
+                                    topk_idx.shape[1], topk_weights.data_ptr(),
+                                    DTYPE_CODES[x.dtype], tpe)
+        return self._dispatch_rest(x, topk_idx, topk_weights, call, t0, epoch, tpe, left)
+
+    def _dispatch_rest(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weights: torch.Tensor, call: int, t0: float, epoch: int,
+                       tpe: np.ndarray, left: int) -> DispatchResult:
+        """A dispatch once its rows and counts are sent: every source's counts, the outputs,
+        a first look at the rows."""
+        ctx = self.ctx
+        res, got, world, state = self._res, self._got, ctx.world, self._state_addr
+        elem = DTYPE_CODES[x.dtype]
+        if left:
             t1 = now_us()
             ctx.wait(lambda s: KS.dispatch_counts_at(state, epoch, tpe, elem, s),
                      "dispatch/counts", lambda: [s for s in range(world) if not got[s]],
-                     deadline=deadline)
+                     deadline=deadline_after(t0, self._timeout_s))
             t2 = now_us()
         else:
             t1 = t2 = now_us()
@@ -112,24 +172,42 @@ class SinglePath:
         if n_sends < 0:
             raise sentinel_error("x", -n_sends - 1)
         if code:
-            check_peers_meta(meta, elem, ctx.rank, "dispatch")
+            check_peers_meta(self._meta, elem, ctx.rank, "dispatch")
+        num_tokens, hidden = x.shape
         recv_x = self._lend.empty(n_recv, hidden, x.dtype)
         ints = np.empty((3, n_recv), np.int64)
         wts = np.empty(n_recv, np.float32)
-        x_addr = recv_x.data_ptr()
         # the first poll inline: when every row is already there (one rank, or peers ahead of
         # us) the bounded wait and its closures are not built at all
-        if KS.recv_rows_at(state, epoch, n_recv, x_addr, rb, wts, ints, src_addr, num_tokens,
-                           w_addr, top_k, SPINS):
+        left = KS.recv_rows_at(state, epoch, n_recv, recv_x.data_ptr(),
+                               hidden * x.element_size(), wts, ints, x.data_ptr(), num_tokens,
+                               topk_weights.data_ptr(), topk_idx.shape[1], SPINS)
+        return self._dispatch_end(x, topk_idx, topk_weights, call, t0, epoch, tpe, recv_x, ints,
+                                  wts, (t1, t2), left)
+
+    def _dispatch_end(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                      call: int, t0: float, epoch: int, tpe: np.ndarray, recv_x: torch.Tensor,
+                      ints: np.ndarray, wts: np.ndarray, ts: tuple[float, float],
+                      left: int) -> DispatchResult:
+        """A dispatch once its outputs are made: the rows still missing (`left`), then the
+        result (`ts`: when the counts wait began and ended)."""
+        ctx = self.ctx
+        num_tokens, hidden = x.shape
+        n_recv, rb, top_k = recv_x.shape[0], hidden * x.element_size(), topk_idx.shape[1]
+        idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
+        if left:
+            state, x_addr, src_addr = self._state_addr, recv_x.data_ptr(), x.data_ptr()
+            rc, done, batch = self._rc, self._done_rows, self._batch
             ctx.wait(lambda s: KS.recv_rows_at(state, epoch, n_recv, x_addr, rb, wts, ints,
                                                src_addr, num_tokens, w_addr, top_k, s),
                      "dispatch/rows", lambda: missing_sources(rc, done, 0, n_recv),
-                     lambda: dc_detail(batch), deadline=deadline)
+                     lambda: dc_detail(batch), deadline=deadline_after(t0, self._timeout_s))
         t3 = now_us()
         handle = new_handle(ctx.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
                             topk_weights, ints, (idx_addr, w_addr, top_k, ints))
-        stats = DeferredStats.of(_dispatch_stats, c, ctx.fmt, ctx.rank, (t0, t1, t2, t3),
-                                 n_sends, n_recv, rb, epoch)
+        stats = DeferredStats.of(_dispatch_stats, ctx.config, ctx.fmt, ctx.rank,
+                                 (t0, *ts, t3), int(self._res[KS.RES_SENDS]), n_recv, rb,
+                                 epoch)
         return new_dispatch_result(recv_x, wts, tpe, handle, stats)
 
     # -- combine -----------------------------------------------------------------------------
@@ -137,52 +215,66 @@ class SinglePath:
                 t0: float, dest: torch.Tensor | None = None) -> CombineResult:
         """Rows back in one kernel entry, then sum (and round to bf16/fp16) in the poll: fp32
         sums land in the output itself, 16-bit ones are rounded into it; by address."""
-        ctx = self.ctx
         dtype = expert_out.dtype
-        idx_addr, w_addr, top_k, ints = handle.state
-        num_tokens, hidden, n_recv = handle.num_tokens, handle.hidden, handle.num_recv
-        res, y_addr = self._res, self._y_addr
-        elem, ecode, lut_addr, n_lut = _combine_elem(dtype)
-        es = expert_out.element_size()
-        rb = hidden * es
+        num_tokens, hidden = handle.num_tokens, handle.hidden
         self._c_epoch = epoch = next_epoch(self._c_epoch)
-        deadline = deadline_after(t0, self._timeout_s)
-        hello, batch, done, state = self._hello, self._batch, self._done_tokens, self._state_addr
-        out = None
         # the kernels write by address: a caller's row-major `dest` takes the sums directly
         into = dest if dest is not None and dest.is_contiguous() else None
-        if dtype is torch.float32:                     # sum in place, no cast
+        out = None
+        if dtype is torch.float32 or dtype is torch.bfloat16 or dtype is torch.float16:
             out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
-            y_addr = out.data_ptr()
-        rows_addr = expert_out.data_ptr()
-        bad = KS.combine_begin_at(state, epoch, rows_addr, n_recv, rb, ints, elem, num_tokens)
+        bad = KS.combine_begin_at(self._state_addr, epoch, expert_out.data_ptr(),
+                                  handle.num_recv, hidden * expert_out.element_size(),
+                                  handle.state[3], DTYPE_CODES[dtype], num_tokens)
         if bad < 0:
             raise sentinel_error("expert_out", -bad - 1)
         t1 = now_us()
-        cast, out_addr = KS.CAST_NONE, 0
-        if dtype is torch.bfloat16 or dtype is torch.float16:   # the poll rounds into it
-            out = into if into is not None else self._lend.empty(num_tokens, hidden, dtype)
+        left = self._combine_poll(expert_out, handle, weighted, epoch, out, SPINS)
+        return self._combine_end(expert_out, handle, weighted, t0, epoch, out, dest, t1, left)
+
+    def _combine_poll(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
+                      epoch: int, out: torch.Tensor | None, spins: int) -> int:
+        """One look at the rows back: tokens summed whose rows all arrived, fp32 sums into
+        `out` (fp32) or the kept sums (`out` None: fp8), 16-bit ones rounded into `out`.
+        Returns what is still missing."""
+        dtype = expert_out.dtype
+        idx_addr, w_addr, top_k, _ = handle.state
+        elem, ecode, lut_addr, n_lut = _combine_elem(dtype)
+        es = expert_out.element_size()
+        cast, out_addr, y_addr = KS.CAST_NONE, 0, self._y_addr
+        if dtype is torch.float32:                     # sum in place, no cast
+            y_addr = out.data_ptr()
+        elif out is not None:                          # 16-bit: the poll rounds into it
             cast, out_addr = KS.CAST_16, out.data_ptr()
-        weighted = bool(weighted)
-        if KS.combine_poll_at(state, epoch, idx_addr, w_addr, num_tokens, top_k, weighted, rb, es,
-                              ecode, lut_addr, n_lut, y_addr, hidden, SPINS, elem, cast, out_addr,
-                              rows_addr):     # first poll inline, as above
-            ctx.wait(lambda s: KS.combine_poll_at(state, epoch, idx_addr, w_addr, num_tokens,
-                                                  top_k, weighted, rb, es, ecode, lut_addr, n_lut,
-                                                  y_addr, hidden, s, elem, cast, out_addr,
-                                                  rows_addr),
+        return KS.combine_poll_at(self._state_addr, epoch, idx_addr, w_addr, handle.num_tokens,
+                                  top_k, bool(weighted), handle.hidden * es, es, ecode, lut_addr,
+                                  n_lut, y_addr, handle.hidden, spins, elem, cast, out_addr,
+                                  expert_out.data_ptr())
+
+    def _combine_end(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
+                     t0: float, epoch: int, out: torch.Tensor | None,
+                     dest: torch.Tensor | None, t1: float, left: int) -> CombineResult:
+        """A combine after its first poll: the tokens still missing (`left`), the peers'
+        hellos checked, then the result."""
+        ctx = self.ctx
+        dtype = expert_out.dtype
+        if left:
+            batch, done = self._batch, self._done_tokens
+            ctx.wait(lambda s: self._combine_poll(expert_out, handle, weighted, epoch, out, s),
                      "combine/rows", lambda: self._combine_missing(handle, done),
-                     lambda: dc_detail(batch), deadline=deadline)
-        _, code, _, routed = res.tolist()
+                     lambda: dc_detail(batch), deadline=deadline_after(t0, self._timeout_s))
+        _, code, _, routed = self._res.tolist()
         if code:
-            check_peers_meta(hello, elem, ctx.rank, "combine")
+            check_peers_meta(self._hello, DTYPE_CODES[dtype], ctx.rank, "combine")
+        num_tokens, hidden = handle.num_tokens, handle.hidden
         if out is None:                                # fp8: rare, cast by torch/numpy
             out = cast_rows(self._y[:num_tokens * hidden].reshape(num_tokens, hidden), dtype)
         if dest is not None and out is not dest:
             out = dest.copy_(out)
         t2 = now_us()
         stats = DeferredStats.of(_combine_stats, ctx.config, ctx.fmt, ctx.rank, (t0, t1, t2),
-                                 n_recv, routed, rb, epoch)
+                                 handle.num_recv, routed, handle.hidden * expert_out.element_size(),
+                                 epoch)
         return new_combine_result(out, stats)
 
     def _combine_missing(self, handle: DispatchHandle, done: np.ndarray) -> list[int]:

@@ -1,0 +1,311 @@
+// The door of the one-worker staged path (`SinglePath`: mode "ubep" or "bsp", direct=False):
+// `Buffer.dispatch` / `Buffer.combine`'s common call in one C++ call each, as door.cpp does
+// for the direct path: the inputs' fast check, the Buffer's lock and state, the path's
+// kernels (numba cfuncs by address, `kernels/single_entries.py`) and the results.
+//
+// Why: with its kernels at ~10 µs, a batch-1 dispatch+combine of this path spent ~20 µs in
+// the Python between them in one process (result arrays, outputs, result objects, entries
+// that unbox their arguments). The Python path stays the definition: a call this file does
+// not take whole (an output the path lends from its pool, a wait, a peer's dtype to check,
+// an sp abort) goes on in Python from where it stopped (`SinglePath.dispatch_resume` /
+// `combine_resume`, through `Buffer._door_wait`), the lock still held.
+#include "native.h"
+
+#include <numpy/arrayobject.h>
+
+namespace {
+
+using ubep_native::deferred_stats;
+using ubep_native::instance;
+using ubep_native::key;
+using ubep_native::now_us;
+using ubep_native::Obj;
+using ubep_native::ref;
+using ubep_native::results;
+using ubep_native::tuple_steal;
+
+// the door's words, in the order `ubep.runtime.shm.single.DOOR_FIELDS` names them
+// (tests/test_native.py checks both sides agree)
+enum Sd : Py_ssize_t {
+  SD_PATH, SD_LOCK, SD_CODES, SD_ELEMS, SD_DBUILD, SD_CBUILD, SD_STATE, SD_Y, SD_BUFFER_ID,
+  SD_WORLD, SD_EL, SD_SPINS, SD_MIN_LENT, SD_BEGIN, SD_ROWS, SD_CBEGIN, SD_CPOLL, SD_HIDDEN,
+  SD_EXPERTS, SD_MAX_TOKENS, SD_MAX_TOP_K, SD_LEN
+};
+constexpr Py_ssize_t SD_INTS = SD_STATE;   // words from here on are ints
+
+// one call's block: `kernels/single_entries.py`'s S_* words (tests/test_native.py checks)
+enum S : int64_t {
+  S_STATE, S_EPOCH, S_ELEM, S_X, S_T, S_RB, S_IDX, S_K, S_W, S_TPE, S_N, S_OUT_X, S_WTS,
+  S_INTS, S_SPINS, S_ROWS, S_WEIGHTED, S_ES, S_ECODE, S_LUT, S_NLUT, S_Y, S_HIDDEN, S_CAST,
+  S_OUT, S_WORLD, S_EL, S_LEFT, S_SENDS, S_META, S_RECV, S_ROUTED, S_LEN
+};
+constexpr int64_t CAST_NONE = 0, CAST_16 = 1;   // `kernels/single.py`'s CAST_*
+
+struct Door {
+  PyObject* o[SD_INTS];
+  int64_t v[SD_LEN];                       // v[SD_INTS..] used
+};
+
+bool parse(PyObject* t, Door& d) {
+  if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != SD_LEN) {
+    PyErr_SetString(PyExc_TypeError, "door must be the tuple SinglePath.door made");
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < SD_INTS; ++i) d.o[i] = PyTuple_GET_ITEM(t, i);
+  return ubep_native::ints(&PyTuple_GET_ITEM(t, 0) + SD_INTS, SD_LEN - SD_INTS, d.v + SD_INTS);
+}
+
+// run the kernel at `entry` on block `c` without the GIL (the numba entries are nogil)
+inline void run(int64_t entry, int64_t* c) {
+  auto k = reinterpret_cast<void (*)(int64_t*)>(static_cast<intptr_t>(entry));
+  Py_BEGIN_ALLOW_THREADS
+  k(c);
+  Py_END_ALLOW_THREADS
+}
+
+inline int64_t addr_of(PyObject* arr) {
+  return reinterpret_cast<intptr_t>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr)));
+}
+
+// the path's next epoch, stored (`region.next_epoch`: the last one + 1)
+bool next_epoch(PyObject* path, PyObject* name, int64_t& epoch) {
+  return ubep_native::get_int(path, name, epoch) && ubep_native::set_int(path, name, ++epoch);
+}
+
+PyObject* pyint(int64_t v) { return PyLong_FromLongLong(v); }
+
+}  // namespace
+
+namespace ubep_native {
+
+bool init_staged() {
+  import_array1(false);
+  return true;
+}
+
+// staged_door_dispatch(door, buf, x, topk_idx, topk_weights) -> DispatchResult or
+// NotImplemented
+PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  static PyObject *k_calls = key("_calls"), *k_epoch = key("_d_epoch");
+  if (!arity(nargs, 5)) return nullptr;
+  Door d;
+  if (!parse(a[0], d)) return nullptr;
+  PyObject* buf = a[1];
+  if (!passes(dispatch_ready, a + 2, d.v + SD_HIDDEN)) return not_taken();
+  Locked locked(d.o[SD_LOCK]);
+  if (!locked.ok()) return nullptr;
+  const int ok = usable(buf);
+  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
+  const at::Tensor& x = THPVariable_Unpack(a[2]);
+  const at::Tensor& idx = THPVariable_Unpack(a[3]);
+  const at::Tensor& w = THPVariable_Unpack(a[4]);
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
+  PyObject* code = lookup(d.o[SD_CODES], dtype);
+  if (!code) return not_taken();
+  const int64_t elem = PyLong_AsLongLong(code);
+  if (elem == -1 && PyErr_Occurred()) return nullptr;
+  // the call: from here on its state moves (as `_dispatch_checked` and the path move it)
+  PyObject* path = d.o[SD_PATH];
+  int64_t call, epoch;
+  if (!get_int(buf, k_calls, call) || !set_int(buf, k_calls, ++call)) return nullptr;
+  const double t0 = now_us();
+  if (!next_epoch(path, k_epoch, epoch)) return failed(buf);
+  PyObject* r = nullptr;
+  try {
+    const int64_t t_n = x.size(0), hidden = x.size(1), k_n = idx.size(1);
+    const int64_t rb = hidden * static_cast<int64_t>(x.element_size());
+    npy_intp d_el = d.v[SD_EL];
+    Obj tpe(PyArray_EMPTY(1, &d_el, NPY_INT64, 0));
+    if (!tpe) return failed(buf);
+    int64_t c[S_LEN] = {};
+    c[S_STATE] = d.v[SD_STATE];
+    c[S_WORLD] = d.v[SD_WORLD];
+    c[S_EL] = d.v[SD_EL];
+    c[S_EPOCH] = epoch;
+    c[S_ELEM] = elem;
+    c[S_X] = reinterpret_cast<intptr_t>(x.const_data_ptr());
+    c[S_T] = t_n;
+    c[S_RB] = rb;
+    c[S_IDX] = reinterpret_cast<intptr_t>(idx.const_data_ptr());
+    c[S_K] = k_n;
+    c[S_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
+    c[S_TPE] = addr_of(tpe.get());
+    c[S_SPINS] = d.v[SD_SPINS];
+    run(d.v[SD_BEGIN], c);
+    const int64_t n = c[S_RECV];
+    if (c[S_LEFT] || c[S_SENDS] < 0 || c[S_META] || n * rb >= d.v[SD_MIN_LENT]) {
+      // counts missing, an sp abort, a peer's dtype to name, or a recv_x the pool lends
+      r = tuple_steal({tpe.release(), pyint(c[S_LEFT])});
+    } else {
+      at::Tensor recv = at::empty({n, hidden}, x.options());
+      npy_intp d_ints[2] = {3, n}, d_n = n;
+      Obj recv_x(THPVariable_Wrap(recv)), ints(PyArray_EMPTY(2, d_ints, NPY_INT64, 0)),
+          wts(PyArray_EMPTY(1, &d_n, NPY_FLOAT32, 0));
+      if (!recv_x || !ints || !wts) return failed(buf);
+      c[S_N] = n;
+      c[S_OUT_X] = reinterpret_cast<intptr_t>(recv.data_ptr());
+      c[S_WTS] = addr_of(wts.get());
+      c[S_INTS] = addr_of(ints.get());
+      run(d.v[SD_ROWS], c);
+      const double t1 = now_us();
+      if (c[S_LEFT] || !results.dispatch) {        // rows missing: the bounded wait
+        r = tuple_steal({tpe.release(), recv_x.release(), ints.release(), wts.release(),
+                         PyFloat_FromDouble(t1)});
+      } else {
+        static PyObject *k_buffer_id = key("buffer_id"), *k_call = key("call"),
+                        *k_num_tokens = key("num_tokens"), *k_num_recv = key("num_recv"),
+                        *k_hidden = key("hidden"), *k_topk_idx = key("topk_idx"),
+                        *k_topk_weights = key("topk_weights"), *k_origins = key("_origins"),
+                        *k_state = key("state"), *k_recv_x = key("recv_x"),
+                        *k_weights = key("_weights"), *k_tpe = key("_tpe"),
+                        *k_handle = key("handle"), *k_stats = key("stats");
+        // `SinglePath._dispatch_end`'s handle and stats
+        PyObject* state = tuple_steal({pyint(c[S_IDX]), pyint(c[S_W]), pyint(k_n),
+                                       ints.share()});
+        PyObject* handle = instance(results.handle, {
+            {k_buffer_id, pyint(d.v[SD_BUFFER_ID])}, {k_call, pyint(call)},
+            {k_num_tokens, pyint(t_n)}, {k_num_recv, pyint(n)}, {k_hidden, pyint(hidden)},
+            {k_topk_idx, ref(a[3])}, {k_topk_weights, ref(a[4])},
+            {k_origins, ints.share()}, {k_state, state}});
+        if (!handle) return failed(buf);
+        PyObject* ts = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
+                                    PyFloat_FromDouble(t1), PyFloat_FromDouble(now_us())});
+        PyObject* stats = deferred_stats(d.o[SD_DBUILD], tuple_steal({
+            ts, pyint(c[S_SENDS]), pyint(n), pyint(rb), pyint(epoch)}));
+        r = instance(results.dispatch, {
+            {k_recv_x, recv_x.release()}, {k_weights, wts.release()}, {k_tpe, tpe.release()},
+            {k_handle, handle}, {k_stats, stats}});
+        return r ? finish(buf, r) : failed(buf);
+      }
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return failed(buf);
+  }
+  if (!r) return failed(buf);
+  // the rest in Python, from where the entry stopped
+  PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOLdL)", "dispatch_resume", r,
+                                      a[2], a[3], a[4], static_cast<long long>(call), t0,
+                                      static_cast<long long>(epoch));
+  Py_DECREF(r);
+  if (!res) return nullptr;            // recorded by the Python side
+  return finish(buf, res);
+}
+
+// staged_door_combine(door, buf, expert_out, handle, weighted, out) -> y or NotImplemented
+PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
+                  *k_hidden = key("hidden"), *k_num_tokens = key("num_tokens"),
+                  *k_state = key("state"), *k_epoch = key("_c_epoch");
+  if (!arity(nargs, 6)) return nullptr;
+  Door d;
+  if (!parse(a[0], d)) return nullptr;
+  PyObject *buf = a[1], *rows = a[2], *handle = a[3], *out_arg = a[5];
+  if (!is_handle(handle)) return not_taken();
+  int64_t hv[4];               // buffer_id, num_recv, hidden, num_tokens
+  if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
+      || !get_int(handle, k_hidden, hv[2]) || !get_int(handle, k_num_tokens, hv[3]))
+    return nullptr;
+  if (hv[0] != d.v[SD_BUFFER_ID]) return not_taken();
+  if (!passes(combine_ready, &rows, hv + 1)) return not_taken();
+  const int weighted = PyObject_IsTrue(a[4]);
+  if (weighted < 0) return nullptr;
+  const at::Tensor& e = THPVariable_Unpack(rows);
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
+  PyObject* codes = lookup(d.o[SD_ELEMS], dtype);    // (elem, ecode, lut, n_lut): 16/32-bit
+  if (!codes || !PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) != 4) return not_taken();
+  int64_t ev[4];
+  if (!ints(&PyTuple_GET_ITEM(codes, 0), 4, ev)) return nullptr;
+  const int64_t t_n = hv[3], hidden = hv[2], n = hv[1];
+  const int64_t es = static_cast<int64_t>(e.element_size());
+  if (out_arg == Py_None && t_n * hidden * es >= d.v[SD_MIN_LENT]) return not_taken();  // lent
+  if (!out_ready(out_arg, rows, t_n)) return not_taken();
+  PyObject* state = PyObject_GetAttr(handle, k_state);
+  if (!state) return nullptr;
+  Obj state_ref(state);
+  if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 4) return not_taken();
+  int64_t sv[3];               // idx address, weights address, K
+  if (!ints(&PyTuple_GET_ITEM(state, 0), 3, sv)) return nullptr;
+  PyObject* origins = PyTuple_GET_ITEM(state, 3);
+  if (!origins_ok(origins)
+      || PyArray_DIM(reinterpret_cast<PyArrayObject*>(origins), 1) != n)
+    return not_taken();
+  Locked locked(d.o[SD_LOCK]);
+  if (!locked.ok()) return nullptr;
+  const int ok = usable(buf);
+  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
+  // the call: from here on its state moves (as the path moves it)
+  PyObject* path = d.o[SD_PATH];
+  const double t0 = now_us();
+  int64_t epoch;
+  if (!next_epoch(path, k_epoch, epoch)) return failed(buf);
+  PyObject* r = nullptr;
+  try {
+    Obj out_obj;
+    at::Tensor out;
+    if (out_arg == Py_None) {
+      out = at::empty({t_n, hidden}, e.options());
+      out_obj = Obj(THPVariable_Wrap(out));
+      if (!out_obj) return failed(buf);
+    } else {
+      out = THPVariable_Unpack(out_arg);
+      out_obj = Obj(ref(out_arg));
+    }
+    const bool f32 = e.scalar_type() == at::kFloat;
+    const int64_t o = reinterpret_cast<intptr_t>(out.data_ptr());
+    int64_t c[S_LEN] = {};
+    c[S_STATE] = d.v[SD_STATE];
+    c[S_WORLD] = d.v[SD_WORLD];
+    c[S_EL] = d.v[SD_EL];
+    c[S_EPOCH] = epoch;
+    c[S_ELEM] = ev[0];
+    c[S_ROWS] = reinterpret_cast<intptr_t>(e.const_data_ptr());
+    c[S_N] = n;
+    c[S_RB] = hidden * es;
+    c[S_INTS] = addr_of(origins);
+    c[S_T] = t_n;
+    run(d.v[SD_CBEGIN], c);
+    if (c[S_LEFT] < 0) {          // an sp sentinel abort: Python names it
+      r = tuple_steal({pyint(c[S_LEFT])});
+    } else {
+      const double t1 = now_us();
+      c[S_IDX] = sv[0];
+      c[S_W] = sv[1];
+      c[S_K] = sv[2];
+      c[S_WEIGHTED] = weighted;
+      c[S_ES] = es;
+      c[S_ECODE] = ev[1];
+      c[S_LUT] = ev[2];
+      c[S_NLUT] = ev[3];
+      c[S_Y] = f32 ? o : d.v[SD_Y];
+      c[S_HIDDEN] = hidden;
+      c[S_SPINS] = d.v[SD_SPINS];
+      c[S_CAST] = f32 ? CAST_NONE : CAST_16;
+      c[S_OUT] = f32 ? 0 : o;
+      run(d.v[SD_CPOLL], c);
+      if (c[S_LEFT] || c[S_META] || !results.combine) {   // a wait, or hellos to check
+        r = tuple_steal({pyint(c[S_LEFT]), out_obj.release(), PyFloat_FromDouble(t1)});
+      } else {
+        static PyObject *k_y = key("y"), *k_stats = key("stats");
+        PyObject* ts = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
+                                    PyFloat_FromDouble(now_us())});
+        PyObject* stats = deferred_stats(d.o[SD_CBUILD], tuple_steal({
+            ts, pyint(n), pyint(c[S_ROUTED]), pyint(hidden * es), pyint(epoch)}));
+        r = instance(results.combine, {{k_y, out_obj.release()}, {k_stats, stats}});
+        return r ? finish(buf, r, true) : failed(buf);
+      }
+    }
+  } catch (const std::exception& ex) {
+    PyErr_SetString(PyExc_RuntimeError, ex.what());
+    return failed(buf);
+  }
+  if (!r) return failed(buf);
+  PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOdL)", "combine_resume", r,
+                                      rows, handle, weighted ? Py_True : Py_False, t0,
+                                      static_cast<long long>(epoch));
+  Py_DECREF(r);
+  if (!res) return nullptr;            // recorded by the Python side
+  return finish(buf, res, true);
+}
+
+}  // namespace ubep_native
