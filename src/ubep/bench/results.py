@@ -251,7 +251,9 @@ turns in both), and a p99 over a run that crossed states holds the slow state's 
 top of the ~30 µs gaps: the copy bound's own p99/median (the table above) is the floor a
 system's is read against. (That A/B, a first poll that spins ~5 µs inside the staged path's kernels
 before the Python wait as the direct paths do, measured no gain: pair median 43.6 vs 46.7 µs
-in one alternating run, so the staged path keeps its one-poll start.)
+in one alternating run. Its door, below, spins that long, to hand fewer calls to Python: the
+same A/B through the door read 0.994 and 0.983, 64 against 256 rounds, with 101-165 against
+254-276 calls of 1,600 going on in Python in one run.)
 
 *Where a batch-1 call's time goes, warm and cold.* Timestamps at 38 points of the one-worker
 `direct="owned"` path (a temporary instrumented copy; one process, 1-rank group, 2,000 calls,
@@ -343,6 +345,38 @@ warm 0.818 and 0.830 (`direct="owned"`: 28.4 vs 34.8 and 26.4 vs 31.8 µs), 0.84
 vs 144.2 µs), 0.941, 0.702, 0.713, 0.812 (`direct=True`), the cold medians moving with the
 host by up to 1.7x between runs minutes apart. Against bfada2a (the last main without
 `ubep.native`, `tests/runtime/bench_shm_ab.py`, pair): 0.378 (26.7 vs 70.6 µs).
+
+*The staged path's door* (2026-12-03, 06:20-07:00 UTC). shm-ubep and shm-bsp (one worker,
+`direct=False`: the paper's two copies through windows) had no compiled path: in one process
+(`tests/runtime/bench_shm_overhead.py ubep`, 1-rank group) a batch-1 dispatch+combine took
+34.4 µs where `direct="owned"` took 11.0, its kernels ~15 µs of it and the rest Python between
+them (line timing: the outputs' allocations 2.5-2.8 µs each, four entries unboxing their
+arguments, the result objects). Its door (`native/staged.cpp`, kernels
+`kernels/single_entries.py`) does what `door.cpp` does for the direct path: the check, the
+lock and state, send, counts, outputs, rows and results in one C++ call; a wait, a peer's
+dtype to check, an sp abort or an output the path lends from its pool goes on in Python from
+where it stopped. The same script: 12.9 µs (bsp 12.7, owned 11.6). In-process A/B, two ranks,
+door on and off alternating (`tests/runtime/bench_shm_door.py --direct false`, 800 calls
+each, the slower rank's): 0.635 (37.5 vs 59.1 µs) and 0.787 (90.4 vs 114.8 µs, a run in which
+the host was slow throughout); every call after evicting 8 MB: 0.558 (60.8 vs 108.9 µs).
+Between two ranks it stays ~2x shm-owned's time (the table above): not Python now, but how
+often its bytes cross cores.
+
+*What a write to the peer's lines costs* (`tests/runtime/bench_cross_core_writes.py`,
+2026-12-03, 07:00-07:30 UTC). One process writes a batch-1 dispatch's bytes (8 rows of 14 KB
+as window records) into shared memory a process on the other core read after the previous
+write, as a receiver reads its window: 17.0-19.5 µs a write with the staged path's loop per
+512-byte block, 17.9-24.4 with memcpy per block, 14.1-20.9 with one memcpy per row and one flag
+(the direct paths' way), 15.0-15.8 with memcpy per 4 KiB block; 3.5-3.9 µs for the same writes
+with no reader, in every way (three rounds each way, alternating, two runs; in runs minutes
+later, the host in its slow state, 36-90 µs with a reader against the same 3.5-3.9 without).
+Every line the other core holds is fetched or invalidated before it is written, whatever the
+store instruction: the way of copying changes the cost by 20% at most, the number of times a
+call's bytes go to the other core's lines changes it by the whole amount. The staged path
+(two copies: window, then the expert-major output; combine back the same way) moves each
+row into a peer's lines and reads it from there twice per dispatch+combine; the direct paths
+once each way. That, not the copy loops, is what the paper's mechanism costs on a coherent
+CPU, where a GPU's remote writes over its fabric do not pull lines from the reader first.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
