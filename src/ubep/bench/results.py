@@ -373,10 +373,12 @@ later, the host in its slow state, 36-90 µs with a reader against the same 3.5-
 Every line the other core holds is fetched or invalidated before it is written, whatever the
 store instruction: the way of copying changes the cost by 20% at most, the number of times a
 call's bytes go to the other core's lines changes it by the whole amount. The staged path
-(two copies: window, then the expert-major output; combine back the same way) moves each
-row into a peer's lines and reads it from there twice per dispatch+combine; the direct paths
-once each way. That, not the copy loops, is what the paper's mechanism costs on a coherent
-CPU, where a GPU's remote writes over its fabric do not pull lines from the reader first.
+(two copies: window, then the expert-major output; combine back the same way) writes each
+row into lines the peer holds twice per dispatch+combine (the receiver's window, then the
+source's) and reads it from lines the peer wrote twice; the direct paths once each (a write
+in dispatch, a read of expert outputs where they lie in combine). That, not the copy loops,
+is what the paper's mechanism costs on a coherent CPU, where a GPU's remote writes over its
+fabric do not pull lines from the reader first.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
