@@ -325,6 +325,35 @@ def test_the_staged_door_makes_the_results_its_python_path_makes():
             assert a == b
 
 
+def _pool_sized(rank, world, cases):
+    """Calls whose outputs the staged path lends from its pool: the door sends, then hands
+    the dispatch to Python, and leaves such a combine to it whole."""
+    import ubep
+
+    with ubep.Buffer(num_experts=cases[0].num_experts, hidden=cases[0].hidden,
+                     max_tokens_per_rank=64, backend="shm", max_top_k=4, timeout_s=30,
+                     **PATHS["staged"]) as buf:
+        d = buf._door_dispatch = Counted(buf._door_dispatch)
+        c = buf._door_combine = Counted(buf._door_combine)
+        out = [run_case(buf, case, rank) for case in cases]
+        pool = buf._backend._path._lend
+        return out, (d.took, d.declined, c.took, c.declined), len(pool._blocks), pool.min_bytes
+
+
+@needs_native
+def test_the_staged_door_hands_pool_sized_outputs_to_python():
+    from ubep.testing import Case
+
+    cases = [Case(num_experts=8, hidden=4096, top_k=4, tokens=(40, 33), seed=s, dtype=dt)
+             for s, dt in ((1, "bf16"), (2, "fp32"))]
+    outs = run_ranks(_pool_sized, 2, cases, timeout_s=200)
+    for k, case in enumerate(cases):
+        check_case(case, [o[0][k] for o in outs])
+    for _, counts, blocks, min_bytes in outs:
+        assert 33 * 4096 * 2 >= min_bytes                  # outputs the pool lends
+        assert counts == (2, 0, 0, 2) and blocks > 0       # dispatch begun by the door
+
+
 def test_the_door_reads_its_words_where_directpath_puts_them():
     """door.cpp's DR_* enum names `DirectPath.door`'s tuple in `DOOR_FIELDS`' order."""
     from ubep.runtime.shm.direct import DOOR_FIELDS
