@@ -8,7 +8,10 @@ counts) without barriers (there is no other worker to wait for).
 
 Tensors reach the kernels by address (`data_ptr()`, a fraction of a microsecond where a
 numpy view costs microseconds); the handle keeps them alive. Scratch arrays are made once
-and reused; stats become objects only when read (`DeferredStats`).
+and reused; stats become objects only when read (`DeferredStats`). With `ubep.native` built,
+`Buffer`'s common call skips this file: its door (`native/staged.cpp`) runs the same kernels
+(`kernels/single_entries.py`) and comes back here only to wait or to name an error
+(`dispatch_resume`, `combine_resume`).
 """
 
 from __future__ import annotations
