@@ -326,8 +326,8 @@ def test_the_staged_door_makes_the_results_its_python_path_makes():
 
 
 def _pool_sized(rank, world, cases):
-    """Calls whose outputs the staged path lends from its pool: the door sends, then hands
-    the dispatch to Python, and leaves such a combine to it whole."""
+    """Calls whose outputs the staged path lends from its pool: the door takes them, its
+    outputs lent by the pool as the Python path's are."""
     import ubep
 
     with ubep.Buffer(num_experts=cases[0].num_experts, hidden=cases[0].hidden,
@@ -341,7 +341,7 @@ def _pool_sized(rank, world, cases):
 
 
 @needs_native
-def test_the_staged_door_hands_pool_sized_outputs_to_python():
+def test_the_staged_door_lends_pool_sized_outputs_from_the_pool():
     from ubep.testing import Case
 
     cases = [Case(num_experts=8, hidden=4096, top_k=4, tokens=(40, 33), seed=s, dtype=dt)
@@ -351,7 +351,7 @@ def test_the_staged_door_hands_pool_sized_outputs_to_python():
         check_case(case, [o[0][k] for o in outs])
     for _, counts, blocks, min_bytes in outs:
         assert 33 * 4096 * 2 >= min_bytes                  # outputs the pool lends
-        assert counts == (2, 0, 0, 2) and blocks > 0       # dispatch begun by the door
+        assert counts == (2, 0, 2, 0) and blocks > 0       # taken, outputs from the pool
 
 
 def test_the_door_reads_its_words_where_directpath_puts_them():

@@ -353,12 +353,14 @@ host by up to 1.7x between runs minutes apart. Against bfada2a (the last main wi
 them (line timing: the outputs' allocations 2.5-2.8 µs each, four entries unboxing their
 arguments, the result objects). Its door (`native/staged.cpp`, kernels
 `kernels/single_entries.py`) does what `door.cpp` does for the direct path: the check, the
-lock and state, send, counts, outputs, rows and results in one C++ call; a wait, a peer's
-dtype to check, an sp abort or an output the path lends from its pool goes on in Python from
-where it stopped. The same script: 12.9 µs (bsp 12.7, owned 11.6). In-process A/B, two ranks,
-door on and off alternating (`tests/runtime/bench_shm_door.py --direct false`, 800 calls
-each, the slower rank's): 0.635 (37.5 vs 59.1 µs) and 0.787 (90.4 vs 114.8 µs, a run in which
-the host was slow throughout); every call after evicting 8 MB: 0.558 (60.8 vs 108.9 µs).
+lock and state, send, counts, outputs (from 256 KiB on, lent by the path's pool as in
+Python), rows and results in one C++ call; a wait, a peer's dtype to check or an sp abort
+goes on in Python from where it stopped. The same script: 12.9 µs (bsp 12.7, owned 11.6).
+In-process A/B, two ranks, door on and off alternating
+(`tests/runtime/bench_shm_door.py --direct false`, 800 calls each, the slower rank's): 0.635
+(37.5 vs 59.1 µs) and 0.787 (90.4 vs 114.8 µs, a run in which the host was slow throughout);
+every call after evicting 8 MB: 0.558 (60.8 vs 108.9 µs); batch 8 0.828 (217.7 vs 263.0
+µs), batch 32 0.946 (1,190 vs 1,257 µs; one run each, 400 calls).
 Between two ranks it stays ~2x shm-owned's time (the table above): not Python now, but how
 often its bytes cross cores.
 

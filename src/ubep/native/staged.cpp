@@ -6,9 +6,9 @@
 // Why: with its kernels at ~10 µs, a batch-1 dispatch+combine of this path spent ~20 µs in
 // the Python between them in one process (result arrays, outputs, result objects, entries
 // that unbox their arguments). The Python path stays the definition: a call this file does
-// not take whole (an output the path lends from its pool, a wait, a peer's dtype to check,
-// an sp abort) goes on in Python from where it stopped (`SinglePath.dispatch_resume` /
-// `combine_resume`, through `Buffer._door_wait`), the lock still held.
+// not take whole (a wait, a peer's dtype to check, an sp abort) goes on in Python from where
+// it stopped (`SinglePath.dispatch_resume` / `combine_resume`, through `Buffer._door_wait`),
+// the lock still held. Outputs of 256 KiB and more come from the path's pool, as there.
 #include "native.h"
 
 #include <numpy/arrayobject.h>
@@ -27,7 +27,8 @@ using ubep_native::tuple_steal;
 // the door's words, in the order `ubep.runtime.shm.single.DOOR_FIELDS` names them
 // (tests/test_native.py checks both sides agree)
 enum Sd : Py_ssize_t {
-  SD_PATH, SD_LOCK, SD_CODES, SD_ELEMS, SD_DBUILD, SD_CBUILD, SD_STATE, SD_Y, SD_BUFFER_ID,
+  SD_PATH, SD_LOCK, SD_CODES, SD_ELEMS, SD_DBUILD, SD_CBUILD, SD_LEND, SD_STATE, SD_Y,
+  SD_BUFFER_ID,
   SD_WORLD, SD_EL, SD_SPINS, SD_MIN_LENT, SD_BEGIN, SD_ROWS, SD_CBEGIN, SD_CPOLL, SD_HIDDEN,
   SD_EXPERTS, SD_MAX_TOKENS, SD_MAX_TOP_K, SD_LEN
 };
@@ -73,6 +74,24 @@ bool next_epoch(PyObject* path, PyObject* name, int64_t& epoch) {
 }
 
 PyObject* pyint(int64_t v) { return PyLong_FromLongLong(v); }
+
+// a new `[rows, cols]` tensor of `like`'s dtype (`dtype`, its Python object) for an output:
+// lent by the path's pool (`OutputPool.empty`, `SD_LEND`) from `SD_MIN_LENT` bytes on, as
+// the Python path takes it (no page faults on kept memory), else `at::empty`; empty Obj
+// with the error set on failure
+Obj output(const Door& d, int64_t rows, int64_t cols, const at::Tensor& like,
+           PyObject* dtype) {
+  const int64_t nbytes = rows * cols * static_cast<int64_t>(like.element_size());
+  if (nbytes == 0 || nbytes < d.v[SD_MIN_LENT])
+    return Obj(THPVariable_Wrap(at::empty({rows, cols}, like.options())));
+  Obj t(PyObject_CallFunction(d.o[SD_LEND], "LLO", static_cast<long long>(rows),
+                              static_cast<long long>(cols), dtype));
+  if (t && !THPVariable_Check(t.get())) {
+    PyErr_SetString(PyExc_TypeError, "the output pool lent something not a tensor");
+    return Obj();
+  }
+  return Obj(t.release());
+}
 
 }  // namespace
 
@@ -133,15 +152,17 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
     c[S_SPINS] = d.v[SD_SPINS];
     run(d.v[SD_BEGIN], c);
     const int64_t n = c[S_RECV];
-    if (c[S_LEFT] || c[S_SENDS] < 0 || c[S_META] || n * rb >= d.v[SD_MIN_LENT]) {
-      // counts missing, an sp abort, a peer's dtype to name, or a recv_x the pool lends
+    if (c[S_LEFT] || c[S_SENDS] < 0 || c[S_META]) {
+      // counts missing, an sp abort, a peer's dtype to name
       r = tuple_steal({tpe.release(), pyint(c[S_LEFT])});
     } else {
-      at::Tensor recv = at::empty({n, hidden}, x.options());
+      Obj recv_x = output(d, n, hidden, x, dtype);
+      if (!recv_x) return failed(buf);
+      const at::Tensor& recv = THPVariable_Unpack(recv_x.get());
       npy_intp d_ints[2] = {3, n}, d_n = n;
-      Obj recv_x(THPVariable_Wrap(recv)), ints(PyArray_EMPTY(2, d_ints, NPY_INT64, 0)),
+      Obj ints(PyArray_EMPTY(2, d_ints, NPY_INT64, 0)),
           wts(PyArray_EMPTY(1, &d_n, NPY_FLOAT32, 0));
-      if (!recv_x || !ints || !wts) return failed(buf);
+      if (!ints || !wts) return failed(buf);
       c[S_N] = n;
       c[S_OUT_X] = reinterpret_cast<intptr_t>(recv.data_ptr());
       c[S_WTS] = addr_of(wts.get());
@@ -218,7 +239,6 @@ PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!ints(&PyTuple_GET_ITEM(codes, 0), 4, ev)) return nullptr;
   const int64_t t_n = hv[3], hidden = hv[2], n = hv[1];
   const int64_t es = static_cast<int64_t>(e.element_size());
-  if (out_arg == Py_None && t_n * hidden * es >= d.v[SD_MIN_LENT]) return not_taken();  // lent
   if (!out_ready(out_arg, rows, t_n)) return not_taken();
   PyObject* state = PyObject_GetAttr(handle, k_state);
   if (!state) return nullptr;
@@ -244,9 +264,9 @@ PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     Obj out_obj;
     at::Tensor out;
     if (out_arg == Py_None) {
-      out = at::empty({t_n, hidden}, e.options());
-      out_obj = Obj(THPVariable_Wrap(out));
+      out_obj = output(d, t_n, hidden, e, dtype);
       if (!out_obj) return failed(buf);
+      out = THPVariable_Unpack(out_obj.get());
     } else {
       out = THPVariable_Unpack(out_arg);
       out_obj = Obj(ref(out_arg));

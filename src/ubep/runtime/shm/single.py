@@ -44,9 +44,9 @@ from ubep.stats import DeferredStats, Interval, Stats
 
 #: the words of `SinglePath.door`'s tuple, in `native/staged.cpp`'s `SD_*` order: objects
 #: first, then ints (tests/test_native.py checks both sides agree)
-DOOR_FIELDS = ("path", "lock", "codes", "elems", "dbuild", "cbuild", "state", "y", "buffer_id",
-               "world", "el", "spins", "min_lent", "begin", "rows", "cbegin", "cpoll", "hidden",
-               "experts", "max_tokens", "max_top_k")
+DOOR_FIELDS = ("path", "lock", "codes", "elems", "dbuild", "cbuild", "lend", "state", "y",
+               "buffer_id", "world", "el", "spins", "min_lent", "begin", "rows", "cbegin",
+               "cpoll", "hidden", "experts", "max_tokens", "max_top_k")
 
 
 class SinglePath:
@@ -110,6 +110,7 @@ class SinglePath:
                                                           torch.float32)},
                  "dbuild": functools.partial(_dispatch_stats, c, ctx.fmt, ctx.rank),
                  "cbuild": functools.partial(_combine_stats, c, ctx.fmt, ctx.rank),
+                 "lend": self._lend.empty,
                  "state": self._state_addr, "y": self._y_addr, "buffer_id": ctx.buffer_id,
                  "world": ctx.world, "el": c.experts_per_rank, "spins": INLINE_SPINS,
                  "min_lent": self._lend.min_bytes,
@@ -123,8 +124,8 @@ class SinglePath:
                         topk_weights: torch.Tensor, call: int, t0: float,
                         epoch: int) -> DispatchResult:
         """The rest of a dispatch the door began and stopped at a wait or a check, `r` what
-        it made: `(tpe, left)` after the send (counts missing, or something to check or to
-        lend), `(tpe, recv_x, ints, wts, t1)` after a first look at the rows."""
+        it made: `(tpe, left)` after the send (counts missing, or something to check),
+        `(tpe, recv_x, ints, wts, t1)` after a first look at the rows."""
         if len(r) == 2:
             tpe, left = r
             return self._dispatch_rest(x, topk_idx, topk_weights, call, t0, epoch, tpe, left)
