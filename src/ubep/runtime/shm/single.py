@@ -153,7 +153,7 @@ class SinglePath:
         left = KS.dispatch_begin_at(self._state_addr, epoch, x.data_ptr(), x.shape[0],
                                     x.shape[1] * x.element_size(), topk_idx.data_ptr(),
                                     topk_idx.shape[1], topk_weights.data_ptr(),
-                                    DTYPE_CODES[x.dtype], tpe)
+                                    DTYPE_CODES[x.dtype], tpe, 1)
         return self._dispatch_rest(x, topk_idx, topk_weights, call, t0, epoch, tpe, left)
 
     def _dispatch_rest(self, x: torch.Tensor, topk_idx: torch.Tensor,

@@ -190,8 +190,10 @@ def state_views(addr, world, el):
 
 
 @jit
-def dispatch_begin_at(state, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_addr, elem, tpe):
-    """`dispatch_send_single`, then one look at the counts (`dispatch_counts_at`).
+def dispatch_begin_at(state, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_addr, elem, tpe,
+                      spins):
+    """`dispatch_send_single`, then the counts polled for `spins` rounds
+    (`dispatch_counts_at`: the Python path looks once, the door spins as the direct path's).
 
     Sets `res[RES_SENDS]` to the send count, or to -(token + 1) after an sp sentinel abort (then
     returns 0 and does nothing more). Returns the sources whose counts are still missing.
@@ -214,7 +216,7 @@ def dispatch_begin_at(state, epoch, x_addr, num_tokens, rb, idx_addr, top_k, w_a
         return 0
     for s in range(got.shape[0]):
         got[s] = 0
-    return dispatch_counts_at(state, epoch, tpe, elem, 1)
+    return dispatch_counts_at(state, epoch, tpe, elem, spins)
 
 
 @jit

@@ -21,7 +21,6 @@ from ubep.runtime.shm.kernels.single import (
     combine_begin_at,
     combine_poll_at,
     dispatch_begin_at,
-    dispatch_counts_at,
     recv_rows_at,
     state_views,
 )
@@ -52,10 +51,7 @@ def dispatch_begin_c(c):
     `S_SPINS` rounds (`S_LEFT`: sources still missing)."""
     tpe = carray(i64_ptr(c[S_TPE]), (c[S_EL],))
     left = dispatch_begin_at(c[S_STATE], c[S_EPOCH], c[S_X], c[S_T], c[S_RB], c[S_IDX],
-                             c[S_K], c[S_W], c[S_ELEM], tpe)
-    if left and c[S_SPINS] > 1 and state_views(c[S_STATE], c[S_WORLD], c[S_EL])[7][
-            RES_SENDS] >= 0:      # the counts spun for here, not in a Python wait
-        left = dispatch_counts_at(c[S_STATE], c[S_EPOCH], tpe, c[S_ELEM], c[S_SPINS])
+                             c[S_K], c[S_W], c[S_ELEM], tpe, c[S_SPINS])
     _res(c, left)
 
 

@@ -107,7 +107,7 @@ def _warm_up_at(bases, lay, bsp: bool) -> None:
     tpe = np.zeros(el, np.int64)
     epoch = 5 if bsp else 4
     x_addr, idx_addr, w_addr = x.ctypes.data, idx.ctypes.data, w.ctypes.data
-    dispatch_begin_at(st, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, 0, tpe)
+    dispatch_begin_at(st, epoch, x_addr, 1, 8, idx_addr, 1, w_addr, 0, tpe, 1)
     dispatch_counts_at(st, epoch, tpe, 0, 1)
     n = int(res[RES_RECV])
     ints, wts = np.zeros((3, n), np.int64), np.zeros(n, np.float32)
