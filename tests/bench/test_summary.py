@@ -40,3 +40,55 @@ def test_max_over_ranks_bound_and_ratios():
     assert res.unavailable == {"mpi": "not launched"}
     md = markdown(res)
     assert "| 4 | shm-ubep | 30.0 / " in md and "- mpi: unavailable — not launched" in md
+
+
+class _Sys:
+    """A system that logs each call: (name, op)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def dispatch(self):
+        self.log.append(self.name)
+
+    def combine(self):
+        pass
+
+
+class _Sync:
+    def barrier(self):
+        pass
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_turns_start_with_an_untimed_lead(block):
+    from ubep.bench.runner import _timed_loop
+
+    cfg = BenchConfig(hiddens=(64,), batches=(4,), iters=8, warmup=2, block=block)
+    log: list[str] = []
+    order = [_Sys("a", log), _Sys("b", log)]
+    times = {s.name: np.full((2, cfg.iters), np.nan) for s in order}
+    leads = {s.name: [] for s in order}
+    _timed_loop(cfg, order, _Sync(), times, {}, leads)
+    assert all(not np.isnan(t).any() for t in times.values())   # every iteration timed
+    if block == 1:
+        assert all(not v for v in leads.values())
+        assert log.count("a") == cfg.warmup + cfg.iters
+    else:
+        # a warm-up turn, then turns of one lead + `block` timed calls
+        assert {len(v) for v in leads.values()} == {cfg.iters // block}
+        assert log.count("a") == cfg.warmup + cfg.iters + cfg.iters // block
+
+
+def test_leads_are_max_over_ranks_and_kept_out_of_samples():
+    cfg = BenchConfig(hiddens=(64,), batches=(4,), iters=3, experts=4, top_k=2, block=3)
+    t = np.array([[10.0, 10, 10], [5, 5, 5]])
+    per_rank = [_rank({("shm-ubep", 64, 4): t}, 4.0), _rank({("shm-ubep", 64, 4): t}, 4.0)]
+    per_rank[0]["leads"] = {("shm-ubep", 64, 4): np.array([100.0, 50.0])}
+    per_rank[1]["leads"] = {("shm-ubep", 64, 4): np.array([60.0, 80.0])}
+    res = BenchResult(config=cfg)
+    _collect(res, 2, per_rank)
+    _summarise(res)
+    assert res.leads[("shm-ubep", 2, 64, 4)].tolist() == [100.0, 80.0]
+    row = {(r["system"], r["op"]): r for r in res.rows}
+    assert row[("shm-ubep", "total")]["p99_us"] == 15.0

@@ -64,7 +64,8 @@ def register(subparsers) -> None:
     p.add_argument("--iters", type=int, default=100, help="timed iterations per point")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations per point")
     p.add_argument("--block", type=int, default=20,
-                   help="iterations each system runs back to back per round (1: interleave "
+                   help="timed iterations each system runs back to back per round, after "
+                        "one untimed call that follows the previous system (1: interleave "
                         "every iteration, each call then starts on caches another system "
                         "evicted)")
     p.add_argument("--routing", default="uniform", help="routing kind (ubep.testing)")

@@ -44,7 +44,8 @@ def _blocks(cfg) -> str:
     """How the systems took turns (see `runner._timed_loop`)."""
     block = getattr(cfg, "block", 1)
     return ("systems interleaved every iteration" if block == 1 else
-            f"systems in turns of {block} back-to-back iterations")
+            f"systems in turns of {block} back-to-back iterations (each after one untimed "
+            "call of the same system)")
 
 
 def _x(v: float | None) -> str:
@@ -212,8 +213,9 @@ def _phase_markdown(res: BenchResult) -> list[str]:
 
 
 def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
-    """`bench.csv` (one row per point, system and op), `samples.csv` (every iteration) and
-    `phases.csv` (the Buffer backends' own phase times, if any)."""
+    """`bench.csv` (one row per point, system and op), `samples.csv` (every timed iteration),
+    `leads.csv` (each turn's untimed first call, if the systems took turns) and `phases.csv`
+    (the Buffer backends' own phase times, if any)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary, samples = out_dir / "bench.csv", out_dir / "samples.csv"
     fields = list(res.rows[0]) if res.rows else ["system"]
@@ -229,6 +231,12 @@ def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
             for i in range(t.shape[1]):
                 w.writerow([name, world, hidden, batch, i,
                             *(f"{v:.3f}" for v in t[:, i])])
+    if res.leads:
+        with (out_dir / "leads.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["system", "ranks", "hidden", "batch", "turn", "total_us"])
+            for (name, world, hidden, batch), t in sorted(res.leads.items()):
+                w.writerows([name, world, hidden, batch, i, f"{v:.3f}"] for i, v in enumerate(t))
     if res.phase_rows:
         with (out_dir / "phases.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(res.phase_rows[0]))

@@ -14,6 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
+
 from ubep.bench.cli import PEERS_BATCHES, PEERS_HIDDENS
 from ubep.bench.config import BOUND, BenchConfig
 from ubep.bench.run import BenchResult, mpi_unavailable_reason, run_bench
@@ -91,6 +93,11 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
         tails = tuple(None if m is None or p is None else p / m for m, p in zip(med, p99))
         add(f"{system} batch 1 p99 / median", "≤ 3× (≤ 6× interleaved)", tails,
             (lambda v: v <= 3, lambda v: v <= 6))
+        lead = turns.leads.get((system, 2, h, 1))
+        add(f"{system} batch 1, a turn's untimed first call (after another system's turn), "
+            "median / the timed calls' median", "(cold call)",
+            (None if lead is None or med[0] is None else float(np.median(lead)) / med[0],
+             None), None)
     for peer in ("torch", "mpi", "agrs"):
         for system in _SHM_SYSTEMS:
             for b in (1, 16, 128):
@@ -402,11 +409,14 @@ warm) ran 1.8x slower on its first repetition after a 20 ms busy loop that touch
 2.3x after 300 ms, and within 10% from the third repetition; after 1 ms, no slower. The
 vCPUs of this VM share caches with other tenants, who evict what a rank does not touch for a
 few milliseconds. A shm call after a turn of another system pays the same (first call
-~100-250 µs, second ~50-80), and so does the copy bound: its own p99/median is in the
-table above, the floor the shm systems' tails are to be read against. In turns of 20, one
-call in 20 (5%) is such a first call, so run 1's p99 is one of them: its p99/median measures
-a cold call against warm ones (2026-12-02, before the door: shm-owned's first calls of a turn
-had a median of 113 µs, the others 37). Run 2, where every call follows another system's, is
+~100-250 µs, second ~50-80), and so does the copy bound. So each turn of run 1 starts with
+one untimed call of the system, its lead (`leads.csv` of the run; the "cold call" lines of
+the table above give its median against the timed calls'), and every timed call of run 1
+follows a call of the same system: its p99 is the back-to-back calls' own. Until
+2026-12-03 run 1 timed the lead too, one call in 20 (5%), so its p99 was always one of
+them: in the run of 07:32 UTC that day shm-owned's p99/median read 7.90× with them and
+3.16× without (the copy bound's own 4.53× and 1.42×; shm-ubep's 4.80× and 2.99×; the
+leads' median 104 µs against 23.8). Run 2, where every call follows another system's, is
 the regime a model's MoE layer meets between attention layers.
 
 *torch.* Each token crosses to a rank once (however many of its experts live there) and one
@@ -539,8 +549,9 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
         "figure is a median (or p99) over iterations, or a ratio of two medians, of ONE run; "
         "absolute µs move with the host's load, ratios within a run much less. Run 1: "
         "systems take turns of 20 back-to-back iterations (as a decode loop calls one layer "
-        "again and again); run 2: every iteration interleaves all systems, so each call "
-        "starts on caches the previous system evicted.", ""]
+        "again and again), each turn led by one untimed call; run 2: every iteration "
+        "interleaves all systems, so each call starts on caches the previous system "
+        "evicted.", ""]
     for res in (turns, inter):
         w = load_warning(res)
         if w:

@@ -91,6 +91,9 @@ class BenchResult:
     config: BenchConfig
     rows: list[dict] = field(default_factory=list)
     samples: dict = field(default_factory=dict)   # (system, P, hidden, batch) -> [3, iters] µs
+    #: (system, P, hidden, batch) -> [turns] µs: each turn's first call, dispatch+combine, max
+    #: over ranks; kept out of `samples` (`runner._timed_loop`; empty when block is 1)
+    leads: dict = field(default_factory=dict)
     unavailable: dict = field(default_factory=dict)  # system -> reason
     rtt_us: dict = field(default_factory=dict)    # P -> flag round trip, µs
     cores: dict = field(default_factory=dict)     # P -> each rank's cores (None: unbound)
@@ -191,6 +194,9 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
         if name == BOUND:  # copy time + one flag round trip per dispatch+combine
             t = t + res.rtt_us[world] / 2
         res.samples[(name, world, hidden, batch)] = np.vstack([t, t.sum(0, keepdims=True)])
+        lead = [r.get("leads", {}).get(key) for r in per_rank]
+        if all(v is not None and len(v) for v in lead):
+            res.leads[(name, world, hidden, batch)] = np.max(np.stack(lead), axis=0)
     for (name, hidden, batch), first_iters in first.get("phases", {}).items():
         iters = [r["phases"][(name, hidden, batch)] for r in per_rank]
         for key in sorted(first_iters[0]) if first_iters else ():

@@ -62,6 +62,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     """Run the benchmark on this rank. Collective over the default process group.
 
     Returns `{"times": {(system, hidden, batch): array [2, iters] µs (dispatch, combine)},
+    "leads": {(system, hidden, batch): array [turns] µs}` (each turn's untimed first call,
+    dispatch+combine; empty when `block` is 1),
     "phases": {(system, hidden, batch): [per iteration {"<op>:<phase>": µs}]} (Buffer systems),
     "bytes": {(hidden, batch): (dispatch_bytes, combine_bytes)}, "unavailable": {system:
     reason}, "rtt_us": float | None, "cpu": [cores this rank is bound to] | None,
@@ -78,8 +80,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
               * torch.empty(0, dtype=cfg.torch_dtype).element_size())
     sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0),
                            copy_bytes=xbytes)
-    out: dict = {"times": {}, "phases": {}, "bytes": {}, "unavailable": {}, "rtt_us": None,
-                 "cpu": pinned, "xcopy": None, "gaps": None, "speed": None}
+    out: dict = {"times": {}, "leads": {}, "phases": {}, "bytes": {}, "unavailable": {},
+                 "rtt_us": None, "cpu": pinned, "xcopy": None, "gaps": None, "speed": None}
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
         xcopy = sync.cross_core_copy_us(xbytes)
@@ -163,10 +165,12 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
         order = list(systems.values())
         times = {s.name: np.empty((2, cfg.iters)) for s in order}
         phases = {s.name: [] for s in order if hasattr(s, "phases")}
+        leads = {s.name: [] for s in order}
         with gc_paused():
-            _timed_loop(cfg, order, sync, times, phases)
+            _timed_loop(cfg, order, sync, times, phases, leads)
         for name, t in times.items():
             out["times"][(name, hidden, batch)] = t
+            out["leads"][(name, hidden, batch)] = np.asarray(leads[name], dtype=float)
         for name, per_iter in phases.items():
             out["phases"][(name, hidden, batch)] = per_iter
 
@@ -201,7 +205,7 @@ def timed_pair(sync, system) -> tuple[float, float]:
     return (t1 - t0) / 1e3, (t3 - t2) / 1e3
 
 
-def _timed_loop(cfg, order, sync, times, phases) -> None:
+def _timed_loop(cfg, order, sync, times, phases, leads) -> None:
     """`warmup` untimed iterations of every system, then `iters` timed ones, in blocks.
 
     In each round every system runs `cfg.block` iterations back to back (the way a decode
@@ -211,6 +215,12 @@ def _timed_loop(cfg, order, sync, times, phases) -> None:
     every round, a bias that does not average out. `block=1` interleaves every iteration:
     then each call starts with the caches (and, on a VM, the core) that the previous system
     left, which costs a short call more than it costs a long one.
+
+    With `block` > 1 each turn starts with one more call, its lead, kept out of `times`
+    (into `leads`, dispatch+combine µs): it follows another system's turn, the cold call
+    that `block=1` times every iteration, so in `times` every call follows a call of the
+    same system, and a p99 there is the back-to-back calls' own, not one call in `block`
+    that is cold by construction.
     """
     rng = random.Random(cfg.seed * 7919 + len(order))
     done = {s.name: -cfg.warmup for s in order}     # < 0: warm-up iterations still to run
@@ -218,7 +228,10 @@ def _timed_loop(cfg, order, sync, times, phases) -> None:
         shuffled = [s for s in order if done[s.name] < cfg.iters]
         rng.shuffle(shuffled)
         for s in shuffled:
-            n = cfg.block if done[s.name] >= 0 else -done[s.name]
+            warming = done[s.name] < 0
+            n = -done[s.name] if warming else cfg.block
+            if not warming and cfg.block > 1:
+                leads[s.name].append(sum(timed_pair(sync, s)))
             for _ in range(min(n, cfg.iters - done[s.name])):
                 dc = timed_pair(sync, s)
                 it = done[s.name]
