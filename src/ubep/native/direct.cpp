@@ -169,6 +169,19 @@ bool is_handle(PyObject* o) {
   return results.handle && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(results.handle);
 }
 
+int combine_handle(PyObject* handle, PyObject* rows, PyObject* weighted_arg,
+                   int64_t buffer_id, int64_t* hv, int& weighted) {
+  static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
+                  *k_hidden = key("hidden"), *k_num_tokens = key("num_tokens");
+  if (!is_handle(handle)) return 0;
+  if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
+      || !get_int(handle, k_hidden, hv[2]) || !get_int(handle, k_num_tokens, hv[3]))
+    return -1;
+  if (hv[0] != buffer_id || !passes(combine_ready, &rows, hv + 1)) return 0;
+  weighted = PyObject_IsTrue(weighted_arg);
+  return weighted < 0 ? -1 : 1;
+}
+
 bool origins_ok(PyObject* o) {
   PyArrayObject* a = reinterpret_cast<PyArrayObject*>(o);
   return PyArray_Check(o) && PyArray_TYPE(a) == NPY_INT64 && PyArray_NDIM(a) == 2

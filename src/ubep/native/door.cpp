@@ -128,24 +128,17 @@ PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 // door_combine(door, buf, expert_out, handle, weighted, out) -> y or NotImplemented (`out`:
 // None, or the caller's `[T, hidden]` tensor the sums land in, which is y)
 PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
-                  *k_hidden = key("hidden"), *k_call = key("call"),
-                  *k_last_call = key("_last_call"), *k_lent_comb = key("_lent_comb"),
-                  *k_c_epoch = key("_c_epoch"), *k_num_tokens = key("num_tokens"),
+  static PyObject *k_call = key("call"), *k_last_call = key("_last_call"),
+                  *k_lent_comb = key("_lent_comb"), *k_c_epoch = key("_c_epoch"),
                   *k_state = key("state"), *k_topk_idx = key("topk_idx");
   if (!arity(nargs, 6)) return nullptr;
   Door d;
   if (!parse(a[0], d)) return nullptr;
   PyObject *buf = a[1], *rows = a[2], *handle = a[3], *out = a[5];
-  if (!is_handle(handle)) return not_taken();
-  int64_t hv[3];               // buffer_id, num_recv, hidden
-  if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
-      || !get_int(handle, k_hidden, hv[2]))
-    return nullptr;
-  if (hv[0] != d.v[DR_BUFFER_ID]) return not_taken();
-  if (!passes(combine_ready, &rows, hv + 1)) return not_taken();
-  const int weighted = PyObject_IsTrue(a[4]);
-  if (weighted < 0) return nullptr;
+  int64_t hv[4];               // buffer_id, num_recv, hidden, num_tokens
+  int weighted;
+  const int go = combine_handle(handle, rows, a[4], d.v[DR_BUFFER_ID], hv, weighted);
+  if (go <= 0) return go < 0 ? nullptr : not_taken();
   Locked locked(d.o[DR_LOCK]);
   if (!locked.ok()) return nullptr;
   const int ok = usable(buf);
@@ -192,8 +185,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!ints(si, 4, sv)) return nullptr;
   PyObject* origins = PyTuple_GET_ITEM(state, 6);
   if (!origins_ok(origins)) return not_taken();
-  int64_t t_n;
-  if (!get_int(handle, k_num_tokens, t_n)) return nullptr;
+  const int64_t t_n = hv[3];
   if (!out_ready(out, rows, t_n, comb, d.v[DR_AREA])) return not_taken();   // not in my comb
   PyObject* topk_idx = PyObject_GetAttr(handle, k_topk_idx);
   if (!topk_idx) return nullptr;

@@ -208,6 +208,13 @@ PyObject* np_view(PyObject* base, void* data, int nd, const int64_t* dims, bool 
 // `o` is a DispatchHandle (set_result_types); `o` is a handle's row origins array
 bool is_handle(PyObject* o);
 bool origins_ok(PyObject* o);
+// What every door's combine checks first, before its lock: `handle` is a Handle of the Buffer
+// `buffer_id`, `rows` passes `combine_ready` against its num_recv and hidden, `weighted_arg`
+// has a truth value. 1: go on, hv[4] = (buffer_id, num_recv, hidden, num_tokens) and
+// `weighted` set; 0: not the door's call (Python takes it, naming what is wrong); -1: a
+// Python error is set.
+int combine_handle(PyObject* handle, PyObject* rows, PyObject* weighted_arg,
+                   int64_t buffer_id, int64_t* hv, int& weighted);
 
 PyObject* dispatch_inputs_ready(PyObject*, PyObject* const*, Py_ssize_t);
 PyObject* combine_inputs_ready(PyObject*, PyObject* const*, Py_ssize_t);

@@ -215,22 +215,15 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
 
 // staged_door_combine(door, buf, expert_out, handle, weighted, out) -> y or NotImplemented
 PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
-                  *k_hidden = key("hidden"), *k_num_tokens = key("num_tokens"),
-                  *k_state = key("state"), *k_epoch = key("_c_epoch");
+  static PyObject *k_state = key("state"), *k_epoch = key("_c_epoch");
   if (!arity(nargs, 6)) return nullptr;
   Door d;
   if (!parse(a[0], d)) return nullptr;
   PyObject *buf = a[1], *rows = a[2], *handle = a[3], *out_arg = a[5];
-  if (!is_handle(handle)) return not_taken();
   int64_t hv[4];               // buffer_id, num_recv, hidden, num_tokens
-  if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
-      || !get_int(handle, k_hidden, hv[2]) || !get_int(handle, k_num_tokens, hv[3]))
-    return nullptr;
-  if (hv[0] != d.v[SD_BUFFER_ID]) return not_taken();
-  if (!passes(combine_ready, &rows, hv + 1)) return not_taken();
-  const int weighted = PyObject_IsTrue(a[4]);
-  if (weighted < 0) return nullptr;
+  int weighted;
+  const int go = combine_handle(handle, rows, a[4], d.v[SD_BUFFER_ID], hv, weighted);
+  if (go <= 0) return go < 0 ? nullptr : not_taken();
   const at::Tensor& e = THPVariable_Unpack(rows);
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
   PyObject* codes = lookup(d.o[SD_ELEMS], dtype);    // (elem, ecode, lut, n_lut): 16/32-bit

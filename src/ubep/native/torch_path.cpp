@@ -593,27 +593,20 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 // common combine (this Buffer's handle of a compiled-layout CPU dispatch, bf16 or fp32 rows,
 // `out` None or as `out_ready` takes it) as `torch_door_dispatch` takes the common dispatch
 PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
-                  *k_hidden = key("hidden"), *k_state = key("state"), *k_res = key("res"),
-                  *k_combine = key("combine");
+  static PyObject *k_state = key("state"), *k_res = key("res"), *k_combine = key("combine");
   if (!arity(nargs, 6) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
   PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
   PyObject *buf = a[1], *rows = a[2], *handle = a[3];
-  if (!is_handle(handle)) return not_taken();
-  int64_t hv[3], own_id;        // buffer_id, num_recv, hidden
-  if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
-      || !get_int(handle, k_hidden, hv[2]))
-    return nullptr;
-  own_id = PyLong_AsLongLong(d[TR_BUFFER_ID]);
+  const int64_t own_id = PyLong_AsLongLong(d[TR_BUFFER_ID]);
   if (own_id == -1 && PyErr_Occurred()) return nullptr;
-  if (hv[0] != own_id) return not_taken();
-  if (!passes(combine_ready, &rows, hv + 1)) return not_taken();
+  int64_t hv[4];                // buffer_id, num_recv, hidden, num_tokens
+  int weighted;
+  const int go = combine_handle(handle, rows, a[4], own_id, hv, weighted);
+  if (go <= 0) return go < 0 ? nullptr : not_taken();
   const at::Tensor& e = THPVariable_Unpack(rows);
   if (e.scalar_type() != at::kBFloat16 && e.scalar_type() != at::kHalf
       && e.scalar_type() != at::kFloat)
     return not_taken();
-  const int weighted = PyObject_IsTrue(a[4]);
-  if (weighted < 0) return nullptr;
   Locked locked(d[TR_LOCK]);
   if (!locked.ok()) return nullptr;
   const int ok = usable(buf);
