@@ -29,20 +29,7 @@ enum Dr : Py_ssize_t {
 };
 constexpr Py_ssize_t DR_INTS = DR_ST;      // words from here on are ints
 
-struct Door {
-  PyObject* o[DR_INTS];
-  int64_t v[DR_LEN];                      // v[DR_ST..] used
-};
-
-// the door tuple's words; false with a TypeError if it is not one
-bool parse(PyObject* t, Door& d) {
-  if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != DR_LEN) {
-    PyErr_SetString(PyExc_TypeError, "door must be the tuple DirectPath.door made");
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < DR_INTS; ++i) d.o[i] = PyTuple_GET_ITEM(t, i);
-  return ubep_native::ints(&PyTuple_GET_ITEM(t, 0) + DR_INTS, DR_LEN - DR_INTS, d.v + DR_INTS);
-}
+using Door = ubep_native::DoorWords<DR_LEN, DR_INTS>;
 
 // `DirectPath._free_area`: the first lent area whose storage only the path itself
 // references (its use count is the path's own), else 0
@@ -70,7 +57,7 @@ PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                   *k_last_call = key("_last_call"), *k_last_dtype = key("_last_dtype");
   if (!arity(nargs, 5)) return nullptr;
   Door d;
-  if (!parse(a[0], d)) return nullptr;
+  if (!d.parse(a[0], "DirectPath.door")) return nullptr;
   PyObject* buf = a[1];
   const int64_t* lim = d.v + DR_HIDDEN;
   if (!passes(dispatch_ready, a + 2, lim)) return not_taken();
@@ -133,7 +120,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
                   *k_state = key("state"), *k_topk_idx = key("topk_idx");
   if (!arity(nargs, 6)) return nullptr;
   Door d;
-  if (!parse(a[0], d)) return nullptr;
+  if (!d.parse(a[0], "DirectPath.door")) return nullptr;
   PyObject *buf = a[1], *rows = a[2], *handle = a[3], *out = a[5];
   int64_t hv[4];               // buffer_id, num_recv, hidden, num_tokens
   int weighted;

@@ -59,9 +59,27 @@ class Obj {
   PyObject* p_;
 };
 
-// -- the Buffer's side of a door (door.cpp, torch_path.cpp): as `Buffer`'s Python path does it
+// -- the Buffer's side of a door (door.cpp, staged.cpp, torch_path.cpp): as `Buffer`'s Python
+// path does it
 
 inline PyObject* not_taken() { Py_RETURN_NOTIMPLEMENTED; }
+
+// A door tuple read once per call: its first `Objs` words objects (borrowed from the tuple),
+// the rest ints, in the order the path's DOOR_FIELDS names them. `parse` is false with a
+// TypeError naming `maker` if `t` is not such a tuple.
+template <Py_ssize_t Len, Py_ssize_t Objs>
+struct DoorWords {
+  PyObject* o[Objs];
+  int64_t v[Len];                          // v[Objs..] used
+  bool parse(PyObject* t, const char* maker) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != Len) {
+      PyErr_Format(PyExc_TypeError, "door must be the tuple %s made", maker);
+      return false;
+    }
+    for (Py_ssize_t i = 0; i < Objs; ++i) o[i] = PyTuple_GET_ITEM(t, i);
+    return ints(&PyTuple_GET_ITEM(t, 0) + Objs, Len - Objs, v + Objs);
+  }
+};
 
 // the Buffer's lock held for the scope (`lock.acquire()`, which waits without the GIL);
 // released on every way out, an error set meanwhile kept

@@ -42,19 +42,7 @@ enum S : int64_t {
 };
 constexpr int64_t CAST_NONE = 0, CAST_16 = 1;   // `kernels/single.py`'s CAST_*
 
-struct Door {
-  PyObject* o[SD_INTS];
-  int64_t v[SD_LEN];                       // v[SD_INTS..] used
-};
-
-bool parse(PyObject* t, Door& d) {
-  if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != SD_LEN) {
-    PyErr_SetString(PyExc_TypeError, "door must be the tuple SinglePath.door made");
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < SD_INTS; ++i) d.o[i] = PyTuple_GET_ITEM(t, i);
-  return ubep_native::ints(&PyTuple_GET_ITEM(t, 0) + SD_INTS, SD_LEN - SD_INTS, d.v + SD_INTS);
-}
+using Door = ubep_native::DoorWords<SD_LEN, SD_INTS>;
 
 // run the kernel at `entry` on block `c` without the GIL (the numba entries are nogil)
 inline void run(int64_t entry, int64_t* c) {
@@ -108,7 +96,7 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
   static PyObject *k_calls = key("_calls"), *k_epoch = key("_d_epoch");
   if (!arity(nargs, 5)) return nullptr;
   Door d;
-  if (!parse(a[0], d)) return nullptr;
+  if (!d.parse(a[0], "SinglePath.door")) return nullptr;
   PyObject* buf = a[1];
   if (!passes(dispatch_ready, a + 2, d.v + SD_HIDDEN)) return not_taken();
   Locked locked(d.o[SD_LOCK]);
@@ -218,7 +206,7 @@ PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   static PyObject *k_state = key("state"), *k_epoch = key("_c_epoch");
   if (!arity(nargs, 6)) return nullptr;
   Door d;
-  if (!parse(a[0], d)) return nullptr;
+  if (!d.parse(a[0], "SinglePath.door")) return nullptr;
   PyObject *buf = a[1], *rows = a[2], *handle = a[3], *out_arg = a[5];
   int64_t hv[4];               // buffer_id, num_recv, hidden, num_tokens
   int weighted;
