@@ -180,7 +180,7 @@ _LIMITS = """\
 at its destination and then into the expert-major output, and combine copies back and then
 reduces. With one core a rank, as here, that core makes both copies one after the other, so at
 batch 128 these paths take up to two copy bounds (shm-ubep 1.56× in the run of 07:32 UTC on
-2026-12-03, 2.02× in `ubep bench --tokens 128` at 09:35 with the host in its slow state,
+2026-12-03, 2.02× in `ubep bench --tokens 128` at 09:33 with the host in its slow state,
 shm-bsp 2.05× beside it); the paper spreads them over a die's cores. shm-direct exchanges the
 per-expert counts first, so every row has a known final
 place and is copied once; combine reads each expert output where it lies. Its price is
