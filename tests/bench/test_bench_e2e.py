@@ -120,6 +120,8 @@ def test_bench_options():
         BenchConfig(ranks=(4,), experts=6, top_k=2)
     with pytest.raises(ValueError, match="system 'nccl'"):
         BenchConfig(systems=("nccl",))
+    assert _config_from_args(_args()).expert == "clone"
+    assert _config_from_args(_args("--expert", "identity")).expert == "identity"
 
 
 def test_demo_config_is_the_deepseek_like_default():

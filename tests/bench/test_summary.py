@@ -92,3 +92,24 @@ def test_leads_are_max_over_ranks_and_kept_out_of_samples():
     assert res.leads[("shm-ubep", 2, 64, 4)].tolist() == [100.0, 80.0]
     row = {(r["system"], r["op"]): r for r in res.rows}
     assert row[("shm-ubep", "total")]["p99_us"] == 15.0
+
+
+def test_the_stand_in_expert_runs_between_dispatch_and_combine_untimed():
+    from ubep.bench.runner import timed_pair
+
+    log: list[str] = []
+
+    class Steps:
+        def dispatch(self):
+            log.append("dispatch")
+
+        def expert(self):
+            log.append("expert")
+
+        def combine(self):
+            log.append("combine")
+
+    timed_pair(_Sync(), Steps())
+    assert log == ["dispatch", "expert", "combine"]
+    with pytest.raises(ValueError, match="expert='gemm' is not one of"):
+        BenchConfig(expert="gemm")

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ubep.bench.config import DEFAULT_SYSTEMS, SYSTEMS, BenchConfig
+from ubep.bench.config import DEFAULT_SYSTEMS, EXPERT_STEPS, SYSTEMS, BenchConfig
 
 PEERS_HIDDENS = (2048, 7168)
 PEERS_BATCHES = (1, 8, 16, 64, 128)
@@ -69,6 +69,10 @@ def register(subparsers) -> None:
                         "every iteration, each call then starts on caches another system "
                         "evicted)")
     p.add_argument("--routing", default="uniform", help="routing kind (ubep.testing)")
+    p.add_argument("--expert", default="clone", choices=EXPERT_STEPS,
+                   help="the stand-in expert between dispatch and combine, untimed: clone "
+                        "reads recv_x and writes combine's input, as an expert GEMM does "
+                        "(DeepEP's tests' simulated_gemm_x); identity combines recv_x itself")
     p.add_argument("--workers", type=int, default=None, help="shm worker threads per rank")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave ranks unbound (default: rank r runs on the r-th usable core "
@@ -117,7 +121,7 @@ def _config_from_args(args) -> BenchConfig:
                        batches=tuple(args.tokens or PEERS_BATCHES), top_k=args.top_k,
                        experts=args.experts, dtype=args.dtype, systems=tuple(systems),
                        iters=args.iters, warmup=args.warmup, block=args.block,
-                       routing=args.routing,
+                       routing=args.routing, expert=args.expert,
                        workers=args.workers, seed=args.seed, pin=args.pin)
 
 

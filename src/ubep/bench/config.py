@@ -10,8 +10,7 @@ from ubep.testing import ROUTINGS
 
 #: the systems a run can compare; "bound" (the copy bound) is measured in every run
 #: Buffer systems: name -> (backend, mode, direct). "shm-direct" is ubep mode with rows written
-#: straight to their final place (`Buffer(direct=True)`); its combine reads the expert outputs
-#: in place (the stand-in expert is the identity, as for every system here). "shm-owned" is
+#: straight to their final place (`Buffer(direct=True)`). "shm-owned" is
 #: the same exchange with results the caller owns (`Buffer(direct="owned")`): rows land in a
 #: receive area lent as recv_x while the caller holds it (copied out only when every lent area
 #: is held); combine reads a lent recv_x where it lies and copies other expert outputs in once.
@@ -35,6 +34,11 @@ MPI_RAW = "mpi-raw"
 #: backend's for the rest)
 RAW_OF = {"agrs": AGRS_RAW, AGRS_RAW: AGRS_RAW, "mpi": MPI_RAW, MPI_RAW: MPI_RAW}
 DTYPES = ("bfloat16", "float16", "float32")
+#: the stand-in expert between dispatch and combine (untimed): "clone" reads every received
+#: row and writes a new tensor, combine's input (DeepEP's tests' `simulated_gemm_x =
+#: packed_recv_x.clone()`: what a model's expert GEMM does to the caches); "identity" combines
+#: recv_x itself, which on one host leaves the rows where the sender's core wrote them
+EXPERT_STEPS = ("clone", "identity")
 
 
 def _ints(name: str, values) -> tuple[int, ...]:
@@ -71,6 +75,9 @@ class BenchConfig:
     pin: bool = field(default=True, metadata={
         "help": "bind rank r's thread to the r-th usable core when there are at least as many "
                 "cores as ranks (as vLLM's CPU workers and numactl/taskset deployments do)"})
+    expert: str = field(default="clone", metadata={
+        "help": "the stand-in expert between dispatch and combine, untimed: clone (reads "
+                "recv_x, writes combine's input, as an expert GEMM does) or identity"})
     seed: int = field(default=0, metadata={"help": "seed of tokens and routing"})
     timeout_s: float = field(default=30.0, metadata={"help": "deadline of every wait"})
 
@@ -93,6 +100,8 @@ class BenchConfig:
             raise ValueError(f"top_k={self.top_k} must be <= experts={self.experts}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.expert not in EXPERT_STEPS:
+            raise ValueError(f"expert={self.expert!r} is not one of {EXPERT_STEPS}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing={self.routing!r} is not one of {ROUTINGS}")
         if not self.systems:

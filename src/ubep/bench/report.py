@@ -41,11 +41,15 @@ def _us(v: float | None) -> str:
 
 
 def _blocks(cfg) -> str:
-    """How the systems took turns (see `runner._timed_loop`)."""
+    """How the systems took turns (see `runner._timed_loop`) and what the stand-in expert
+    between dispatch and combine did (`BenchConfig.expert`)."""
     block = getattr(cfg, "block", 1)
-    return ("systems interleaved every iteration" if block == 1 else
-            f"systems in turns of {block} back-to-back iterations (each after one untimed "
-            "call of the same system)")
+    turns = ("systems interleaved every iteration" if block == 1 else
+             f"systems in turns of {block} back-to-back iterations (each after one untimed "
+             "call of the same system)")
+    expert = getattr(cfg, "expert", "clone")
+    return turns + (", combine's input a clone of recv_x (the stand-in expert)"
+                    if expert == "clone" else ", combine's input recv_x itself")
 
 
 def _x(v: float | None) -> str:

@@ -171,7 +171,13 @@ Every system's first dispatch at every point is compared byte for byte with `ube
 (untimed); a system that differs is dropped from the run and listed as unavailable. Each
 timed call starts right after a shared-memory barrier; an iteration's time is the max over
 ranks; warm-up iterations are excluded; Python's cyclic GC is paused in the timed loop.
-Combine uses the dispatched rows as the expert outputs (identity experts), weighted.
+Between dispatch and combine (untimed) the stand-in expert clones recv_x, and combine takes
+the clone, weighted: an expert GEMM reads every received row and writes a new tensor, and
+DeepEP's tests combine `simulated_gemm_x = packed_recv_x.clone()` the same way. Until
+2026-12-03 combine took recv_x itself (`ubep bench --expert identity`); on one host that
+flatters the one-copy paths: no core but the sender's ever reads a row, so neither the
+next dispatch's writes nor combine's reads cross cores (in-process A/B, 2 ranks, batch 1,
+`tests/runtime/bench_shm_expert.py`: "The stand-in expert" below).
 """
 
 
@@ -400,7 +406,31 @@ row into lines the peer holds twice per dispatch+combine (the receiver's window,
 source's) and reads it from lines the peer wrote twice; the direct paths once each (a write
 in dispatch, a read of expert outputs where they lie in combine). That, not the copy loops,
 is what the paper's mechanism costs on a coherent CPU, where a GPU's remote writes over its
-fabric do not pull lines from the reader first.
+fabric do not pull lines from the reader first. A follow-up the same day (10:00-10:08 UTC, the
+host in its slow state; scripts not kept) weakens the "lines" part of that reading: a reader
+that only spun on a control word and never touched the written lines slowed the same writes
+as much as one that read them (70.9-87.0 against 71.4-74.9 µs, three rounds alternating),
+and writing each call to the next 112 KiB of a 16 MiB ring, whose lines the reader had last
+read 150 calls before (long out of its 1 MiB L2), did not help (79.1-87.7); a reader blocked
+in a pipe read while the writes ran gave 13.5-29.9 µs against 6.9-72.2 spinning (six rounds,
+no consistent order). What the writes pay for is another process running on the other
+vCPU, whatever it touches; which resource the two vCPUs share underneath is not visible from
+inside the VM (`lscpu`: one thread per core, the `hypervisor` flag).
+
+*The stand-in expert* (`tests/runtime/bench_shm_expert.py`, 2026-12-03, 10:00 UTC). What a
+call costs depends on what the expert did with recv_x. In one process pair, batch 1, each
+Buffer kind with combine's input made three ways, alternating every 20 calls (medians of the
+slower rank, dispatch+combine): `direct="owned"` 19.4 µs when combine takes recv_x itself,
+64.0 when it takes `recv_x.clone()` (an expert's reads and its new output, untimed), 38.8
+when the clone is written into `get_combine_buffer`'s tensor (the zero-copy API, the write
+untimed); `direct=True` 19.0 / 62.8 / 38.1; the staged path 81.5 / 82.4. Split (a second
+run): owned dispatch 10.5 -> 42.6 µs and combine 10.5 -> 39.8 from identity to clone, the
+staged path's 50.4 / 44.9 and 49.7 / 44.1. With the identity the rows never leave the
+sender's core (it writes them in dispatch and reads them back in combine), so the one-copy
+paths paid nothing for crossing cores and the staged path, whose receiver copies each row out
+of its window whatever the expert does, paid it all. `ubep bench` and `ubep results` now
+clone (`--expert identity` gives the old convention): the batch-1 figures above are what a
+model's MoE layer meets, and the paths' distance at batch 1 is 1.3x, not 2-4x.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,

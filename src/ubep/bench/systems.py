@@ -2,7 +2,9 @@
 
 Each system is set up once per row width (`hidden`), given one batch's inputs with
 `prepare`, then timed through argument-free `dispatch()` and `combine()` calls, so the
-timed region holds the operation and nothing of the harness. `check` compares the last
+timed region holds the operation and nothing of the harness. Systems that return rows have
+an `expert()` step the harness calls between the two, untimed: the stand-in expert
+(`BenchConfig.expert`) that makes combine's input from recv_x. `check` compares the last
 dispatch with the oracle's bytes, so no system is timed while it gives wrong answers.
 """
 
@@ -45,7 +47,8 @@ class BufferSystem:
                                max_tokens_per_rank=max(cfg.batches), backend=backend,
                                mode=mode, workers=cfg.workers if backend == "shm" else None,
                                timeout_s=cfg.timeout_s, max_top_k=cfg.top_k, direct=direct)
-        self._args = self._res = None
+        self._clone = cfg.expert == "clone"
+        self._args = self._res = self._y = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         self._args = (x, topk_idx, topk_weights)
@@ -53,8 +56,11 @@ class BufferSystem:
     def dispatch(self) -> None:
         self._res = self.buf.dispatch(*self._args)
 
+    def expert(self) -> None:
+        self._y = self._res.recv_x.clone() if self._clone else self._res.recv_x
+
     def combine(self) -> None:
-        self.buf.combine(self._res.recv_x, self._res.handle)
+        self.buf.combine(self._y, self._res.handle)
 
     def check(self, ref: ReferenceDispatch) -> str | None:
         return check_dispatch(self.name, self._res, ref)
@@ -87,7 +93,8 @@ class MpiSystem:
             raise RuntimeError("not launched under mpiexec (use `ubep bench --peers`)")
         self.name = name
         self.peer = MpiPeer(comm, cfg.experts)
-        self._args = self._res = None
+        self._clone = cfg.expert == "clone"
+        self._args = self._res = self._y = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         self._args = (x, topk_idx, topk_weights)
@@ -95,8 +102,11 @@ class MpiSystem:
     def dispatch(self) -> None:
         self._res = self.peer.dispatch(*self._args)
 
+    def expert(self) -> None:
+        self._y = self._res.recv_x.clone() if self._clone else self._res.recv_x
+
     def combine(self) -> None:
-        self.peer.combine(self._res.recv_x, self._res)
+        self.peer.combine(self._y, self._res)
 
     def check(self, ref: ReferenceDispatch) -> str | None:
         return check_dispatch(self.name, self._res, ref)
@@ -164,7 +174,8 @@ class AgRsSystem(MpiSystem):
 
         self.name = name
         self.peer = AgRsPeer(cfg.experts)
-        self._args = self._res = None
+        self._clone = cfg.expert == "clone"
+        self._args = self._res = self._y = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         # every rank has the same batch here; vLLM knows all ranks' sizes before the layer
