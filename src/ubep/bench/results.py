@@ -195,13 +195,16 @@ DeepEP low-latency semantics (`recv_x` valid until the next dispatch), which is 
 areas lent as `recv_x` only while nothing else holds them (else copied out), so results are
 the caller's and any handle combines: what `backend="auto"` runs on one host.
 
-*Under the copy bound at batch 128.* shm-direct and shm-owned can take less than the copy
-bound there (0.5-0.9x): the bound copies every received row back for combine (a read and a
-write of each row, as a transport between address spaces must), while these read each
-expert output where it lies and write only each token's sum (one read of each row); and the
-bound's one 14.7 MB memcpy per rank takes glibc's non-temporal path, which copied the same
-bytes 10-20% slower than row-size pieces (one process, AMD EPYC VM, 2026-12-02). The ratio
-says the systems move no more than one copy's worth; it is not a floor they broke.
+*Against the copy bound at batch 128.* Until 2026-12-03, when combine took recv_x itself,
+shm-direct and shm-owned took less than the copy bound there (0.5-0.9x): the bound copies
+every received row back for combine (a read and a write of each row, as a transport between
+address spaces must), while these read each expert output where it lies, in the receive area
+the sender wrote, and write only each token's sum; and the bound's one 14.7 MB memcpy per
+rank takes glibc's non-temporal path, which copied the same bytes 10-20% slower than
+row-size pieces (one process, AMD EPYC VM, 2026-12-02). With the cloned expert output the
+bench now combines (a private tensor), combine first copies the rows peers read into shared
+memory, as a real expert's output needs: 1.15-1.2x in the run of 10:09 UTC that day. A model
+that writes its expert outputs into `get_combine_buffer`'s tensor skips that copy.
 
 *How a row is written.* A loop of ordinary stores first reads every cache line it
 overwrites (from memory, or from the core that last wrote it); memcpy's string stores write
