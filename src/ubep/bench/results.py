@@ -177,7 +177,7 @@ DeepEP's tests combine `simulated_gemm_x = packed_recv_x.clone()` the same way. 
 2026-12-03 combine took recv_x itself (`ubep bench --expert identity`); on one host that
 flatters the one-copy paths: no core but the sender's ever reads a row, so neither the
 next dispatch's writes nor combine's reads cross cores (in-process A/B, 2 ranks, batch 1,
-`tests/runtime/bench_shm_expert.py`: "The stand-in expert" below).
+`tests/runtime/bench_shm_expert.py`: "The stand-in expert" above).
 """
 
 
@@ -433,7 +433,8 @@ sender's core (it writes them in dispatch and reads them back in combine), so th
 paths paid nothing for crossing cores and the staged path, whose receiver copies each row out
 of its window whatever the expert does, paid it all. `ubep bench` and `ubep results` now
 clone (`--expert identity` gives the old convention): the batch-1 figures above are what a
-model's MoE layer meets, and the paths' distance at batch 1 is 1.3x, not 2-4x.
+model's MoE layer meets, and the staged path's distance from shm-owned at batch 1 is
+1.2-1.3x, not the 1.5-2.5x it read with the identity.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
