@@ -271,7 +271,12 @@ while the cores took 550-594 local timer interrupts a second, and then timed a f
 Python arithmetic in 1 s rounds: a core ran it at ~120 iterations a µs in some rounds and at
 ~68 in others (1.8x slower), alone or with the other core busy, switching from one second to
 the next (the VM's cores share physical cores with other tenants; every run's header now
-gives the same loop's speed on each rank at its start and end). A median read in the slow
+gives the same loop's speed on each rank at its start and end). At other times the loop
+slowed only while both cores ran it: 99-102 iterations a µs on one core alone against 60-61 on
+both at once (10:39 UTC the same day; at 09:22, 110-116 alone and 110-117 both at once), which
+is what two hardware threads of one physical core do to each other; the writes of "What a
+write to the peer's lines costs" below slowed the same way whenever the other core ran
+anything. A median read in the slow
 state is not the code's: four runs of `tests/runtime/bench_shm_spins.py staged 256 1` one
 after the other, alternating two versions of the staged path (`direct=False`), read 37.1,
 60.7, 66.7 and 38.6 µs, the fast and the slow value once for each version. So a run's
