@@ -439,7 +439,8 @@ paths paid nothing for crossing cores and the staged path, whose receiver copies
 of its window whatever the expert does, paid it all. `ubep bench` and `ubep results` now
 clone (`--expert identity` gives the old convention): the batch-1 figures above are what a
 model's MoE layer meets, and the staged path's distance from shm-owned at batch 1 is
-1.2-1.3x, not the 1.5-2.5x it read with the identity.
+1.05-1.3x (three `ubep results` runs at 10:09-10:48 UTC), not the 1.5-2.5x it read with
+the identity.
 
 *Ranks are bound to cores* (rank r's thread on the r-th usable core; `ubep bench --no-pin`
 leaves them unbound), as vLLM's CPU workers bind their compute threads. gloo's threads,
