@@ -21,7 +21,9 @@ back (its dispatch then its combine), each exchange for the chunk's `warmup` unt
 before it: `_time_table`); a bench chunk is every
 shm system at hidden 64 and 7168, `iters` timed calls each after `warmup` untimed ones,
 timed as `ubep bench` times them (`ubep.bench.runner`: a cross-process barrier before
-each dispatch and each combine, the max over ranks per call; ~0.05-0.2 s). A table's
+each dispatch and each combine, the max over ranks per call; ~0.05-0.2 s), combine taking
+recv_x itself (`ubep bench --expert identity`: the model's exchanges have no expert between
+them). A table's
 point is the slower of the two processes' costs (`table_of`: the cores are not equally
 fast and every call waits on the slower). Each bench
 chunk is predicted from the two tables around it (the mean of their predictions, the
@@ -302,10 +304,13 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
     try:
         out["rtt_us"].append(sync.flag_round_trip_us())
         for b in spec.batches:
+            # combine takes recv_x itself: the host model's exchanges (`hostbench`) are the
+            # calls' own, with no expert between them (`BenchConfig.expert`)
             cfg = BenchConfig(ranks=(world,), hiddens=HIDDENS, batches=(b,),
                               top_k=host.TOP_K, experts=host.EXPERTS,
                               systems=tuple(host.SYSTEMS), iters=spec.iters,
-                              warmup=spec.warmup, block=spec.iters, seed=spec.seed)
+                              warmup=spec.warmup, block=spec.iters, seed=spec.seed,
+                              expert="identity")
             for h in HIDDENS:
                 inputs = [_inputs(cfg, r, b, h) for r in range(world)]
                 ref = reference.dispatch([i[0] for i in inputs], [i[1] for i in inputs],
