@@ -69,10 +69,8 @@ def register(subparsers) -> None:
                         "every iteration, each call then starts on caches another system "
                         "evicted)")
     p.add_argument("--routing", default="uniform", help="routing kind (ubep.testing)")
-    p.add_argument("--expert", default="clone", choices=EXPERT_STEPS,
-                   help="the stand-in expert between dispatch and combine, untimed: clone "
-                        "reads recv_x and writes combine's input, as an expert GEMM does "
-                        "(DeepEP's tests' simulated_gemm_x); identity combines recv_x itself")
+    p.add_argument("--expert", default=BenchConfig.expert, choices=EXPERT_STEPS,
+                   help=BenchConfig.__dataclass_fields__["expert"].metadata["help"])
     p.add_argument("--workers", type=int, default=None, help="shm worker threads per rank")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave ranks unbound (default: rank r runs on the r-th usable core "

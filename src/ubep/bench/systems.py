@@ -35,7 +35,18 @@ def check_dispatch(name: str, got, ref: ReferenceDispatch) -> str | None:
     return None
 
 
-class BufferSystem:
+class _StandInExpert:
+    """The untimed step between dispatch and combine of a system that returns rows: combine's
+    input made from the last dispatch's recv_x as `BenchConfig.expert` says (`_clone`, set
+    by each system from its config)."""
+
+    _res = _y = None
+
+    def expert(self) -> None:
+        self._y = self._res.recv_x.clone() if self._clone else self._res.recv_x
+
+
+class BufferSystem(_StandInExpert):
     """`ubep.Buffer` with one backend and mode ("shm-ubep", "shm-bsp", "torch")."""
 
     def __init__(self, name: str, cfg: BenchConfig, hidden: int):
@@ -48,16 +59,13 @@ class BufferSystem:
                                mode=mode, workers=cfg.workers if backend == "shm" else None,
                                timeout_s=cfg.timeout_s, max_top_k=cfg.top_k, direct=direct)
         self._clone = cfg.expert == "clone"
-        self._args = self._res = self._y = None
+        self._args = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         self._args = (x, topk_idx, topk_weights)
 
     def dispatch(self) -> None:
         self._res = self.buf.dispatch(*self._args)
-
-    def expert(self) -> None:
-        self._y = self._res.recv_x.clone() if self._clone else self._res.recv_x
 
     def combine(self) -> None:
         self.buf.combine(self._y, self._res.handle)
@@ -83,7 +91,7 @@ class BufferSystem:
         self.buf.close()
 
 
-class MpiSystem:
+class MpiSystem(_StandInExpert):
     """The MPI peer (`ubep.bench.mpi_peer`) on MPI.COMM_WORLD."""
 
     def __init__(self, name: str, cfg: BenchConfig, hidden: int, comm):
@@ -94,16 +102,13 @@ class MpiSystem:
         self.name = name
         self.peer = MpiPeer(comm, cfg.experts)
         self._clone = cfg.expert == "clone"
-        self._args = self._res = self._y = None
+        self._args = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         self._args = (x, topk_idx, topk_weights)
 
     def dispatch(self) -> None:
         self._res = self.peer.dispatch(*self._args)
-
-    def expert(self) -> None:
-        self._y = self._res.recv_x.clone() if self._clone else self._res.recv_x
 
     def combine(self) -> None:
         self.peer.combine(self._y, self._res)
@@ -175,7 +180,7 @@ class AgRsSystem(MpiSystem):
         self.name = name
         self.peer = AgRsPeer(cfg.experts)
         self._clone = cfg.expert == "clone"
-        self._args = self._res = self._y = None
+        self._args = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
         # every rank has the same batch here; vLLM knows all ranks' sizes before the layer

@@ -65,9 +65,6 @@ PyObject* np_empty(int nd, npy_intp* dims, int type) {
   return PyArray_EMPTY(nd, dims, type, 0);
 }
 
-inline int64_t addr(PyObject* arr) {
-  return reinterpret_cast<intptr_t>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr)));
-}
 
 // `[n, hidden]` rows at the start of `v` (a kept `[rows, hidden]` view of shared memory),
 // sharing its storage: the storage's use count is how the owned path knows an area is held
@@ -182,6 +179,10 @@ int combine_handle(PyObject* handle, PyObject* rows, PyObject* weighted_arg,
   return weighted < 0 ? -1 : 1;
 }
 
+int64_t array_addr(PyObject* arr) {
+  return reinterpret_cast<intptr_t>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr)));
+}
+
 bool origins_ok(PyObject* o) {
   PyArrayObject* a = reinterpret_cast<PyArrayObject*>(o);
   return PyArray_Check(o) && PyArray_TYPE(a) == NPY_INT64 && PyArray_NDIM(a) == 2
@@ -253,7 +254,7 @@ PyObject* dispatch_call(int64_t* st, PyObject* x_obj, PyObject* idx_obj, PyObjec
       npy_intp dk = t_n * k_n;
       keep = Obj(np_empty(1, &dk, NPY_INT64));
       if (!keep) return nullptr;
-      c[D_POS] = addr(keep.get());
+      c[D_POS] = array_addr(keep.get());
     } else {
       c[D_POS] = st[ST_POS];
     }
@@ -269,9 +270,9 @@ PyObject* dispatch_call(int64_t* st, PyObject* x_obj, PyObject* idx_obj, PyObjec
       origins = Obj(np_empty(2, d_ints, NPY_INT64));
       wts = Obj(np_empty(1, &d_n, NPY_FLOAT32));
       if (!tpe || !origins || !wts) return nullptr;
-      c[D_TPE] = addr(tpe.get());
-      c[D_INTS] = addr(origins.get());
-      c[D_WTS] = addr(wts.get());
+      c[D_TPE] = array_addr(tpe.get());
+      c[D_INTS] = array_addr(origins.get());
+      c[D_WTS] = array_addr(wts.get());
       c[D_X] = reinterpret_cast<intptr_t>(x.const_data_ptr());
       c[D_RB] = x.size(1) * static_cast<int64_t>(x.element_size());
       c[D_DST] = 0;
@@ -377,7 +378,7 @@ PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins_obj, PyO
     c[C_OFFSET] = v[4];
     c[C_COPY_SRC] = v[5];
     c[C_COPY_N] = v[6];
-    c[C_SRC] = addr(origins_obj);         // row 0
+    c[C_SRC] = array_addr(origins_obj);         // row 0
     c[C_N] = PyArray_DIM(origins, 1);
     c[C_IDX] = v[8];
     c[C_W] = v[9];

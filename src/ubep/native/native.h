@@ -226,6 +226,8 @@ PyObject* np_view(PyObject* base, void* data, int nd, const int64_t* dims, bool 
 // `o` is a DispatchHandle (set_result_types); `o` is a handle's row origins array
 bool is_handle(PyObject* o);
 bool origins_ok(PyObject* o);
+// the data address of numpy array `arr` (a kernel's argument word)
+int64_t array_addr(PyObject* arr);
 // What every door's combine checks first, before its lock: `handle` is a Handle of the Buffer
 // `buffer_id`, `rows` passes `combine_ready` against its num_recv and hidden, `weighted_arg`
 // has a truth value. 1: go on, hv[4] = (buffer_id, num_recv, hidden, num_tokens) and

@@ -52,10 +52,6 @@ inline void run(int64_t entry, int64_t* c) {
   Py_END_ALLOW_THREADS
 }
 
-inline int64_t addr_of(PyObject* arr) {
-  return reinterpret_cast<intptr_t>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr)));
-}
-
 // the path's next epoch, stored (`region.next_epoch`: the last one + 1)
 bool next_epoch(PyObject* path, PyObject* name, int64_t& epoch) {
   return ubep_native::get_int(path, name, epoch) && ubep_native::set_int(path, name, ++epoch);
@@ -136,7 +132,7 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
     c[S_IDX] = reinterpret_cast<intptr_t>(idx.const_data_ptr());
     c[S_K] = k_n;
     c[S_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
-    c[S_TPE] = addr_of(tpe.get());
+    c[S_TPE] = array_addr(tpe.get());
     c[S_SPINS] = d.v[SD_SPINS];
     run(d.v[SD_BEGIN], c);
     const int64_t n = c[S_RECV];
@@ -153,8 +149,8 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
       if (!ints || !wts) return failed(buf);
       c[S_N] = n;
       c[S_OUT_X] = reinterpret_cast<intptr_t>(recv.data_ptr());
-      c[S_WTS] = addr_of(wts.get());
-      c[S_INTS] = addr_of(ints.get());
+      c[S_WTS] = array_addr(wts.get());
+      c[S_INTS] = array_addr(ints.get());
       run(d.v[SD_ROWS], c);
       const double t1 = now_us();
       if (c[S_LEFT] || !results.dispatch) {        // rows missing: the bounded wait
@@ -263,7 +259,7 @@ PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     c[S_ROWS] = reinterpret_cast<intptr_t>(e.const_data_ptr());
     c[S_N] = n;
     c[S_RB] = hidden * es;
-    c[S_INTS] = addr_of(origins);
+    c[S_INTS] = array_addr(origins);
     c[S_T] = t_n;
     run(d.v[SD_CBEGIN], c);
     if (c[S_LEFT] < 0) {          // an sp sentinel abort: Python names it
