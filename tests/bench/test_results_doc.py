@@ -21,7 +21,14 @@ def _result(scale: float, block: int) -> BenchResult:
             t = np.full((2, 3), us * scale * (1 if batch == 1 else 100) / 2)
             t[:, 2] *= 2                                       # one slow iteration: p99
             times[(name, H, batch)] = t
+    # the host's gaps bunch 700-750 µs into each millisecond; iteration 2 (the slow one) runs
+    # across that window, the others clear of it
+    gap_starts = np.arange(100, dtype=np.int64) * 1_000_000 + 720_000
+    at = [10**9 + 100_000, 10**9 + 200_000, 10**9 + 690_000]        # each iteration's start
+    spans = {key: np.array([[a, a + 20_000, a + 30_000, a + 50_000] for a in at]).T
+             for key in times}
     rank = {"times": times, "phases": {}, "unavailable": {}, "rtt_us": 0.0,
+            "gap_starts": gap_starts, "spans": spans,
             "xcopy": (114688, 6.0 * scale, 3.0 * scale), "gaps": (150.0, 40.0 * scale),
             "bytes": {(H, 1): (1, 1), (H, 128): (1, 1)}}
     res = BenchResult(config=cfg, machine={"time_utc": "now", "cpus_usable": 2,
@@ -47,5 +54,11 @@ def test_figures_are_ratios_of_one_run():
     md = render(turns, inter, command="ubep results")
     assert "    ubep results" in md and "112 KiB a batch-1 dispatch moves takes 6.0 µs" in md
     assert "150/150 times a second at the start of run 1 and 40/40 at its end" in md
+    assert ("100% of the 200 gaps the probes saw started in the same 50 µs of every 1000 µs"
+            in md)
+    clear = row["shm-direct batch 1 p99 / median of the calls that ran clear of the host's "
+                "timer windows (the host's tail apart from the code's; \"The host's own gaps\")"]
+    assert clear.count("1.00× (67% of calls)") == 2
+    assert "| 1.98× | 1.98× | yes |" in row["shm-direct batch 1 p99 / median"]  # all calls
     assert "    ubep results" in md and "## Run 2: every iteration interleaved" in md
     assert "| 1 | raw collectives |" in md and "× raw+copy" in md

@@ -109,7 +109,9 @@ def test_the_stand_in_expert_runs_between_dispatch_and_combine_untimed():
         def combine(self):
             log.append("combine")
 
-    timed_pair(_Sync(), Steps())
+    at = np.zeros(4, dtype=np.int64)
+    timed_pair(_Sync(), Steps(), at)
     assert log == ["dispatch", "expert", "combine"]
+    assert at[0] > 0 and (np.diff(at) >= 0).all()          # the four clock readings, in order
     with pytest.raises(ValueError, match="expert='gemm' is not one of"):
         BenchConfig(expert="gemm")

@@ -92,18 +92,24 @@ def _ping_pong(words, me_first, rounds, start, max_spins):
     return rounds
 
 
-def clock_gaps(seconds: float, min_us: float = 20.0) -> list[int]:
+def clock_gaps(seconds: float, min_us: float = 20.0,
+               starts: list[int] | None = None) -> list[int]:
     """The gaps longer than `min_us` (ns each) in `seconds` of reading the clock back to back
     on this thread: the times the host took the core away (other tenants of the VM,
-    interrupts, the kernel's own work), which any call running then waits out."""
+    interrupts, the kernel's own work), which any call running then waits out. `starts`,
+    if given, receives each gap's start (`time.perf_counter_ns`), for
+    `ubep.bench.timer_windows`."""
     clock, limit = time.perf_counter_ns, int(min_us * 1e3)
     end = clock() + int(seconds * 1e9)
-    gaps, last = [], clock()
+    gaps, at, last = [], [], clock()
     while last < end:
         now = clock()
         if now - last > limit:
             gaps.append(now - last)
+            at.append(last)
         last = now
+    if starts is not None:
+        starts.extend(at)
     return gaps
 
 
@@ -205,12 +211,12 @@ class HostSync:
         _store(self.words, base + self.rank * _SLOT, self._epoch)
         self._wait("barrier", base, self.world, _SLOT, self._epoch)
 
-    def gaps_per_s(self, seconds: float = 0.5) -> float:
+    def gaps_per_s(self, seconds: float = 0.5, starts: list[int] | None = None) -> float:
         """Gaps longer than 20 µs a second on this rank's core while every rank looks at once
-        (`clock_gaps`): how often a call that needs every core meets one. Every rank calls
-        it; each returns its own."""
+        (`clock_gaps`, which fills `starts`): how often a call that needs every core meets
+        one. Every rank calls it; each returns its own."""
         self.barrier()
-        n = len(clock_gaps(seconds))
+        n = len(clock_gaps(seconds, starts=starts))
         self.barrier()
         return n / seconds
 

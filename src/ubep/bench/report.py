@@ -129,10 +129,21 @@ def cross_core(res: BenchResult) -> str:
 
 
 def host_gaps(res: BenchResult) -> str:
-    """The host's gaps probe in words ("" if not measured)."""
+    """The host's gaps probe in words, with the timer windows they bunch in ("" if not
+    measured)."""
     return "".join(f"; host gaps > 20 µs P={p}: " + ", ".join(
         f"rank {r} {a:.0f}/s then {b:.0f}/s" for r, (a, b) in enumerate(per_rank))
+        + timer_windows_words(res.windows.get(p))
         for p, per_rank in sorted(res.gaps.items()))
+
+
+def timer_windows_words(w) -> str:
+    """Where the gaps bunch, in words ("" if the run found no windows)."""
+    if w is None:
+        return ""
+    spans = ", ".join(f"{lo / 1e3:.0f}-{hi / 1e3:.0f}" for lo, hi in w.spans)
+    return (f" ({100 * w.share_of_gaps:.0f}% of them starting {spans} µs into a "
+            f"{w.period_ns / 1e3:.0f} µs period, {100 * w.share_of_time:.0f}% of its time)")
 
 
 def host_speed(res: BenchResult) -> str:
@@ -230,11 +241,12 @@ def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
     with samples.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "ranks", "hidden", "batch", "iter", "dispatch_us", "combine_us",
-                    "total_us"])
-        for (name, world, hidden, batch), t in sorted(res.samples.items()):
+                    "total_us", "in_timer_window"])
+        for key, t in sorted(res.samples.items()):
+            hit = res.in_window.get(key)
             for i in range(t.shape[1]):
-                w.writerow([name, world, hidden, batch, i,
-                            *(f"{v:.3f}" for v in t[:, i])])
+                w.writerow([*key, i, *(f"{v:.3f}" for v in t[:, i]),
+                            "" if hit is None else int(hit[i])])
     if res.leads:
         with (out_dir / "leads.csv").open("w", newline="") as f:
             w = csv.writer(f)
@@ -260,6 +272,11 @@ def write_json(res: BenchResult, out_dir: Path) -> Path:
                             for k, (n, a, b) in res.xcopy.items()},
         "rank_cores": {str(k): v for k, v in res.cores.items()},
         "host_gaps_per_s": {str(k): v for k, v in res.gaps.items()},
+        "host_timer_windows": {str(k): None if w is None else {
+            "spans_us": [[lo / 1e3, hi / 1e3] for lo, hi in w.spans],
+            "period_us": w.period_ns / 1e3, "share_of_gaps": w.share_of_gaps,
+            "share_of_time": w.share_of_time, "gaps": w.gaps}
+            for k, w in res.windows.items()},
         "host_loop_speed": {str(k): v for k, v in res.speed.items()},
         "unavailable": res.unavailable, "elapsed_s": res.elapsed_s}, indent=2))
     return path

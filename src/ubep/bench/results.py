@@ -98,6 +98,12 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
         tails = tuple(None if m is None or p is None else p / m for m, p in zip(med, p99))
         add(f"{system} batch 1 p99 / median", "≤ 3× (≤ 6× interleaved)", tails,
             (lambda v: v <= 3, lambda v: v <= 6))
+        clear = [ix.get((system, h, 1, "total"), {}) for ix in runs]
+        add(f"{system} batch 1 p99 / median of the calls that ran clear of the host's timer "
+            "windows (the host's tail apart from the code's; \"The host's own gaps\")",
+            "(host)", tuple(None if r.get("clear_p99_us") is None else
+                            f"{r['clear_p99_us'] / r['clear_median_us']:.2f}× "
+                            f"({100 * r['clear_share']:.0f}% of calls)" for r in clear), None)
         lead = turns.leads.get((system, 2, h, 1))
         add(f"{system} batch 1, a turn's untimed first call (after another system's turn), "
             "median / the timed calls' median", "(cold call)",
@@ -572,7 +578,13 @@ def _gaps_words(res: BenchResult) -> str:
         out += (" The host took a rank's core away for more than 20 µs (a gap in a clock "
                 f"loop, `ubep.bench.flags.clock_gaps`) {start} times a second at the start of "
                 f"run 1 and {end} at its end (ranks 0/1; \"The host's own gaps\" below says "
-                "what that does to a batch-1 call).")
+                "what that does to a batch-1 call)")
+        w = res.windows.get(2)
+        out += "." if w is None else (
+            f"; {100 * w.share_of_gaps:.0f}% of the {w.gaps} gaps the probes saw started "
+            "in the same " + " and ".join(f"{(hi - lo) / 1e3:.0f} µs" for lo, hi in w.spans)
+            + f" of every {w.period_ns / 1e3:.0f} µs (`ubep.bench.timer_windows`), "
+            f"{100 * w.share_of_time:.0f}% of the time.")
     if 2 in res.speed:
         start, end = _start_end(res.speed[2])
         out += (f" A fixed loop ran at {start} iterations a µs at the start of run 1 and {end} "

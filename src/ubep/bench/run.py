@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ubep.bench.config import BOUND, RAW, RAW_OF, BenchConfig
+from ubep.bench.timer_windows import find_windows, overlaps
 
 OPS = ("dispatch", "combine", "total")
 
@@ -103,6 +104,13 @@ class BenchResult:
     gaps: dict = field(default_factory=dict)
     #: P -> per rank, a fixed loop's iterations a µs on its core (start, end): the host's speed
     speed: dict = field(default_factory=dict)
+    #: P -> the gaps' starts (ns, every rank's probes) and where in each millisecond they
+    #: bunch (`ubep.bench.timer_windows.TimerWindows`, None if nowhere)
+    gap_starts: dict = field(default_factory=dict)
+    windows: dict = field(default_factory=dict)
+    #: (system, P, hidden, batch) -> [iters] bool: the timed iteration's dispatch or combine,
+    #: on some rank, ran across one of the host's timer windows (`windows`)
+    in_window: dict = field(default_factory=dict)
     bytes: dict = field(default_factory=dict)     # (P, hidden, batch) -> (dispatch, combine) B
     #: one dict per (system, P, hidden, batch, "<op>:<phase>"): the backend's own phase times,
     #: median over iterations of the max over ranks (Buffer systems only)
@@ -185,6 +193,9 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
         res.gaps[world] = [tuple(r["gaps"]) for r in per_rank]
     if all(r.get("speed") is not None for r in per_rank):
         res.speed[world] = [tuple(r["speed"]) for r in per_rank]
+    if all(r.get("gap_starts") is not None for r in per_rank):
+        res.gap_starts[world] = np.concatenate([r["gap_starts"] for r in per_rank])
+        res.windows[world] = find_windows(res.gap_starts[world])
     for (hidden, batch) in first["bytes"]:
         res.bytes[(world, hidden, batch)] = tuple(
             max(r["bytes"][(hidden, batch)][i] for r in per_rank) for i in range(2))
@@ -194,6 +205,13 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
         if name == BOUND:  # copy time + one flag round trip per dispatch+combine
             t = t + res.rtt_us[world] / 2
         res.samples[(name, world, hidden, batch)] = np.vstack([t, t.sum(0, keepdims=True)])
+        spans = [r.get("spans", {}).get(key) for r in per_rank]
+        if res.windows.get(world) is not None and all(v is not None for v in spans):
+            sp = np.stack(spans)                        # [ranks, 4, iters]
+            lo, hi = sp.min(axis=0), sp.max(axis=0)     # earliest start, latest end
+            w = res.windows[world]
+            res.in_window[(name, world, hidden, batch)] = (
+                overlaps(lo[0], hi[1], w) | overlaps(lo[2], hi[3], w))
         lead = [r.get("leads", {}).get(key) for r in per_rank]
         if all(v is not None and len(v) for v in lead):
             res.leads[(name, world, hidden, batch)] = np.max(np.stack(lead), axis=0)
@@ -212,6 +230,17 @@ def _op_bytes(nbytes: tuple, op: str) -> int | None:
     if op == "total":
         return None if None in nbytes else sum(nbytes)
     return nbytes[OPS.index(op)]
+
+
+def _clear_of_windows(t: np.ndarray, hit: np.ndarray | None) -> dict:
+    """The iterations clear of the host's timer windows: their share, median and p99 (µs);
+    None where the run found no windows or no iteration was clear."""
+    if hit is None or hit.all():
+        return {"clear_share": None, "clear_median_us": None, "clear_p99_us": None}
+    clear = t[~hit]
+    return {"clear_share": float(clear.size / t.size),
+            "clear_median_us": float(np.median(clear)),
+            "clear_p99_us": float(np.percentile(clear, 99))}
 
 
 def _summarise(res: BenchResult) -> None:
@@ -239,4 +268,5 @@ def _summarise(res: BenchResult) -> None:
                 "dtype": cfg.dtype, "top_k": cfg.top_k, "experts": cfg.experts,
                 "bytes_per_rank": _op_bytes(nbytes, op),
                 "rtt_us": res.rtt_us.get(world),
+                **_clear_of_windows(t[i], res.in_window.get((name, world, hidden, batch))),
             })

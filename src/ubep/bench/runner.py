@@ -70,7 +70,11 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     "xcopy": (bytes, peer-written µs, own-cache µs) | None}` (`HostSync.cross_core_copy_us`
     of the copy bound's dispatch bytes at the smallest batch and widest row), "gaps":
     (per second at the start, at the end)}` (`HostSync.gaps_per_s` on this rank's core),
-    "speed": (at the start, at the end)` (`HostSync.loop_speed`, loop iterations a µs).
+    "gap_starts": array of those gaps' starts (ns, `time.perf_counter_ns`),
+    "spans": {(system, hidden, batch): array [4, iters] int64 ns}` (each timed iteration's
+    dispatch start and end, combine start and end, on the same clock; for
+    `ubep.bench.timer_windows`), "speed": (at the start, at the end)` (`HostSync.loop_speed`,
+    loop iterations a µs).
     """
     # one core per rank: torch's own intra-op threads would compete with the ranks
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -81,12 +85,14 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0),
                            copy_bytes=xbytes)
     out: dict = {"times": {}, "leads": {}, "phases": {}, "bytes": {}, "unavailable": {},
-                 "rtt_us": None, "cpu": pinned, "xcopy": None, "gaps": None, "speed": None}
+                 "rtt_us": None, "cpu": pinned, "xcopy": None, "gaps": None, "speed": None,
+                 "spans": {}, "gap_starts": None}
+    starts: list[int] = []
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
         xcopy = sync.cross_core_copy_us(xbytes)
         out["xcopy"] = None if xcopy is None else (xbytes, *xcopy)
-        gaps = sync.gaps_per_s()
+        gaps = sync.gaps_per_s(starts=starts)
         speed = sync.loop_speed()
         names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else []),
                  *([AGRS_RAW] if "agrs" in cfg.systems else []),
@@ -110,7 +116,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
                 for s in systems.values():
                     s.close()
         out["rtt_us_end"] = sync.flag_round_trip_us()
-        out["gaps"] = (gaps, sync.gaps_per_s())
+        out["gaps"] = (gaps, sync.gaps_per_s(starts=starts))
+        out["gap_starts"] = np.asarray(starts, dtype=np.int64)
         out["speed"] = (speed, sync.loop_speed())
     finally:
         sync.close()
@@ -165,12 +172,14 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
             out["bytes"][(hidden, batch)] = (b.dispatch_bytes, b.combine_bytes)
         order = list(systems.values())
         times = {s.name: np.empty((2, cfg.iters)) for s in order}
+        spans = {s.name: np.empty((4, cfg.iters), dtype=np.int64) for s in order}
         phases = {s.name: [] for s in order if hasattr(s, "phases")}
         leads = {s.name: [] for s in order}
         with gc_paused():
-            _timed_loop(cfg, order, sync, times, phases, leads)
+            _timed_loop(cfg, order, sync, times, phases, leads, spans)
         for name, t in times.items():
             out["times"][(name, hidden, batch)] = t
+            out["spans"][(name, hidden, batch)] = spans[name]
             out["leads"][(name, hidden, batch)] = np.asarray(leads[name], dtype=float)
         for name, per_iter in phases.items():
             out["phases"][(name, hidden, batch)] = per_iter
@@ -196,12 +205,13 @@ def _expert(system) -> None:
         step()
 
 
-def timed_pair(sync, system) -> tuple[float, float]:
+def timed_pair(sync, system, at: np.ndarray | None = None) -> tuple[float, float]:
     """One dispatch and one combine of `system`, each started right after a barrier of every
     rank (`HostSync`), the stand-in expert between them untimed: (dispatch µs, combine µs)
     on this rank. The harness's one way to time
     a call (also `ubep.sim.hostchunks`), so what the host validation predicts is timed as
-    `ubep bench` times it."""
+    `ubep bench` times it. `at` (4 int64), if given, receives the four clock readings
+    (`time.perf_counter_ns`: dispatch start, end, combine start, end)."""
     perf = time.perf_counter_ns
     sync.barrier()
     t0 = perf()
@@ -212,10 +222,12 @@ def timed_pair(sync, system) -> tuple[float, float]:
     t2 = perf()
     system.combine()
     t3 = perf()
+    if at is not None:
+        at[:] = (t0, t1, t2, t3)
     return (t1 - t0) / 1e3, (t3 - t2) / 1e3
 
 
-def _timed_loop(cfg, order, sync, times, phases, leads) -> None:
+def _timed_loop(cfg, order, sync, times, phases, leads, spans=None) -> None:
     """`warmup` untimed iterations of every system, then `iters` timed ones, in blocks.
 
     In each round every system runs `cfg.block` iterations back to back (the way a decode
@@ -230,7 +242,8 @@ def _timed_loop(cfg, order, sync, times, phases, leads) -> None:
     (into `leads`, dispatch+combine µs): it follows another system's turn, the cold call
     that `block=1` times every iteration, so in `times` every call follows a call of the
     same system, and a p99 there is the back-to-back calls' own, not one call in `block`
-    that is cold by construction.
+    that is cold by construction. `spans[name][:, i]`, if given, receives iteration i's clock
+    readings (`timed_pair`'s `at`).
     """
     rng = random.Random(cfg.seed * 7919 + len(order))
     done = {s.name: -cfg.warmup for s in order}     # < 0: warm-up iterations still to run
@@ -242,12 +255,15 @@ def _timed_loop(cfg, order, sync, times, phases, leads) -> None:
             n = -done[s.name] if warming else cfg.block
             if not warming and cfg.block > 1:
                 leads[s.name].append(sum(timed_pair(sync, s)))
+            at = np.empty(4, dtype=np.int64)
             for _ in range(min(n, cfg.iters - done[s.name])):
-                dc = timed_pair(sync, s)
+                dc = timed_pair(sync, s, at)
                 it = done[s.name]
                 done[s.name] += 1
                 if it >= 0:
                     times[s.name][:, it] = dc
+                    if spans is not None:
+                        spans[s.name][:, it] = at
                     if s.name in phases:  # after the timed region
                         phases[s.name].append(s.phases())
 
