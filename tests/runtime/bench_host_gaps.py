@@ -4,7 +4,9 @@ Not a test (pytest does not collect it). Each process, bound to its core, reads 
 back to back for `seconds` and counts the gaps longer than 20, 50 and 100 µs (the VM's
 other tenants, interrupts, the kernel's own work), beside the local timer interrupts the
 core took meanwhile (`/proc/interrupts`, Linux: how many of the gaps the kernel's own tick
-could explain). A call of d µs that needs both cores is hit by a gap about (gaps per second on both
+could explain), and where in each millisecond the gaps start (`ubep.bench.timer_windows`:
+on this project's VM most of them in one or two 50 µs windows, the same on every core).
+A call of d µs that needs both cores is hit by a gap about (gaps per second on both
 cores) x (d + typical gap) of the time: at ~200 gaps a second, a 35 µs batch-1
 dispatch+combine about 1.4% of calls, so its p99 is one of them, whatever the call does
 (docs/results.md: the copy bound's own p99/median).
@@ -39,11 +41,12 @@ def timer_ticks() -> dict[int, int] | None:
     return None
 
 
-def _gaps(core: int, seconds: float) -> tuple[int, list[int]]:
+def _gaps(core: int, seconds: float) -> tuple[int, list[int], list[int]]:
     from ubep.bench.flags import clock_gaps
 
     os.sched_setaffinity(0, [core])
-    return core, clock_gaps(seconds)
+    starts: list[int] = []
+    return core, clock_gaps(seconds, starts=starts), starts
 
 
 def _speed(core: int, seconds: float) -> float:
@@ -63,7 +66,7 @@ def main() -> None:
         ticks0 = timer_ticks()
         results = pool.starmap(_gaps, [(c, seconds) for c in cores])
         ticks1 = timer_ticks()
-        for core, gaps in results:
+        for core, gaps, _ in results:
             us = sorted(g / 1e3 for g in gaps)
             med = us[len(us) // 2] if us else 0.0
             tick = ("" if ticks0 is None or core not in ticks0 else
@@ -72,6 +75,14 @@ def main() -> None:
                   f"{sum(g > 50 for g in us) / seconds:.0f}/s, > 100 µs "
                   f"{sum(g > 100 for g in us) / seconds:.0f}/s; median gap {med:.0f} µs, "
                   f"longest {us[-1] if us else 0:.0f} µs{tick}")
+        from ubep.bench.report import timer_windows_words
+        from ubep.bench.timer_windows import find_windows
+
+        for core, _, starts in results:
+            words = timer_windows_words(find_windows(starts))
+            print(f"core {core}: gaps' phase in the millisecond: "
+                  + (words.strip(" ()") if words else "anywhere (no window holds more than "
+                     "3x its share)"))
         print("fixed loop, 1 s a round, median of 100 ms chunks (loop iterations a µs):")
         for r in range(rounds):
             solo = pool.apply(_speed, (cores[0], 1.0))

@@ -271,22 +271,23 @@ no change to the code between; in six runs of `ubep bench --systems shm-owned sh
 at most ~500 gaps a second, 49.4-58.7 µs where one saw 600-1350. Each run's rates are in
 the header line (and in this file's first paragraph).
 
-Most of the gaps come at fixed moments. On 2026-12-03 (12:00-12:20 UTC) 68-72% of those a C
-clock loop on each core saw started inside one or two 50 µs windows of every millisecond of
+Most of the gaps come at fixed moments. On 2026-12-03 (11:55-12:35 UTC) 68-85% of those a
+clock loop on each core saw (a C loop, and `tests/runtime/bench_host_gaps.py`, which now
+prints where they start) started inside one or two 50 µs windows of every millisecond of
 the monotonic clock, the same windows on both cores (700-750 and 950-1000 µs into it in one
-probe, 100-150 and 950-1000 in another: a timer tick's), the rest anywhere; `perf record -a`
+probe, 100-150 and 950-1000 in others: a timer tick's), the rest anywhere; `perf record -a`
 over the probe found nothing of the VM's own running then (its kernel threads and perf
 itself, < 0.3% of the samples), so it is the host that takes the core. Each run finds the
 windows from its own gap probes (`ubep.bench.timer_windows`; the first paragraph gives them)
 and marks every timed call that ran across one on some rank (`samples.csv`, column
 `in_timer_window`); the figures table gives the p99/median of the calls clear of them. In a
-20,000-call loop of shm-owned at batch 1, clone expert, 12:10 UTC: 28% of the calls ran across
+20,000-call loop of shm-owned at batch 1, clone expert, ~12:00 UTC: 28% of the calls ran across
 a window; p99/median 3.22x over all calls, 4.26x over those, 2.71x over the calls clear of
 them; 145 of the 251 calls slower than 3x the median ran across one. The rest of the tail is
 the scattered gaps: 150-300 a second per core outside the windows meet a 36 µs call that needs
 both cores in 1-2% of calls, still enough to set the p99 of 200. In the slow state they
 dominate: `ubep bench --tokens 1 --block 20 --iters 2000 --systems shm-owned shm-direct
-shm-ubep` at 12:06 UTC found one window (47% of the gaps) and the clear calls' p99/median
+shm-ubep` at 12:05 UTC found one window (47% of the gaps) and the clear calls' p99/median
 read 5.04x against 5.52x over all (shm-owned, median 42.0 µs).
 
 *Two machines in one.* The same probe (`tests/runtime/bench_host_gaps.py 3 8`, 2026-12-03,
