@@ -115,3 +115,34 @@ def test_the_stand_in_expert_runs_between_dispatch_and_combine_untimed():
     assert at[0] > 0 and (np.diff(at) >= 0).all()          # the four clock readings, in order
     with pytest.raises(ValueError, match="expert='gemm' is not one of"):
         BenchConfig(expert="gemm")
+
+
+def test_calls_across_the_hosts_timer_windows_are_told_apart_per_op():
+    """A call counts as hit where its dispatch or combine, on either rank, ran across a
+    window; each op's clear figures use its own span."""
+    cfg = BenchConfig(hiddens=(64,), batches=(4,), iters=3, experts=4, top_k=2, block=3)
+    t = np.array([[10.0, 10, 40], [5, 30, 5]])
+    ms = 10**9                                     # a clock reading at a millisecond's start
+    per_rank = [_rank({("shm-ubep", 64, 4): t}, 4.0), _rank({("shm-ubep", 64, 4): t}, 4.0)]
+    # the gaps bunch 700-750 µs into the millisecond; iteration 1's combine (on rank 1 only)
+    # and iteration 2's dispatch (rank 0) run across it, iteration 0 stays clear
+    starts = [ms * k + 710_000 for k in range(1, 60)]
+    spans0 = np.array([[ms + 100_000, ms + 110_000, ms + 120_000, ms + 130_000],
+                       [ms + 300_000, ms + 310_000, ms + 320_000, ms + 330_000],
+                       [ms + 690_000, ms + 705_000, ms + 760_000, ms + 770_000]]).T
+    spans1 = spans0.copy()
+    spans1[3, 1] = ms + 720_000                    # rank 1's combine of iteration 1 ends late
+    for r, sp in zip(per_rank, (spans0, spans1)):
+        r["gap_starts"] = np.asarray(starts, dtype=np.int64)
+        r["spans"] = {("shm-ubep", 64, 4): sp}
+    res = BenchResult(config=cfg)
+    _collect(res, 2, per_rank)
+    _summarise(res)
+    assert res.windows[2].spans == ((700_000, 750_000),)
+    assert res.in_window[("shm-ubep", 2, 64, 4)].tolist() == [
+        [False, False, True], [False, True, False], [False, True, True]]
+    row = {(r["system"], r["op"]): r for r in res.rows}
+    assert row[("shm-ubep", "dispatch")]["clear_share"] == pytest.approx(2 / 3)
+    assert row[("shm-ubep", "combine")]["clear_median_us"] == 5.0
+    assert row[("shm-ubep", "total")]["clear_share"] == pytest.approx(1 / 3)
+    assert row[("shm-ubep", "total")]["clear_p99_us"] == 15.0

@@ -246,7 +246,7 @@ def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
             hit = res.in_window.get(key)
             for i in range(t.shape[1]):
                 w.writerow([*key, i, *(f"{v:.3f}" for v in t[:, i]),
-                            "" if hit is None else int(hit[i])])
+                            "" if hit is None else int(hit[2, i])])
     if res.leads:
         with (out_dir / "leads.csv").open("w", newline="") as f:
             w = csv.writer(f)

@@ -108,8 +108,8 @@ class BenchResult:
     #: bunch (`ubep.bench.timer_windows.TimerWindows`, None if nowhere)
     gap_starts: dict = field(default_factory=dict)
     windows: dict = field(default_factory=dict)
-    #: (system, P, hidden, batch) -> [iters] bool: the timed iteration's dispatch or combine,
-    #: on some rank, ran across one of the host's timer windows (`windows`)
+    #: (system, P, hidden, batch) -> [3, iters] bool: the timed iteration's dispatch, its
+    #: combine, either, on some rank ran across one of the host's timer windows (`windows`)
     in_window: dict = field(default_factory=dict)
     bytes: dict = field(default_factory=dict)     # (P, hidden, batch) -> (dispatch, combine) B
     #: one dict per (system, P, hidden, batch, "<op>:<phase>"): the backend's own phase times,
@@ -210,8 +210,8 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
             sp = np.stack(spans)                        # [ranks, 4, iters]
             lo, hi = sp.min(axis=0), sp.max(axis=0)     # earliest start, latest end
             w = res.windows[world]
-            res.in_window[(name, world, hidden, batch)] = (
-                overlaps(lo[0], hi[1], w) | overlaps(lo[2], hi[3], w))
+            d, c = overlaps(lo[0], hi[1], w), overlaps(lo[2], hi[3], w)
+            res.in_window[(name, world, hidden, batch)] = np.vstack([d, c, d | c])
         lead = [r.get("leads", {}).get(key) for r in per_rank]
         if all(v is not None and len(v) for v in lead):
             res.leads[(name, world, hidden, batch)] = np.max(np.stack(lead), axis=0)
@@ -252,6 +252,7 @@ def _summarise(res: BenchResult) -> None:
         bound_med = med.get((BOUND, world, hidden, batch))
         raw_med = med.get((RAW_OF.get(name, RAW), world, hidden, batch))
         nbytes = res.bytes.get((world, hidden, batch), (None, None))
+        hits = res.in_window.get((name, world, hidden, batch))     # per op, as `t`
         for i, op in enumerate(OPS):
             m = float(np.median(t[i]))
             res.rows.append({
@@ -268,5 +269,5 @@ def _summarise(res: BenchResult) -> None:
                 "dtype": cfg.dtype, "top_k": cfg.top_k, "experts": cfg.experts,
                 "bytes_per_rank": _op_bytes(nbytes, op),
                 "rtt_us": res.rtt_us.get(world),
-                **_clear_of_windows(t[i], res.in_window.get((name, world, hidden, batch))),
+                **_clear_of_windows(t[i], None if hits is None else hits[i]),
             })
