@@ -104,9 +104,8 @@ class BenchResult:
     gaps: dict = field(default_factory=dict)
     #: P -> per rank, a fixed loop's iterations a µs on its core (start, end): the host's speed
     speed: dict = field(default_factory=dict)
-    #: P -> the gaps' starts (ns, every rank's probes) and where in each millisecond they
-    #: bunch (`ubep.bench.timer_windows.TimerWindows`, None if nowhere)
-    gap_starts: dict = field(default_factory=dict)
+    #: P -> where in each millisecond the gaps every rank's probes saw start bunch
+    #: (`ubep.bench.timer_windows.TimerWindows`, None if nowhere)
     windows: dict = field(default_factory=dict)
     #: (system, P, hidden, batch) -> [3, iters] bool: the timed iteration's dispatch, its
     #: combine, either, on some rank ran across one of the host's timer windows (`windows`)
@@ -194,8 +193,7 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
     if all(r.get("speed") is not None for r in per_rank):
         res.speed[world] = [tuple(r["speed"]) for r in per_rank]
     if all(r.get("gap_starts") is not None for r in per_rank):
-        res.gap_starts[world] = np.concatenate([r["gap_starts"] for r in per_rank])
-        res.windows[world] = find_windows(res.gap_starts[world])
+        res.windows[world] = find_windows(np.concatenate([r["gap_starts"] for r in per_rank]))
     for (hidden, batch) in first["bytes"]:
         res.bytes[(world, hidden, batch)] = tuple(
             max(r["bytes"][(hidden, batch)][i] for r in per_rank) for i in range(2))

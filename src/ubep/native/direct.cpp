@@ -65,7 +65,6 @@ PyObject* np_empty(int nd, npy_intp* dims, int type) {
   return PyArray_EMPTY(nd, dims, type, 0);
 }
 
-
 // `[n, hidden]` rows at the start of `v` (a kept `[rows, hidden]` view of shared memory),
 // sharing its storage: the storage's use count is how the owned path knows an area is held
 // (`DirectPath._free_area`), so the view must hold the storage itself, as `as_strided` does
