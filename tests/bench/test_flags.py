@@ -1,4 +1,5 @@
-"""The benchmark's shared-memory barrier holds every rank until all arrived; ping-pong ends."""
+"""The benchmark's shared-memory barrier holds every rank until all arrived and are awake;
+ping-pong ends."""
 
 import os
 import random
@@ -18,9 +19,10 @@ def _rank(rank, world):
         for k in range(1, 31):
             time.sleep(rng.random() * 2e-3)  # arrive in a different order every time
             sync.barrier()
-            # past barrier k, every rank must have entered it: its arrival word is >= k
+            # past barrier k (two rounds, epochs 2k-1 and 2k), every rank must have left its
+            # first round, awake, and entered the second: its arrival word is >= 2k
             arrived = [int(sync.words[(2 + r) * _SLOT]) for r in range(world)]
-            early += sum(a < k for a in arrived)
+            early += sum(a < 2 * k for a in arrived)
         rtt = sync.flag_round_trip_us(rounds=200, repeats=3)
         # rank 0 copies what rank 1 wrote (checked inside: a stale byte raises); more bytes
         # than the segment has room for: not measured, on every rank

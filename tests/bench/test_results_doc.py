@@ -3,6 +3,8 @@
 import numpy as np
 
 from ubep.bench.config import BenchConfig
+from ubep.bench.flags import GapLog
+from ubep.bench.host_floor import tail_ratio
 from ubep.bench.results import figures, render
 from ubep.bench.run import BenchResult, _collect, _summarise
 
@@ -24,11 +26,12 @@ def _result(scale: float, block: int) -> BenchResult:
     # the host's gaps bunch 700-750 µs into each millisecond; iteration 2 (the slow one) runs
     # across that window, the others clear of it
     gap_starts = np.arange(100, dtype=np.int64) * 1_000_000 + 720_000
+    log = GapLog([(0, 100_000_000, gap_starts, np.full(100, 30_000, np.int64))])
     at = [10**9 + 100_000, 10**9 + 200_000, 10**9 + 690_000]        # each iteration's start
     spans = {key: np.array([[a, a + 20_000, a + 30_000, a + 50_000] for a in at]).T
              for key in times}
     rank = {"times": times, "phases": {}, "unavailable": {}, "rtt_us": 0.0,
-            "gap_starts": gap_starts, "spans": spans,
+            "gap_log": log, "spans": spans,
             "xcopy": (114688, 6.0 * scale, 3.0 * scale), "gaps": (150.0, 40.0 * scale),
             "bytes": {(H, 1): (1, 1), (H, 128): (1, 1)}}
     res = BenchResult(config=cfg, machine={"time_utc": "now", "cpus_usable": 2,
@@ -60,5 +63,10 @@ def test_figures_are_ratios_of_one_run():
                 "timer windows (the host's tail apart from the code's; \"The host's own gaps\")"]
     assert clear.count("1.00× (67% of calls)") == 2
     assert "| 1.98× | 1.98× | yes |" in row["shm-direct batch 1 p99 / median"]  # all calls
+    # the host's floor: 30 µs calls (60 interleaved) replayed over the gap probes
+    floor = [line for line in lines if line.startswith(
+        "| shm-direct batch 1 p99 / median the host's gaps alone give")][0]
+    probes = turns.gap_probes[2]
+    assert f"| {tail_ratio(30.0, probes):.2f}× | {tail_ratio(60.0, probes):.2f}× | - |" in floor
     assert "    ubep results" in md and "## Run 2: every iteration interleaved" in md
     assert "| 1 | raw collectives |" in md and "× raw+copy" in md

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from ubep.bench.config import BenchConfig
+from ubep.bench.flags import GapLog
+from ubep.bench.host_floor import tail_ratio
 from ubep.bench.report import markdown
 from ubep.bench.run import BenchResult, _collect, _summarise
 
@@ -126,14 +128,15 @@ def test_calls_across_the_hosts_timer_windows_are_told_apart_per_op():
     per_rank = [_rank({("shm-ubep", 64, 4): t}, 4.0), _rank({("shm-ubep", 64, 4): t}, 4.0)]
     # the gaps bunch 700-750 µs into the millisecond; iteration 1's combine (on rank 1 only)
     # and iteration 2's dispatch (rank 0) run across it, iteration 0 stays clear
-    starts = [ms * k + 710_000 for k in range(1, 60)]
+    starts = [ms + 1_000_000 * k + 710_000 for k in range(59)]
     spans0 = np.array([[ms + 100_000, ms + 110_000, ms + 120_000, ms + 130_000],
                        [ms + 300_000, ms + 310_000, ms + 320_000, ms + 330_000],
                        [ms + 690_000, ms + 705_000, ms + 760_000, ms + 770_000]]).T
     spans1 = spans0.copy()
     spans1[3, 1] = ms + 720_000                    # rank 1's combine of iteration 1 ends late
     for r, sp in zip(per_rank, (spans0, spans1)):
-        r["gap_starts"] = np.asarray(starts, dtype=np.int64)
+        r["gap_log"] = GapLog([(ms, ms + 60_000_000, np.asarray(starts, dtype=np.int64),
+                                np.full(len(starts), 20_000, np.int64))])
         r["spans"] = {("shm-ubep", 64, 4): sp}
     res = BenchResult(config=cfg)
     _collect(res, 2, per_rank)
@@ -146,3 +149,7 @@ def test_calls_across_the_hosts_timer_windows_are_told_apart_per_op():
     assert row[("shm-ubep", "combine")]["clear_median_us"] == 5.0
     assert row[("shm-ubep", "total")]["clear_share"] == pytest.approx(1 / 3)
     assert row[("shm-ubep", "total")]["clear_p99_us"] == 15.0
+    # the host's floor under each op's tail: that op's median replayed over both probes
+    assert res.gap_probes[2] == [[per_rank[0]["gap_log"].probes[0],
+                                  per_rank[1]["gap_log"].probes[0]]]
+    assert row[("shm-ubep", "total")]["host_p99x"] == tail_ratio(40.0, res.gap_probes[2]) > 1

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ubep.bench.flags import clock_gaps
+from ubep.bench.flags import GapLog, clock_gaps
 from ubep.bench.run import _clear_of_windows
 from ubep.bench.timer_windows import PERIOD_NS, TimerWindows, find_windows, overlaps
 
@@ -61,8 +61,12 @@ def test_clear_calls_summary():
     assert _clear_of_windows(t, np.ones(4, bool))["clear_share"] is None
 
 
-def test_clock_gaps_reports_each_gaps_start():
-    starts: list[int] = []
-    gaps = clock_gaps(0.05, min_us=0.0, starts=starts)     # every clock step counts
-    assert len(starts) == len(gaps) > 0
-    assert all(b > a for a, b in zip(starts, starts[1:]))
+def test_clock_gaps_logs_each_gaps_start_and_length():
+    log = GapLog()
+    gaps = clock_gaps(0.05, min_us=0.0, log=log)           # every clock step counts
+    clock_gaps(0.01, min_us=0.0, log=log)
+    (first, last, starts, lengths), second = log.probes
+    assert len(starts) == len(gaps) > 0 and lengths.tolist() == gaps
+    assert (np.diff(starts) > 0).all() and first <= starts[0] and starts[-1] < last
+    assert second[0] >= last                                # probes in the order taken
+    assert log.starts.size == len(starts) + len(second[2])

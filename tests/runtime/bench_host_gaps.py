@@ -9,7 +9,8 @@ on this project's VM most of them in one or two 50 µs windows, the same on ever
 A call of d µs that needs both cores is hit by a gap about (gaps per second on both
 cores) x (d + typical gap) of the time: at ~200 gaps a second, a 35 µs batch-1
 dispatch+combine about 1.4% of calls, so its p99 is one of them, whatever the call does
-(docs/results.md: the copy bound's own p99/median).
+(docs/results.md: the copy bound's own p99/median). It then replays such calls over
+the gaps both cores saw (`ubep.bench.host_floor`): the p99/median the host alone gives them.
 
 Then a fixed loop of Python arithmetic is timed in 100 ms chunks, on one core alone and on
 both at once, `rounds` times: on a VM whose cores share physical cores with other tenants
@@ -41,12 +42,12 @@ def timer_ticks() -> dict[int, int] | None:
     return None
 
 
-def _gaps(core: int, seconds: float) -> tuple[int, list[int], list[int]]:
-    from ubep.bench.flags import clock_gaps
+def _gaps(core: int, seconds: float):
+    from ubep.bench.flags import GapLog, clock_gaps
 
     os.sched_setaffinity(0, [core])
-    starts: list[int] = []
-    return core, clock_gaps(seconds, starts=starts), starts
+    log = GapLog()
+    return core, clock_gaps(seconds, log=log), log
 
 
 def _speed(core: int, seconds: float) -> float:
@@ -78,11 +79,18 @@ def main() -> None:
         from ubep.bench.report import timer_windows_words
         from ubep.bench.timer_windows import find_windows
 
-        for core, _, starts in results:
-            words = timer_windows_words(find_windows(starts))
+        for core, _, log in results:
+            words = timer_windows_words(find_windows(log.starts))
             print(f"core {core}: gaps' phase in the millisecond: "
                   + (words.strip(" ()") if words else "anywhere (no window holds more than "
                      "3x its share)"))
+        from ubep.bench.host_floor import tail_ratio
+
+        probes = [[log.probes[0] for _, _, log in results]]
+        print("the host's floor: p99/median of back-to-back calls that need every core for "
+              "a fixed time, replayed over these gaps: " + ", ".join(
+                  f"{us} µs {tail_ratio(us, probes) or float('nan'):.2f}x"
+                  for us in (10, 20, 35, 45, 90)))
         print("fixed loop, 1 s a round, median of 100 ms chunks (loop iterations a µs):")
         for r in range(rounds):
             solo = pool.apply(_speed, (cores[0], 1.0))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit
@@ -32,6 +33,12 @@ _SLOT = 8            # int64 words per slot: one 64-byte cache line per rank's w
 _SPINS = 64          # barrier: spin rounds between yields (as `ubep.runtime.shm.waits.SPINS`)
 _PING, _PONG = 0, 1  # slots of the ping-pong; barrier slots follow, then the copy probe's
 _PAGE = 4096         # the copy probe's bytes start page-aligned after the flag slots
+#: how long a wait yields the core before it sleeps, seconds: longer than nearly every gap in
+#: which the host takes a core away (docs/results.md, "The host's own gaps": those over
+#: 200 µs come ~10-30 times a second per core, the longest last a few ms), because a rank
+#: that sleeps wakes up late (a 20 µs sleep takes ~107 µs on this project's VM: the kernel's
+#: default 50 µs timer slack and the VM's own wake-up) and the next timed call waits for it
+_YIELD_S = 2e-3
 
 
 @njit(inline="always")
@@ -92,24 +99,42 @@ def _ping_pong(words, me_first, rounds, start, max_spins):
     return rounds
 
 
-def clock_gaps(seconds: float, min_us: float = 20.0,
-               starts: list[int] | None = None) -> list[int]:
+@dataclass
+class GapLog:
+    """What `clock_gaps` saw on one core over one or more probes (ns, `time.perf_counter_ns`,
+    one clock for every process on the host).
+
+    Attributes:
+        probes: each probe's `(first, last, starts, lengths)`: its first and last clock
+            readings, and the start and length of every gap it saw (int64 arrays).
+    """
+
+    probes: list[tuple[int, int, np.ndarray, np.ndarray]] = field(default_factory=list)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Every probe's gap starts, in one array (`ubep.bench.timer_windows`)."""
+        return np.concatenate([p[2] for p in self.probes] or [np.empty(0, np.int64)])
+
+
+def clock_gaps(seconds: float, min_us: float = 20.0, log: GapLog | None = None) -> list[int]:
     """The gaps longer than `min_us` (ns each) in `seconds` of reading the clock back to back
     on this thread: the times the host took the core away (other tenants of the VM,
-    interrupts, the kernel's own work), which any call running then waits out. `starts`,
-    if given, receives each gap's start (`time.perf_counter_ns`), for
-    `ubep.bench.timer_windows`."""
+    interrupts, the kernel's own work), which any call running then waits out. `log`, if
+    given, gets the probe's span and each gap's start, for `ubep.bench.timer_windows` and
+    `ubep.bench.host_floor`."""
     clock, limit = time.perf_counter_ns, int(min_us * 1e3)
-    end = clock() + int(seconds * 1e9)
-    gaps, at, last = [], [], clock()
+    first = last = clock()
+    end = first + int(seconds * 1e9)
+    gaps, at = [], []
     while last < end:
         now = clock()
         if now - last > limit:
             gaps.append(now - last)
             at.append(last)
         last = now
-    if starts is not None:
-        starts.extend(at)
+    if log is not None:
+        log.probes.append((first, last, np.asarray(at, np.int64), np.asarray(gaps, np.int64)))
     return gaps
 
 
@@ -185,38 +210,47 @@ class HostSync:
                 segments.unlink_name(name)
 
     def _wait(self, what: str, first: int, count: int, stride: int, target: int) -> None:
-        """Spin briefly, then yield, then sleep 20 µs per round, until the deadline.
+        """Spin briefly, then yield for `_YIELD_S`, then sleep 20 µs per round, until the
+        deadline.
 
         The spin is as short as the runtime's own (`waits.SPINS` rounds, ~2 µs): when two
         ranks share a core (more runnable processes than cores), a rank that finished its
         call first waits here while its peer still runs on that core, and spinning 2,000
-        rounds (~60 µs) before yielding added that to the peer's measured call.
+        rounds (~60 µs) before yielding added that to the peer's measured call; yielding
+        hands that core to the peer.
         """
-        deadline = time.monotonic() + self.timeout_s
-        tries = 0
+        now = time.perf_counter()
+        deadline, sleep_at = now + self.timeout_s, now + _YIELD_S
         while not _wait_all_geq(self.words, first, count, stride, target, _SPINS):
-            tries += 1
-            if time.monotonic() > deadline:
+            now = time.perf_counter()
+            if now > deadline:
                 raise TimeoutError(f"rank {self.rank}: bench {what} timed out after "
                                    f"{self.timeout_s:g}s (a peer is stuck or gone)")
-            if tries < 50:
+            if now < sleep_at:
                 os.sched_yield()
             else:
                 time.sleep(20e-6)
 
     def barrier(self) -> None:
-        """Return once every rank has entered this barrier (exit skew ~1 µs when idle)."""
-        self._epoch += 1
-        base = (2 + 0) * _SLOT
-        _store(self.words, base + self.rank * _SLOT, self._epoch)
-        self._wait("barrier", base, self.world, _SLOT, self._epoch)
+        """Return once every rank has entered this barrier, every rank awake (exit skew ~1 µs
+        when idle).
 
-    def gaps_per_s(self, seconds: float = 0.5, starts: list[int] | None = None) -> float:
+        Two rounds: a rank that slept in the first (a peer was away for longer than
+        `_YIELD_S`) leaves it late, and a call timed from a peer's exit would count that; the
+        second, which the others wait out yielding, starts no rank before the last is back.
+        """
+        for _ in range(2):
+            self._epoch += 1
+            base = (2 + 0) * _SLOT
+            _store(self.words, base + self.rank * _SLOT, self._epoch)
+            self._wait("barrier", base, self.world, _SLOT, self._epoch)
+
+    def gaps_per_s(self, seconds: float = 0.5, log: GapLog | None = None) -> float:
         """Gaps longer than 20 µs a second on this rank's core while every rank looks at once
-        (`clock_gaps`, which fills `starts`): how often a call that needs every core meets
+        (`clock_gaps`, which adds to `log`): how often a call that needs every core meets
         one. Every rank calls it; each returns its own."""
         self.barrier()
-        n = len(clock_gaps(seconds, starts=starts))
+        n = len(clock_gaps(seconds, log=log))
         self.barrier()
         return n / seconds
 

@@ -56,8 +56,17 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}×"
 
 
+def _tail(row: dict) -> str:
+    """dispatch+combine's p99/median, and in brackets the host's floor under it: what the
+    host's gaps alone give a call of this median (`ubep.bench.host_floor`)."""
+    floor = row.get("host_p99x")
+    return (f"{row['p99_us'] / row['median_us']:.1f}×"
+            + ("" if floor is None else f" ({floor:.1f}×)"))
+
+
 def tables(res: BenchResult) -> list[Table]:
-    """One table per (ranks, hidden): a row per (batch, system), dispatch/combine/total."""
+    """One table per (ranks, hidden): a row per (batch, system), dispatch/combine/total, and
+    the total's tail beside the host's floor under it."""
     index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
     points = sorted({(r["ranks"], r["hidden"]) for r in res.rows})
     cfg = res.config
@@ -69,7 +78,8 @@ def tables(res: BenchResult) -> list[Table]:
                   title_justify="left")
         raw = _has_raw(res)
         for col in ("batch", "system", "dispatch", "combine", "dispatch+combine",
-                    "× ubep", "× bound", *(["× raw+copy"] if raw else [])):
+                    "p99/median (host floor)", "× ubep", "× bound",
+                    *(["× raw+copy"] if raw else [])):
             t.add_column(col, justify="left" if col == "system" else "right")
         batches = sorted({r["batch"] for r in res.rows if (r["ranks"], r["hidden"]) ==
                           (world, hidden)})
@@ -83,6 +93,7 @@ def tables(res: BenchResult) -> list[Table]:
                     else _label(name)
                 t.add_row(str(b) if i == 0 else "", label,
                           *[f"{_us(c['median_us'])} / {_us(c['p99_us'])}" for c in cells],
+                          _tail(cells[2]),
                           _x(cells[2]["x_ubep"]), _x(cells[2]["x_bound"]),
                           *([_x(cells[2].get("x_raw_copy"))] if raw else []),
                           end_section=i == len(names) - 1,

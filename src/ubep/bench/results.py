@@ -98,6 +98,10 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
         tails = tuple(None if m is None or p is None else p / m for m, p in zip(med, p99))
         add(f"{system} batch 1 p99 / median", "≤ 3× (≤ 6× interleaved)", tails,
             (lambda v: v <= 3, lambda v: v <= 6))
+        floor = tuple(ix.get((system, h, 1, "total"), {}).get("host_p99x") for ix in runs)
+        add(f"{system} batch 1 p99 / median the host's gaps alone give a call of this median "
+            "(replayed over the run's gap probes; the floor under the line above: \"The "
+            "host's own gaps\")", "(host floor)", floor, None)
         clear = [ix.get((system, h, 1, "total"), {}) for ix in runs]
         add(f"{system} batch 1 p99 / median of the calls that ran clear of the host's timer "
             "windows (the host's tail apart from the code's; \"The host's own gaps\")",

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ubep.bench.config import BOUND, RAW, RAW_OF, BenchConfig
+from ubep.bench.host_floor import tail_ratio
 from ubep.bench.timer_windows import find_windows, overlaps
 
 OPS = ("dispatch", "combine", "total")
@@ -107,6 +108,9 @@ class BenchResult:
     #: P -> where in each millisecond the gaps every rank's probes saw start bunch
     #: (`ubep.bench.timer_windows.TimerWindows`, None if nowhere)
     windows: dict = field(default_factory=dict)
+    #: P -> the gap probes, `[probe][rank]` (`flags.GapLog.probes`): the record the host's
+    #: floor under each row's tail is replayed over (`ubep.bench.host_floor`)
+    gap_probes: dict = field(default_factory=dict)
     #: (system, P, hidden, batch) -> [3, iters] bool: the timed iteration's dispatch, its
     #: combine, either, on some rank ran across one of the host's timer windows (`windows`)
     in_window: dict = field(default_factory=dict)
@@ -192,8 +196,10 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
         res.gaps[world] = [tuple(r["gaps"]) for r in per_rank]
     if all(r.get("speed") is not None for r in per_rank):
         res.speed[world] = [tuple(r["speed"]) for r in per_rank]
-    if all(r.get("gap_starts") is not None for r in per_rank):
-        res.windows[world] = find_windows(np.concatenate([r["gap_starts"] for r in per_rank]))
+    logs = [r.get("gap_log") for r in per_rank]
+    if all(g is not None for g in logs):
+        res.windows[world] = find_windows(np.concatenate([g.starts for g in logs]))
+        res.gap_probes[world] = [list(k) for k in zip(*(g.probes for g in logs))]
     for (hidden, batch) in first["bytes"]:
         res.bytes[(world, hidden, batch)] = tuple(
             max(r["bytes"][(hidden, batch)][i] for r in per_rank) for i in range(2))
@@ -268,4 +274,7 @@ def _summarise(res: BenchResult) -> None:
                 "bytes_per_rank": _op_bytes(nbytes, op),
                 "rtt_us": res.rtt_us.get(world),
                 **_clear_of_windows(t[i], None if hits is None else hits[i]),
+                # the p99/median the host's gaps alone give a call of this median
+                "host_p99x": tail_ratio(m, res.gap_probes[world])
+                if world in res.gap_probes else None,
             })

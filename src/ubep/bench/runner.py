@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ubep import reference
 from ubep.bench.config import AGRS_RAW, BOUND, MPI_RAW, RAW, BenchConfig
-from ubep.bench.flags import HostSync
+from ubep.bench.flags import GapLog, HostSync
 from ubep.bench.systems import make_system
 from ubep.testing import make_routing, make_tokens
 
@@ -70,7 +70,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     "xcopy": (bytes, peer-written µs, own-cache µs) | None}` (`HostSync.cross_core_copy_us`
     of the copy bound's dispatch bytes at the smallest batch and widest row), "gaps":
     (per second at the start, at the end)}` (`HostSync.gaps_per_s` on this rank's core),
-    "gap_starts": array of those gaps' starts (ns, `time.perf_counter_ns`),
+    "gap_log": `flags.GapLog` of those two probes (each gap's start and length),
     "spans": {(system, hidden, batch): array [4, iters] int64 ns}` (each timed iteration's
     dispatch start and end, combine start and end, on the same clock; for
     `ubep.bench.timer_windows`), "speed": (at the start, at the end)` (`HostSync.loop_speed`,
@@ -86,13 +86,13 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
                            copy_bytes=xbytes)
     out: dict = {"times": {}, "leads": {}, "phases": {}, "bytes": {}, "unavailable": {},
                  "rtt_us": None, "cpu": pinned, "xcopy": None, "gaps": None, "speed": None,
-                 "spans": {}, "gap_starts": None}
-    starts: list[int] = []
+                 "spans": {}, "gap_log": None}
+    log = GapLog()
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
         xcopy = sync.cross_core_copy_us(xbytes)
         out["xcopy"] = None if xcopy is None else (xbytes, *xcopy)
-        gaps = sync.gaps_per_s(starts=starts)
+        gaps = sync.gaps_per_s(log=log)
         speed = sync.loop_speed()
         names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else []),
                  *([AGRS_RAW] if "agrs" in cfg.systems else []),
@@ -116,8 +116,8 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
                 for s in systems.values():
                     s.close()
         out["rtt_us_end"] = sync.flag_round_trip_us()
-        out["gaps"] = (gaps, sync.gaps_per_s(starts=starts))
-        out["gap_starts"] = np.asarray(starts, dtype=np.int64)
+        out["gaps"] = (gaps, sync.gaps_per_s(log=log))
+        out["gap_log"] = log
         out["speed"] = (speed, sync.loop_speed())
     finally:
         sync.close()
