@@ -55,10 +55,11 @@ def _torch() -> None:
 
 def _tools() -> None:
     """The MPI peer's kernels, the simulator's event queue and host microbenchmark, the
-    benchmark's probes."""
+    benchmark's probes and its replay of them."""
     import numpy as np
 
     from ubep.bench import flags
+    from ubep.bench.host_floor import replay
     from ubep.sim import hostbench
     from ubep.sim.api import simulate
 
@@ -75,6 +76,7 @@ def _tools() -> None:
     simulate("nvl72", tokens_per_rank=2, hidden=64, ranks=8, exact=True)
     hostbench.measure(footprints=(1 << 16,), seconds=0.001, procs=(1,), rounds=1)
     flags._ping_pong(np.zeros(64, np.int64), True, 0, 1, 1)     # a peer's; 0 rounds
+    replay(1, [[(0, 10, np.array([2]), np.array([3]))]])
 
 
 def _buffers(systems, dtypes, bench: bool = True) -> None:

@@ -18,41 +18,51 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from numba import njit
 
 #: calls a replay needs before its p99 means anything
 MIN_CALLS = 1000
 
 
-class _Core:
-    """One core's gaps within a probe: its own progress against the clock."""
-
-    def __init__(self, starts: np.ndarray, lengths: np.ndarray, t0: int):
-        order = np.argsort(starts)
-        self.starts, self.lengths = starts[order], lengths[order]
-        self.cum = np.cumsum(self.lengths)              # time away up to the end of gap i
-        self.before = self.cum - self.lengths           # ... up to its start
-        self.t0 = t0
-        self.at_progress = self.starts - t0 - self.before   # progress when gap i begins
-
-    def progress(self, t: int) -> int:
-        """The core's own time (ns) from `t0` to `t`, its gaps left out."""
-        k = int(np.searchsorted(self.starts, t, "right"))      # gaps begun by t
-        away = 0 if k == 0 else int(self.before[k - 1]
-                                    + min(self.lengths[k - 1], t - self.starts[k - 1]))
-        return t - self.t0 - away
-
-    def time_at(self, p: int) -> int:
-        """The clock reading at which the core has had `p` ns of its own since `t0`."""
-        k = int(np.searchsorted(self.at_progress, p, "left"))   # gaps begun before p
-        return self.t0 + p + (0 if k == 0 else int(self.cum[k - 1]))
-
-    def clear_until(self, t: int, limit: int) -> int:
-        """How far from `t` the core runs without a gap (up to `limit`); `t` itself if it is
-        away at `t`."""
-        k = int(np.searchsorted(self.starts, t, "right"))
-        if k and self.starts[k - 1] + self.lengths[k - 1] > t:
-            return t
-        return limit if k == len(self.starts) else min(limit, int(self.starts[k]))
+@njit(cache=True)
+def _replay_window(work, t0, t1, starts, lengths, before, own_at, bounds, durations,
+                   repeats):  # pragma: no cover - numba
+    """`replay` over one probe window, run-length coded: the k-th run is `repeats[k]` calls
+    of `durations[k]` ns each. Core c's gaps are `[bounds[c], bounds[c + 1])` of `starts`,
+    `lengths`, `before` (its time away before each) and `own_at` (its own time since `t0`
+    when each begins), sorted. Returns how many runs it wrote."""
+    ncores = bounds.size - 1
+    n, t = 0, t0
+    while t + work <= t1:
+        # calls that end before any core's next gap take `work` exactly: skip them
+        clear = t1
+        for c in range(ncores):
+            lo, hi = bounds[c], bounds[c + 1]
+            k = lo + np.searchsorted(starts[lo:hi], t, side="right")   # gaps begun by t
+            if k > lo and starts[k - 1] + lengths[k - 1] > t:
+                clear = t                                              # away at t
+            elif k < hi and starts[k] < clear:
+                clear = starts[k]
+        whole = (clear - t) // work
+        if whole:
+            durations[n], repeats[n] = work, whole
+            n += 1
+            t += whole * work
+            continue
+        end = t
+        for c in range(ncores):         # each core: its own time at t, plus `work`, on the clock
+            lo, hi = bounds[c], bounds[c + 1]
+            k = lo + np.searchsorted(starts[lo:hi], t, side="right")
+            away = 0 if k == lo else before[k - 1] + min(lengths[k - 1], t - starts[k - 1])
+            own = t - t0 - away + work
+            k = lo + np.searchsorted(own_at[lo:hi], own, side="left")  # gaps begun before
+            end = max(end, t0 + own + (0 if k == lo else before[k - 1] + lengths[k - 1]))
+        if end > t1:
+            break
+        durations[n], repeats[n] = end - t, 1
+        n += 1
+        t = end
+    return n
 
 
 def replay(work_ns: int, probes: Sequence[Sequence[tuple[int, int, np.ndarray, np.ndarray]]]
@@ -72,23 +82,21 @@ def replay(work_ns: int, probes: Sequence[Sequence[tuple[int, int, np.ndarray, n
         t0 = max(int(p[0]) for p in per_rank)
         t1 = min(int(p[1]) for p in per_rank)
         cores = []
-        for _, _, starts, lengths in per_rank:
-            starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
-            keep = (starts + lengths > t0) & (starts < t1)
-            cores.append(_Core(starts[keep], lengths[keep], t0))
-        t = t0
-        while t + work_ns <= t1:
-            # calls that end before any core's next gap take `work_ns` exactly: skip them
-            whole = (min(c.clear_until(t, t1) for c in cores) - t) // work_ns
-            if whole:
-                out.append(np.full(whole, work_ns, np.int64))
-                t += whole * work_ns
-                continue
-            end = max(c.time_at(c.progress(t) + work_ns) for c in cores)
-            if end > t1:
-                break
-            out.append(np.array([end - t], np.int64))
-            t = end
+        for _, _, st, ln in per_rank:
+            st, ln = np.asarray(st, np.int64), np.asarray(ln, np.int64)
+            keep = (st + ln > t0) & (st < t1)
+            order = np.argsort(st[keep])
+            st, ln = st[keep][order], ln[keep][order]
+            before = np.cumsum(ln) - ln
+            cores.append((st, ln, before, st - t0 - before))
+        bounds = np.cumsum([0] + [c[0].size for c in cores]).astype(np.int64)
+        # a gap lengthens at most the call it begins in and the next: runs <= 4 a gap + 1
+        cap = 4 * int(bounds[-1]) + 2
+        durations, repeats = np.empty(cap, np.int64), np.empty(cap, np.int64)
+        n = _replay_window(work_ns, t0, t1, *(np.concatenate([c[i] for c in cores])
+                                              for i in range(4)),
+                           bounds, durations, repeats)
+        out.append(np.repeat(durations[:n], repeats[:n]))
     return np.concatenate(out) if out else np.empty(0, np.int64)
 
 
