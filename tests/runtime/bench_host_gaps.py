@@ -47,7 +47,8 @@ def _gaps(core: int, seconds: float):
 
     os.sched_setaffinity(0, [core])
     log = GapLog()
-    return core, clock_gaps(seconds, log=log), log
+    clock_gaps(seconds, log=log)
+    return core, log
 
 
 def _speed(core: int, seconds: float) -> float:
@@ -67,8 +68,8 @@ def main() -> None:
         ticks0 = timer_ticks()
         results = pool.starmap(_gaps, [(c, seconds) for c in cores])
         ticks1 = timer_ticks()
-        for core, gaps, _ in results:
-            us = sorted(g / 1e3 for g in gaps)
+        for core, log in results:
+            us = sorted(g / 1e3 for g in log.probes[0][3])
             med = us[len(us) // 2] if us else 0.0
             tick = ("" if ticks0 is None or core not in ticks0 else
                     f"; timer interrupts {(ticks1[core] - ticks0[core]) / seconds:.0f}/s")
@@ -79,14 +80,14 @@ def main() -> None:
         from ubep.bench.report import timer_windows_words
         from ubep.bench.timer_windows import find_windows
 
-        for core, _, log in results:
+        for core, log in results:
             words = timer_windows_words(find_windows(log.starts))
             print(f"core {core}: gaps' phase in the millisecond: "
                   + (words.strip(" ()") if words else "anywhere (no window holds more than "
                      "3x its share)"))
         from ubep.bench.host_floor import tail_ratio
 
-        probes = [[log.probes[0] for _, _, log in results]]
+        probes = [[log.probes[0] for _, log in results]]
         print("the host's floor: p99/median of back-to-back calls that need every core for "
               "a fixed time, replayed over these gaps: " + ", ".join(
                   f"{us} µs {tail_ratio(us, probes) or float('nan'):.2f}x"

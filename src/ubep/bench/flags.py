@@ -239,9 +239,9 @@ class HostSync:
         `_YIELD_S`) leaves it late, and a call timed from a peer's exit would count that; the
         second, which the others wait out yielding, starts no rank before the last is back.
         """
+        base = 2 * _SLOT                       # the barrier slots follow ping and pong
         for _ in range(2):
             self._epoch += 1
-            base = (2 + 0) * _SLOT
             _store(self.words, base + self.rank * _SLOT, self._epoch)
             self._wait("barrier", base, self.world, _SLOT, self._epoch)
 
