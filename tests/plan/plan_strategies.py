@@ -1,4 +1,5 @@
-"""Hypothesis strategies shared by the plan tests: fabrics with 2-4 hop classes, routings."""
+"""Hypothesis strategies shared by the plan tests: fabrics with 2-4 hop classes (block tiers,
+or clusters of uneven, shuffled hosts), routings."""
 
 from __future__ import annotations
 
@@ -22,6 +23,23 @@ def topologies(draw, max_ranks: int = 24) -> Topology:
     return Topology("prop", num_ranks, 4, 512, 32, tiers, 100.0, 400.0)
 
 
+@st.composite
+def clusters(draw, max_ranks: int = 24) -> Topology:
+    """Hosts of uneven sizes holding shuffled ranks, around an inside of 1-2 tiers: hop
+    classes local, (numa,) host, other host."""
+    sizes = draw(st.lists(st.integers(1, 6), min_size=1, max_size=5).filter(
+        lambda s: 2 <= sum(s) <= max_ranks))
+    perm = draw(st.permutations(range(sum(sizes))))
+    starts = np.cumsum([0] + sizes)
+    groups = [list(perm[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    numa = draw(st.sampled_from([None, 2]))
+    inner = (Tier("numa", numa, 150.0, 100.0),) if numa else ()
+    inside = Topology("box", max(sizes), 4, 512, 32,
+                      inner + (Tier("host", max(sizes), 300.0, 100.0),), 100.0, 400.0)
+    return Topology.from_hosts(groups, intra_host=inside, nic_gbps=100.0,
+                               nic_latency_us=draw(st.sampled_from([0.5, 4.0])))
+
+
 def routing(rng: np.random.Generator, num_tokens: int, top_k: int, num_experts: int,
             skew: float, holes: float) -> np.ndarray:
     """`[T, K]` int64, distinct experts per row; `skew` in [0, 1) concentrates them on a
@@ -40,7 +58,7 @@ def routing(rng: np.random.Generator, num_tokens: int, top_k: int, num_experts: 
 @st.composite
 def planning_cases(draw):
     """(topology, rank, num_experts, topk_idx, workers)."""
-    topo = draw(topologies())
+    topo = draw(st.one_of(topologies(), clusters()))
     experts_per_rank = draw(st.integers(1, 4))
     num_experts = topo.num_ranks * experts_per_rank
     num_tokens = draw(st.integers(0, 48))

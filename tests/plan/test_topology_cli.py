@@ -68,3 +68,24 @@ def test_plan_shows_each_workers_hop_mix(capsys):
     totals = [int(r[-1]) for r in rows]
     assert len(totals) == 5 and sum(totals) == 160 and max(totals) - min(totals) <= 1
     assert main(argv + ["--rank", "99"]) == 2
+
+
+def test_show_cluster_draws_hosts_and_the_network(capsys):
+    assert main(["topology", "show", "cluster", "--ranks", "24"]) == 0
+    out = capsys.readouterr().out
+    for word in ("3 hosts", "host 0", "host 2", "ranks 16-23", "other host", "400 Gb/s",
+                 "4 us one-way", "legend: 0=local 1=host 2=other host"):
+        assert word in out, word
+
+
+def test_show_an_uneven_cluster_file(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('name = "uneven"\nhost_groups = [[0, 3], [1, 2, 4]]\nnic_gbps = 100\n'
+                    'nic_latency_us = 2\nintra_host = "nvl72"\n')
+    assert main(["topology", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ranks 0, 3" in out and "ranks 1-2, 4" in out and "2,3" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  0 2 2 1")]
+    assert rows == [["0", "2", "2", "1", "2"]]
+    assert main(["topology", "show", str(path), "--ranks", "6"]) == 2
+    assert "cannot be rescaled" in capsys.readouterr().out.replace("\n", " ")

@@ -7,10 +7,11 @@ import math
 
 import numpy as np
 
-from ubep.plan.topology import PRESETS, Topology
+from ubep.plan.topology import PRESETS, Topology, rank_ranges
 
 _COLORS = ("bright_white", "green", "yellow", "red", "magenta", "cyan", "blue")
 _MAX_CELLS = 48
+_MAX_HOST_BOXES = 64
 
 
 def register(subparsers) -> None:
@@ -120,12 +121,54 @@ def describe(topo: Topology) -> list:
         table.add_column(col, justify=just)
     row0 = np.bincount(hops[0], minlength=topo.num_hop_classes)
     for h, name in enumerate(topo.hop_class_names()):
-        rpg = "1" if h == 0 else str(topo.tiers[h - 1].ranks_per_group)
+        tier = topo.tiers[h - 1] if h else None
+        rpg = ("1" if tier is None else str(tier.ranks_per_group) if tier.groups is None
+               else ",".join(str(len(g)) for g in tier.groups[:12])
+               + (",..." if len(tier.groups) > 12 else ""))
         table.add_row(Text(str(h), style=_COLORS[h % len(_COLORS)]), name, rpg,
                       f"{topo.hop_latency_ns(h):g}", f"{topo.hop_bandwidth_GBps(h):g}",
                       str(row0[h]), str(pairs[h]))
     out.append(table)
+    if topo.network_hop_class is not None:
+        out.extend(host_boxes(topo))
     out.extend(hop_picture(topo))
+    return out
+
+
+def host_boxes(topo: Topology) -> list:
+    """A cluster's hosts as boxes of their ranks (and the groups of the tiers inside a
+    host), then the network tier that joins them."""
+    from rich.columns import Columns
+    from rich.panel import Panel
+    from rich.text import Text
+
+    net = topo.network_hop_class
+    inner = list(range(len(topo.tiers) - 2))      # tiers inside a host, below the host tier
+    boxes = []
+    for h, ranks in enumerate(topo.hosts[:_MAX_HOST_BOXES]):
+        body = Text(f"ranks {rank_ranges(ranks)}")
+        members = set(ranks)
+        for i in inner:
+            groups = [g for g in topo.tier_groups(i) if g[0] in members]
+            if len(groups) > 1:
+                body.append(f"\n{topo.tiers[i].name}: ", style=_COLORS[(i + 1) % len(_COLORS)])
+                body.append(" | ".join(rank_ranges(g) for g in groups))
+        boxes.append(Panel(body, title=f"host {h}", subtitle=f"{len(ranks)} ranks",
+                           expand=False, border_style=_COLORS[(net - 1) % len(_COLORS)]))
+    out: list = [Text(f"{topo.num_hosts} hosts (shared-memory domains):", style="italic"),
+                 Columns(boxes)]
+    if topo.num_hosts > _MAX_HOST_BOXES:
+        rest = topo.hosts[_MAX_HOST_BOXES:]
+        out.append(Text(f"  ... and {len(rest)} more hosts ({sum(map(len, rest))} ranks)"))
+    bw, lat = topo.hop_bandwidth_GBps(net), topo.hop_latency_ns(net)
+    host = topo.tiers[-2] if len(topo.tiers) > 1 else None
+    line = Text("  network: ", style="bold")
+    line.append(f"hop class {net} {topo.tiers[-1].name!r}", style=_COLORS[net % len(_COLORS)])
+    line.append(f", {bw:g} GB/s per rank ({bw * 8:g} Gb/s), {lat / 1e3:g} us one-way")
+    if host is not None:
+        line.append(f"; inside a host {host.name!r}: {host.bandwidth_GBps:g} GB/s, "
+                    f"{host.latency_ns / 1e3:g} us")
+    out.append(line)
     return out
 
 

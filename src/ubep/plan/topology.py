@@ -767,7 +767,7 @@ def _typed(table: dict, key: str, kind: str, where: str, prefix: str = "") -> An
         bad = None if ok else "a non-empty array of non-empty arrays of ranks (ints >= 0)"
         if ok:
             try:
-                value = _normal_groups(value, f"{prefix}{key}")
+                value = _normal_groups(value, f"'{prefix}{key}'")
             except ValueError as e:
                 raise ValueError(f"{where}: key {e}") from None
     elif kind == "float":
@@ -820,16 +820,15 @@ def _check_topology(t: Topology, where: str) -> None:
             if tier.ranks_per_group < 1:
                 raise ValueError(f"{where}: tiers[{i}].ranks_per_group="
                                  f"{tier.ranks_per_group} must be >= 1")
-            if i < len(t.tiers) - 2 and tier.groups is None and t.tiers[i + 1].groups is None:
-                if nxt % tier.ranks_per_group:
-                    raise ValueError(
-                        f"{where}: tiers[{i + 1}].ranks_per_group={nxt} must be a multiple "
-                        f"of tiers[{i}].ranks_per_group={tier.ranks_per_group} (groups nest)")
-            elif i < len(t.tiers) - 2:
+            if i < len(t.tiers) - 2:
                 inner = tier.group_ids(t.num_ranks)
                 outer = t.tiers[i + 1].group_ids(t.num_ranks)
                 pairs = np.unique(np.stack([inner, outer]), axis=1)
                 split = np.flatnonzero(np.bincount(pairs[0]) > 1)
+                if split.size and tier.groups is None and t.tiers[i + 1].groups is None:
+                    raise ValueError(
+                        f"{where}: tiers[{i + 1}].ranks_per_group={nxt} must be a multiple "
+                        f"of tiers[{i}].ranks_per_group={tier.ranks_per_group} (groups nest)")
                 if split.size:
                     g = int(split[0])
                     raise ValueError(

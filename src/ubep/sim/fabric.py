@@ -41,7 +41,7 @@ class Fabric:
         if len(topology.tiers) >= 3 and params.uplink_bw_scale > 0:
             inner = topology.tiers[-2]           # the group whose uplink the outermost tier uses
             up_hop = len(topology.tiers)
-            groups = np.arange(topology.num_ranks, dtype=np.int64) // inner.ranks_per_group
+            groups = inner.group_ids(topology.num_ranks)
             up_bw = (params.uplink_bw_scale * inner.ranks_per_group
                      * topology.tiers[-1].bandwidth_GBps * params.port_bw_scale)
         return Fabric(
