@@ -12,6 +12,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from ubep.sim.api import SimConfig
+from ubep.sim.cluster import cli as cluster_cli
 
 
 def _add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -38,6 +39,7 @@ def register(subparsers) -> None:
                               "superpod fabric", description=_simulate.__doc__)
     _topology_flags(s)
     _add_config_flags(s)
+    cluster_cli.add_flags(s)
     s.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of all ranks")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.add_argument("--validate-host", action="store_true",
@@ -109,6 +111,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from ubep.stats import write_chrome_trace
 
     console = _console()
+    if args.cluster:
+        return cluster_cli.run(args, console)
     if args.validate_host:
         return _validate_host(args, console)
     try:

@@ -65,3 +65,30 @@ def ingress_rows(topk: np.ndarray, num_experts: int) -> np.ndarray:
     """`[num_ranks]` rows each rank receives (expert e lives on rank e // experts per rank)."""
     P = topk.shape[0]
     return np.bincount((topk // (num_experts // P)).ravel(), minlength=P)
+
+
+def make_group_limited_topk(num_ranks: int, tokens_per_rank: int, top_k: int,
+                            num_experts: int, *, groups: int, groups_per_token: int,
+                            seed: int = 0) -> np.ndarray:
+    """`[num_ranks, tokens_per_rank, top_k]` int64 routing limited to a few expert groups
+    per token (DeepSeek-V3's node-limited routing, as DeepEP's internode test draws it):
+    uniform random scores; the experts split into `groups` equal groups (one per host);
+    each token keeps the `groups_per_token` groups of its highest scores and picks its
+    `top_k` best experts among theirs."""
+    if num_experts % groups:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of groups={groups}")
+    if not 1 <= groups_per_token <= groups:
+        raise ValueError(f"groups_per_token={groups_per_token} must be in [1, groups={groups}]")
+    if top_k > groups_per_token * (num_experts // groups):
+        raise ValueError(f"top_k={top_k} must be <= the experts of {groups_per_token} groups")
+    rng = np.random.default_rng(seed)
+    out = np.empty((num_ranks, tokens_per_rank, top_k), dtype=np.int64)
+    for r in range(num_ranks):          # one rank at a time: [tokens, experts] scores
+        scores = rng.random((tokens_per_rank, num_experts))
+        best = scores.reshape(tokens_per_rank, groups, -1).max(axis=2)
+        keep = np.argpartition(-best, groups_per_token - 1, axis=1)[:, :groups_per_token]
+        mask = np.zeros((tokens_per_rank, groups), dtype=bool)
+        np.put_along_axis(mask, keep, True, axis=1)
+        scores = np.where(np.repeat(mask, num_experts // groups, axis=1), scores, -1.0)
+        out[r] = np.argpartition(-scores, top_k - 1, axis=1)[:, :top_k]
+    return out
