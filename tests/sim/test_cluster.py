@@ -149,6 +149,21 @@ def test_latency_is_at_least_the_busiest_nic_and_grows_with_bytes():
         assert predict(slow, policy)[0].latency_us > predict(fast, policy)[0].latency_us
 
 
+def test_a_shared_nic_carries_its_hosts_bytes():
+    """One NIC per host: a host's rows leave through one link, so the network phase is at
+    least the busiest host's bytes at the NIC's rate (and the policies' time ratio follows
+    their bytes when the network dominates)."""
+    cfg = ClusterConfig(hosts=2, ranks_per_host=4, num_experts=32, nic_gbps=1.0,
+                        nics_per_host=1, tokens_per_rank=64, hidden=1024, top_k=8,
+                        intra_host="nvl72")
+    rows = {p: predict(cfg, p)[0] for p in ("flat", "hybrid")}
+    for r in rows.values():
+        assert r.network_us >= r.net_bytes_per_host / (1.0 / 8 * 1e3)
+    bytes_ratio = rows["flat"].net_bytes_per_host / rows["hybrid"].net_bytes_per_host
+    time_ratio = rows["flat"].latency_us / rows["hybrid"].latency_us
+    assert time_ratio == pytest.approx(bytes_ratio, rel=0.05)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 100), st.floats(0, 1)), min_size=1,
                 max_size=4))

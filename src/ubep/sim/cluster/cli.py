@@ -89,8 +89,9 @@ def run(args: argparse.Namespace, console) -> int:
 
 
 def _fmt(v) -> str:
-    return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (
-        f"{v:.0f}" if isinstance(v, float) else str(v))
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
 
 
 COMPARISON = [("hosts", "hosts"), ("ranks", "ranks"), ("experts_per_rank", "experts/rank"),
@@ -112,8 +113,9 @@ NORMAL = [("ep", "EP"), ("hosts", "hosts"), ("deepep_dispatch_GBps", "DeepEP dis
 
 
 def _titles(cfg: ClusterConfig) -> tuple[str, str, str]:
-    return (f"hybrid vs flat, modelled: {cfg.ranks_per_host} ranks per host, "
-            f"{cfg.nic_gbps:g} Gb/s NIC per rank{'' if not cfg.nics_per_host else ' share'}, "
+    nics = (f"one {cfg.nic_gbps:g} Gb/s NIC per rank" if not cfg.nics_per_host else
+            f"{cfg.nics_per_host} x {cfg.nic_gbps:g} Gb/s NIC per host, shared by its ranks")
+    return (f"hybrid vs flat, modelled: {cfg.ranks_per_host} ranks per host, {nics}, "
             f"{cfg.tokens_per_rank} tokens x {cfg.hidden} x {cfg.bytes_per_element} B, "
             f"top-{cfg.top_k} of {cfg.num_experts} experts, {cfg.routing} routing; network "
             f"bytes are dispatch's rows (combine sends as many partial rows back)",

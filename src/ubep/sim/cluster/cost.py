@@ -2,10 +2,12 @@
 
 Mechanisms, each priced from the `ubep.Topology` (no fitted constant):
 
-* the network: every rank's NIC share (the "other host" hop class's per-rank bandwidth)
+* the network: every rank's NIC (the "other host" hop class's per-rank bandwidth)
   serializes the bytes it sends and, separately, those it receives (full duplex); the busier
   direction of the busiest rank bounds the phase, plus the hop's one-way latency once (rows
-  to different peers stream back to back). Routing words travel with their rows.
+  to different peers stream back to back). Routing words travel with their rows. NICs
+  shared by the ranks of a host (`shared_nics`): the host's bytes over the host's NICs
+  (the per-rank share times its ranks), so one busy rank may use the whole link.
 * the host fabric (the hop classes inside a host, e.g. NVLink or shared memory): the same
   per-rank serialization at each pair's hop-class bandwidth, plus that class's latency.
 * a count header to every network peer before a dispatch's rows (flat, hybrid): one
@@ -71,7 +73,7 @@ class OpCost:
 
 
 def op_cost(traffic: Traffic, topology: Topology, *, row_bytes: int, meta_bytes: int = 0,
-            header_bytes: int = 16) -> OpCost:
+            header_bytes: int = 16, shared_nics: bool = False) -> OpCost:
     """Price `traffic` on `topology`.
 
     Arguments:
@@ -81,6 +83,8 @@ def op_cost(traffic: Traffic, topology: Topology, *, row_bytes: int, meta_bytes:
         row_bytes: bytes of one row (a dispatched row, or a combine partial).
         meta_bytes: routing bytes that travel with each row of `traffic.net_meta_rows`.
         header_bytes: bytes of one count header (`traffic.header_peers_net` per rank).
+        shared_nics: the ranks of a host share its NICs (`Topology.cluster(nics_per_host=)`)
+            instead of one NIC per rank.
     """
     P = topology.num_ranks
     if traffic.num_ranks != P:
@@ -95,7 +99,14 @@ def op_cost(traffic: Traffic, topology: Topology, *, row_bytes: int, meta_bytes:
         nbytes = traffic.net * row_bytes + traffic.net_meta_rows * meta_bytes
         send = nbytes.sum(axis=1) / net_bw
         recv = nbytes.sum(axis=0) / net_bw
-        net_total = float(np.maximum(send, recv).max())
+        if shared_nics:
+            host_ids = topology.host_ids()
+            ranks = np.bincount(host_ids, minlength=topology.num_hosts)
+            per_host = np.maximum(np.bincount(host_ids, send, topology.num_hosts),
+                                  np.bincount(host_ids, recv, topology.num_hosts)) / ranks
+            net_total = float(per_host.max())
+        else:
+            net_total = float(np.maximum(send, recv).max())
         net_item = (row_bytes + (meta_bytes if traffic.net_meta_rows.any() else 0)) / net_bw
     else:
         net_bw = net_lat = net_total = net_item = 0.0

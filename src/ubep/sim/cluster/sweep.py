@@ -48,7 +48,8 @@ def predict(config: ClusterConfig, policy: str, *, topk: np.ndarray | None = Non
                          (c, combine_row_bytes or config.partial_bytes)):
         meta = config.meta_bytes if traffic.op == "dispatch" else 0
         cost = op_cost(traffic, topo, row_bytes=row, meta_bytes=meta,
-                       header_bytes=config.header_bytes)
+                       header_bytes=config.header_bytes,
+                       shared_nics=config.nics_per_host > 0)
         out.append(ClusterRow.of(traffic, cost, topo, row_bytes=row, meta_bytes=meta,
                                  header_bytes=config.header_bytes, experts_per_rank=epr,
                                  tokens_per_rank=config.tokens_per_rank))
