@@ -281,6 +281,12 @@ def test_uneven_non_consecutive_hosts():
     with pytest.raises(ValueError, match="cannot be rescaled"):
         topo.with_ranks(10)
     assert topo.with_ranks(9) is topo and Topology.resolve(topo, 9) is topo
+    import pickle
+
+    topo.hop_matrix()
+    back = pickle.loads(pickle.dumps(topo))
+    assert back == topo and back.hosts == topo.hosts
+    assert (back.hop_matrix() == topo.hop_matrix()).all()
 
 
 def test_cluster_and_from_hosts_agree_and_even_hosts_stay_block_tiers():
