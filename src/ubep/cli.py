@@ -12,7 +12,6 @@ import sys
 
 _COMMAND_MODULES = [
     "ubep.bench.cli",
-    "ubep.bench.results",
     "ubep.moe.cli",
     "ubep.plan.cli",
     "ubep.sim.cli",

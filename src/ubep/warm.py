@@ -54,13 +54,12 @@ def _torch() -> None:
 
 
 def _tools() -> None:
-    """The MPI peer's kernels, the simulator's event queue and host microbenchmark, the
-    benchmark's probes and its replay of them."""
+    """The MPI peer's kernels, the simulator's event queue, the benchmark's probes and its
+    replay of them."""
     import numpy as np
 
     from ubep.bench import flags
     from ubep.bench.host_floor import replay
-    from ubep.sim import hostbench
     from ubep.sim.api import simulate
 
     _one_rank_group()
@@ -74,7 +73,6 @@ def _tools() -> None:
         for dt in DTYPES:
             bench_rank(0, 1, _bench_config(dt, ("mpi",)), MPI.COMM_SELF)
     simulate("nvl72", tokens_per_rank=2, hidden=64, ranks=8, exact=True)
-    hostbench.measure(footprints=(1 << 16,), seconds=0.001, procs=(1,), rounds=1)
     flags._ping_pong(np.zeros(64, np.int64), True, 0, 1, 1)     # a peer's; 0 rounds
     replay(1, [[(0, 10, np.array([2]), np.array([3]))]])
 

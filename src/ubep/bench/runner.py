@@ -189,7 +189,7 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
 def gc_paused():
     """Python's cyclic GC collected once, then off for the block: a collection inside a
     timed call would land on one system at random. The harness's timed loops run in it
-    (also `ubep.sim.hostchunks`)."""
+    (also `benchmarks.hostchunks`)."""
     gc.collect()
     gc.disable()
     try:
@@ -209,7 +209,7 @@ def timed_pair(sync, system, at: np.ndarray | None = None) -> tuple[float, float
     """One dispatch and one combine of `system`, each started right after a barrier of every
     rank (`HostSync`), the stand-in expert between them untimed: (dispatch µs, combine µs)
     on this rank. The harness's one way to time
-    a call (also `ubep.sim.hostchunks`), so what the host validation predicts is timed as
+    a call (also `benchmarks.hostchunks`), so what the host validation predicts is timed as
     `ubep bench` times it. `at` (4 int64), if given, receives the four clock readings
     (`time.perf_counter_ns`: dispatch start, end, combine start, end)."""
     perf = time.perf_counter_ns
