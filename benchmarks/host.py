@@ -106,17 +106,17 @@ def path_of(system: str) -> str:
 
 @functools.cache
 def bench_topk(batch: int, hidden: int = HIDDEN, seed: int = 0) -> np.ndarray:
-    """The routing `ubep bench` runs at this batch and hidden (`ubep.bench.runner._inputs`,
+    """The routing `ubep bench` runs at this batch and hidden (`ubep.bench.runner.bench_inputs`,
     seed `seed`, as the validation's chunks run it): `[RANKS, batch, TOP_K]` int64, each
     rank's `topk_idx`. The model simulates this routing, not one of its own: at batch 1 a
     rank's 8 rows split 5/3 or 4/4 between the ranks in the bench where the simulator's
     own draw (seed 0) splits them 5/3 and 1/7, a different call."""
     from ubep.bench.config import BenchConfig
-    from ubep.bench.runner import _inputs
+    from ubep.bench.runner import bench_inputs
 
     cfg = BenchConfig(ranks=(RANKS,), hiddens=(hidden,), batches=(batch,), top_k=TOP_K,
                       experts=EXPERTS, systems=tuple(SYSTEMS), seed=seed)
-    out = np.stack([_inputs(cfg, r, batch, hidden)[1].numpy() for r in range(RANKS)])
+    out = np.stack([bench_inputs(cfg, r, batch, hidden)[1].numpy() for r in range(RANKS)])
     out.setflags(write=False)
     return out
 

@@ -78,7 +78,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ubep.bench.pages import page_aligned
+from ubep.bench.systems import page_aligned
 from ubep.runtime.shm.atomics import (
     cpu_pause,
     load_acquire,

@@ -290,11 +290,11 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
     from ubep import reference
     from ubep.bench.config import BenchConfig
     from ubep.bench.flags import HostSync
-    from ubep.bench.runner import _checked_call, _inputs, _pin
+    from ubep.bench.runner import bench_inputs, checked_call, pin_rank
     from ubep.bench.systems import make_system
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    _pin(rank, world)
+    pin_rank(rank, world)
     job = os.environ.get("UBEP_JOB_ID", f"c{os.getpid()}")
     sync = HostSync.create(rank, world, job, timeout_s=60.0)
     state = _open_segments(spec.segments, rank)
@@ -312,7 +312,7 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
                               warmup=spec.warmup, block=spec.iters, seed=spec.seed,
                               expert="identity")
             for h in HIDDENS:
-                inputs = [_inputs(cfg, r, b, h) for r in range(world)]
+                inputs = [bench_inputs(cfg, r, b, h) for r in range(world)]
                 ref = reference.dispatch([i[0] for i in inputs], [i[1] for i in inputs],
                                          [i[2] for i in inputs], cfg.experts)[rank]
                 x, idx, w = inputs[rank]
@@ -321,7 +321,7 @@ def chunk_rank(rank: int, world: int, spec: ChunkSpec) -> dict:
                     if h != host.HIDDEN:        # outputs lent as the hidden-7168 call's
                         lend_as_at(output_pool(s), h)
                     sync.barrier()
-                    _checked_call(s, x, idx, w, ref)
+                    checked_call(s, x, idx, w, ref)
         rng = random.Random(spec.seed)
         for kind, b, _, _ in schedule(spec.batches, spec.rounds, spec.chunks):
             sync.barrier()

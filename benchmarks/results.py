@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.probes import HostProbes, HostRecord, host_record
 from ubep.bench.cli import PEERS_BATCHES, PEERS_HIDDENS
 from ubep.bench.config import BOUND, BenchConfig
 from ubep.bench.run import BenchResult, mpi_unavailable_reason, run_bench
@@ -235,7 +236,8 @@ destination lies 1-63 bytes past the source modulo 4 KiB: 112 KiB in 39 µs agai
 any other offset (glibc 2.36). Two numpy arrays malloc placed back to back sit exactly 16
 bytes apart that way, and the copy bound and the cross-core probe used such a pair until
 2026-12-02 (their batch-1 bound read 87 µs, above shm-owned's 37: a bound that was not
-one); they now copy between page-aligned buffers (`ubep.bench.pages`). The runtime met it
+one); they now copy between page-aligned buffers (`ubep.bench.systems.page_aligned`). The
+runtime met it
 too: its receive areas are page-aligned, so an `x` 16 bytes before a page boundary (a
 slice of a framework's flat workspace can lie anywhere) made every row's copy slow. Measured
 with `benchmarks/scripts/bench_copy_alias.py` (batch 128, P=2, two runs each, alternated,
@@ -283,7 +285,7 @@ the monotonic clock, the same windows on both cores (700-750 and 950-1000 µs in
 probe, 100-150 and 950-1000 in others: a timer tick's), the rest anywhere; `perf record -a`
 over the probe found nothing of the VM's own running then (its kernel threads and perf
 itself, < 0.3% of the samples), so it is the host that takes the core. Each run finds the
-windows from its own gap probes (`ubep.bench.timer_windows`; the first paragraph gives them)
+windows from its own gap probes (`benchmarks.timer_windows`; the first paragraph gives them)
 and marks every timed call that ran across one on some rank (`samples.csv`, column
 `in_timer_window`); the figures table gives the p99/median of the calls clear of them. In a
 20,000-call loop of shm-owned at batch 1, clone expert, ~12:00 UTC: 28% of the calls ran across
@@ -297,7 +299,7 @@ read 5.04x against 5.52x over all (shm-owned, median 42.0 µs).
 
 The floor the host puts under a tail. Each run now replays, over its own gap probes (both
 cores, at its start and its end), back-to-back calls of each row's median that need both
-cores for all of it and never vary (`ubep.bench.host_floor`: each core stops while it is
+cores for all of it and never vary (`benchmarks.host_floor`: each core stops while it is
 away, a call ends when the later core is done): the p99/median the host alone gives such a
 call (`bench.csv` column `host_p99x`, `ubep bench`'s "p99/median (host floor)" column, and a
 line per shm path in the figures table). Checked against a call that really is fixed work
@@ -622,31 +624,32 @@ def _start_end(per_rank: list[tuple[float, float]]) -> tuple[str, str]:
     return "/".join(f"{v:.0f}" for v in starts), "/".join(f"{v:.0f}" for v in ends)
 
 
-def _gaps_words(res: BenchResult) -> str:
+def _gaps_words(res: HostRecord) -> str:
     """The host's gaps and speed probes of a run in sentences ("" if not measured)."""
     out = ""
     if 2 in res.gaps:
         start, end = _start_end(res.gaps[2])
         out += (" The host took a rank's core away for more than 20 µs (a gap in a clock "
-                f"loop, `ubep.bench.flags.clock_gaps`) {start} times a second at the start of "
+                f"loop, `benchmarks.probes.clock_gaps`) {start} times a second at the start of "
                 f"run 1 and {end} at its end (ranks 0/1; \"The host's own gaps\" below says "
                 "what that does to a batch-1 call)")
         w = res.windows.get(2)
         out += "." if w is None else (
             f"; {100 * w.share_of_gaps:.0f}% of the {w.gaps} gaps the probes saw started "
             "in the same " + " and ".join(f"{(hi - lo) / 1e3:.0f} µs" for lo, hi in w.spans)
-            + f" of every {w.period_ns / 1e3:.0f} µs (`ubep.bench.timer_windows`), "
+            + f" of every {w.period_ns / 1e3:.0f} µs (`benchmarks.timer_windows`), "
             f"{100 * w.share_of_time:.0f}% of the time.")
     if 2 in res.speed:
         start, end = _start_end(res.speed[2])
         out += (f" A fixed loop ran at {start} iterations a µs at the start of run 1 and {end} "
-                "at its end (`ubep.bench.flags.loop_speed`; \"Two machines in one\" below: "
+                "at its end (`benchmarks.probes.loop_speed`; \"Two machines in one\" below: "
                 "this host has a fast and a slow state).")
     return out
 
 
-def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
-    """docs/results.md from the two runs."""
+def render(turns: BenchResult, inter: BenchResult, command: str,
+           host: HostRecord | None = None) -> str:
+    """docs/results.md from the two runs (`host`: run 1's host probes, `host_record`)."""
     from ubep.bench.report import load_warning, markdown
 
     m = turns.machine
@@ -660,7 +663,8 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
         f"{m.get('python')}, torch {m.get('torch')}"
         + (f", {' '.join(m['mpi'].split())}" if m.get("mpi") else "")
         + (f"; {m['native']}" if m.get("native") else "") + ". Flag round trip "
-        f"{turns.rtt_us.get(2, 0):.2f} µs." + _xcopy_words(turns) + _gaps_words(turns)
+        f"{turns.rtt_us.get(2, 0):.2f} µs." + _xcopy_words(turns)
+        + _gaps_words(host or HostRecord())
         + f" Run 1 took {turns.elapsed_s:.0f} s, run 2 {inter.elapsed_s:.0f} s.", "",
         "P=2 ranks, bf16, top-8, 16 experts, uniform routing, batch = tokens per rank. Every "
         "figure is a median (or p99) over iterations, or a ratio of two medians, of ONE run; "
@@ -706,11 +710,12 @@ def results_main(args) -> int:
     runs_dir = Path(args.runs_dir or Path("results/results") / time.strftime("%Y%m%d-%H%M%S"))
     out = Path(args.out)
     turns_cfg, inter_cfg = configs(args.iters, args.warmup)
-    done = []
+    done, hosts = [], []
     for name, cfg in (("turns", turns_cfg), ("interleaved", inter_cfg)):
         with console.status(f"benchmarking ({name}) ..") as status:
-            res = run_bench(cfg, timeout_s=args.timeout,
+            res = run_bench(cfg, timeout_s=args.timeout, probe=HostProbes(),
                             progress=lambda msg, n=name: status.update(f"{n}: {msg}"))
+        hosts.append(host_record(res))
         print_report(res, console)
         save(res, runs_dir / name)
         done.append(res)
@@ -721,7 +726,7 @@ def results_main(args) -> int:
     command = "flock /tmp/ubep-bench.lock .venv/bin/python -m benchmarks results" + "".join(
         f" --{k} {v}" for k, v, d in (("iters", args.iters, ITERS), ("warmup", args.warmup, 10))
         if v != d) + f" --out {args.out}"
-    out.write_text(render(*done, command=command))
+    out.write_text(render(*done, command=command, host=hosts[0]))
     console.print(f"wrote {out}, {figs / 'bench_peers.png'}, "
                   f"{figs / 'bench_peers_interleaved.png'}; runs in {runs_dir}")
     return 0

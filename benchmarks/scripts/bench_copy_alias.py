@@ -27,7 +27,7 @@ KINDS = (dict(backend="shm", direct="owned"), dict(backend="shm", direct=True),
 
 def _rank(rank: int, world: int, batch: int, kw: dict) -> dict[int, tuple[float, float]]:
     import ubep
-    from ubep.bench.pages import page_aligned
+    from ubep.bench.systems import page_aligned
     from ubep.testing import make_routing
 
     idx, w = make_routing(batch, K, E, seed=rank)

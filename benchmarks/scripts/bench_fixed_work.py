@@ -10,8 +10,8 @@ turns of 20 calls of two "systems" timed as `ubep bench` times them (`runner.tim
   so its tail is the host's. With `us` fixed, its median also tells whether the host runs
   code slower at the time, or only moves lines between cores slower.
 
-Gap probes on both cores at the start and the end (`HostSync.gaps_per_s`) are replayed
-(`ubep.bench.host_floor`) into the p99/median the host alone gives each median. The fixed
+Gap probes on both cores at the start and the end (`benchmarks.probes.gaps_per_s`) are replayed
+(`benchmarks.host_floor`) into the p99/median the host alone gives each median. The fixed
 work's measured ratio checks the replay; the call's, against both, is what the call adds
 (docs/results.md, "The host's own gaps").
 
@@ -55,7 +55,8 @@ def _rank(rank: int, world: int, rounds: int, us: float | None) -> dict:
     import torch
 
     import ubep
-    from ubep.bench.flags import GapLog, HostSync
+    from benchmarks.probes import GapLog, gaps_per_s
+    from ubep.bench.flags import HostSync
     from ubep.bench.runner import gc_paused, timed_pair
     from ubep.testing import make_routing, make_tokens
 
@@ -90,7 +91,7 @@ def _rank(rank: int, world: int, rounds: int, us: float | None) -> dict:
     try:
         first = [sum(timed_pair(sync, call)) for _ in range(400)]   # warm-up and the median
         fixed.n = _rounds_for((us or float(np.median(first))) / 2)
-        sync.gaps_per_s(log=log)
+        gaps_per_s(sync, log=log)
         times: dict[str, list[float]] = {"shm-owned": [], "fixed work": []}
         with gc_paused():
             for _ in range(rounds):
@@ -99,7 +100,7 @@ def _rank(rank: int, world: int, rounds: int, us: float | None) -> dict:
                         t = sum(timed_pair(sync, s))
                         if i:
                             times[name].append(t)
-        sync.gaps_per_s(log=log)
+        gaps_per_s(sync, log=log)
         return {"times": times, "log": log}
     finally:
         buf.close()
@@ -107,7 +108,7 @@ def _rank(rank: int, world: int, rounds: int, us: float | None) -> dict:
 
 
 def main() -> None:
-    from ubep.bench.host_floor import tail_ratio
+    from benchmarks.host_floor import tail_ratio
     from ubep.testing import run_ranks
 
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 300

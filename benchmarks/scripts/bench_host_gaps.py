@@ -4,13 +4,13 @@ Not a test (pytest does not collect it). Each process, bound to its core, reads 
 back to back for `seconds` and counts the gaps longer than 20, 50 and 100 µs (the VM's
 other tenants, interrupts, the kernel's own work), beside the local timer interrupts the
 core took meanwhile (`/proc/interrupts`, Linux: how many of the gaps the kernel's own tick
-could explain), and where in each millisecond the gaps start (`ubep.bench.timer_windows`:
+could explain), and where in each millisecond the gaps start (`benchmarks.timer_windows`:
 on this project's VM most of them in one or two 50 µs windows, the same on every core).
 A call of d µs that needs both cores is hit by a gap about (gaps per second on both
 cores) x (d + typical gap) of the time: at ~200 gaps a second, a 35 µs batch-1
 dispatch+combine about 1.4% of calls, so its p99 is one of them, whatever the call does
 (docs/results.md: the copy bound's own p99/median). It then replays such calls over
-the gaps both cores saw (`ubep.bench.host_floor`): the p99/median the host alone gives them.
+the gaps both cores saw (`benchmarks.host_floor`): the p99/median the host alone gives them.
 
 Then a fixed loop of Python arithmetic is timed in 100 ms chunks, on one core alone and on
 both at once, `rounds` times: on a VM whose cores share physical cores with other tenants
@@ -43,7 +43,7 @@ def timer_ticks() -> dict[int, int] | None:
 
 
 def _gaps(core: int, seconds: float):
-    from ubep.bench.flags import GapLog, clock_gaps
+    from benchmarks.probes import GapLog, clock_gaps
 
     os.sched_setaffinity(0, [core])
     log = GapLog()
@@ -53,7 +53,7 @@ def _gaps(core: int, seconds: float):
 
 def _speed(core: int, seconds: float) -> float:
     """`loop_speed` on `core`: the median of 100 ms chunks, loop iterations a µs."""
-    from ubep.bench.flags import loop_speed
+    from benchmarks.probes import loop_speed
 
     os.sched_setaffinity(0, [core])
     return loop_speed(seconds, 0.1)
@@ -77,15 +77,15 @@ def main() -> None:
                   f"{sum(g > 50 for g in us) / seconds:.0f}/s, > 100 µs "
                   f"{sum(g > 100 for g in us) / seconds:.0f}/s; median gap {med:.0f} µs, "
                   f"longest {us[-1] if us else 0:.0f} µs{tick}")
-        from ubep.bench.report import timer_windows_words
-        from ubep.bench.timer_windows import find_windows
+        from benchmarks.probes import timer_windows_words
+        from benchmarks.timer_windows import find_windows
 
         for core, log in results:
             words = timer_windows_words(find_windows(log.starts))
             print(f"core {core}: gaps' phase in the millisecond: "
                   + (words.strip(" ()") if words else "anywhere (no window holds more than "
                      "3x its share)"))
-        from ubep.bench.host_floor import tail_ratio
+        from benchmarks.host_floor import tail_ratio
 
         probes = [[log.probes[0] for _, log in results]]
         print("the host's floor: p99/median of back-to-back calls that need every core for "

@@ -51,11 +51,11 @@ def _rank(rank: int, world: int, sizes: list[int], rounds: int, port: int) -> di
     import torch.distributed as dist
 
     from ubep.bench.flags import HostSync
-    from ubep.bench.runner import _pin
+    from ubep.bench.runner import pin_rank
     from ubep.runtime.torch_backend import all_to_all
 
     torch.set_num_threads(1)
-    _pin(rank, world)
+    pin_rank(rank, world)
     sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"], timeout_s=60)
     if rank == 0:
         ls = socket.socket()

@@ -3,16 +3,16 @@ one run."""
 
 import numpy as np
 
+from benchmarks.host_floor import tail_ratio
+from benchmarks.probes import GapLog, HostRecord, host_record
 from benchmarks.results import figures, render
 from ubep.bench.config import BenchConfig
-from ubep.bench.flags import GapLog
-from ubep.bench.host_floor import tail_ratio
-from ubep.bench.run import BenchResult, _collect, _summarise
+from ubep.bench.run import BenchResult, collect, summarise
 
 H = 7168
 
 
-def _result(scale: float, block: int) -> BenchResult:
+def _result(scale: float, block: int) -> tuple[BenchResult, HostRecord]:
     """A run at batch 1 and 128 where every system's times are fixed multiples."""
     cfg = BenchConfig(hiddens=(H,), batches=(1, 128), iters=3, block=block,
                       systems=("shm-direct", "shm-ubep", "torch", "agrs"))
@@ -31,19 +31,19 @@ def _result(scale: float, block: int) -> BenchResult:
     at = [10**9 + 100_000, 10**9 + 200_000, 10**9 + 690_000]        # each iteration's start
     spans = {key: np.array([[a, a + 20_000, a + 30_000, a + 50_000] for a in at]).T
              for key in times}
-    rank = {"times": times, "phases": {}, "unavailable": {}, "rtt_us": 0.0,
-            "gap_log": log, "spans": spans,
-            "xcopy": (114688, 6.0 * scale, 3.0 * scale), "gaps": (150.0, 40.0 * scale),
+    rank = {"times": times, "phases": {}, "unavailable": {}, "rtt_us": 0.0, "spans": spans,
+            "probe": {"gap_log": log, "gaps": (150.0, 40.0 * scale), "speed": (10.0, 10.0)},
+            "xcopy": (114688, 6.0 * scale, 3.0 * scale),
             "bytes": {(H, 1): (1, 1), (H, 128): (1, 1)}}
     res = BenchResult(config=cfg, machine={"time_utc": "now", "cpus_usable": 2,
                                            "load_avg_1m": 0.1})
-    _collect(res, 2, [rank, rank])
-    _summarise(res)
-    return res
+    collect(res, 2, [rank, rank])
+    summarise(res)
+    return res, host_record(res)
 
 
 def test_figures_are_ratios_of_one_run():
-    turns, inter = _result(1.0, 20), _result(2.0, 1)
+    (turns, host), (inter, _) = _result(1.0, 20), _result(2.0, 1)
     lines = figures(turns, inter)
     row = {line.split(" | ")[0].lstrip("| "): line for line in lines}
     # torch / (raw + bound) = 900 / 510 in both runs, whatever the run's scale
@@ -55,7 +55,7 @@ def test_figures_are_ratios_of_one_run():
     assert "| 3.00× | 3.00× | yes |" in row["shm-direct batch 1 / copy bound"]
     assert [line for line in lines if "as the other core just wrote them" in line][0].count(
         "2.00×") == 2
-    md = render(turns, inter, command="ubep results")
+    md = render(turns, inter, command="ubep results", host=host)
     assert "    ubep results" in md and "112 KiB a batch-1 dispatch moves takes 6.0 µs" in md
     assert "150/150 times a second at the start of run 1 and 40/40 at its end" in md
     assert ("100% of the 200 gaps the probes saw started in the same 50 µs of every 1000 µs"
@@ -67,7 +67,7 @@ def test_figures_are_ratios_of_one_run():
     # the host's floor: 30 µs calls (60 interleaved) replayed over the gap probes
     floor = [line for line in lines if line.startswith(
         "| shm-direct batch 1 p99 / median the host's gaps alone give")][0]
-    probes = turns.gap_probes[2]
+    probes = host.gap_probes[2]
     assert f"| {tail_ratio(30.0, probes):.2f}× | {tail_ratio(60.0, probes):.2f}× | - |" in floor
     assert "    ubep results" in md and "## Run 2: every iteration interleaved" in md
     assert "| 1 | raw collectives |" in md and "× raw+copy" in md

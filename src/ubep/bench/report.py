@@ -57,16 +57,13 @@ def _x(v: float | None) -> str:
 
 
 def _tail(row: dict) -> str:
-    """dispatch+combine's p99/median, and in brackets the host's floor under it: what the
-    host's gaps alone give a call of this median (`ubep.bench.host_floor`)."""
-    floor = row.get("host_p99x")
-    return (f"{row['p99_us'] / row['median_us']:.1f}×"
-            + ("" if floor is None else f" ({floor:.1f}×)"))
+    """dispatch+combine's p99/median."""
+    return f"{row['p99_us'] / row['median_us']:.1f}×"
 
 
 def tables(res: BenchResult) -> list[Table]:
     """One table per (ranks, hidden): a row per (batch, system), dispatch/combine/total, and
-    the total's tail beside the host's floor under it."""
+    the total's tail."""
     index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
     points = sorted({(r["ranks"], r["hidden"]) for r in res.rows})
     cfg = res.config
@@ -78,7 +75,7 @@ def tables(res: BenchResult) -> list[Table]:
                   title_justify="left")
         raw = _has_raw(res)
         for col in ("batch", "system", "dispatch", "combine", "dispatch+combine",
-                    "p99/median (host floor)", "× ubep", "× bound",
+                    "p99/median", "× ubep", "× bound",
                     *(["× raw+copy"] if raw else [])):
             t.add_column(col, justify="left" if col == "system" else "right")
         batches = sorted({r["batch"] for r in res.rows if (r["ranks"], r["hidden"]) ==
@@ -127,7 +124,7 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
     console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
                   f"{'?' if load is None else f'{load:.1f}'}; flag round trip "
                   + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
-                  + cross_core(res) + host_gaps(res) + host_speed(res) + f"; {pinning(res)}; "
+                  + cross_core(res) + f"; {pinning(res)}; "
                   f"{m.get('native', '?')}; "
                   f"{res.elapsed_s:.0f} s[/]")
 
@@ -137,31 +134,6 @@ def cross_core(res: BenchResult) -> str:
     return "".join(f"; cross-core copy P={p}: {n / 1024:.0f} KiB in {peer:.1f} µs "
                    f"({peer / own:.1f}× the {own:.1f} µs from the copying core's cache)"
                    for p, (n, peer, own) in sorted(res.xcopy.items()))
-
-
-def host_gaps(res: BenchResult) -> str:
-    """The host's gaps probe in words, with the timer windows they bunch in ("" if not
-    measured)."""
-    return "".join(f"; host gaps > 20 µs P={p}: " + ", ".join(
-        f"rank {r} {a:.0f}/s then {b:.0f}/s" for r, (a, b) in enumerate(per_rank))
-        + timer_windows_words(res.windows.get(p))
-        for p, per_rank in sorted(res.gaps.items()))
-
-
-def timer_windows_words(w) -> str:
-    """Where the gaps bunch, in words ("" if the run found no windows)."""
-    if w is None:
-        return ""
-    spans = ", ".join(f"{lo / 1e3:.0f}-{hi / 1e3:.0f}" for lo, hi in w.spans)
-    return (f" ({100 * w.share_of_gaps:.0f}% of them starting {spans} µs into a "
-            f"{w.period_ns / 1e3:.0f} µs period, {100 * w.share_of_time:.0f}% of its time)")
-
-
-def host_speed(res: BenchResult) -> str:
-    """The host's speed probe in words ("" if not measured)."""
-    return "".join(f"; fixed loop P={p}: " + ", ".join(
-        f"rank {r} {a:.0f} then {b:.0f} iterations/µs" for r, (a, b) in enumerate(per_rank))
-        for p, per_rank in sorted(res.speed.items()))
 
 
 def pinning(res: BenchResult) -> str:
@@ -252,12 +224,10 @@ def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
     with samples.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "ranks", "hidden", "batch", "iter", "dispatch_us", "combine_us",
-                    "total_us", "in_timer_window"])
+                    "total_us"])
         for key, t in sorted(res.samples.items()):
-            hit = res.in_window.get(key)
             for i in range(t.shape[1]):
-                w.writerow([*key, i, *(f"{v:.3f}" for v in t[:, i]),
-                            "" if hit is None else int(hit[2, i])])
+                w.writerow([*key, i, *(f"{v:.3f}" for v in t[:, i])])
     if res.leads:
         with (out_dir / "leads.csv").open("w", newline="") as f:
             w = csv.writer(f)
@@ -282,13 +252,6 @@ def write_json(res: BenchResult, out_dir: Path) -> Path:
         "cross_core_copy": {str(k): {"bytes": n, "peer_written_us": a, "own_cache_us": b}
                             for k, (n, a, b) in res.xcopy.items()},
         "rank_cores": {str(k): v for k, v in res.cores.items()},
-        "host_gaps_per_s": {str(k): v for k, v in res.gaps.items()},
-        "host_timer_windows": {str(k): None if w is None else {
-            "spans_us": [[lo / 1e3, hi / 1e3] for lo, hi in w.spans],
-            "period_us": w.period_ns / 1e3, "share_of_gaps": w.share_of_gaps,
-            "share_of_time": w.share_of_time, "gaps": w.gaps}
-            for k, w in res.windows.items()},
-        "host_loop_speed": {str(k): v for k, v in res.speed.items()},
         "unavailable": res.unavailable, "elapsed_s": res.elapsed_s}, indent=2))
     return path
 

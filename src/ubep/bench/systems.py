@@ -10,14 +10,31 @@ dispatch with the oracle's bytes, so no system is timed while it gives wrong ans
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ubep.bench.config import AGRS_RAW, BOUND, BUFFER_SYSTEMS, MPI_RAW, RAW, BenchConfig
-from ubep.bench.pages import page_aligned
 from ubep.reference import ReferenceDispatch
 from ubep.runtime.torch_backend import all_to_all
+
+
+def page_aligned(nbytes: int) -> np.ndarray:
+    """`nbytes` of zeroed uint8 at a page-aligned address, in 4 KiB pages (an anonymous shared
+    mapping, the memory the runtime's regions are; numpy would advise huge pages for 4 MiB
+    and more). Kept alive by the array.
+
+    The copy bound copies between two of these. glibc copies a few KiB and more with `rep
+    movsb` where the CPU advertises fast string moves, and on AMD Zen 3 that instruction runs
+    ~8x slower when the destination lies 1-31 bytes past the source modulo 4 KiB (glibc 2.36;
+    2.39 avoids it). Two numpy arrays malloc placed back to back sit exactly 16 bytes apart
+    modulo 4 KiB, so a bound copied between them would time that slow case, not the fastest
+    copy the core has.
+    """
+    m = mmap.mmap(-1, max(nbytes, 1))
+    return np.frombuffer(m, np.uint8)[:nbytes]
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -228,7 +245,7 @@ class CopyBound:
     Dispatch must write each routed (token, expert) row of this rank once; combine must
     bring each received row back once. `dispatch()` and `combine()` copy exactly those byte
     counts, contiguous (memcpy between page-aligned buffers, the fastest copy this core
-    has: `ubep.bench.pages` says why the alignment matters). The flag round trip is
+    has: `page_aligned` says why the alignment matters). The flag round trip is
     added when the results are summarised, not here.
     """
 
@@ -236,7 +253,7 @@ class CopyBound:
         self.name = name
         self.row_bytes = hidden * torch.empty(0, dtype=cfg.torch_dtype).element_size()
         rows = max(cfg.batches) * cfg.top_k * max(cfg.ranks)  # room for any skew
-        # page-aligned, both: memcpy's fast case on every CPU (`ubep.bench.pages`)
+        # page-aligned, both: memcpy's fast case on every CPU (`page_aligned`)
         n = rows * self.row_bytes
         self._src, self._dst = page_aligned(n), page_aligned(n)
         self._src[:] = 1

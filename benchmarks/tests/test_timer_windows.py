@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from ubep.bench.flags import GapLog, clock_gaps
-from ubep.bench.run import _clear_of_windows
-from ubep.bench.timer_windows import PERIOD_NS, TimerWindows, find_windows, overlaps
+from benchmarks.probes import GapLog, clear_of_windows, clock_gaps
+from benchmarks.timer_windows import PERIOD_NS, TimerWindows, find_windows, overlaps
 
 
 def _gaps(rng, n_bunched, phases_us, n_scattered, periods=5000):
@@ -54,11 +53,11 @@ def test_an_interval_overlaps_a_window_of_any_period():
 
 def test_clear_calls_summary():
     t = np.array([10.0, 11.0, 12.0, 90.0])
-    got = _clear_of_windows(t, np.array([False, False, False, True]))
+    got = clear_of_windows(t, np.array([False, False, False, True]))
     assert got == {"clear_share": 0.75, "clear_median_us": 11.0,
                    "clear_p99_us": pytest.approx(np.percentile([10.0, 11.0, 12.0], 99))}
-    assert _clear_of_windows(t, None)["clear_p99_us"] is None
-    assert _clear_of_windows(t, np.ones(4, bool))["clear_share"] is None
+    assert clear_of_windows(t, None)["clear_p99_us"] is None
+    assert clear_of_windows(t, np.ones(4, bool))["clear_share"] is None
 
 
 def test_clock_gaps_logs_each_gaps_start_and_length():

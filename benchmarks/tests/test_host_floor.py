@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ubep.bench.host_floor import MIN_CALLS, replay, tail_ratio
+from benchmarks.host_floor import MIN_CALLS, replay, tail_ratio
 
 
 def _probe(first, last, gaps):

@@ -1,6 +1,6 @@
 """The tail the host alone gives a call: replay calls that never vary over the gaps it took.
 
-A run's gap probes (`ubep.bench.flags.clock_gaps`) record, on every rank's core at once,
+A run's gap probes (`benchmarks.probes.clock_gaps`) record, on every rank's core at once,
 when the host took the core away and for how long. Replaying back-to-back calls of a fixed
 `work` over that record — each needing `work` of its own core on every rank, each core
 stopping while it is away, a call done when the last core is — gives the p99/median a call

@@ -1,6 +1,6 @@
 """Where in each millisecond the host takes the cores away, and which timed calls it hit.
 
-On this project's VM most gaps longer than 20 µs (`ubep.bench.flags.clock_gaps`) start at
+On this project's VM most gaps longer than 20 µs (`benchmarks.probes.clock_gaps`) start at
 one or two fixed phases of a 1 ms period, the same on both cores: the timer tick. A call
 running across such a phase is the one that meets a gap; the others meet the remaining,
 scattered gaps only. Splitting a run's calls by whether they ran across one tells the
