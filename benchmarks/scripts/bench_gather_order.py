@@ -15,13 +15,13 @@ import numpy as np
 from numba import njit
 
 from ubep.runtime.shm.atomics import memcpy_at
-from ubep.runtime.torch_layout import _copy_row, gather_rows
+from ubep.runtime.torch_layout import copy_row, gather_rows
 
 
 @njit(nogil=True)
 def _destination_order(src, gather, out, rw):
     for i in range(gather.shape[0]):
-        _copy_row(out, i * rw, src, gather[i] * rw, rw)
+        copy_row(out, i * rw, src, gather[i] * rw, rw)
 
 
 @njit(nogil=True)
