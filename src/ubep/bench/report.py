@@ -52,6 +52,13 @@ def _blocks(cfg) -> str:
                     if expert == "clone" else ", combine's input recv_x itself")
 
 
+def _rows(cfg) -> str:
+    """The rows' dtype in words: fp8 dispatch with scales and the combine's dtype, or one."""
+    if getattr(cfg, "fp8", False):
+        return f"fp8 e4m3 rows + scales, {cfg.dtype} combine"
+    return cfg.dtype
+
+
 def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}×"
 
@@ -69,7 +76,7 @@ def tables(res: BenchResult) -> list[Table]:
     cfg = res.config
     out = []
     for world, hidden in points:
-        t = Table(title=f"P={world} ranks, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, "
+        t = Table(title=f"P={world} ranks, hidden={hidden} {_rows(cfg)}, top-{cfg.top_k}, "
                         f"{cfg.experts} experts, {cfg.routing} routing — µs, median / p99 "
                         f"over {cfg.iters} iterations (max over ranks), {_blocks(cfg)}",
                   title_justify="left")
@@ -156,7 +163,7 @@ def markdown(res: BenchResult) -> str:
     lines = []
     for world, hidden in sorted({(r["ranks"], r["hidden"]) for r in res.rows}):
         raw = _has_raw(res)
-        lines += [f"**P={world}, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, {cfg.experts} "
+        lines += [f"**P={world}, hidden={hidden} {_rows(cfg)}, top-{cfg.top_k}, {cfg.experts} "
                   f"experts** — µs, median / p99 of {cfg.iters} iterations (max over ranks), "
                   f"{_blocks(cfg)}", "",
                   "| batch | system | dispatch | combine | dispatch+combine | × ubep | × bound |"
@@ -280,7 +287,7 @@ def write_png(res: BenchResult, out_dir: Path, filename: str = "bench.png") -> P
         ax.set_yscale("log")
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel("dispatch + combine, median µs")
-        ax.set_title(f"P={world}, hidden={hidden} {res.config.dtype}, top-{res.config.top_k}")
+        ax.set_title(f"P={world}, hidden={hidden} {_rows(res.config)}, top-{res.config.top_k}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

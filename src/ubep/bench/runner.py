@@ -30,18 +30,31 @@ from ubep import reference
 from ubep.bench.config import AGRS_RAW, BOUND, MPI_RAW, RAW, BenchConfig
 from ubep.bench.flags import HostSync
 from ubep.bench.systems import make_system
+from ubep.quant import per_token_cast_to_fp8
 from ubep.testing import make_routing, make_tokens
 
 
 def bench_inputs(cfg: BenchConfig, rank: int, batch: int, hidden: int):
     """Rank `rank`'s `(x, topk_idx, topk_weights)` at one point of `cfg`: the same on every
     rank that builds them (each rank builds every rank's, for the oracle) and in every run of
-    the same seed."""
+    the same seed. With `cfg.fp8`, `x` is `(x_fp8, x_scales)` (`ubep.quant`)."""
     seed = cfg.seed * 1_000_003 + batch * 131 + hidden
     idx, w = make_routing(batch, cfg.top_k, cfg.experts, kind=cfg.routing,
                           seed=seed * 17 + rank)
     x = make_tokens(rank, batch, hidden, cfg.torch_dtype, seed=seed)
+    if cfg.fp8:
+        x = per_token_cast_to_fp8(x)
     return x, idx, w
+
+
+def oracle_rows(x) -> torch.Tensor:
+    """The rows the oracle moves for input `x`: `x` itself, or for `(x_fp8, x_scales)` each
+    row's fp8 bytes followed by its scales' bytes (uint8), so one `ubep.reference.dispatch`
+    places both (`systems.check_dispatch` splits them again)."""
+    if isinstance(x, tuple):
+        rows, scales = x
+        return torch.cat([rows.view(torch.uint8), scales.view(torch.uint8)], dim=1)
+    return x
 
 
 def _agree(ok: bool, reason: str | None) -> str | None:
@@ -96,7 +109,9 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None, probe=None) -
         out["xcopy"] = None if xcopy is None else (xbytes, *xcopy)
         if probe is not None:
             probe.start(sync)
-        names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else []),
+        # (the torch backend's raw collectives replay one Buffer call's: not fp8's two)
+        names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems and not cfg.fp8
+                                        else []),
                  *([AGRS_RAW] if "agrs" in cfg.systems else []),
                  *([MPI_RAW] if "mpi" in cfg.systems else [])]
         for hidden in cfg.hiddens:
@@ -158,7 +173,7 @@ def checked_call(s, x, idx, w, ref) -> None:
 def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
     for batch in cfg.batches:
         inputs = [bench_inputs(cfg, r, batch, hidden) for r in range(world)]
-        ref = reference.dispatch([i[0] for i in inputs], [i[1] for i in inputs],
+        ref = reference.dispatch([oracle_rows(i[0]) for i in inputs], [i[1] for i in inputs],
                                  [i[2] for i in inputs], cfg.experts)[rank]
         x, idx, w = inputs[rank]
         # one checked, untimed call per system; a system that fails or errs is dropped
