@@ -15,7 +15,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q --no-compile -e '.[dev,cli]'
 	touch $(STAMP)
 
 # ubep.native: the compiled fast checks (C++, g++ and ninja; ~30 s), into the venv. Without

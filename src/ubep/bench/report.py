@@ -1,16 +1,21 @@
-"""Show and save a `BenchResult`: rich tables, CSV files, a PNG and a JSON description."""
+"""Show and save a `BenchResult`: rich tables, CSV files, a PNG and a JSON description.
+
+rich and matplotlib (the `cli` extra) are imported by the functions that draw with them.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from ubep.bench.config import AGRS_RAW, BOUND, MPI_RAW, RAW
 from ubep.bench.run import BenchResult
+
+if TYPE_CHECKING:                   # rich: the `cli` extra, imported where a table is drawn
+    from rich.console import Console
+    from rich.table import Table
 
 _ORDER = ("shm-ubep", "shm-direct", "shm-owned", "shm-bsp", "torch", RAW, "mpi", MPI_RAW,
           "agrs", AGRS_RAW, BOUND)
@@ -71,6 +76,8 @@ def _tail(row: dict) -> str:
 def tables(res: BenchResult) -> list[Table]:
     """One table per (ranks, hidden): a row per (batch, system), dispatch/combine/total, and
     the total's tail."""
+    from rich.table import Table
+
     index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
     points = sorted({(r["ranks"], r["hidden"]) for r in res.rows})
     cfg = res.config
@@ -118,6 +125,8 @@ def load_warning(res: BenchResult) -> str | None:
 
 def print_report(res: BenchResult, console: Console | None = None) -> None:
     """Tables, then the systems that did not run and why, then the machine."""
+    from rich.console import Console
+
     console = console or Console()
     for t in tables(res):
         console.print(t)
