@@ -9,6 +9,7 @@ own package.
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import ubep
@@ -114,3 +115,71 @@ def test_the_checks_see_the_package():
     found, _ = _imports("ubep.bench.runner", *MODULES["ubep.bench.runner"])
     assert (found and all(src.startswith("ubep") for _, src, _ in found)
             and any(src == "ubep.bench.flags" for _, src, _ in found))
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every import between ubep modules, at the top, in a function or under
+    TYPE_CHECKING alike; a submodule's import of a package that holds it is left out (Python
+    imports the package first in any case)."""
+    graph: dict[str, set[str]] = {}
+    for module, (path, tree) in MODULES.items():
+        found, _ = _imports(module, path, tree)
+        targets = set()
+        for _, src, name in found:
+            target = f"{src}.{name}" if name and f"{src}.{name}" in MODULES else src
+            if target in MODULES and target != module and not module.startswith(target + "."):
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def test_no_import_cycle_lazy_or_not():
+    graph = _graph()
+    assert "ubep.quant" in graph["ubep.buffer"] and "ubep.ops" in graph["ubep.buffer"]
+    seen: dict[str, int] = {}        # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        seen[m] = 1
+        for t in sorted(graph[m]):
+            if seen.get(t) == 1:
+                cycles.append(" -> ".join(path[path.index(t):] + [m, t]))
+            elif t not in seen:
+                visit(t, path + [m])
+        seen[m] = 2
+
+    for m in sorted(graph):
+        if m not in seen:
+            visit(m, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def _members(cls) -> set[str]:
+    """The names `Backend` declares: its methods and annotated attributes."""
+    return ({n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
+            | set(getattr(cls, "__annotations__", {})))
+
+
+def test_every_backend_offers_what_buffer_calls():
+    """`Backend` declares each name `Buffer` calls on its backend, and each backend has them
+    all (its own or the protocol's defaults), so `Buffer` asks no backend with `getattr`."""
+    from ubep.runtime import Backend
+    from ubep.runtime.shm.backend import ShmBackend
+    from ubep.runtime.torch_backend import TorchBackend
+
+    declared = _members(Backend)
+    path, tree = MODULES["ubep.buffer"]
+    called = {node.attr for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+              and node.value.attr == "_backend"}
+    assert called and called <= declared, sorted(called - declared)
+    asked = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", None) == "getattr" and node.args
+             and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == "_backend"]
+    assert not asked, f"buffer.py asks its backend with getattr at lines {asked}"
+    for cls in (ShmBackend, TorchBackend):
+        missing = {name for name in declared if not hasattr(cls, name)}
+        # an attribute set per instance counts where the constructor sets it
+        missing -= {name for name in missing
+                    if f"self.{name} =" in inspect.getsource(cls.__init__)}
+        assert not missing, (cls.__name__, sorted(missing))

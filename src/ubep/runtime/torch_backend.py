@@ -101,6 +101,7 @@ from ubep.handle import (
 )
 from ubep.native import load_native
 from ubep.options import BufferConfig
+from ubep.runtime import Backend
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
     KIND_BF16,
@@ -338,7 +339,7 @@ class _TorchState:
             self.final_offsets_np = res[o_fo:o_fo + self.num_tokens]
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     """Dispatch/combine over `torch.distributed.all_to_all_single`."""
 
     def __init__(self, config: BufferConfig, group, buffer_id: int):
