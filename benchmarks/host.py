@@ -175,7 +175,7 @@ def host_topology():
     return Topology(name="host", num_ranks=RANKS, workers_per_rank=1, atomic_block_bytes=512,
                     flag_bytes=8, tiers=(Tier("host", RANKS, 100.0, 10.0),),
                     local_latency_ns=100.0, local_bandwidth_GBps=10.0, staging_rows=64,
-                    description="this host, for --validate-host")
+                    description="this host, for validate-host")
 
 
 def host_params(flag_rtt_us: float, send_ns_per_byte: float = 0.0,
@@ -300,7 +300,7 @@ def validate(med: dict, hc: HostConstants, batches=BATCHES, seed: int = 0) -> li
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """`validate`'s rows as the markdown table of docs/results/simulator.md: one line per
+    """`validate`'s rows as markdown (`<bench-out>/validate_host.md`): one line per
     system and batch, dispatch and combine side by side (medians over the bench runs, and
     in brackets the range over the runs when there were several), and the count within
     +-25%."""

@@ -8,8 +8,8 @@ of that length would have here if its own code never varied: the floor under the
 tail. The model is the forgiving one: it ignores gaps shorter than the probe's threshold
 and lets each core progress on its own, where a real call's ranks also wait for each
 other. The probes run before and after a run's calls, not during them, so the floor is an
-estimate of the host at the time (docs/results.md, "The host's own gaps": fixed work of a
-call's length measured 1.96-4.61x where its replay gave 1.96-3.88x).
+estimate of the host at the time (checked by `benchmarks/scripts/bench_fixed_work.py`: fixed
+work of a call's length measured 1.96-4.61x where its replay gave 1.96-3.88x).
 
 Pure functions of the probes' records (`time.perf_counter_ns`, CLOCK_MONOTONIC: one clock
 for every process on the host).

@@ -1,6 +1,6 @@
 """Host validation in interleaved chunks: the table a bench is predicted from and the bench
-it predicts, timed within a second of each other, many times (`ubep simulate
---validate-host`).
+it predicts, timed within a second of each other, many times (`python -m benchmarks
+validate-host`).
 
 Why: this host switches between states ~3x apart every few seconds (the one-worker path's
 cross-core records 0.4-0.6 or ~2.7 us per 14 KB row, in the microbenchmark and the bench

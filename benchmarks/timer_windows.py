@@ -4,7 +4,7 @@ On this project's VM most gaps longer than 20 µs (`benchmarks.probes.clock_gaps
 one or two fixed phases of a 1 ms period, the same on both cores: the timer tick. A call
 running across such a phase is the one that meets a gap; the others meet the remaining,
 scattered gaps only. Splitting a run's calls by whether they ran across one tells the
-host's tail apart from the code's (docs/results.md, "The host's own gaps").
+host's tail apart from the code's (docs/results.md's figures table reads it per run).
 
 Pure functions of the probe's gaps and the calls' clock readings (`time.perf_counter_ns`,
 CLOCK_MONOTONIC: one clock for every process on the host).

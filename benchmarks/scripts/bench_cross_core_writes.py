@@ -7,8 +7,7 @@ Ways of writing a record: `loop` (`kernels.records.copy_bytes` per block, the st
 way), `memcpy` (libc's, per block, then an `sfence`), `row memcpy` (the row in one memcpy, one
 flag after an `sfence`: the direct path's way), `4K blocks` (memcpy per 4 KiB block).
 
-Not a test (pytest does not collect it); the numbers are in docs/results.md ("What a write to
-the peer's lines costs").
+Not a test (pytest does not collect it): it prints its figures.
 
     .venv/bin/python -m benchmarks bench_cross_core_writes [iterations] [rounds]
 """

@@ -12,8 +12,7 @@ turns of 20 calls of two "systems" timed as `ubep bench` times them (`runner.tim
 
 Gap probes on both cores at the start and the end (`benchmarks.probes.gaps_per_s`) are replayed
 (`benchmarks.host_floor`) into the p99/median the host alone gives each median. The fixed
-work's measured ratio checks the replay; the call's, against both, is what the call adds
-(docs/results.md, "The host's own gaps").
+work's measured ratio checks the replay; the call's, against both, is what the call adds.
 
     .venv/bin/python -m benchmarks bench_fixed_work [rounds] [us]
 """

@@ -8,8 +8,7 @@ The other tree's `ubep` package is copied to a temporary folder as a package nam
 side by side; its numba caches go there, not into that tree. The copy never loads this
 environment's `ubep.native` build (its build folder is renamed with it), so its Python path
 runs: against this very tree (`src`), the A/B times `ubep.native` alone. Results are checked
-equal before timing. Not a test (pytest does not collect it); the numbers are in
-docs/results.md ("Layer by layer, in place").
+equal before timing. Not a test (pytest does not collect it): it prints its figures.
 
     .venv/bin/python -m benchmarks bench_shm_ab OTHER_SRC [--world 1|2] [--direct owned|true]
         [--rounds 60] [--batch 1]

@@ -5,8 +5,7 @@ thread bound to core `rank`, each call started after a tight cross-process barri
 pair's time the slower rank's. `--evict MB`: before every call each rank writes a byte of
 every cache line of MB megabytes (outside the timed region), so every call starts on cold
 caches, as a MoE layer's call does after the attention layer before it. Results are checked
-equal first. Not a test (pytest does not collect it); the numbers are in docs/results.md
-("The door").
+equal first. Not a test (pytest does not collect it): it prints its figures.
 
 `--direct false` is the one-worker staged path (`SinglePath`, its door `native/staged.cpp`).
 

@@ -10,8 +10,7 @@ dispatch+combine with combine's input made three ways, alternating every 20 call
 
 The expert step and `get_combine_buffer` are untimed; each call starts after a tight
 cross-process barrier, each rank's thread bound to core `rank`, the pair's time the slower
-rank's. Not a test (pytest does not collect it); the numbers are in docs/results.md ("The
-stand-in expert").
+rank's. Not a test (pytest does not collect it): it prints its figures.
 
     .venv/bin/python -m benchmarks bench_shm_expert [rounds] [batch]
 """

@@ -7,8 +7,7 @@ alternating every 20 calls in one process (a 1-rank group), so each layer's cost
 difference of two medians taken side by side. A piece timed in a tight loop of its own costs
 less than in place (its code and data stay hot there), so this is the measure to trust.
 
-Not a test (pytest does not collect it); the numbers are in docs/results.md ("Layer by layer,
-in place").
+Not a test (pytest does not collect it): it prints its figures.
 
     .venv/bin/python -m benchmarks bench_shm_layers [owned|true] [ROUNDS]
 """

@@ -4,8 +4,7 @@ dispatch+combine calls in one process pair, ranks bound to cores 0 and 1, each c
 barrier; the pair's time is the slower rank's. The previous dispatch's result is held during
 the next, as a decode loop holds it.
 
-Not a test (pytest does not collect it); the numbers are in docs/results.md ("Where a batch-1
-call's time goes").
+Not a test (pytest does not collect it): it prints its figures.
 
     .venv/bin/python -m benchmarks bench_shm_spins [owned|direct|staged] [SPINS,...] [BATCH]
 

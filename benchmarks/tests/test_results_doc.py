@@ -5,7 +5,14 @@ import numpy as np
 
 from benchmarks.host_floor import tail_ratio
 from benchmarks.probes import GapLog, HostRecord, host_record
-from benchmarks.results import figures, render
+from benchmarks.results import (
+    README_END,
+    README_START,
+    figures,
+    headline_table,
+    render,
+    update_readme,
+)
 from ubep.bench.config import BenchConfig
 from ubep.bench.run import BenchResult, collect, summarise
 
@@ -15,8 +22,8 @@ H = 7168
 def _result(scale: float, block: int) -> tuple[BenchResult, HostRecord]:
     """A run at batch 1 and 128 where every system's times are fixed multiples."""
     cfg = BenchConfig(hiddens=(H,), batches=(1, 128), iters=3, block=block,
-                      systems=("shm-direct", "shm-ubep", "torch", "agrs"))
-    base = {"shm-direct": 30.0, "shm-ubep": 50.0, "torch": 900.0, "raw": 500.0,
+                      systems=("shm-owned", "shm-direct", "shm-ubep", "torch", "agrs"))
+    base = {"shm-owned": 30.0, "shm-direct": 30.0, "shm-ubep": 50.0, "torch": 900.0, "raw": 500.0,
             "agrs": 1000.0, "bound": 10.0}
     times = {}
     for name, us in base.items():
@@ -51,23 +58,39 @@ def test_figures_are_ratios_of_one_run():
     assert "| 30.0 µs | 60.0 µs | yes |" in row["shm-direct dispatch+combine, batch 1, median"]
     assert "| 50.0 µs | 100.0 µs | no |" in row[
         "shm-ubep dispatch+combine, batch 1, median"]
-    assert row["agrs / shm-direct, batch 128"].count("33.33×") == 2
+    assert row["agrs / shm-owned, batch 128"].count("33.33×") == 2
     assert "| 3.00× | 3.00× | yes |" in row["shm-direct batch 1 / copy bound"]
-    assert [line for line in lines if "as the other core just wrote them" in line][0].count(
+    assert [line for line in lines if "as the other core wrote them" in line][0].count(
         "2.00×") == 2
     md = render(turns, inter, command="ubep results", host=host)
     assert "    ubep results" in md and "112 KiB a batch-1 dispatch moves takes 6.0 µs" in md
     assert "150/150 times a second at the start of run 1 and 40/40 at its end" in md
     assert ("100% of the 200 gaps the probes saw started in the same 50 µs of every 1000 µs"
             in md)
-    clear = row["shm-direct batch 1 p99 / median of the calls that ran clear of the host's "
-                "timer windows (the host's tail apart from the code's; \"The host's own gaps\")"]
+    clear = row["shm-direct batch 1 p99 / median, calls clear of the timer windows"]
     assert clear.count("1.00× (67% of calls)") == 2
     assert "| 1.98× | 1.98× | yes |" in row["shm-direct batch 1 p99 / median"]  # all calls
     # the host's floor: 30 µs calls (60 interleaved) replayed over the gap probes
-    floor = [line for line in lines if line.startswith(
-        "| shm-direct batch 1 p99 / median the host's gaps alone give")][0]
+    floor = row["shm-direct batch 1 p99 / median, host floor"]
     probes = host.gap_probes[2]
     assert f"| {tail_ratio(30.0, probes):.2f}× | {tail_ratio(60.0, probes):.2f}× | - |" in floor
     assert "    ubep results" in md and "## Run 2: every iteration interleaved" in md
     assert "| 1 | raw collectives |" in md and "× raw+copy" in md
+
+
+def test_the_readme_table_is_the_runs_ratios(tmp_path):
+    (turns, _), (inter, _) = _result(1.0, 20), _result(2.0, 1)
+    table = headline_table(turns, inter)
+    rows = {line.split(" | ")[0].lstrip("| ") + f" b{line.split(' | ')[1]}": line
+            for line in table.splitlines()[2:]}
+    # torch 900 / shm-owned 30 in both runs, at batch 1 and 128 alike
+    assert rows["torch (gloo) / ubep's default path b1"].endswith("| 30.00× | 30.00× |")
+    assert rows["ubep's default path / copy bound b128"].endswith("| 3.00× | 3.00× |")
+    assert not any(k.startswith("MPI") for k in rows)          # no mpi in this run
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{README_START}\nold\n{README_END}\nrest\n")
+    assert update_readme(readme, table)
+    text = readme.read_text()
+    assert "old" not in text and table in text and text.endswith(f"{README_END}\nrest\n")
+    readme.write_text("no markers\n")
+    assert not update_readme(readme, table) and readme.read_text() == "no markers\n"

@@ -288,8 +288,8 @@ class Buffer:
         # the common call (eager, CPU tensors of the checked dtypes and shapes, nothing that
         # requires grad, valid ids) is recognised by the inputs' fast check alone and goes
         # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
-        # ~40 µs batch-1 dispatch+combine (docs/results.md, "Layer by layer, in place"); on the
-        # shm direct path with `ubep.native`, the door takes it whole ("The door")
+        # ~40 µs batch-1 dispatch+combine in one process; on the shm direct path with
+        # `ubep.native`, the door takes it whole
         if handle is None and not _is_compiling():
             if self._door is not None:      # the whole call compiled, or NotImplemented
                 res = self._door_dispatch(self._door, self, x, topk_idx, topk_weights)

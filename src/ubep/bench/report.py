@@ -165,8 +165,9 @@ def pinning(res: BenchResult) -> str:
     return "; ".join(parts) or "ranks unbound"
 
 
-def markdown(res: BenchResult) -> str:
-    """The tables of `tables()` as GitHub markdown (for docs/results.md)."""
+def markdown(res: BenchResult, phases: bool = True) -> str:
+    """The tables of `tables()` as GitHub markdown, and (`phases`) the Buffer backends' own
+    phase times."""
     cfg = res.config
     index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
     lines = []
@@ -191,7 +192,7 @@ def markdown(res: BenchResult) -> str:
                              f"{_x(c[2]['x_ubep'])} | {_x(c[2]['x_bound'])} |"
                              + (f" {_x(c[2].get('x_raw_copy'))} |" if raw else ""))
         lines.append("")
-    lines += _phase_markdown(res)
+    lines += _phase_markdown(res) if phases else []
     for name, why in sorted(res.unavailable.items()):
         lines.append(f"- {name}: unavailable — {why}")
     warning = load_warning(res)

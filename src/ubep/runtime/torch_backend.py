@@ -71,7 +71,7 @@ dispatch whose phase 2 needs a larger receive buffer goes on in Python after its
 collective (`_native_rest`); everything else runs the Python path below, the definition.
 Same bits as the Python path (tests/test_native_torch.py). Why: at batch 1 the Python between the
 collectives cost more than the collectives' own host work, each statement on caches gloo's
-threads had just used (docs/results.md, "The torch path, compiled").
+threads had just used (docs/results/torch_backend.md, "The compiled path").
 
 On a host with one core per rank (2 ranks on 2 cores, gloo) the overlap is partial: gloo
 runs a collective on its own threads (a worker, a socket loop), ~100 µs of CPU per rank per
