@@ -214,20 +214,13 @@ peers read into shared memory; a model that writes its expert outputs into
 decomposition has no second core to overlap its count, send and reorder roles on, so
 shm-ubep and shm-bsp copy the same bytes in the same thread and differ by a flag round.
 
-*Fixed costs at batch 1.* A batch-1 call moves 8 rows each way (~115 KB of bf16 at hidden
-7168); the rest of a shm call is the wait for the peer and the call's own work around the
-kernels: checks, where rows go, result objects. With `ubep.native` built, the common call of
-the one-worker paths and of the torch backend's CPU path runs as one C++ call that calls the
-same Numba kernels by address (the header says whether it was on). Moving rows between two
-ranks also costs more than the copy bound's memcpy, which copies bytes already in the copying
-core's cache: the header gives the same bytes copied as the other core has just written
-them, the coherence traffic every transport between two processes pays at least once.
-
-*The torch backend and the peers.* `torch` packs, exchanges and reorders with two or three
-`all_to_all_single` calls over gloo; its `× raw+copy` is its time over those bare calls plus
-one copy pass, what its own packing, reordering and sums add (docs/results/torch_backend.md).
-The MPI peer and the AgRs peer (vLLM's CPU expert parallelism) are each read against their
-own bare collectives the same way.
+*Fixed costs at batch 1.* A batch-1 call moves 8 rows each way (~115 KB); the rest of a shm
+call is the wait for the peer and its own work around the kernels (checks, where rows go,
+result objects), one C++ call with `ubep.native` (the header says whether it was on). Moving
+rows between two ranks also costs more than the copy bound's memcpy of bytes already in the
+copying core's cache: the header gives the same bytes copied as the other core has just
+written them, the coherence traffic every transport between two processes pays once.
+The torch backend and the peers: docs/results/torch_backend.md.
 """
 
 
