@@ -71,3 +71,23 @@ def test_calls_across_the_hosts_timer_windows_are_told_apart_per_op():
     assert rec.gap_probes[2] == [[logs[0].probes[0], logs[1].probes[0]]]
     assert row[("shm-ubep", "total")]["host_p99x"] == tail_ratio(40.0, rec.gap_probes[2]) > 1
     assert rec.gaps[2] == [(59.0, 59.0)] * 2 and rec.speed[2] == [(10.0, 10.0)] * 2
+
+
+def test_a_bench_run_carries_the_probe_to_every_rank_and_back():
+    """`run_bench(probe=)` runs the probe on each rank around the timed points (pickled to the
+    rank processes) and returns each rank's result; `host_record` reads them."""
+    from ubep.bench.run import run_bench
+
+    cfg = BenchConfig(ranks=(2,), hiddens=(64,), batches=(2,), top_k=2, experts=4, iters=3,
+                      warmup=1, systems=("shm-owned",), pin=False)
+    res = run_bench(cfg, timeout_s=300, probe=HostProbes(gap_s=0.02, loop_s=0.06))
+    assert not res.unavailable, res.unavailable
+    per_rank = res.probes[2]
+    assert len(per_rank) == 2
+    for r in per_rank:
+        assert len(r["gaps"]) == 2 and len(r["speed"]) == 2 and min(r["speed"]) > 0
+        assert len(r["gap_log"].probes) == 2
+    assert res.spans[("shm-owned", 2, 64, 2)].shape == (2, 4, 3)
+    rec = host_record(res)
+    assert set(rec.gap_probes) == {2} and len(rec.gap_probes[2]) == 2
+    assert all("host_p99x" in row and "clear_share" in row for row in res.rows)
