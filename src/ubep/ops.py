@@ -40,28 +40,43 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from ubep.handle import DispatchHandle, DispatchResult
+from ubep.options import BufferConfig
 from ubep.validate import check_combine_inputs, check_dispatch_inputs
 
-if TYPE_CHECKING:
-    from ubep.buffer import Buffer
 
-_BUFFERS: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
+class EagerBuffer(Protocol):
+    """What the operators need of a `ubep.Buffer` (named here, not imported: the Buffer
+    imports this module): its config, its id and its eager bodies."""
+
+    config: BufferConfig
+
+    @property
+    def buffer_id(self) -> int: ...
+
+    def dispatch_eager(self, x: Tensor, topk_idx: Tensor,
+                       topk_weights: Tensor) -> DispatchResult: ...
+
+    def combine_eager(self, expert_out: Tensor, handle: DispatchHandle,
+                      weighted: bool = True, out: Tensor | None = None) -> Tensor: ...
+
+
+_BUFFERS: weakref.WeakValueDictionary[int, EagerBuffer] = weakref.WeakValueDictionary()
 _HANDLES: dict[int, DispatchHandle] = {}
 _serials = itertools.count(1)
 
 
-def register_buffer(buffer: Buffer) -> None:
+def register_buffer(buffer: EagerBuffer) -> None:
     """Make `buffer` reachable from the operators by its id (held weakly)."""
-    _BUFFERS[buffer._id] = buffer
+    _BUFFERS[buffer.buffer_id] = buffer
 
 
-def _buffer(buffer_id: int) -> Buffer:
+def _buffer(buffer_id: int) -> EagerBuffer:
     buf = _BUFFERS.get(buffer_id)
     if buf is None:
         raise RuntimeError(f"ubep Buffer {buffer_id} no longer exists (garbage-collected); "
@@ -93,7 +108,7 @@ def _handle(key: Tensor) -> DispatchHandle:
 def _dispatch(buffer_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     buf = _buffer(buffer_id)
-    res = buf._dispatch_now(x.detach(), topk_idx, topk_weights.detach())
+    res = buf.dispatch_eager(x.detach(), topk_idx, topk_weights.detach())
     origins = torch.stack([res.recv_src_rank, res.recv_src_token, res.recv_src_slot])
     return (res.recv_x, res.recv_weights.clone(), res.tokens_per_expert.clone(), origins,
             _keep(res.handle))
@@ -114,7 +129,7 @@ def _(buffer_id, x, topk_idx, topk_weights):
 @torch.library.custom_op("ubep::combine", mutates_args=())
 def _combine(buffer_id: int, expert_out: Tensor, topk_weights: Tensor,
              recv_weights: Tensor | None, handle: Tensor, weighted: bool) -> Tensor:
-    return _buffer(buffer_id)._combine_now(expert_out.detach(), _handle(handle), weighted)
+    return _buffer(buffer_id).combine_eager(expert_out.detach(), _handle(handle), weighted)
 
 
 @_combine.register_fake
@@ -126,7 +141,7 @@ def _(buffer_id, expert_out, topk_weights, recv_weights, handle, weighted):
 def _redispatch(buffer_id: int, x: Tensor, handle: Tensor, num_recv: int) -> Tensor:
     buf = _buffer(buffer_id)
     h = _handle(handle)
-    recv_x = buf._dispatch_now(x.detach(), h.topk_idx, h.topk_weights).recv_x
+    recv_x = buf.dispatch_eager(x.detach(), h.topk_idx, h.topk_weights).recv_x
     if recv_x.shape[0] != num_recv:  # the routing is the handle's: the rows must be too
         raise RuntimeError(f"re-dispatch received {recv_x.shape[0]} rows, the handle's "
                            f"dispatch {num_recv}")
@@ -147,7 +162,7 @@ def _combine_slots(buffer_id: int, values: Tensor, handle: Tensor, num_tokens: i
     rows = torch.zeros(h.num_recv, hidden, dtype=torch.float32)
     if h.num_recv:
         rows[torch.arange(h.num_recv), h.recv_src_slot] = values.detach().float()
-    y = buf._combine_now(rows, h, False)
+    y = buf.combine_eager(rows, h, False)
     return y[:, :top_k].contiguous()
 
 
@@ -220,7 +235,7 @@ def _recv_weights(buffer_id: int, key: Tensor) -> Tensor:
     top_k = h.topk_idx.shape[1]
     rows = torch.zeros(h.num_tokens, buf.config.hidden, dtype=torch.float32)
     rows[:, :top_k] = h.topk_weights
-    got = buf._dispatch_now(rows, h.topk_idx, h.topk_weights).recv_x
+    got = buf.dispatch_eager(rows, h.topk_idx, h.topk_weights).recv_x
     return got[torch.arange(h.num_recv), h.recv_src_slot]
 
 
@@ -248,7 +263,7 @@ class OpHandle:
                 f"recv={self.num_recv})")
 
 
-def check_gradients_possible(buffer: Buffer, top_k: int, weights_need_grad: bool) -> None:
+def check_gradients_possible(buffer: EagerBuffer, top_k: int, weights_need_grad: bool) -> None:
     """Refuse, before any communication, a call whose gradients ubep cannot carry."""
     c = buffer.config
     if c.direct is True:                # "owned" results are the caller's: gradients flow
@@ -262,7 +277,7 @@ def check_gradients_possible(buffer: Buffer, top_k: int, weights_need_grad: bool
             f"its own column), got hidden={c.hidden}, top_k={top_k}")
 
 
-def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
+def dispatch(buffer: EagerBuffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
              ) -> DispatchResult:
     """`Buffer.dispatch` as `ubep::dispatch`: differentiable and traceable."""
     if not torch.compiler.is_compiling():  # eager: the errors of the direct path, first
@@ -272,8 +287,8 @@ def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
             max_tokens_per_rank=c.max_tokens_per_rank, max_top_k=c.max_top_k)
         check_gradients_possible(buffer, topk_idx.shape[1], topk_weights.requires_grad)
     recv_x, recv_w, tpe, origins, key = torch.ops.ubep.dispatch(
-        buffer._id, x, topk_idx, topk_weights)
-    handle = OpHandle(buffer._id, key, topk_idx, topk_weights, recv_w.detach(),
+        buffer.buffer_id, x, topk_idx, topk_weights)
+    handle = OpHandle(buffer.buffer_id, key, topk_idx, topk_weights, recv_w.detach(),
                       recv_x.shape[0], x.shape[1])
     stats = None if torch.compiler.is_compiling() else buffer.last_stats
     return DispatchResult(recv_x=recv_x, recv_weights=recv_w, tokens_per_expert=tpe,
@@ -281,7 +296,7 @@ def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
                           recv_src_slot=origins[2], handle=handle, stats=stats)
 
 
-def combine(buffer: Buffer, expert_out: Tensor, handle: OpHandle | DispatchHandle,
+def combine(buffer: EagerBuffer, expert_out: Tensor, handle: OpHandle | DispatchHandle,
             weighted: bool) -> Tensor:
     """`Buffer.combine` as `ubep::combine`: differentiable and traceable."""
     if not torch.compiler.is_compiling():
@@ -289,7 +304,7 @@ def combine(buffer: Buffer, expert_out: Tensor, handle: OpHandle | DispatchHandl
     if isinstance(handle, DispatchHandle):  # from the direct eager path: register it now
         if not torch.compiler.is_compiling():
             check_gradients_possible(buffer, handle.topk_idx.shape[1], False)
-        handle = OpHandle(buffer._id, _keep(handle), handle.topk_idx, handle.topk_weights,
+        handle = OpHandle(buffer.buffer_id, _keep(handle), handle.topk_idx, handle.topk_weights,
                           None, handle.num_recv, handle.hidden)
-    return torch.ops.ubep.combine(buffer._id, expert_out, handle.topk_weights,
+    return torch.ops.ubep.combine(buffer.buffer_id, expert_out, handle.topk_weights,
                                   handle.recv_weights, handle.key, bool(weighted))

@@ -4,20 +4,27 @@
 scale per token and block of 128 channels, `amax / 448` for e4m3; `round_scale` rounds the
 scale up to a power of two). `Buffer.dispatch((x_fp8, x_scales), ...)` moves each row's scales
 with it: the scales go in a second pass of the same routing through a companion Buffer of
-width `S` (made on first use, on every rank at the same call, closed with its Buffer); one
-fused pass would need a row format with a scale tail in the runtime.
+width `S` (`Buffer.companion`: made on first use, on every rank at the same call, closed with
+its Buffer); one fused pass would need a row format with a scale tail in the runtime.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ubep.handle import DispatchResult
 
-if TYPE_CHECKING:
-    from ubep.buffer import Buffer
+
+class ScaledDispatcher(Protocol):
+    """What `dispatch_with_scales` needs of a `ubep.Buffer` (named here, not imported: the
+    Buffer imports this module)."""
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchResult: ...
+
+    def companion(self, width: int) -> ScaledDispatcher: ...
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 128
@@ -61,29 +68,13 @@ def _check_scaled(x: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, scales.contiguous()
 
 
-def companion(buffer: Buffer, width: int) -> Buffer:
-    """The Buffer of `buffer`'s group and options that moves rows of `width` (made once)."""
-    from ubep.buffer import Buffer
-
-    comp = buffer._companions.get(width)
-    if comp is None:
-        c = buffer.config
-        comp = Buffer(buffer.group, num_experts=c.num_experts, hidden=width,
-                      max_tokens_per_rank=c.max_tokens_per_rank, backend=c.backend,
-                      mode=c.mode, sync=c.sync, schedule=c.schedule, workers=c.workers,
-                      count_workers=c.count_workers, topology=c.topology,
-                      timeout_s=c.timeout_s, max_top_k=c.max_top_k, block_bytes=c.block_bytes,
-                      direct=c.direct)
-        buffer._companions[width] = comp
-    return comp
-
-
-def dispatch_with_scales(buffer: Buffer, x: tuple, topk_idx, topk_weights) -> DispatchResult:
+def dispatch_with_scales(buffer: ScaledDispatcher, x: tuple, topk_idx,
+                         topk_weights) -> DispatchResult:
     """`buffer.dispatch((rows, scales), ...)`: rows through `buffer`, scales along the same
     routing; the result's `handle` is the rows' (combine as usual)."""
     rows, scales = _check_scaled(x)
     res = buffer.dispatch(rows, topk_idx, topk_weights)
-    got = companion(buffer, scales.shape[1]).dispatch(scales, topk_idx, topk_weights)
+    got = buffer.companion(scales.shape[1]).dispatch(scales, topk_idx, topk_weights)
     return DispatchResult(
         recv_x=res.recv_x, recv_weights=res.recv_weights,
         tokens_per_expert=res.tokens_per_expert, recv_src_rank=res.recv_src_rank,

@@ -10,10 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from numba import carray, njit
 
 from ubep.native import load_native
-from ubep.runtime.shm.atomics import i64_ptr
 
 #: dtypes whose rows dispatch moves as bytes. Element size at most 4 bytes: the shared-memory
 #: windows are sized for it.
@@ -77,30 +75,27 @@ def check_topk_idx(topk_idx: object, *, num_experts: int, num_tokens: int | None
     return idx
 
 
-@njit(cache=True, nogil=True)
+# The compiled id scans live in `ubep.topk_scan` (Numba), imported on the first scan so that
+# `import ubep` loads no Numba; that first call binds the compiled functions here in place of
+# these two, so every later call goes straight to them.
 def _scan_topk(idx: np.ndarray, num_experts: int) -> tuple[int, int, int]:
-    """One pass over `[T, K]` ids: (0, 0, 0) if valid, (1, row, id) out of range,
-    (2, row, id) repeated in a row. Runs on every dispatch, so it is compiled: ~1 µs."""
-    for t in range(idx.shape[0]):
-        for k in range(idx.shape[1]):
-            e = idx[t, k]
-            if e < -1 or e >= num_experts:
-                return 1, t, e
-            if e >= 0:
-                for j in range(k):
-                    if idx[t, j] == e:
-                        return 2, t, e
-    return 0, 0, 0
+    """`ubep.topk_scan.scan_topk`: (0, 0, 0) if valid, (1, row, id) out of range, (2, row,
+    id) repeated in a row."""
+    _bind_scans()
+    return _scan_topk(idx, num_experts)
 
 
-@njit(cache=True, nogil=True)
 def _topk_ok_at(addr: int, rows: int, cols: int, num_experts: int) -> bool:
-    """`_scan_topk` of the contiguous int64 `[rows, cols]` at `addr`: True if valid.
+    """`ubep.topk_scan.topk_ok_at`: the scan of the int64 `[rows, cols]` at `addr`."""
+    _bind_scans()
+    return _topk_ok_at(addr, rows, cols, num_experts)
 
-    Takes the tensor's address, not an array: building a numpy view of a tensor costs more
-    than the scan of a small batch."""
-    code, _, _ = _scan_topk(carray(i64_ptr(addr), (rows, cols)), num_experts)
-    return code == 0
+
+def _bind_scans() -> None:
+    global _scan_topk, _topk_ok_at
+    from ubep.topk_scan import scan_topk, topk_ok_at
+
+    _scan_topk, _topk_ok_at = scan_topk, topk_ok_at
 
 
 def _scan_topk_torch(idx: torch.Tensor, num_experts: int) -> tuple[int, int, int]:

@@ -10,8 +10,9 @@ build): later processes load the kernels from the cache in a few seconds.
 
 The work is split into jobs that exercise the real entry points on a private 1-rank group
 (the same argument types as a P-rank call) and run in separate processes: the shm region
-kernels beside the torch backend and the tools (MPI peer, simulator, benchmark probes)
-first, then every shm Buffer system and dtype. `--only shm torch` warms what an application
+kernels beside the torch backend and the tools (MPI peer, simulator, benchmark flags)
+first, then every shm Buffer system and dtype. The lab outside the package (benchmarks/)
+compiles its own kernels when it runs. `--only shm torch` warms what an application
 uses (the vLLM plugin's venv does that; importing ubep compiles the torch backend's C entry
 points, so an shm-only application needs "torch" too).
 """
@@ -54,13 +55,8 @@ def _torch() -> None:
 
 
 def _tools() -> None:
-    """The MPI peer's kernels, the simulator's event queue and host microbenchmark, the
-    benchmark's probes and its replay of them."""
-    import numpy as np
-
+    """The MPI peer's kernels, the simulator's event queue and the benchmark's flags."""
     from ubep.bench import flags
-    from ubep.bench.host_floor import replay
-    from ubep.sim import hostbench
     from ubep.sim.api import simulate
 
     _one_rank_group()
@@ -74,9 +70,7 @@ def _tools() -> None:
         for dt in DTYPES:
             bench_rank(0, 1, _bench_config(dt, ("mpi",)), MPI.COMM_SELF)
     simulate("nvl72", tokens_per_rank=2, hidden=64, ranks=8, exact=True)
-    hostbench.measure(footprints=(1 << 16,), seconds=0.001, procs=(1,), rounds=1)
-    flags._ping_pong(np.zeros(64, np.int64), True, 0, 1, 1)     # a peer's; 0 rounds
-    replay(1, [[(0, 10, np.array([2]), np.array([3]))]])
+    flags.warm_up()
 
 
 def _buffers(systems, dtypes, bench: bool = True) -> None:
@@ -151,7 +145,7 @@ def _call(x, idx, w, out: bool = False, **options) -> None:
 
 
 #: what `--only` can choose: the shared-memory runtime, the torch backend, the tools (MPI
-#: peer, simulator, benchmark probes)
+#: peer, simulator, the benchmark's flags)
 PARTS = ("shm", "torch", "tools")
 #: rounds of (part, job); the jobs of a round run in parallel processes (the second round's
 #: find the shm region kernels the first compiled)

@@ -65,12 +65,6 @@ def test_bench_side_by_side(tmp_path):
     xcopy = run["cross_core_copy"]["2"]
     assert xcopy["bytes"] == 1 * 2 * 64 * 2 and xcopy["peer_written_us"] > 0 \
         and xcopy["own_cache_us"] > 0
-    # the host's gaps probe: a rate per rank, at the start and at the end
-    gaps = run["host_gaps_per_s"]["2"]
-    assert len(gaps) == 2 and all(len(g) == 2 and min(g) >= 0 for g in gaps)
-    # the host's speed probe: a fixed loop's rate per rank, at the start and at the end
-    speed = run["host_loop_speed"]["2"]
-    assert len(speed) == 2 and all(len(v) == 2 and min(v) > 0 for v in speed)
     # ranks bound to disjoint slices of the usable cores when there are enough of them
     cores = run["rank_cores"]["2"]
     if len(os.sched_getaffinity(0)) >= 2:
@@ -154,3 +148,64 @@ def test_oracle_check_catches_one_flipped_byte():
     token[0] += 1
     assert "recv_src_token" in check_dispatch("s", dataclasses.replace(ref, recv_src_token=token),
                                               ref)
+
+
+def test_the_deepep_ll_preset_is_deepeps_low_latency_shape():
+    cfg = _config_from_args(_args("--preset", "deepep-ll"))
+    assert (cfg.batches, cfg.hiddens, cfg.top_k, cfg.experts) == ((128,), (7168,), 8, 256)
+    assert cfg.fp8 and cfg.dtype == "bfloat16" and cfg.ranks == (2,)
+    assert cfg.systems == ("shm-owned", "shm-ubep", "shm-direct", "shm-bsp", "torch")
+    # a flag beside the preset overrides its value
+    assert _config_from_args(_args("--preset", "deepep-ll", "--tokens", "1")).batches == (1,)
+    with pytest.raises(ValueError, match="fp8 runs the Buffer systems only"):
+        _config_from_args(_args("--preset", "deepep-ll", "--peers"))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        BenchConfig(hiddens=(64,), fp8=True)
+    with pytest.raises(ValueError, match="fp8 needs expert='clone'"):
+        BenchConfig(fp8=True, expert="identity")
+
+
+def test_bench_fp8_dispatch_with_scales(tmp_path):
+    """fp8 rows and their scales dispatched (each checked against the oracle byte for byte
+    before timing), combine in bf16; the copy bound moves the fp8 bytes and the scales."""
+    out = tmp_path / "fp8"
+    assert main(["bench", "--ranks", "2", "--hidden", "256", "--tokens", "1", "5",
+                 "--experts", "4", "--top-k", "2", "--iters", "4", "--warmup", "1", "--fp8",
+                 "--systems", "shm-owned", "shm-bsp", "torch", "--out", str(out)]) == 0
+    rows, run = _read(out)
+    assert not run["unavailable"], run["unavailable"]
+    assert {r["system"] for r in rows} == {"shm-owned", "shm-bsp", "torch", "bound"}
+    for r in rows:
+        if r["system"] == "bound" and r["op"] == "dispatch":   # 256 fp8 bytes + 2 scales
+            assert int(r["bytes_per_rank"]) % (256 + 2 * 4) == 0
+        if r["system"] == "bound" and r["op"] == "combine":     # 256 bf16 channels
+            assert int(r["bytes_per_rank"]) % (256 * 2) == 0
+    assert "fp8 e4m3 rows + scales, bfloat16 combine" in (out / "bench.md").read_text()
+
+
+def test_oracle_check_of_fp8_rows_catches_a_flipped_scale():
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from ubep import reference
+    from ubep.bench.runner import oracle_rows
+    from ubep.bench.systems import check_dispatch
+    from ubep.quant import per_token_cast_to_fp8
+    from ubep.testing import make_routing, make_tokens
+
+    xs = [per_token_cast_to_fp8(make_tokens(r, 5, 256, torch.bfloat16, seed=1))
+          for r in range(2)]
+    routes = [make_routing(5, 2, 4, kind="uniform", seed=r) for r in range(2)]
+    idxs, ws = [i for i, _ in routes], [w for _, w in routes]
+    ref = reference.dispatch([oracle_rows(x) for x in xs], idxs, ws, 4)[0]
+    rows = reference.dispatch([x for x, _ in xs], idxs, ws, 4)[0]
+    scales = reference.dispatch([s for _, s in xs], idxs, ws, 4)[0].recv_x
+    got = SimpleNamespace(**{f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)},
+                          recv_x_scales=scales)
+    assert rows.recv_x.numel() and check_dispatch("s", got, ref) is None
+    flipped = scales.clone()
+    flipped.view(torch.uint8).view(-1)[3] ^= 1
+    got.recv_x_scales = flipped
+    assert check_dispatch("s", got, ref) == "s: recv_x or recv_x_scales differs from the oracle"

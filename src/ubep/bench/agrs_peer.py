@@ -32,9 +32,9 @@ from numba import njit
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
-    _copy_row,
     bag_sums_into,
     bags_by_token,
+    copy_row,
     source_order,
 )
 
@@ -51,7 +51,7 @@ def _gather_rows(src, stride, rows, rb, out):
     for i in range(rows.shape[0]):
         n_src = max(n_src, rows[i] + 1)
     for i in source_order(rows, n_src):
-        _copy_row(out, i * rb, src, rows[i] * stride, rb)
+        copy_row(out, i * rb, src, rows[i] * stride, rb)
 
 
 @dataclass

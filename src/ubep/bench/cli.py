@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ubep.bench.config import DEFAULT_SYSTEMS, EXPERT_STEPS, SYSTEMS, BenchConfig
+from ubep.bench.config import DEFAULT_SYSTEMS, EXPERT_STEPS, PRESETS, SYSTEMS, BenchConfig
 
 PEERS_HIDDENS = (2048, 7168)
 PEERS_BATCHES = (1, 8, 16, 64, 128)
@@ -48,9 +48,17 @@ def register(subparsers) -> None:
                    help="row widths (default 7168; with --peers 2048 7168)")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="batch sizes, tokens per rank (default 1 8 16 64 128)")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--experts", type=int, default=16, help="global expert count")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (default 8)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="global expert count (default 16)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="row dtype (default bfloat16; with --fp8 combine's)")
+    p.add_argument("--fp8", action="store_true", default=None,
+                   help=BenchConfig.__dataclass_fields__["fp8"].metadata["help"])
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help="a named shape; deepep-ll: DeepEP's low-latency tables (128 tokens a "
+                        "rank, hidden 7168, top-8 of 256 experts, fp8 dispatch with scales, "
+                        "bf16 combine); flags given beside it override its values")
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS, metavar="SYSTEM",
                    help=f"systems to compare, of {', '.join(SYSTEMS)} "
                         f"(default {' '.join(DEFAULT_SYSTEMS)}; the copy bound always runs)")
@@ -114,10 +122,19 @@ def _config_from_args(args) -> BenchConfig:
     ranks = args.ranks
     if ranks is None:
         ranks = [2, 4] if args.peers and (os.cpu_count() or 1) >= 4 else [2]
-    hiddens = args.hidden or (PEERS_HIDDENS if args.peers else (7168,))
+    preset = PRESETS.get(args.preset, {})
+
+    def given(value, key, default):
+        """The flag's value if given, else the preset's, else the default."""
+        return value if value is not None else preset.get(key, default)
+
+    hiddens = given(args.hidden, "hiddens", PEERS_HIDDENS if args.peers else (7168,))
     return BenchConfig(ranks=tuple(ranks), hiddens=tuple(hiddens),
-                       batches=tuple(args.tokens or PEERS_BATCHES), top_k=args.top_k,
-                       experts=args.experts, dtype=args.dtype, systems=tuple(systems),
+                       batches=tuple(given(args.tokens, "batches", PEERS_BATCHES)),
+                       top_k=given(args.top_k, "top_k", 8),
+                       experts=given(args.experts, "experts", 16),
+                       dtype=given(args.dtype, "dtype", "bfloat16"),
+                       fp8=given(args.fp8, "fp8", False), systems=tuple(systems),
                        iters=args.iters, warmup=args.warmup, block=args.block,
                        routing=args.routing, expert=args.expert,
                        workers=args.workers, seed=args.seed, pin=args.pin)

@@ -41,6 +41,12 @@ DTYPES = ("bfloat16", "float16", "float32")
 EXPERT_STEPS = ("clone", "identity")
 
 
+#: named shapes `ubep bench --preset` runs. "deepep-ll": DeepEP's low-latency tables (128
+#: tokens a rank, hidden 7168, top-8 of 256 experts, fp8 dispatch with scales, bf16 combine)
+PRESETS = {"deepep-ll": {"batches": (128,), "hiddens": (7168,), "top_k": 8, "experts": 256,
+                         "dtype": "bfloat16", "fp8": True}}
+
+
 def _ints(name: str, values) -> tuple[int, ...]:
     out = tuple(values)
     if not out:
@@ -78,6 +84,10 @@ class BenchConfig:
     expert: str = field(default="clone", metadata={
         "help": "the stand-in expert between dispatch and combine, untimed: clone (reads "
                 "recv_x, writes combine's input, as an expert GEMM does) or identity"})
+    fp8: bool = field(default=False, metadata={
+        "help": "dispatch float8_e4m3fn rows with one float32 scale per token and 128 "
+                "channels (`ubep.quant`), combine rows of `dtype` (DeepEP's low-latency "
+                "mode); the stand-in expert dequantizes recv_x into combine's input"})
     seed: int = field(default=0, metadata={"help": "seed of tokens and routing"})
     timeout_s: float = field(default=30.0, metadata={"help": "deadline of every wait"})
 
@@ -111,6 +121,17 @@ class BenchConfig:
                 raise ValueError(f"system {s!r} is not one of {SYSTEMS}")
         if len(set(self.systems)) != len(self.systems):
             raise ValueError(f"systems={self.systems} lists a system twice")
+        if self.fp8:
+            if any(h % 128 for h in self.hiddens):
+                raise ValueError(f"fp8: every hidden must be a multiple of 128 (one scale per "
+                                 f"128 channels), got hiddens={self.hiddens}")
+            if self.expert != "clone":
+                raise ValueError("fp8 needs expert='clone': combine takes the dequantized "
+                                 "recv_x")
+            peers = [s for s in self.systems if s not in BUFFER_SYSTEMS]
+            if peers:
+                raise ValueError(f"fp8 runs the Buffer systems only ({', '.join(BUFFER_SYSTEMS)}"
+                                 f"); drop {peers}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit
 
-from ubep.bench.pages import page_aligned
+from ubep.bench.systems import page_aligned
 from ubep.runtime.shm import segments
 from ubep.runtime.shm.atomics import cpu_pause as _pause
 from ubep.runtime.shm.atomics import load_acquire as _load_acquire_addr
@@ -34,8 +33,8 @@ _SPINS = 64          # barrier: spin rounds between yields (as `ubep.runtime.shm
 _PING, _PONG = 0, 1  # slots of the ping-pong; barrier slots follow, then the copy probe's
 _PAGE = 4096         # the copy probe's bytes start page-aligned after the flag slots
 #: how long a wait yields the core before it sleeps, seconds: longer than nearly every gap in
-#: which the host takes a core away (docs/results.md, "The host's own gaps": those over
-#: 200 µs come ~10-30 times a second per core, the longest last a few ms), because a rank
+#: which the host takes a core away (on this project's VM those over 200 µs come ~10-30
+#: times a second per core, the longest last a few ms), because a rank
 #: that sleeps wakes up late (a 20 µs sleep takes ~107 µs on this project's VM: the kernel's
 #: default 50 µs timer slack and the VM's own wake-up) and the next timed call waits for it
 _YIELD_S = 2e-3
@@ -99,60 +98,13 @@ def _ping_pong(words, me_first, rounds, start, max_spins):
     return rounds
 
 
-@dataclass
-class GapLog:
-    """What `clock_gaps` saw on one core over one or more probes (ns, `time.perf_counter_ns`,
-    one clock for every process on the host).
-
-    Attributes:
-        probes: each probe's `(first, last, starts, lengths)`: its first and last clock
-            readings, and the start and length of every gap it saw (int64 arrays).
-    """
-
-    probes: list[tuple[int, int, np.ndarray, np.ndarray]] = field(default_factory=list)
-
-    @property
-    def starts(self) -> np.ndarray:
-        """Every probe's gap starts, in one array (`ubep.bench.timer_windows`)."""
-        return np.concatenate([p[2] for p in self.probes] or [np.empty(0, np.int64)])
-
-
-def clock_gaps(seconds: float, min_us: float = 20.0, log: GapLog | None = None) -> list[int]:
-    """The gaps longer than `min_us` (ns each) in `seconds` of reading the clock back to back
-    on this thread: the times the host took the core away (other tenants of the VM,
-    interrupts, the kernel's own work), which any call running then waits out. `log`, if
-    given, gets the probe's span and each gap's start, for `ubep.bench.timer_windows` and
-    `ubep.bench.host_floor`."""
-    clock, limit = time.perf_counter_ns, int(min_us * 1e3)
-    first = last = clock()
-    end = first + int(seconds * 1e9)
-    gaps, at = [], []
-    while last < end:
-        now = clock()
-        if now - last > limit:
-            gaps.append(now - last)
-            at.append(last)
-        last = now
-    if log is not None:
-        log.probes.append((first, last, np.asarray(at, np.int64), np.asarray(gaps, np.int64)))
-    return gaps
-
-
-def loop_speed(seconds: float, chunk_s: float = 0.05) -> float:
-    """A fixed loop of Python arithmetic on this thread for `seconds`: the median over
-    `chunk_s` chunks of loop iterations a microsecond. On a VM whose cores share physical
-    cores with other tenants the same loop runs at two speeds ~1.8x apart, switching from one
-    second to the next (docs/results.md, "Two machines in one"): a median read in the slow
-    one is not the code's."""
-    clock, speeds = time.perf_counter, []
-    end = clock() + seconds
-    while clock() < end:
-        t0, n = clock(), 0
-        while clock() - t0 < chunk_s:
-            for i in range(2000):
-                n += i & 7
-        speeds.append(n / (clock() - t0) / 1e6)
-    return sorted(speeds)[len(speeds) // 2]
+def warm_up() -> None:
+    """Compile (or load from Numba's cache) the flag kernels: `ubep warm`'s share of them
+    (a one-rank bench never runs the ping-pong)."""
+    words = np.zeros(_words(2), np.int64)
+    _ping_pong(words, True, 0, 1, 1)                  # 0 rounds
+    _store(words, 0, 0)
+    _wait_all_geq(words, 0, 1, _SLOT, 0, 1)
 
 
 def _words(world: int) -> int:
@@ -245,23 +197,6 @@ class HostSync:
             _store(self.words, base + self.rank * _SLOT, self._epoch)
             self._wait("barrier", base, self.world, _SLOT, self._epoch)
 
-    def gaps_per_s(self, seconds: float = 0.5, log: GapLog | None = None) -> float:
-        """Gaps longer than 20 µs a second on this rank's core while every rank looks at once
-        (`clock_gaps`, which adds to `log`): how often a call that needs every core meets
-        one. Every rank calls it; each returns its own."""
-        self.barrier()
-        n = len(clock_gaps(seconds, log=log))
-        self.barrier()
-        return n / seconds
-
-    def loop_speed(self, seconds: float = 0.3) -> float:
-        """`loop_speed` on every rank's core at once (each returns its own): the host's
-        speed for code that does not wait on anything."""
-        self.barrier()
-        speed = loop_speed(seconds)
-        self.barrier()
-        return speed
-
     def flag_round_trip_us(self, rounds: int = 200, repeats: int = 25) -> float | None:
         """The best over `repeats` of the mean time of one flag round trip, rank 0 <-> rank 1.
 
@@ -312,7 +247,7 @@ class HostSync:
         if self.world < 2 or nbytes <= 0 or nbytes > self._data.size:
             return None
         shared = self._data[:nbytes]
-        src, dst = page_aligned(nbytes), page_aligned(nbytes)      # (`ubep.bench.pages`)
+        src, dst = page_aligned(nbytes), page_aligned(nbytes)
         src[:] = 1
         flag = (2 + self.world) * _SLOT
         peer, own = [], []

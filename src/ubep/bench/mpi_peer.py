@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from ubep.runtime.torch_layout import BAG_WORDS, _copy_row, bag_sums_into, source_order
+from ubep.runtime.torch_layout import BAG_WORDS, bag_sums_into, copy_row, source_order
 
 
 @dataclass
@@ -97,7 +97,7 @@ def _pack(xb, idx, weights, num_experts):
         slot_index[i], bag_rows[j], send_token[i] = p, i, p // top_k
         send_weight[i] = weights[p // top_k, p % top_k]
         meta[i, 0], meta[i, 1], meta[i, 2] = p // top_k, p % top_k, wbits[i]
-        _copy_row(flat_rows, i * rb, flat_x, send_token[i] * rb, rb)
+        copy_row(flat_rows, i * rb, flat_x, send_token[i] * rb, rb)
     return send_token, send_weight, counts, rows, meta, slot_index, bag_rows, bag_offsets
 
 
@@ -127,7 +127,7 @@ def _unpack(recv, recv_meta, recv_counts, rb):
         for s in range(world):
             tpe[e] += recv_counts[s, e]
             for i in range(first[s, e], first[s, e] + recv_counts[s, e]):
-                _copy_row(out, j * rb, recv, i * rb, rb)
+                copy_row(out, j * rb, recv, i * rb, rb)
                 src_rank[j], src_token[j], src_slot[j] = s, recv_meta[i, 0], recv_meta[i, 1]
                 wbits[j] = recv_meta[i, 2]
                 arrival[j] = i
@@ -142,7 +142,7 @@ def _scatter(rows, arrival, out):
     rb = rows.shape[1]
     flat_rows, flat_out = rows.reshape(-1), out.reshape(-1)
     for j in range(arrival.shape[0]):
-        _copy_row(flat_out, arrival[j] * rb, flat_rows, j * rb, rb)
+        copy_row(flat_out, arrival[j] * rb, flat_rows, j * rb, rb)
 
 
 @njit(nogil=True, cache=True)

@@ -3,7 +3,7 @@
 `Buffer.dispatch`/`combine` first decide whether a call must become a `torch.library` operator
 (an input requires grad, or `torch.compile` is tracing); the common eager call is recognised
 by the inputs' fast check (which also refuses tensors that require grad) and goes straight to
-the backend, other eager calls through `_dispatch_now`/`_combine_now` (full checks). This
+the backend, other eager calls through `dispatch_eager`/`combine_eager` (full checks). This
 times the routed call and that eager body, interleaved in one run on the same Buffer and
 inputs, and the decision alone (what the routed call adds to the checks both make); it also
 times the operator path (the call with an input that requires grad, forward only) for scale.
@@ -28,7 +28,7 @@ def _time(fn, iters: int) -> list[float]:
 
 
 def _decision_ns(buf, x, idx, w, n: int = 200_000) -> list[float]:
-    """ns per call of what `Buffer.dispatch` adds before `_dispatch_now` (same code)."""
+    """ns per call of what `Buffer.dispatch` adds before `dispatch_eager` (same code)."""
     import torch
 
     # what Buffer.dispatch tests besides the inputs' fast check (buffer.py binds the call to
@@ -66,9 +66,9 @@ def _rank(rank: int, world: int, backend: str, tokens: int, hidden: int, iters: 
             "dispatch (routed)", "dispatch (eager body)", "combine (routed)",
             "combine (eager body)", "dispatch as op (grad)")}
         dispatches = [("dispatch (routed)", lambda: buf.dispatch(x, idx, w)),
-                      ("dispatch (eager body)", lambda: buf._dispatch_now(x, idx, w))]
+                      ("dispatch (eager body)", lambda: buf.dispatch_eager(x, idx, w))]
         combines = [("combine (routed)", lambda h: buf.combine(out, h)),
-                    ("combine (eager body)", lambda h: buf._combine_now(out, h))]
+                    ("combine (eager body)", lambda h: buf.combine_eager(out, h))]
         for i in range(iters):
             # the same order on every rank (every call is a collective), A-B then B-A on
             # alternate iterations so that a call's position in the sequence cancels out
@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, backend: str, tokens: int, hidden: int, iters: 
                 samples[name] += _time(fn, 1)
             for j in order:
                 name, fn = combines[j]
-                h = buf._dispatch_now(x, idx, w).handle
+                h = buf.dispatch_eager(x, idx, w).handle
                 samples[name] += _time(lambda fn=fn, h=h: fn(h), 1)
             if i % 10 == 0:
                 samples["dispatch as op (grad)"] += _time(lambda: buf.dispatch(xg, idx, w), 1)

@@ -1,16 +1,21 @@
-"""Show and save a `BenchResult`: rich tables, CSV files, a PNG and a JSON description."""
+"""Show and save a `BenchResult`: rich tables, CSV files, a PNG and a JSON description.
+
+rich and matplotlib (the `cli` extra) are imported by the functions that draw with them.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from ubep.bench.config import AGRS_RAW, BOUND, MPI_RAW, RAW
 from ubep.bench.run import BenchResult
+
+if TYPE_CHECKING:                   # rich: the `cli` extra, imported where a table is drawn
+    from rich.console import Console
+    from rich.table import Table
 
 _ORDER = ("shm-ubep", "shm-direct", "shm-owned", "shm-bsp", "torch", RAW, "mpi", MPI_RAW,
           "agrs", AGRS_RAW, BOUND)
@@ -52,33 +57,39 @@ def _blocks(cfg) -> str:
                     if expert == "clone" else ", combine's input recv_x itself")
 
 
+def _rows(cfg) -> str:
+    """The rows' dtype in words: fp8 dispatch with scales and the combine's dtype, or one."""
+    if getattr(cfg, "fp8", False):
+        return f"fp8 e4m3 rows + scales, {cfg.dtype} combine"
+    return cfg.dtype
+
+
 def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}×"
 
 
 def _tail(row: dict) -> str:
-    """dispatch+combine's p99/median, and in brackets the host's floor under it: what the
-    host's gaps alone give a call of this median (`ubep.bench.host_floor`)."""
-    floor = row.get("host_p99x")
-    return (f"{row['p99_us'] / row['median_us']:.1f}×"
-            + ("" if floor is None else f" ({floor:.1f}×)"))
+    """dispatch+combine's p99/median."""
+    return f"{row['p99_us'] / row['median_us']:.1f}×"
 
 
 def tables(res: BenchResult) -> list[Table]:
     """One table per (ranks, hidden): a row per (batch, system), dispatch/combine/total, and
-    the total's tail beside the host's floor under it."""
+    the total's tail."""
+    from rich.table import Table
+
     index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
     points = sorted({(r["ranks"], r["hidden"]) for r in res.rows})
     cfg = res.config
     out = []
     for world, hidden in points:
-        t = Table(title=f"P={world} ranks, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, "
+        t = Table(title=f"P={world} ranks, hidden={hidden} {_rows(cfg)}, top-{cfg.top_k}, "
                         f"{cfg.experts} experts, {cfg.routing} routing — µs, median / p99 "
                         f"over {cfg.iters} iterations (max over ranks), {_blocks(cfg)}",
                   title_justify="left")
         raw = _has_raw(res)
         for col in ("batch", "system", "dispatch", "combine", "dispatch+combine",
-                    "p99/median (host floor)", "× ubep", "× bound",
+                    "p99/median", "× ubep", "× bound",
                     *(["× raw+copy"] if raw else [])):
             t.add_column(col, justify="left" if col == "system" else "right")
         batches = sorted({r["batch"] for r in res.rows if (r["ranks"], r["hidden"]) ==
@@ -114,6 +125,8 @@ def load_warning(res: BenchResult) -> str | None:
 
 def print_report(res: BenchResult, console: Console | None = None) -> None:
     """Tables, then the systems that did not run and why, then the machine."""
+    from rich.console import Console
+
     console = console or Console()
     for t in tables(res):
         console.print(t)
@@ -127,7 +140,7 @@ def print_report(res: BenchResult, console: Console | None = None) -> None:
     console.print(f"[dim]{m.get('cpu_model')}, {m.get('cpus_usable')} usable cores, load "
                   f"{'?' if load is None else f'{load:.1f}'}; flag round trip "
                   + ", ".join(f"P={p}: {v:.2f} µs" for p, v in sorted(res.rtt_us.items()))
-                  + cross_core(res) + host_gaps(res) + host_speed(res) + f"; {pinning(res)}; "
+                  + cross_core(res) + f"; {pinning(res)}; "
                   f"{m.get('native', '?')}; "
                   f"{res.elapsed_s:.0f} s[/]")
 
@@ -137,31 +150,6 @@ def cross_core(res: BenchResult) -> str:
     return "".join(f"; cross-core copy P={p}: {n / 1024:.0f} KiB in {peer:.1f} µs "
                    f"({peer / own:.1f}× the {own:.1f} µs from the copying core's cache)"
                    for p, (n, peer, own) in sorted(res.xcopy.items()))
-
-
-def host_gaps(res: BenchResult) -> str:
-    """The host's gaps probe in words, with the timer windows they bunch in ("" if not
-    measured)."""
-    return "".join(f"; host gaps > 20 µs P={p}: " + ", ".join(
-        f"rank {r} {a:.0f}/s then {b:.0f}/s" for r, (a, b) in enumerate(per_rank))
-        + timer_windows_words(res.windows.get(p))
-        for p, per_rank in sorted(res.gaps.items()))
-
-
-def timer_windows_words(w) -> str:
-    """Where the gaps bunch, in words ("" if the run found no windows)."""
-    if w is None:
-        return ""
-    spans = ", ".join(f"{lo / 1e3:.0f}-{hi / 1e3:.0f}" for lo, hi in w.spans)
-    return (f" ({100 * w.share_of_gaps:.0f}% of them starting {spans} µs into a "
-            f"{w.period_ns / 1e3:.0f} µs period, {100 * w.share_of_time:.0f}% of its time)")
-
-
-def host_speed(res: BenchResult) -> str:
-    """The host's speed probe in words ("" if not measured)."""
-    return "".join(f"; fixed loop P={p}: " + ", ".join(
-        f"rank {r} {a:.0f} then {b:.0f} iterations/µs" for r, (a, b) in enumerate(per_rank))
-        for p, per_rank in sorted(res.speed.items()))
 
 
 def pinning(res: BenchResult) -> str:
@@ -177,14 +165,15 @@ def pinning(res: BenchResult) -> str:
     return "; ".join(parts) or "ranks unbound"
 
 
-def markdown(res: BenchResult) -> str:
-    """The tables of `tables()` as GitHub markdown (for docs/results.md)."""
+def markdown(res: BenchResult, phases: bool = True) -> str:
+    """The tables of `tables()` as GitHub markdown, and (`phases`) the Buffer backends' own
+    phase times."""
     cfg = res.config
     index = {(r["system"], r["ranks"], r["hidden"], r["batch"], r["op"]): r for r in res.rows}
     lines = []
     for world, hidden in sorted({(r["ranks"], r["hidden"]) for r in res.rows}):
         raw = _has_raw(res)
-        lines += [f"**P={world}, hidden={hidden} {cfg.dtype}, top-{cfg.top_k}, {cfg.experts} "
+        lines += [f"**P={world}, hidden={hidden} {_rows(cfg)}, top-{cfg.top_k}, {cfg.experts} "
                   f"experts** — µs, median / p99 of {cfg.iters} iterations (max over ranks), "
                   f"{_blocks(cfg)}", "",
                   "| batch | system | dispatch | combine | dispatch+combine | × ubep | × bound |"
@@ -203,7 +192,7 @@ def markdown(res: BenchResult) -> str:
                              f"{_x(c[2]['x_ubep'])} | {_x(c[2]['x_bound'])} |"
                              + (f" {_x(c[2].get('x_raw_copy'))} |" if raw else ""))
         lines.append("")
-    lines += _phase_markdown(res)
+    lines += _phase_markdown(res) if phases else []
     for name, why in sorted(res.unavailable.items()):
         lines.append(f"- {name}: unavailable — {why}")
     warning = load_warning(res)
@@ -252,12 +241,10 @@ def write_csv(res: BenchResult, out_dir: Path) -> tuple[Path, Path]:
     with samples.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "ranks", "hidden", "batch", "iter", "dispatch_us", "combine_us",
-                    "total_us", "in_timer_window"])
+                    "total_us"])
         for key, t in sorted(res.samples.items()):
-            hit = res.in_window.get(key)
             for i in range(t.shape[1]):
-                w.writerow([*key, i, *(f"{v:.3f}" for v in t[:, i]),
-                            "" if hit is None else int(hit[2, i])])
+                w.writerow([*key, i, *(f"{v:.3f}" for v in t[:, i])])
     if res.leads:
         with (out_dir / "leads.csv").open("w", newline="") as f:
             w = csv.writer(f)
@@ -282,13 +269,6 @@ def write_json(res: BenchResult, out_dir: Path) -> Path:
         "cross_core_copy": {str(k): {"bytes": n, "peer_written_us": a, "own_cache_us": b}
                             for k, (n, a, b) in res.xcopy.items()},
         "rank_cores": {str(k): v for k, v in res.cores.items()},
-        "host_gaps_per_s": {str(k): v for k, v in res.gaps.items()},
-        "host_timer_windows": {str(k): None if w is None else {
-            "spans_us": [[lo / 1e3, hi / 1e3] for lo, hi in w.spans],
-            "period_us": w.period_ns / 1e3, "share_of_gaps": w.share_of_gaps,
-            "share_of_time": w.share_of_time, "gaps": w.gaps}
-            for k, w in res.windows.items()},
-        "host_loop_speed": {str(k): v for k, v in res.speed.items()},
         "unavailable": res.unavailable, "elapsed_s": res.elapsed_s}, indent=2))
     return path
 
@@ -317,7 +297,7 @@ def write_png(res: BenchResult, out_dir: Path, filename: str = "bench.png") -> P
         ax.set_yscale("log")
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel("dispatch + combine, median µs")
-        ax.set_title(f"P={world}, hidden={hidden} {res.config.dtype}, top-{res.config.top_k}")
+        ax.set_title(f"P={world}, hidden={hidden} {_rows(res.config)}, top-{res.config.top_k}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

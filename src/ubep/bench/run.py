@@ -23,8 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from ubep.bench.config import BOUND, RAW, RAW_OF, BenchConfig
-from ubep.bench.host_floor import tail_ratio
-from ubep.bench.timer_windows import find_windows, overlaps
 
 OPS = ("dispatch", "combine", "total")
 
@@ -101,19 +99,11 @@ class BenchResult:
     cores: dict = field(default_factory=dict)     # P -> each rank's cores (None: unbound)
     #: P -> (bytes, µs to copy them as another core just wrote them, µs from own cache)
     xcopy: dict = field(default_factory=dict)
-    #: P -> per rank, gaps > 20 µs a second on its core (start, end): the host's own noise
-    gaps: dict = field(default_factory=dict)
-    #: P -> per rank, a fixed loop's iterations a µs on its core (start, end): the host's speed
-    speed: dict = field(default_factory=dict)
-    #: P -> where in each millisecond the gaps every rank's probes saw start bunch
-    #: (`ubep.bench.timer_windows.TimerWindows`, None if nowhere)
-    windows: dict = field(default_factory=dict)
-    #: P -> the gap probes, `[probe][rank]` (`flags.GapLog.probes`): the record the host's
-    #: floor under each row's tail is replayed over (`ubep.bench.host_floor`)
-    gap_probes: dict = field(default_factory=dict)
-    #: (system, P, hidden, batch) -> [3, iters] bool: the timed iteration's dispatch, its
-    #: combine, either, on some rank ran across one of the host's timer windows (`windows`)
-    in_window: dict = field(default_factory=dict)
+    #: (system, P, hidden, batch) -> [ranks, 4, iters] int64 ns: each timed iteration's
+    #: dispatch start and end, combine start and end on every rank (`time.perf_counter_ns`)
+    spans: dict = field(default_factory=dict)
+    #: P -> each rank's `probe.result()` when `run_bench` was given a probe
+    probes: dict = field(default_factory=dict)
     bytes: dict = field(default_factory=dict)     # (P, hidden, batch) -> (dispatch, combine) B
     #: one dict per (system, P, hidden, batch, "<op>:<phase>"): the backend's own phase times,
     #: median over iterations of the max over ranks (Buffer systems only)
@@ -122,17 +112,17 @@ class BenchResult:
     elapsed_s: float = 0.0
 
 
-def _launch_run_ranks(cfg: BenchConfig, world: int, timeout_s: float) -> list[dict]:
+def _launch_run_ranks(cfg: BenchConfig, world: int, timeout_s: float, probe) -> list[dict]:
     from ubep.bench.runner import bench_rank
     from ubep.testing import run_ranks
 
-    return run_ranks(bench_rank, world, cfg, timeout_s=timeout_s)
+    return run_ranks(bench_rank, world, cfg, None, probe, timeout_s=timeout_s)
 
 
-def _launch_mpiexec(cfg: BenchConfig, world: int, timeout_s: float) -> list[dict]:
+def _launch_mpiexec(cfg: BenchConfig, world: int, timeout_s: float, probe) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="ubep-bench-") as tmp:
         cfg_path, out_path = Path(tmp, "config.pkl"), Path(tmp, "out.pkl")
-        cfg_path.write_bytes(pickle.dumps(cfg))
+        cfg_path.write_bytes(pickle.dumps((cfg, probe)))
         env = {**os.environ, "UBEP_JOB_ID": f"m{os.getpid()}x{int(time.time() * 1e3) % 100000}"}
         cmd = [str(mpiexec_path()), "-n", str(world), sys.executable, "-m",
                "ubep.bench.runner", str(cfg_path), str(out_path)]
@@ -155,10 +145,13 @@ def _launch_mpiexec(cfg: BenchConfig, world: int, timeout_s: float) -> list[dict
     return [payload for _, payload in results]
 
 
-def run_bench(cfg: BenchConfig, *, timeout_s: float = 1200.0, progress=None) -> BenchResult:
+def run_bench(cfg: BenchConfig, *, timeout_s: float = 1200.0, progress=None,
+              probe=None) -> BenchResult:
     """Measure every system of `cfg` at every point; see the module docstring.
 
-    `progress(message)` is called before each launch, if given.
+    `progress(message)` is called before each launch, if given. `probe` (picklable) runs on
+    every rank around the timed points (`ubep.bench.runner.bench_rank`); each rank's result
+    lands in `BenchResult.probes`.
     """
     t_start = time.monotonic()
     res = BenchResult(config=cfg, machine=machine_info())
@@ -176,14 +169,16 @@ def run_bench(cfg: BenchConfig, *, timeout_s: float = 1200.0, progress=None) -> 
             progress(f"P={world}: {', '.join(run_cfg.systems)} + bound, hidden "
                      f"{list(cfg.hiddens)}, batch {list(cfg.batches)}")
         launch = _launch_mpiexec if want_mpi else _launch_run_ranks
-        per_rank = launch(run_cfg, world, timeout_s)
-        _collect(res, world, per_rank)
-    _summarise(res)
+        per_rank = launch(run_cfg, world, timeout_s, probe)
+        collect(res, world, per_rank)
+    summarise(res)
     res.elapsed_s = time.monotonic() - t_start
     return res
 
 
-def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
+def collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
+    """Add the ranks' results of the run at `world` ranks (`bench_rank`'s, in rank order) to
+    `res`: per iteration, the max over ranks."""
     first = per_rank[0]
     for name, why in first["unavailable"].items():
         res.unavailable.setdefault(name, why)
@@ -192,14 +187,8 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
     res.cores[world] = [r.get("cpu") for r in per_rank]
     if first.get("xcopy") is not None:
         res.xcopy[world] = tuple(first["xcopy"])
-    if all(r.get("gaps") is not None for r in per_rank):
-        res.gaps[world] = [tuple(r["gaps"]) for r in per_rank]
-    if all(r.get("speed") is not None for r in per_rank):
-        res.speed[world] = [tuple(r["speed"]) for r in per_rank]
-    logs = [r.get("gap_log") for r in per_rank]
-    if all(g is not None for g in logs):
-        res.windows[world] = find_windows(np.concatenate([g.starts for g in logs]))
-        res.gap_probes[world] = [list(k) for k in zip(*(g.probes for g in logs))]
+    if all(r.get("probe") is not None for r in per_rank):
+        res.probes[world] = [r["probe"] for r in per_rank]
     for (hidden, batch) in first["bytes"]:
         res.bytes[(world, hidden, batch)] = tuple(
             max(r["bytes"][(hidden, batch)][i] for r in per_rank) for i in range(2))
@@ -210,12 +199,8 @@ def _collect(res: BenchResult, world: int, per_rank: list[dict]) -> None:
             t = t + res.rtt_us[world] / 2
         res.samples[(name, world, hidden, batch)] = np.vstack([t, t.sum(0, keepdims=True)])
         spans = [r.get("spans", {}).get(key) for r in per_rank]
-        if res.windows.get(world) is not None and all(v is not None for v in spans):
-            sp = np.stack(spans)                        # [ranks, 4, iters]
-            lo, hi = sp.min(axis=0), sp.max(axis=0)     # earliest start, latest end
-            w = res.windows[world]
-            d, c = overlaps(lo[0], hi[1], w), overlaps(lo[2], hi[3], w)
-            res.in_window[(name, world, hidden, batch)] = np.vstack([d, c, d | c])
+        if all(v is not None for v in spans):
+            res.spans[(name, world, hidden, batch)] = np.stack(spans)
         lead = [r.get("leads", {}).get(key) for r in per_rank]
         if all(v is not None and len(v) for v in lead):
             res.leads[(name, world, hidden, batch)] = np.max(np.stack(lead), axis=0)
@@ -236,18 +221,9 @@ def _op_bytes(nbytes: tuple, op: str) -> int | None:
     return nbytes[OPS.index(op)]
 
 
-def _clear_of_windows(t: np.ndarray, hit: np.ndarray | None) -> dict:
-    """The iterations clear of the host's timer windows: their share, median and p99 (µs);
-    None where the run found no windows or no iteration was clear."""
-    if hit is None or hit.all():
-        return {"clear_share": None, "clear_median_us": None, "clear_p99_us": None}
-    clear = t[~hit]
-    return {"clear_share": float(clear.size / t.size),
-            "clear_median_us": float(np.median(clear)),
-            "clear_p99_us": float(np.percentile(clear, 99))}
-
-
-def _summarise(res: BenchResult) -> None:
+def summarise(res: BenchResult) -> None:
+    """Fill `res.rows` from `res.samples`: per (point, system, op) the median, p99, mean and
+    min, and the ratios to shm-ubep, to the copy bound and to raw collectives + copy bound."""
     cfg = res.config
     med = {k: np.median(v, axis=1) for k, v in res.samples.items()}
     for (name, world, hidden, batch), t in sorted(res.samples.items(),
@@ -256,7 +232,6 @@ def _summarise(res: BenchResult) -> None:
         bound_med = med.get((BOUND, world, hidden, batch))
         raw_med = med.get((RAW_OF.get(name, RAW), world, hidden, batch))
         nbytes = res.bytes.get((world, hidden, batch), (None, None))
-        hits = res.in_window.get((name, world, hidden, batch))     # per op, as `t`
         for i, op in enumerate(OPS):
             m = float(np.median(t[i]))
             res.rows.append({
@@ -273,8 +248,4 @@ def _summarise(res: BenchResult) -> None:
                 "dtype": cfg.dtype, "top_k": cfg.top_k, "experts": cfg.experts,
                 "bytes_per_rank": _op_bytes(nbytes, op),
                 "rtt_us": res.rtt_us.get(world),
-                **_clear_of_windows(t[i], None if hits is None else hits[i]),
-                # the p99/median the host's gaps alone give a call of this median
-                "host_p99x": tail_ratio(m, res.gap_probes[world])
-                if world in res.gap_probes else None,
             })

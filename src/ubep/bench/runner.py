@@ -28,17 +28,33 @@ import torch.distributed as dist
 
 from ubep import reference
 from ubep.bench.config import AGRS_RAW, BOUND, MPI_RAW, RAW, BenchConfig
-from ubep.bench.flags import GapLog, HostSync
+from ubep.bench.flags import HostSync
 from ubep.bench.systems import make_system
+from ubep.quant import per_token_cast_to_fp8
 from ubep.testing import make_routing, make_tokens
 
 
-def _inputs(cfg: BenchConfig, rank: int, batch: int, hidden: int):
+def bench_inputs(cfg: BenchConfig, rank: int, batch: int, hidden: int):
+    """Rank `rank`'s `(x, topk_idx, topk_weights)` at one point of `cfg`: the same on every
+    rank that builds them (each rank builds every rank's, for the oracle) and in every run of
+    the same seed. With `cfg.fp8`, `x` is `(x_fp8, x_scales)` (`ubep.quant`)."""
     seed = cfg.seed * 1_000_003 + batch * 131 + hidden
     idx, w = make_routing(batch, cfg.top_k, cfg.experts, kind=cfg.routing,
                           seed=seed * 17 + rank)
     x = make_tokens(rank, batch, hidden, cfg.torch_dtype, seed=seed)
+    if cfg.fp8:
+        x = per_token_cast_to_fp8(x)
     return x, idx, w
+
+
+def oracle_rows(x) -> torch.Tensor:
+    """The rows the oracle moves for input `x`: `x` itself, or for `(x_fp8, x_scales)` each
+    row's fp8 bytes followed by its scales' bytes (uint8), so one `ubep.reference.dispatch`
+    places both (`systems.check_dispatch` splits them again)."""
+    if isinstance(x, tuple):
+        rows, scales = x
+        return torch.cat([rows.view(torch.uint8), scales.view(torch.uint8)], dim=1)
+    return x
 
 
 def _agree(ok: bool, reason: str | None) -> str | None:
@@ -58,8 +74,12 @@ def _try(fn, *args) -> tuple[object, str | None]:
         return None, f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
+def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None, probe=None) -> dict:
     """Run the benchmark on this rank. Collective over the default process group.
+
+    `probe`, if given, is called on every rank around the timed points: `probe.start(sync)`
+    before the first, `probe.end(sync)` after the last (`sync`: this run's `HostSync`), and
+    `probe.result()` goes back as "probe" (the lab's host probes in benchmarks/ use it).
 
     Returns `{"times": {(system, hidden, batch): array [2, iters] µs (dispatch, combine)},
     "leads": {(system, hidden, batch): array [turns] µs}` (each turn's untimed first call,
@@ -68,33 +88,30 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
     "bytes": {(hidden, batch): (dispatch_bytes, combine_bytes)}, "unavailable": {system:
     reason}, "rtt_us": float | None, "cpu": [cores this rank is bound to] | None,
     "xcopy": (bytes, peer-written µs, own-cache µs) | None}` (`HostSync.cross_core_copy_us`
-    of the copy bound's dispatch bytes at the smallest batch and widest row), "gaps":
-    (per second at the start, at the end)}` (`HostSync.gaps_per_s` on this rank's core),
-    "gap_log": `flags.GapLog` of those two probes (each gap's start and length),
+    of the copy bound's dispatch bytes at the smallest batch and widest row),
     "spans": {(system, hidden, batch): array [4, iters] int64 ns}` (each timed iteration's
-    dispatch start and end, combine start and end, on the same clock; for
-    `ubep.bench.timer_windows`), "speed": (at the start, at the end)` (`HostSync.loop_speed`,
-    loop iterations a µs).
+    dispatch start and end, combine start and end, `time.perf_counter_ns`), "probe": what
+    `probe.result()` returned, or None.
     """
     # one core per rank: torch's own intra-op threads would compete with the ranks
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    pinned = _pin(rank, world) if cfg.pin else None
+    pinned = pin_rank(rank, world) if cfg.pin else None
     job = os.environ.get("UBEP_JOB_ID", f"b{os.getpid()}")
     xbytes = (min(cfg.batches) * cfg.top_k * max(cfg.hiddens)
               * torch.empty(0, dtype=cfg.torch_dtype).element_size())
     sync = HostSync.create(rank, world, job, timeout_s=max(cfg.timeout_s, 10.0),
                            copy_bytes=xbytes)
     out: dict = {"times": {}, "leads": {}, "phases": {}, "bytes": {}, "unavailable": {},
-                 "rtt_us": None, "cpu": pinned, "xcopy": None, "gaps": None, "speed": None,
-                 "spans": {}, "gap_log": None}
-    log = GapLog()
+                 "rtt_us": None, "cpu": pinned, "xcopy": None, "spans": {}, "probe": None}
     try:
         out["rtt_us"] = sync.flag_round_trip_us()
         xcopy = sync.cross_core_copy_us(xbytes)
         out["xcopy"] = None if xcopy is None else (xbytes, *xcopy)
-        gaps = sync.gaps_per_s(log=log)
-        speed = sync.loop_speed()
-        names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems else []),
+        if probe is not None:
+            probe.start(sync)
+        # (the torch backend's raw collectives replay one Buffer call's: not fp8's two)
+        names = [*cfg.systems, BOUND, *([RAW] if "torch" in cfg.systems and not cfg.fp8
+                                        else []),
                  *([AGRS_RAW] if "agrs" in cfg.systems else []),
                  *([MPI_RAW] if "mpi" in cfg.systems else [])]
         for hidden in cfg.hiddens:
@@ -116,21 +133,21 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, comm=None) -> dict:
                 for s in systems.values():
                     s.close()
         out["rtt_us_end"] = sync.flag_round_trip_us()
-        out["gaps"] = (gaps, sync.gaps_per_s(log=log))
-        out["gap_log"] = log
-        out["speed"] = (speed, sync.loop_speed())
+        if probe is not None:
+            probe.end(sync)
+            out["probe"] = probe.result()
     finally:
         sync.close()
     return out
 
 
-def _pin(rank: int, world: int) -> list[int] | None:
+def pin_rank(rank: int, world: int) -> list[int] | None:
     """Bind this thread to the `rank`-th of `world` equal slices of the usable cores; its cores.
 
     Unbound, two ranks that slept (in a gloo collective, say) can be woken onto the same core
     and share it until the load balancer's next pass, milliseconds later: a whole turn of
     shm calls then runs 3-5x slower, each rank's spin-wait yielding to the other
-    (docs/results.md, "Fixed costs at batch 1"). Threads started later inherit the binding;
+    (measured on this project's 2-core VM). Threads started later inherit the binding;
     those already running (gloo's, started with the process group) stay free: bound with
     the rank to its one core, every gloo collective stalled for a scheduler tick (~4 ms).
     """
@@ -142,7 +159,7 @@ def _pin(rank: int, world: int) -> list[int] | None:
     return mine
 
 
-def _checked_call(s, x, idx, w, ref) -> None:
+def checked_call(s, x, idx, w, ref) -> None:
     """One untimed dispatch (compared with the oracle) and combine of system `s`."""
     s.prepare(x, idx, w, ref)
     s.dispatch()
@@ -155,14 +172,14 @@ def _checked_call(s, x, idx, w, ref) -> None:
 
 def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
     for batch in cfg.batches:
-        inputs = [_inputs(cfg, r, batch, hidden) for r in range(world)]
-        ref = reference.dispatch([i[0] for i in inputs], [i[1] for i in inputs],
+        inputs = [bench_inputs(cfg, r, batch, hidden) for r in range(world)]
+        ref = reference.dispatch([oracle_rows(i[0]) for i in inputs], [i[1] for i in inputs],
                                  [i[2] for i in inputs], cfg.experts)[rank]
         x, idx, w = inputs[rank]
         # one checked, untimed call per system; a system that fails or errs is dropped
         for name in list(systems):
             sync.barrier()
-            _, why = _try(_checked_call, systems[name], x, idx, w, ref)
+            _, why = _try(checked_call, systems[name], x, idx, w, ref)
             why = _agree(why is None, why)
             if why is not None:
                 out["unavailable"][name] = f"at hidden={hidden} batch={batch}: {why}"
@@ -189,7 +206,7 @@ def _bench_hidden(rank, world, cfg, hidden, systems, sync, out) -> None:
 def gc_paused():
     """Python's cyclic GC collected once, then off for the block: a collection inside a
     timed call would land on one system at random. The harness's timed loops run in it
-    (also `ubep.sim.hostchunks`)."""
+    (and the lab's host validation in benchmarks/)."""
     gc.collect()
     gc.disable()
     try:
@@ -208,10 +225,10 @@ def _expert(system) -> None:
 def timed_pair(sync, system, at: np.ndarray | None = None) -> tuple[float, float]:
     """One dispatch and one combine of `system`, each started right after a barrier of every
     rank (`HostSync`), the stand-in expert between them untimed: (dispatch µs, combine µs)
-    on this rank. The harness's one way to time
-    a call (also `ubep.sim.hostchunks`), so what the host validation predicts is timed as
-    `ubep bench` times it. `at` (4 int64), if given, receives the four clock readings
-    (`time.perf_counter_ns`: dispatch start, end, combine start, end)."""
+    on this rank. The harness's one way to time a call (the lab's host validation in
+    benchmarks/ times with it too, so what it predicts is timed as `ubep bench` times it).
+    `at` (4 int64), if given, receives the four clock readings (`time.perf_counter_ns`:
+    dispatch start, end, combine start, end)."""
     perf = time.perf_counter_ns
     sync.barrier()
     t0 = perf()
@@ -279,7 +296,7 @@ def _mpi_main(config_path: str, out_path: str) -> int:
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     with open(config_path, "rb") as f:
-        cfg = pickle.load(f)
+        cfg, probe = pickle.load(f)
     timeout = timedelta(seconds=max(cfg.timeout_s, 30.0))
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timeout) if rank == 0 else None
@@ -288,7 +305,7 @@ def _mpi_main(config_path: str, out_path: str) -> int:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        result = ("ok", bench_rank(rank, world, cfg, comm))
+        result = ("ok", bench_rank(rank, world, cfg, comm, probe))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
         result = ("exception", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
     results = comm.gather(result, root=0)

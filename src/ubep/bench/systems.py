@@ -10,14 +10,32 @@ dispatch with the oracle's bytes, so no system is timed while it gives wrong ans
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ubep.bench.config import AGRS_RAW, BOUND, BUFFER_SYSTEMS, MPI_RAW, RAW, BenchConfig
-from ubep.bench.pages import page_aligned
+from ubep.quant import per_token_cast_back
 from ubep.reference import ReferenceDispatch
 from ubep.runtime.torch_backend import all_to_all
+
+
+def page_aligned(nbytes: int) -> np.ndarray:
+    """`nbytes` of zeroed uint8 at a page-aligned address, in 4 KiB pages (an anonymous shared
+    mapping, the memory the runtime's regions are; numpy would advise huge pages for 4 MiB
+    and more). Kept alive by the array.
+
+    The copy bound copies between two of these. glibc copies a few KiB and more with `rep
+    movsb` where the CPU advertises fast string moves, and on AMD Zen 3 that instruction runs
+    ~8x slower when the destination lies 1-31 bytes past the source modulo 4 KiB (glibc 2.36;
+    2.39 avoids it). Two numpy arrays malloc placed back to back sit exactly 16 bytes apart
+    modulo 4 KiB, so a bound copied between them would time that slow case, not the fastest
+    copy the core has.
+    """
+    m = mmap.mmap(-1, max(nbytes, 1))
+    return np.frombuffer(m, np.uint8)[:nbytes]
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -26,8 +44,18 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_dispatch(name: str, got, ref: ReferenceDispatch) -> str | None:
-    """None if `got` (a dispatch result) matches the oracle bit for bit, else what differs."""
-    if not _same_bytes(got.recv_x, ref.recv_x):
+    """None if `got` (a dispatch result) matches the oracle bit for bit, else what differs.
+
+    A result with scales (fp8) is checked against an oracle of its rows' bytes followed by
+    their scales' bytes (`runner.oracle_rows`)."""
+    scales = getattr(got, "recv_x_scales", None)
+    if scales is not None:
+        row_bytes = got.recv_x.shape[1] * got.recv_x.element_size()
+        want = ref.recv_x
+        if not (_same_bytes(got.recv_x.contiguous().view(torch.uint8), want[:, :row_bytes])
+                and _same_bytes(scales.contiguous().view(torch.uint8), want[:, row_bytes:])):
+            return f"{name}: recv_x or recv_x_scales differs from the oracle"
+    elif not _same_bytes(got.recv_x, ref.recv_x):
         return f"{name}: recv_x differs from the oracle"
     for field in ("tokens_per_expert", "recv_src_rank", "recv_src_token"):
         if not torch.equal(getattr(got, field), getattr(ref, field)):
@@ -38,12 +66,19 @@ def check_dispatch(name: str, got, ref: ReferenceDispatch) -> str | None:
 class _StandInExpert:
     """The untimed step between dispatch and combine of a system that returns rows: combine's
     input made from the last dispatch's recv_x as `BenchConfig.expert` says (`_clone`, set
-    by each system from its config)."""
+    by each system from its config); fp8 rows with scales are dequantized into the config's
+    dtype (`ubep.quant.per_token_cast_back`: it reads every row and writes a new tensor, as
+    a clone does)."""
 
     _res = _y = None
+    _dtype = None
 
     def expert(self) -> None:
-        self._y = self._res.recv_x.clone() if self._clone else self._res.recv_x
+        scales = getattr(self._res, "recv_x_scales", None)
+        if scales is not None:
+            self._y = per_token_cast_back(self._res.recv_x, scales, self._dtype)
+        else:
+            self._y = self._res.recv_x.clone() if self._clone else self._res.recv_x
 
 
 class BufferSystem(_StandInExpert):
@@ -59,6 +94,7 @@ class BufferSystem(_StandInExpert):
                                mode=mode, workers=cfg.workers if backend == "shm" else None,
                                timeout_s=cfg.timeout_s, max_top_k=cfg.top_k, direct=direct)
         self._clone = cfg.expert == "clone"
+        self._dtype = cfg.torch_dtype
         self._args = None
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
@@ -225,25 +261,29 @@ class AgRsCollectives:
 class CopyBound:
     """The bytes dispatch and combine must move on this rank, copied once by one core.
 
-    Dispatch must write each routed (token, expert) row of this rank once; combine must
-    bring each received row back once. `dispatch()` and `combine()` copy exactly those byte
-    counts, contiguous (memcpy between page-aligned buffers, the fastest copy this core
-    has: `ubep.bench.pages` says why the alignment matters). The flag round trip is
-    added when the results are summarised, not here.
+    Dispatch must write each routed (token, expert) row of this rank once (with fp8, its
+    bytes and its scales); combine must bring each received row back once. `dispatch()` and
+    `combine()` copy exactly those byte counts, contiguous (memcpy between page-aligned
+    buffers, the fastest copy this core has: `page_aligned` says why the alignment matters).
+    The flag round trip is added when the results are summarised, not here.
     """
 
     def __init__(self, name: str, cfg: BenchConfig, hidden: int):
         self.name = name
         self.row_bytes = hidden * torch.empty(0, dtype=cfg.torch_dtype).element_size()
         rows = max(cfg.batches) * cfg.top_k * max(cfg.ranks)  # room for any skew
-        # page-aligned, both: memcpy's fast case on every CPU (`ubep.bench.pages`)
+        # page-aligned, both: memcpy's fast case on every CPU (`page_aligned`)
         n = rows * self.row_bytes
         self._src, self._dst = page_aligned(n), page_aligned(n)
         self._src[:] = 1
         self.dispatch_bytes = self.combine_bytes = 0
 
     def prepare(self, x, topk_idx, topk_weights, ref: ReferenceDispatch) -> None:
-        self.dispatch_bytes = int((topk_idx >= 0).sum()) * self.row_bytes
+        # fp8 rows with scales: dispatch moves each row's fp8 bytes and its scales, combine
+        # rows of the config's dtype (`row_bytes`, the larger: the buffers are sized for it)
+        sent = self.row_bytes if not isinstance(x, tuple) else \
+            sum(t.shape[1] * t.element_size() for t in x)
+        self.dispatch_bytes = int((topk_idx >= 0).sum()) * sent
         self.combine_bytes = ref.recv_x.shape[0] * self.row_bytes
 
     def dispatch(self) -> None:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import ubep
-from ubep.quant import companion, per_token_cast_to_fp8
+from ubep.quant import per_token_cast_to_fp8
 
 topk_idx_t = torch.int64  # DeepEP's `deep_ep.topk_idx_t`
 
@@ -454,7 +454,7 @@ class Buffer:
         P, (per_rank, _, H) = self.group_size, state.shape
         buf = self._ubep(per_rank * P, H, topk_idx.shape[1], max_tokens=handle[2])
         weights = torch.where(topk_idx >= 0, topk_weights.float(), 0.0).contiguous()
-        row_w = companion(buf, weights.shape[1]).dispatch(
+        row_w = buf.companion(weights.shape[1]).dispatch(
             weights, topk_idx, torch.ones_like(weights)).recv_x
         row_w = row_w[torch.arange(row_w.shape[0]), state.recv_slot]
         rows = src[state.expert, state.slot].float() * row_w.unsqueeze(1)

@@ -17,7 +17,19 @@ from ubep.options import BufferConfig
 
 
 class Backend(Protocol):
-    """What `Buffer` calls. `close()` must be idempotent."""
+    """Everything `Buffer` calls on a backend. `close()` must be idempotent.
+
+    A backend class may subclass this protocol to take the defaults below for what it does
+    not offer (no door, nothing to resume, no combine buffer, always in step).
+    """
+
+    #: False once a call failed after the peers were told of it: a `ValueError` or
+    #: `TypeError` raised then leaves the ranks out of step (`Buffer` marks itself broken).
+    #: True while every error is raised before anything moved.
+    in_step: bool = True
+    #: `ubep_native`'s two entries (dispatch, combine) that take `door`'s tuple, when `door`
+    #: returns one
+    DOOR_ENTRIES: tuple[str, str] = ("", "")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int) -> DispatchResult: ...
@@ -26,6 +38,24 @@ class Backend(Protocol):
                 weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
         """`out`: where y goes (checked by `Buffer`); a backend sums straight into it
         where it can, and returns it as `y`."""
+
+    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+        """What `ubep.native`'s door reads to take a `Buffer`'s common call whole (the
+        `DOOR_ENTRIES` functions), with `lock` the Buffer's and `limits` its fast checks'
+        (hidden, num_experts, max_tokens_per_rank, max_top_k); None: no door, every call
+        goes through `dispatch` and `combine`."""
+        return None
+
+    def resume(self, which: str, *args) -> DispatchResult | CombineResult:
+        """A door's call that must wait, on in Python from where the compiled entry stopped
+        (`which`: the path's `dispatch_resume` or `combine_resume`, `args` as it passes
+        them)."""
+        raise NotImplementedError(f"{type(self).__name__} has no door calls to resume")
+
+    def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
+        """Where to write `handle`'s expert outputs so combine copies nothing
+        (`Buffer.get_combine_buffer`, `direct` only)."""
+        raise ValueError(f"{type(self).__name__} has no combine buffer (direct only)")
 
     def close(self) -> None: ...
 

@@ -8,10 +8,9 @@ docs/results.md); otherwise the torch backend works over any process group. All 
 on the answer because they decide from the same gathered facts.
 
 On shm, when the caller left `mode` and `direct` to it, auto runs `direct="owned"`: one copy
-per row with results the caller owns (`runtime/shm/direct.py`): side by side on this
-project's host it took 0.37-0.68x the paper's two-copy path's time at batch 8-128 and a
-median 0.93x at batch 1 (README, "Which backend runs"). It needs room for the direct areas,
-else the two-copy path runs.
+per row with results the caller owns (`runtime/shm/direct.py`; docs/design.md §2.5; its
+time beside the paper's two-copy path's is in docs/results.md). It needs room for the
+direct areas, else the two-copy path runs.
 """
 
 from __future__ import annotations

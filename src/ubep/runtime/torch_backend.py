@@ -71,7 +71,7 @@ dispatch whose phase 2 needs a larger receive buffer goes on in Python after its
 collective (`_native_rest`); everything else runs the Python path below, the definition.
 Same bits as the Python path (tests/test_native_torch.py). Why: at batch 1 the Python between the
 collectives cost more than the collectives' own host work, each statement on caches gloo's
-threads had just used (docs/results.md, "The torch path, compiled").
+threads had just used (docs/results/torch_backend.md, "The compiled path").
 
 On a host with one core per rank (2 ranks on 2 cores, gloo) the overlap is partial: gloo
 runs a collective on its own threads (a worker, a socket loop), ~100 µs of CPU per rank per
@@ -101,6 +101,7 @@ from ubep.handle import (
 )
 from ubep.native import load_native
 from ubep.options import BufferConfig
+from ubep.runtime import Backend
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
     KIND_BF16,
@@ -338,7 +339,7 @@ class _TorchState:
             self.final_offsets_np = res[o_fo:o_fo + self.num_tokens]
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     """Dispatch/combine over `torch.distributed.all_to_all_single`."""
 
     def __init__(self, config: BufferConfig, group, buffer_id: int):

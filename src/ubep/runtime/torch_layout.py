@@ -26,7 +26,7 @@ from ubep.runtime.shm.kernels.combine import f16_to_f32, f32_bits_to_f16
 
 
 @njit(nogil=True, cache=True)
-def _copy_row(dst, d, src, s, n):
+def copy_row(dst, d, src, s, n):
     """Words `src[s:s + n]` into `dst[d:d + n]` (flat arrays of one word type) by memcpy:
     nothing orders the torch backend's rows but the collectives around them, and memcpy's
     string stores write a cold line without reading it first (docs/results/torch_backend.md)."""
@@ -387,7 +387,7 @@ def _put_rows(send, row, x, token_of, first, n, rw):
     """Rows `x[token_of[first:first + n]]` into rows `row..row + n` of `send`: flat arrays of
     one word type, `rw` words a row."""
     for i in range(n):
-        _copy_row(send, (row + i) * rw, x, token_of[first + i] * rw, rw)
+        copy_row(send, (row + i) * rw, x, token_of[first + i] * rw, rw)
 
 
 @njit(nogil=True, cache=True)
@@ -664,7 +664,7 @@ def gather_rows(work, x, gather, num_remote, own_tokens, out, rw):
         src = work if g < num_remote else x
         if g >= num_remote:
             g = own_tokens[g - num_remote]
-        _copy_row(out, i * rw, src, g * rw, rw)
+        copy_row(out, i * rw, src, g * rw, rw)
     return out
 
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rich.console import Console
-from rich.table import Table
-
 from ubep.verify import MODELS, check, check_all, variants
 
 
@@ -47,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Print the matrix, a trace or the sync info; 0 if every claim holds, 2 on bad input."""
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
     if not console.is_terminal:      # piped: do not squeeze the table into 80 columns
         console = Console(width=120)

@@ -16,6 +16,14 @@ deadlines and liveness), `protocol.py` (dtype codes, status, `ShmProtocolError`)
 module per purpose).
 """
 
-from ubep.runtime.shm.atomics import MEMORY_MODEL
-
 __all__ = ["MEMORY_MODEL"]
+
+
+def __getattr__(name: str):
+    """`MEMORY_MODEL` (`atomics`), imported on first read: a submodule imported alone (the
+    segments `Buffer` reads to choose a backend) loads no Numba."""
+    if name == "MEMORY_MODEL":
+        from ubep.runtime.shm.atomics import MEMORY_MODEL
+
+        return MEMORY_MODEL
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -161,9 +161,9 @@ def _memcpy(typingctx, dst_addr, src_addr, nbytes):
 #: a copy whose destination lies 1-63 bytes past its source modulo 4 KiB goes in pieces of
 #: this many bytes: glibc (< 2.39) copies larger ones with `rep movsb`, which AMD Zen 3 runs
 #: ~8x slower at such an offset (a batch-128 dispatch from an `x` 16 bytes before a page
-#: boundary: 3.7-5.7 vs 1.0-1.5 ms, docs/results.md); pieces below glibc's `rep movsb`
-#: threshold (2 KiB at the least) take its vector loop, as fast as one call at any other
-#: offset
+#: boundary: 3.7-5.7 vs 1.0-1.5 ms, benchmarks/scripts/bench_copy_alias.py); pieces below
+#: glibc's `rep movsb` threshold (2 KiB at the least) take its vector loop, as fast as one
+#: call at any other offset
 ALIAS_PIECE = 2048
 
 

@@ -23,7 +23,7 @@ SPINS = 64
 #: µs of Python behind is then met in the kernel, where entering `wait` and leaving it cost
 #: ~3 µs of Python each time (2 ranks, batch 1, in-process A/B against 8 rounds:
 #: dispatch+combine median 61.3 -> 60.3 µs owned, 61.8 -> 59.5 direct; batch 8 and 128
-#: unchanged; docs/results.md, "Fixed costs at batch 1")
+#: unchanged)
 INLINE_SPINS = 256
 #: how long a waiter yields the core between polls before it starts sleeping, seconds: on an
 #: idle host the peer is running and answers within microseconds; when threads outnumber
