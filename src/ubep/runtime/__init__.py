@@ -34,6 +34,7 @@ class Backend(Protocol):
 _BACKENDS: dict[str, str] = {
     "torch": "ubep.runtime.torch_backend:TorchBackend",
     "shm": "ubep.runtime.shm.backend:ShmBackend",
+    "hybrid": "ubep.runtime.hybrid:HybridBackend",
 }
 
 

@@ -1,0 +1,109 @@
+"""The hybrid backend against the oracle, with hosts told apart by `UBEP_SHM_DOMAIN`.
+
+Ranks here share one machine; each rank's `UBEP_SHM_DOMAIN` puts it in a shared-memory
+domain of its own host, so `auto` sees several hosts and the hybrid backend moves rows
+between them over gloo, inside them through shared memory. tests/test_emulated_hosts_hybrid.py
+runs the same checks on emulated hosts (network namespaces, a private /dev/shm each).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ubep import reference
+from ubep.testing import Case, expert_fn, run_case, run_ranks, runtime_cases
+
+
+def host_of(hosts, rank: int) -> int:
+    return next(h for h, ranks in enumerate(hosts) if rank in ranks)
+
+
+def combine_by_host(case: Case, hosts) -> list[torch.Tensor]:
+    """The hybrid combine's contract: per (token, host) an fp32 sum in slot order rounded
+    to the partial dtype, partials summed in fp32 in host order, rounded once."""
+    world = len(case.tokens)
+    ins = [case.inputs(r) for r in range(world)]
+    ref = reference.dispatch([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins],
+                             case.num_experts)
+    outs = [expert_fn(d.recv_x) for d in ref]
+    dtype = outs[0].dtype
+    pdtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    epr = case.num_experts // world
+    landed = {}
+    for r in range(world):
+        d = ref[r]
+        for i, key in enumerate(zip(d.recv_src_rank.tolist(), d.recv_src_token.tolist(),
+                                    d.recv_src_slot.tolist())):
+            landed[key] = (r, i)
+    ys = []
+    for s in range(world):
+        idx, w = ins[s][1].tolist(), ins[s][2]
+        y = torch.zeros(len(idx), case.hidden, dtype=torch.float32)
+        for t, experts in enumerate(idx):
+            parts = {}
+            for k, e in enumerate(experts):
+                if e < 0:
+                    continue
+                r, i = landed[(s, t, k)]
+                row = outs[r][i].to(torch.float32)
+                h = host_of(hosts, e // epr)
+                acc = parts.get(h, torch.zeros(case.hidden))
+                parts[h] = acc + (w[t, k] * row if case.weighted else row)
+            acc = torch.zeros(case.hidden)
+            for h in sorted(parts):
+                acc = acc + parts[h].to(pdtype).to(torch.float32)
+            y[t] = acc
+        ys.append(y.to(dtype))
+    return ys
+
+
+def check_hybrid(case: Case, hosts, outs: list[dict]) -> None:
+    """Dispatch bit-exact against the oracle; combine bit-exact against the contract."""
+    world = len(case.tokens)
+    ins = [case.inputs(r) for r in range(world)]
+    ref = reference.dispatch([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins],
+                             case.num_experts)
+    ys = combine_by_host(case, hosts)
+    for r in range(world):
+        got, want = outs[r], ref[r]
+        for name in ("tokens_per_expert", "recv_src_rank", "recv_src_token", "recv_src_slot",
+                     "recv_weights"):
+            assert torch.equal(got[name], getattr(want, name)), (case, r, name)
+        assert torch.equal(got["recv_x"].view(torch.uint8), want.recv_x.view(torch.uint8)), \
+            (case, r, "recv_x")
+        gy, wy = got["y"], ys[r]
+        assert gy.dtype == wy.dtype and torch.equal(gy.view(torch.uint8), wy.view(torch.uint8)),\
+            (case, r, "y", (gy.float() - wy.float()).abs().max())
+
+
+def _run(rank, world, hosts, cases):
+    import ubep
+
+    os.environ["UBEP_SHM_DOMAIN"] = f"h{host_of(hosts, rank)}"
+    most = max(max(c.tokens) for c in cases) or 1
+    e = cases[0].num_experts
+    with ubep.Buffer(num_experts=e, hidden=cases[0].hidden, max_tokens_per_rank=most,
+                     max_top_k=max(c.top_k for c in cases), timeout_s=20) as buf:
+        assert buf.config.backend == "hybrid", buf.config.backend_reason
+        outs = []
+        for case in cases:
+            out = run_case(buf, case, rank)
+            out["stats"] = (buf.last_stats, )
+            outs.append(out)
+        return buf.config.hosts, buf.config.backend_reason, outs
+
+
+@pytest.mark.parametrize("hosts", [((0, 1), (2, 3)), ((0,), (1, 2), (3,)), ((0, 2), (1, 3))],
+                         ids=["2x2", "uneven", "interleaved"])
+def test_hybrid_matches_oracle(hosts):
+    world = sum(len(h) for h in hosts)
+    cases = runtime_cases(world)
+    res = run_ranks(_run, world, hosts, cases, timeout_s=240)
+    for r, (seen, why, _) in enumerate(res):
+        assert seen == hosts, (r, seen)
+        assert "span" in why
+    for i, case in enumerate(cases):
+        check_hybrid(case, hosts, [res[r][2][i] for r in range(world)])
