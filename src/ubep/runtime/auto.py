@@ -90,7 +90,8 @@ def choose_backend(config: BufferConfig, group, *,
     return "shm", why, c.direct, hosts
 
 
-def _across_hosts(c: BufferConfig, facts: list, hosts: tuple, workers: int) -> tuple[str, str, bool]:
+def _across_hosts(c: BufferConfig, facts: list, hosts: tuple,
+                  workers: int) -> tuple[str, str, bool]:
     """hybrid if every host's /dev/shm has room for its ranks' shared-memory part, else
     torch; (backend, why, direct)."""
     from ubep.plan.hosts import HostLayout

@@ -364,7 +364,7 @@ class HybridBackend:
             raise RuntimeError("cannot combine after close")
         st: _HybridState = handle.state
         sent = st.sent
-        c, lay, W = self.config, self.layout, self.world
+        c = self.config
         t0 = time.perf_counter()
         t_end = t0 + c.timeout_s
         pdtype = expert_out.dtype if expert_out.dtype in PARTIAL_DTYPES else torch.float32
