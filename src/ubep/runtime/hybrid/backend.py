@@ -1,0 +1,371 @@
+"""`HybridBackend`: expert parallelism across hosts, shared memory inside each.
+
+The two-level exchange production EP libraries run between nodes (DeepEP's normal kernels:
+RDMA once per node, then NVLink), with a host's shared memory as the near tier and
+`torch.distributed` on the user's group (gloo, MPI) as the far one. Follow a call:
+
+dispatch: split the routing by host (`plan.hosts.split_routing`) -> post one message to each
+    other host's entry rank (`network.py`): the tokens with an expert there, each once, with
+    their routing restricted to that host -> *while those travel*, this rank's tokens for
+    its own host's experts move through shared memory (the shm backend's one-copy
+    `direct="owned"` path, on the host's ranks) -> the rows this rank received as an entry
+    are forwarded to their expert ranks through shared memory, their origins in
+    `origins.py`'s tables -> both arrivals are laid out expert-major by (source rank, source
+    token), as every backend returns them (one gather of the received rows).
+combine: the forwarded rows' expert outputs are summed per (token, host) through shared
+    memory and go back, one partial row per token and host; while they travel, this rank's
+    own tokens' rows on this host are summed the same way -> the token's rank adds the
+    partials in fp32 in host order and rounds once.
+
+Rounding contract: a host's partial is the fp32 sum of the token's slots on that host in
+slot order, rounded to the output dtype (fp32 for 8-bit outputs) -- what crosses the network,
+as DeepEP's combine and ubep's torch backend send them, half the bytes of fp32 partials; the
+token's rank sums the partials in fp32 in ascending host order and rounds once. A token whose
+experts all live on one host gets the oracle's bits; otherwise the result is within
+0.5 ulp(y) + 0.5 * sum_h ulp(partial_h) of the oracle's fp32 sum (docs/multihost.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ubep.errors import PeerDiedError, PeerTimeoutError
+from ubep.handle import CombineResult, DispatchHandle, DispatchResult
+from ubep.options import BufferConfig
+from ubep.plan.hosts import HostLayout, merge_order, split_routing
+from ubep.runtime.hosts import discover_hosts
+from ubep.runtime.hybrid.network import Exchange, post
+from ubep.runtime.hybrid.origins import OriginTables
+from ubep.stats import Stats
+
+__all__ = ["HybridBackend", "PARTIAL_DTYPES"]
+
+#: combine partials travel in the output dtype for these, in fp32 for the rest (8-bit)
+PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HEADER = 8                 # bytes before a dispatch message's rows: its row count (int64)
+_clock = time.perf_counter
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` `[n, m]` as `[n, w]` of the widest integer word dividing a row's bytes:
+    gathers and scatters of rows then move words, not bytes (~8x faster for uint8)."""
+    b = rows.contiguous().view(torch.uint8)     # [n, row bytes]
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if b.shape[1] % dtype.itemsize == 0:
+            return b.view(dtype)
+    return b
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What one dispatch sent and received over the network: combine's map back."""
+
+    tokens: tuple[np.ndarray, ...]      # per host: my tokens sent there (ascending)
+    recv_rows: dict[int, int]           # per source rank: rows received from it as entry
+
+
+@dataclass(frozen=True)
+class _HybridState:
+    """A dispatch's handle state: the two shm dispatches and where their rows went."""
+
+    local: DispatchHandle               # the shm dispatch of this rank's own tokens
+    forwarded: DispatchHandle           # the shm dispatch of the rows received as entry
+    pos_local: torch.Tensor             # [n_local] int64: final row of each local row
+    pos_forwarded: torch.Tensor         # [n_forwarded] int64
+    sent: _Sent
+
+
+class HybridBackend:
+    """Dispatch/combine across hosts: shm inside a host, point-to-point between hosts."""
+
+    def __init__(self, config: BufferConfig, group, buffer_id: int):
+        from ubep.runtime.shm.backend import ShmBackend
+
+        c = config
+        self.config = c
+        self.buffer_id = buffer_id
+        self.rank, self.world = c.rank, c.world_size
+        self._group = group if group is not None else dist.group.WORLD
+        hosts = c.hosts or discover_hosts(group, rank=c.rank, world=c.world_size,
+                                          timeout_s=c.timeout_s)
+        self.layout = lay = HostLayout.of(hosts, c.num_experts)
+        self.host = int(lay.host_of_rank[self.rank])
+        self.host_ranks = np.asarray(lay.hosts[self.host], np.int64)
+        #: False once a call failed after peers were involved (`Buffer` then refuses reuse)
+        self.in_step = True
+        self._closed = False
+        self._global = ((lambda r: r) if group is None
+                        else (lambda r: dist.get_global_rank(group, r)))
+        #: peers on other hosts: the entries I send to (host -> rank), the sources I forward
+        self._entries = {h: int(lay.entry[self.rank, h]) for h in range(lay.num_hosts)
+                         if h != self.host}
+        self._sources = lay.sources(self.rank)
+        tmax, kmax = c.max_tokens_per_rank, c.max_top_k
+        #: the largest dispatch message (rows of 4-byte elements, kmax slots)
+        self._msg_cap = _HEADER + tmax * (4 * c.hidden + 4 * (1 + 2 * kmax))
+        self._inbox = {s: torch.empty(self._msg_cap, dtype=torch.uint8) for s in self._sources}
+        most = max(len(lay.sources(int(r))) for r in self.host_ranks) * tmax
+        # the shared-memory part: the host's ranks as one shm group on the one-copy owned
+        # path, sized for this host's largest forwarded dispatch
+        members = [self._global(int(r)) for r in self.host_ranks]
+        self._host_group = dist.new_group(members, use_local_synchronization=True)
+        shm_cfg = dataclasses.replace(
+            c, rank=int(lay.local_index[self.rank]), world_size=len(self.host_ranks),
+            num_experts=lay.host_experts(self.host), max_tokens_per_rank=max(most, tmax),
+            backend="shm", requested_backend="shm", direct="owned", mode="ubep",
+            topology=None, hosts=(), backend_reason="the hybrid backend's shared-memory part")
+        self._shm = ShmBackend(shm_cfg, self._host_group, buffer_id)
+        try:
+            self._origins = OriginTables(self._host_group, rank=shm_cfg.rank,
+                                         world=shm_cfg.world_size, capacity=most,
+                                         buffer_id=buffer_id, timeout_s=c.timeout_s)
+        except BaseException:
+            self._shm.close()
+            raise
+        self._calls = 0
+
+    @property
+    def hosts(self) -> tuple[tuple[int, ...], ...]:
+        """The group ranks of each host, as this backend found them."""
+        return self.layout.hosts
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _exchange(self, phase: str, sends: dict, recvs: dict) -> Exchange:
+        ex = Exchange(self.rank, phase, self.config.timeout_s)
+        try:
+            return post(ex, self._group, self._global, sends, recvs)
+        except BaseException:
+            self.in_step = False
+            raise
+
+    def _finish(self, ex: Exchange, deadline: float) -> None:
+        try:
+            ex.finish(deadline, _clock)
+        except BaseException:
+            self.in_step = False
+            raise
+
+    def _shm_call(self, fn, phase: str, *args):
+        """A call of the shm part; its errors name global ranks and this phase."""
+        try:
+            return fn(*args)
+        except (PeerDiedError, PeerTimeoutError) as e:
+            self.in_step = False
+            peers = [int(self.host_ranks[p]) for p in e.peers if p < len(self.host_ranks)]
+            if isinstance(e, PeerDiedError):
+                raise PeerDiedError(self.rank, f"{phase}: {e.phase}", peers) from e
+            raise PeerTimeoutError(self.rank, f"{phase}: {e.phase}", peers, e.timeout_s) from e
+        except BaseException:
+            self.in_step = self.in_step and self._shm.in_step
+            raise
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 call: int) -> DispatchResult:
+        if self._closed:
+            raise RuntimeError("cannot dispatch after close")
+        c = self.config
+        t0 = _clock()
+        deadline = t0 + c.timeout_s
+        K = topk_idx.shape[1]
+        rb = c.hidden * x.element_size()
+        mb = 4 * (1 + 2 * K)        # per row sent: token, K host expert ids, K weights
+        split = split_routing(self.layout, self.rank, topk_idx.numpy())
+        sends = {e: self._pack(x, topk_weights, split.tokens[h], split.remote_idx[h], rb, mb)
+                 for h, e in self._entries.items()}
+        net = self._exchange("dispatch/network", sends, self._inbox)
+        t_posted = _clock()
+        self._calls += 1
+        local = self._shm_dispatch(x, torch.from_numpy(split.local_idx), topk_weights,
+                                   "dispatch/shm local")
+        t_local = _clock()
+        self._finish(net, deadline)
+        t_net = _clock()
+        xf, idxf, wf, recv_rows = self._unpack(x.dtype, rb, mb, K)
+        fwd = self._shm_dispatch(xf, idxf, wf, "dispatch/shm forwarded")
+        t_fwd = _clock()
+        merged = self._merge(x, topk_idx, topk_weights, call, local, fwd,
+                             _Sent(split.tokens, recv_rows))
+        t_end = _clock()
+        us = 1e6
+        phases = {"pack": (t_posted - t0) * us, "shm local": (t_local - t_posted) * us,
+                  "network wait": (t_net - t_local) * us, "shm forwarded": (t_fwd - t_net) * us,
+                  "merge": (t_end - t_fwd) * us}
+        phases["network"] = phases["network wait"]
+        phases["shm"] = phases["shm local"] + phases["shm forwarded"]
+        rows_out = sum(len(split.tokens[h]) for h in self._entries)
+        stats = Stats(op="dispatch", backend="hybrid", mode="ubep", sync=c.sync,
+                      schedule="static", rank=self.rank, total_us=(t_end - t0) * us,
+                      phases_us=phases, bytes_sent=sum(s.numel() for s in sends.values()),
+                      bytes_recv=sum(recv_rows.values()) * (rb + mb) + _HEADER * len(recv_rows),
+                      bytes_sent_network=rows_out * rb,
+                      extra={"network_meta_bytes": rows_out * mb + _HEADER * len(sends),
+                             "rows_sent_per_host": [len(t) for t in split.tokens],
+                             "rows_forwarded": int(sum(recv_rows.values()))})
+        return DispatchResult(*merged, stats=stats)
+
+    def _shm_dispatch(self, x, idx, w, phase: str) -> DispatchResult:
+        return self._shm_call(self._shm.dispatch, phase, x, idx, w, self._calls)
+
+    def _pack(self, x: torch.Tensor, w: torch.Tensor, toks: np.ndarray, ridx: np.ndarray,
+              rb: int, mb: int) -> torch.Tensor:
+        """One dispatch message: the row count, the rows, then their routing."""
+        n = len(toks)
+        out = torch.empty(_HEADER + n * (rb + mb), dtype=torch.uint8)
+        out[:_HEADER].view(torch.int64)[0] = n
+        if n:
+            rows = out[_HEADER:_HEADER + n * rb].view(n, rb)
+            torch.index_select(_words(x), 0, torch.from_numpy(toks), out=_words(rows))
+            meta = out[_HEADER + n * rb:].numpy().view(np.int32).reshape(n, -1)
+            k = ridx.shape[1]
+            meta[:, 0] = toks
+            meta[:, 1:1 + k] = ridx
+            meta[:, 1 + k:] = w.numpy()[toks].view(np.int32)
+        return out
+
+    def _unpack(self, dtype: torch.dtype, rb: int, mb: int, K: int):
+        """The forwarded dispatch's inputs, virtual token v = v-th row received (sources in
+        rank order), and the rows from each source; their origins go in my table."""
+        counts = {s: int(buf[:_HEADER].view(torch.int64)[0]) for s, buf in self._inbox.items()}
+        n = sum(counts.values())
+        xf = torch.empty(n, self.config.hidden, dtype=dtype)
+        idxf = torch.empty(n, K, dtype=torch.int64)
+        wf = torch.empty(n, K, dtype=torch.float32)
+        src = np.empty(n, np.int64)
+        tok = np.empty(n, np.int64)
+        xw, idn, wfn = _words(xf), idxf.numpy(), wf.numpy()
+        at = 0
+        for s, m in counts.items():
+            if not m:
+                continue
+            buf = self._inbox[s]
+            xw[at:at + m] = _words(buf[_HEADER:_HEADER + m * rb].view(m, rb))
+            meta = buf[_HEADER + m * rb:_HEADER + m * (rb + mb)].numpy().view(np.int32)
+            meta = meta.reshape(m, -1)
+            idn[at:at + m] = meta[:, 1:1 + K]
+            wfn[at:at + m] = meta[:, 1 + K:].view(np.float32)
+            src[at:at + m] = s
+            tok[at:at + m] = meta[:, 0]
+            at += m
+        self._origins.write(self._calls & 1, src, tok)
+        return xf, idxf, wf, counts
+
+    def _merge(self, x, topk_idx, topk_weights, call, local: DispatchResult,
+               fwd: DispatchResult, sent: _Sent) -> tuple:
+        """The two shm results laid out expert-major by (source rank, source token): the
+        `DispatchResult` fields up to `handle`, in order."""
+        c, W = self.config, self.world
+        epr = c.experts_per_rank
+        tmax = c.max_tokens_per_rank
+        lsrc = self.host_ranks[local.recv_src_rank.numpy()]
+        ltok = local.recv_src_token.numpy()
+        fsrc, ftok = np.empty(0, np.int64), np.empty(0, np.int64)
+        entry = fwd.recv_src_rank.numpy()
+        vtok = fwd.recv_src_token.numpy()
+        if len(vtok):
+            fsrc, ftok = np.empty_like(vtok), np.empty_like(vtok)
+            parity = self._calls & 1
+            for e in np.unique(entry):
+                rows = entry == e
+                fsrc[rows], ftok[rows] = self._origins.read(int(e), parity, vtok[rows])
+        keys = []
+        for res, src, tok in ((local, lsrc, ltok), (fwd, fsrc, ftok)):
+            expert = np.repeat(np.arange(epr), res.tokens_per_expert.numpy())
+            keys.append((expert * W + src) * tmax + tok)
+        pos = merge_order(keys[0], keys[1])
+        n_l, n = len(keys[0]), len(pos)
+        recv_x = torch.empty(n, c.hidden, dtype=x.dtype)
+        out = _words(recv_x).numpy()
+        out[pos[:n_l]] = _words(local.recv_x).numpy()
+        out[pos[n_l:]] = _words(fwd.recv_x).numpy()
+        recv_w = np.empty(n, np.float32)
+        recv_w[pos[:n_l]] = local.recv_weights.numpy()
+        recv_w[pos[n_l:]] = fwd.recv_weights.numpy()
+        origins = np.empty((3, n), np.int64)
+        for p, src, tok, res in ((pos[:n_l], lsrc, ltok, local), (pos[n_l:], fsrc, ftok, fwd)):
+            origins[0, p], origins[1, p], origins[2, p] = src, tok, res.recv_src_slot.numpy()
+        src_rank, src_token, src_slot = (torch.from_numpy(o) for o in origins)
+        tpe = local.tokens_per_expert + fwd.tokens_per_expert
+        state = _HybridState(local.handle, fwd.handle, torch.from_numpy(pos[:n_l]),
+                             torch.from_numpy(pos[n_l:]), sent)
+        handle = DispatchHandle(buffer_id=self.buffer_id, call=call, num_tokens=x.shape[0],
+                                num_recv=n, hidden=c.hidden, topk_idx=topk_idx,
+                                topk_weights=topk_weights, recv_src_rank=src_rank,
+                                recv_src_token=src_token, recv_src_slot=src_slot, state=state)
+        return (recv_x, torch.from_numpy(recv_w), tpe, src_rank, src_token, src_slot, handle)
+
+    # -- combine -----------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
+                out: torch.Tensor | None = None) -> CombineResult:
+        if self._closed:
+            raise RuntimeError("cannot combine after close")
+        st: _HybridState = handle.state
+        sent = st.sent
+        c = self.config
+        t0 = _clock()
+        deadline = t0 + c.timeout_s
+        pdtype = expert_out.dtype if expert_out.dtype in PARTIAL_DTYPES else torch.float32
+        rows = expert_out if expert_out.dtype == pdtype else expert_out.to(pdtype)
+        # what comes back: one partial row per token I sent to each other host
+        inbox = {e: torch.empty(len(sent.tokens[h]), c.hidden, dtype=pdtype)
+                 for h, e in self._entries.items()}
+        # the forwarded rows first: their partials are what the network waits for
+        yf = self._shm_call(self._shm.combine, "combine/shm forwarded",
+                            _gather(rows, st.pos_forwarded), st.forwarded, weighted).y
+        sends, at = {}, 0
+        for s, m in sent.recv_rows.items():
+            sends[s] = yf[at:at + m]
+            at += m
+        net = self._exchange("combine/network", sends, inbox)
+        t_posted = _clock()
+        yl = self._shm_call(self._shm.combine, "combine/shm local",
+                            _gather(rows, st.pos_local), st.local, weighted).y
+        t_local = _clock()
+        self._finish(net, deadline)
+        t_net = _clock()
+        # the partials in host order, fp32, one rounding
+        acc = torch.zeros(handle.num_tokens, c.hidden, dtype=torch.float32)
+        for h, toks in enumerate(sent.tokens):
+            if h == self.host:
+                acc += yl
+            elif len(toks):
+                acc.index_add_(0, torch.from_numpy(toks), inbox[self._entries[h]].float())
+        y = acc.to(expert_out.dtype) if out is None else out.copy_(acc)
+        t_end = _clock()
+        us = 1e6
+        phases = {"shm forwarded": (t_posted - t0) * us, "shm local": (t_local - t_posted) * us,
+                  "network wait": (t_net - t_local) * us, "sum": (t_end - t_net) * us}
+        phases["network"] = phases["network wait"]
+        phases["shm"] = phases["shm forwarded"] + phases["shm local"]
+        nbytes = sum(s.numel() for s in sends.values()) * pdtype.itemsize
+        stats = Stats(op="combine", backend="hybrid", mode="ubep", sync=c.sync,
+                      schedule="static", rank=self.rank, total_us=(t_end - t0) * us,
+                      phases_us=phases, bytes_sent=nbytes,
+                      bytes_recv=sum(b.numel() for b in inbox.values()) * pdtype.itemsize,
+                      bytes_sent_network=nbytes,
+                      extra={"partial_dtype": str(pdtype).removeprefix("torch.")})
+        return CombineResult(y=y, stats=stats)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the shared-memory part (idempotent). The host group stays with
+        torch.distributed (destroyed with the default group)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._origins.close()
+        self._shm.close()
+
+
+def _gather(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`rows[pos]`, moved as words."""
+    out = torch.empty(len(pos), *rows.shape[1:], dtype=rows.dtype)
+    if len(pos):
+        torch.index_select(_words(rows), 0, pos, out=_words(out))
+    return out
