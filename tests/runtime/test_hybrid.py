@@ -107,3 +107,59 @@ def test_hybrid_matches_oracle(hosts):
         assert "span" in why
     for i, case in enumerate(cases):
         check_hybrid(case, hosts, [res[r][2][i] for r in range(world)])
+
+
+def _kill(rank, world, hosts, victim, phase, deadline_s):
+    import signal
+    import threading
+    import time
+
+    import ubep
+    from ubep.testing import make_routing, make_tokens
+
+    os.environ["UBEP_SHM_DOMAIN"] = f"h{host_of(hosts, rank)}"
+    buf = ubep.Buffer(num_experts=4 * world, hidden=64, max_tokens_per_rank=8, max_top_k=4,
+                      timeout_s=deadline_s)
+
+    def inputs(i):
+        idx, w = make_routing(8, 4, 4 * world, seed=i * 10 + rank)
+        return make_tokens(rank, 8, 64, torch.bfloat16, seed=i), idx, w
+
+    res = buf.dispatch(*inputs(0))
+    buf.combine(res.recv_x, res.handle)
+    if rank == victim:
+        timer = threading.Timer(0.0005, os.kill, (os.getpid(), signal.SIGKILL))
+        if phase == "dispatch":
+            timer.start()
+        res = buf.dispatch(*inputs(1))
+        if phase == "combine":
+            timer.start()
+        buf.combine(res.recv_x, res.handle)
+        time.sleep(60)
+    t0 = time.monotonic()
+    try:
+        for i in range(1, 6):
+            t0 = time.monotonic()
+            res = buf.dispatch(*inputs(i))
+            t0 = time.monotonic()
+            buf.combine(res.recv_x, res.handle)
+    except (ubep.PeerDiedError, ubep.PeerTimeoutError) as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        buf.close()
+    return "no error", "", 0.0
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_hybrid_peer_on_other_host_killed(phase):
+    """A rank on the other host SIGKILLed inside a call: every survivor raises a named error
+    (PeerDiedError or PeerTimeoutError) within its deadline; no segment is left."""
+    hosts = ((0, 1), (2, 3))
+    deadline = 5.0
+    out = run_ranks(_kill, 4, hosts, 3, phase, deadline, timeout_s=120,
+                    return_exceptions=True)
+    for r in (0, 1, 2):
+        kind, text, waited = out[r]
+        assert kind in ("PeerDiedError", "PeerTimeoutError"), (r, out[r])
+        assert waited < deadline + 2.0, (r, out[r])
+    assert not [n for n in os.listdir("/dev/shm") if "ubep" in n.lower()]
