@@ -207,7 +207,9 @@ class HybridBackend:
                       bytes_sent_network=rows_out * rb,
                       extra={"network_meta_bytes": rows_out * mb + _HEADER * len(sends),
                              "rows_sent_per_host": [len(t) for t in split.tokens],
-                             "rows_forwarded": int(sum(recv_rows.values()))})
+                             "rows_forwarded": int(sum(recv_rows.values())),
+                             "messages": _messages(sends, {
+                                 s: _HEADER + m * (rb + mb) for s, m in recv_rows.items()})})
         return DispatchResult(*merged, stats=stats)
 
     def _shm_dispatch(self, x, idx, w, phase: str) -> DispatchResult:
@@ -349,7 +351,10 @@ class HybridBackend:
                       phases_us=phases, bytes_sent=nbytes,
                       bytes_recv=sum(b.numel() for b in inbox.values()) * pdtype.itemsize,
                       bytes_sent_network=nbytes,
-                      extra={"partial_dtype": str(pdtype).removeprefix("torch.")})
+                      extra={"partial_dtype": str(pdtype).removeprefix("torch."),
+                             "messages": _messages(
+                                 {p: t.numel() * pdtype.itemsize for p, t in sends.items()},
+                                 {p: t.numel() * pdtype.itemsize for p, t in inbox.items()})})
         return CombineResult(y=y, stats=stats)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -361,6 +366,14 @@ class HybridBackend:
         self._closed = True
         self._origins.close()
         self._shm.close()
+
+
+def _messages(sends: dict, recvs: dict) -> list[tuple[int, int, int]]:
+    """`(peer, bytes to it, bytes from it)` of a step's messages (`Stats.extra["messages"]`,
+    what `ubep bench --hosts` replays bare)."""
+    size = {p: (v if isinstance(v, int) else v.numel() * v.element_size())
+            for p, v in sends.items()}
+    return [(p, size.get(p, 0), recvs.get(p, 0)) for p in sorted({*size, *recvs})]
 
 
 def _gather(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
