@@ -6,110 +6,30 @@ calling process, so no port is raced for.
 
     from ubep.testing import run_ranks
     results = run_ranks(my_fn, 2, arg)      # my_fn(rank, world_size, arg) on each rank
+
+`run_hosts` does the same on emulated hosts (`ubep.emulated_hosts`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import multiprocessing as mp
 import os
-import signal
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-
-class RankFailedError(RuntimeError):
-    """A rank raised; carries that rank's traceback."""
-
-    def __init__(self, rank: int, tb: str):
-        self.rank, self.traceback = rank, tb
-        super().__init__(f"rank {rank} failed:\n{tb}")
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """One rank's failure, returned instead of raised when `return_exceptions=True`."""
-
-    rank: int
-    kind: str        # "exception" | "died" | "timeout"
-    message: str     # the exception's type and text, traceback, or exit status
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} {self.kind}: {self.message}"
-
-
-_ctx: mp.context.BaseContext | None = None
-_RUNNER_MODULES = ("pytest", "hypothesis")
-
-
-def _dumps(obj: Any) -> bytes:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    import torch
-
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _context() -> mp.context.BaseContext:
-    global _ctx
-    if _ctx is None:
-        ctx = mp.get_context("forkserver")
-        # a rank unpickles `fn` by importing its module; a test module imports pytest (and
-        # hypothesis), ~0.4 s a rank on every start unless the forkserver holds them already
-        runners = [m for m in _RUNNER_MODULES if m in sys.modules]
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "ubep", "ubep._preload",
-                                    *runners])
-        _ctx = ctx
-    return _ctx
-
-
-def _child(fn, rank, world_size, port, args, conn, env, pg_timeout_s, threads) -> None:
-    os.environ.update(env)
-    import torch
-    import torch.distributed as dist
-
-    # as torchrun does (OMP_NUM_THREADS=1 per local rank): intra-op threads of several ranks
-    # on a few cores spin-wait after each parallel region and starve the peer ranks
-    torch.set_num_threads(threads)
-
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=timedelta(seconds=pg_timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s))
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - teardown after a failure; report the failure
-                pass
-        # torch.save copies tensors (any view, any dtype); multiprocessing's torch reducers
-        # would share them through fds that vanish when this process exits
-        conn.send_bytes(_dumps(("ok", result)))
-    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
-        try:
-            msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            conn.send_bytes(_dumps(("exception", msg)))
-        except Exception:  # noqa: BLE001
-            pass
-    finally:
-        conn.close()
-
+from ubep.emulated_hosts import HostResults, hosts_available, run_hosts  # noqa: F401
+from ubep.rank_processes import (  # noqa: F401 - RankFailedError, RankFailure re-exported
+    RankFailedError,
+    RankFailure,
+    RankLaunch,
+    default_threads,
+    raise_first,
+    run_processes,
+)
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
               return_exceptions: bool = False, env: dict[str, str] | None = None,
@@ -128,64 +48,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = _context()
-    if threads_per_rank is None:
-        threads_per_rank = max(1, len(os.sched_getaffinity(0)) // world_size)
-    threads = threads_per_rank
+    threads = threads_per_rank or default_threads(world_size)
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=pg_timeout_s))
     env = dict(env or {})
     env.setdefault("UBEP_JOB_ID", f"t{os.getpid()}x{int(time.time() * 1e3) % 100000}")
-    procs, conns = [], []
-    for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, name=f"ubep-rank{rank}",
-                        args=(fn, rank, world_size, store.port, args, child, env, pg_timeout_s,
-                              threads))
-        p.start()
-        child.close()
-        procs.append(p)
-        conns.append(parent)
-
-    outcomes: list[Any] = [None] * world_size
-    done = [False] * world_size
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not all(done) and (left := deadline - time.monotonic()) > 0:
-            # one blocking wait for any rank's answer or exit: no periodic wake-up of this
-            # process, which would take a core from the ranks (benchmarks run under it)
-            mp_wait([w for r in range(world_size) if not done[r]
-                     for w in (conns[r], procs[r].sentinel)], timeout=left)
-            for r in range(world_size):
-                if done[r]:
-                    continue
-                if conns[r].poll(0):
-                    try:
-                        status, payload = _loads(conns[r].recv_bytes())
-                    except EOFError:
-                        procs[r].join(1.0)
-                        status, payload = "died", f"exit code {procs[r].exitcode}"
-                    outcomes[r] = payload if status == "ok" else RankFailure(r, status, payload)
-                    done[r] = True
-                elif not procs[r].is_alive() and not conns[r].poll(0):
-                    outcomes[r] = RankFailure(r, "died", f"exit code {procs[r].exitcode}")
-                    done[r] = True
-        for r in range(world_size):
-            if not done[r]:
-                outcomes[r] = RankFailure(r, "timeout", f"still running after {timeout_s:g}s")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.join(2.0)
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(5.0)
-        for c in conns:
-            c.close()
+    launch = RankLaunch("127.0.0.1", store.port, env, pg_timeout_s, threads)
+    outcomes = run_processes(fn, args, [launch] * world_size, timeout_s)
     if not return_exceptions:
-        for o in outcomes:
-            if isinstance(o, RankFailure):
-                raise RankFailedError(o.rank, f"[{o.kind}] {o.message}")
+        raise_first(outcomes)
     return outcomes
 
 
