@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
             idx, w = make_routing(b, cfg.top_k, e, seed=cfg.seed * 1000 + rank)
             x = make_tokens(rank, b, cfg.hidden, torch.bfloat16, seed=cfg.seed)
 
-            def call(buf):
+            def call(buf, x=x, idx=idx, w=w):
                 res = buf.dispatch(x, idx, w)
                 buf.combine(res.recv_x, res.handle)
                 return res.stats, buf.last_stats
@@ -97,12 +97,12 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
             raw_t = [replay_calls(st) for st in (td, tc)]
             raw_u = [_replay_messages(st.extra["messages"]) for st in (ud, uc)]
 
-            def torch_raw():
+            def torch_raw(raw_t=raw_t):
                 for calls in raw_t:
                     for o, i, rs, ss in calls:
                         all_to_all(dist.group.WORLD, o, i, rs, ss)
 
-            def ubep_raw():
+            def ubep_raw(raw_u=raw_u):
                 for f in raw_u:
                     f()
 

@@ -233,21 +233,26 @@ class HybridBackend:
 
     def _unpack(self, dtype: torch.dtype, rb: int, mb: int, K: int):
         """The forwarded dispatch's inputs, virtual token v = v-th row received (sources in
-        rank order), and the rows from each source; their origins go in my table."""
+        rank order), and the rows from each source; their origins go in my table. The rows
+        of a single source are used where they arrived."""
         counts = {s: int(buf[:_HEADER].view(torch.int64)[0]) for s, buf in self._inbox.items()}
         n = sum(counts.values())
-        xf = torch.empty(n, self.config.hidden, dtype=dtype)
+        hidden = self.config.hidden
+        full = [s for s, m in counts.items() if m]
+        if len(full) == 1:
+            xf = self._inbox[full[0]][_HEADER:_HEADER + n * rb].view(dtype).view(n, hidden)
+        else:
+            xf = torch.empty(n, hidden, dtype=dtype)
         idxf = torch.empty(n, K, dtype=torch.int64)
         wf = torch.empty(n, K, dtype=torch.float32)
         src = np.empty(n, np.int64)
         tok = np.empty(n, np.int64)
-        xw, idn, wfn = _words(xf), idxf.numpy(), wf.numpy()
+        idn, wfn = idxf.numpy(), wf.numpy()
         at = 0
-        for s, m in counts.items():
-            if not m:
-                continue
-            buf = self._inbox[s]
-            xw[at:at + m] = _words(buf[_HEADER:_HEADER + m * rb].view(m, rb))
+        for s in full:
+            m, buf = counts[s], self._inbox[s]
+            if len(full) > 1:
+                _words(xf)[at:at + m] = _words(buf[_HEADER:_HEADER + m * rb].view(m, rb))
             meta = buf[_HEADER + m * rb:_HEADER + m * (rb + mb)].numpy().view(np.int32)
             meta = meta.reshape(m, -1)
             idn[at:at + m] = meta[:, 1:1 + K]
@@ -318,16 +323,15 @@ class HybridBackend:
         inbox = {e: torch.empty(len(sent.tokens[h]), c.hidden, dtype=pdtype)
                  for h, e in self._entries.items()}
         # the forwarded rows first: their partials are what the network waits for
-        yf = self._shm_call(self._shm.combine, "combine/shm forwarded",
-                            _gather(rows, st.pos_forwarded), st.forwarded, weighted).y
+        yf = self._shm_combine(rows, st.pos_forwarded, st.forwarded, weighted,
+                               "combine/shm forwarded")
         sends, at = {}, 0
         for s, m in sent.recv_rows.items():
             sends[s] = yf[at:at + m]
             at += m
         net = self._exchange("combine/network", sends, inbox)
         t_posted = _clock()
-        yl = self._shm_call(self._shm.combine, "combine/shm local",
-                            _gather(rows, st.pos_local), st.local, weighted).y
+        yl = self._shm_combine(rows, st.pos_local, st.local, weighted, "combine/shm local")
         t_local = _clock()
         self._finish(net, deadline)
         t_net = _clock()
@@ -357,6 +361,15 @@ class HybridBackend:
                                  {p: t.numel() * pdtype.itemsize for p, t in inbox.items()})})
         return CombineResult(y=y, stats=stats)
 
+    def _shm_combine(self, rows: torch.Tensor, pos: torch.Tensor, handle: DispatchHandle,
+                     weighted: bool, phase: str) -> torch.Tensor:
+        """The shm part's combine of `rows[pos]`, gathered straight into its combine buffer
+        (read there in place: no copy into shared memory)."""
+        cb = self._shm_call(self._shm.combine_buffer, phase, handle, rows.dtype)
+        if len(pos):
+            torch.index_select(_words(rows), 0, pos, out=_words(cb))
+        return self._shm_call(self._shm.combine, phase, cb, handle, weighted).y
+
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
         """Release the shared-memory part (idempotent). The host group stays with
@@ -374,11 +387,3 @@ def _messages(sends: dict, recvs: dict) -> list[tuple[int, int, int]]:
     size = {p: (v if isinstance(v, int) else v.numel() * v.element_size())
             for p, v in sends.items()}
     return [(p, size.get(p, 0), recvs.get(p, 0)) for p in sorted({*size, *recvs})]
-
-
-def _gather(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """`rows[pos]`, moved as words."""
-    out = torch.empty(len(pos), *rows.shape[1:], dtype=rows.dtype)
-    if len(pos):
-        torch.index_select(_words(rows), 0, pos, out=_words(out))
-    return out
