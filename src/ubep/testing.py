@@ -31,6 +31,7 @@ from ubep.rank_processes import (  # noqa: F401 - RankFailedError, RankFailure r
     run_processes,
 )
 
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
               return_exceptions: bool = False, env: dict[str, str] | None = None,
               pg_timeout_s: float = 60.0, threads_per_rank: int | None = None) -> list[Any]:

@@ -91,7 +91,7 @@ def _run(rank, world, hosts, cases):
         outs = []
         for case in cases:
             out = run_case(buf, case, rank)
-            out["stats"] = (buf.last_stats, )
+            out["mode"] = buf.last_stats.extra["shm_mode"]
             outs.append(out)
         return buf.config.hosts, buf.config.backend_reason, outs
 
@@ -99,14 +99,20 @@ def _run(rank, world, hosts, cases):
 @pytest.mark.parametrize("hosts", [((0, 1), (2, 3)), ((0,), (1, 2), (3,)), ((0, 2), (1, 3))],
                          ids=["2x2", "uneven", "interleaved"])
 def test_hybrid_matches_oracle(hosts):
+    """Every runtime case, then large batches (the split mode: own rows through shared
+    memory while the network moves the rest) and small again (back to the joint mode)."""
     world = sum(len(h) for h in hosts)
-    cases = runtime_cases(world)
+    big = Case(num_experts=4 * world, hidden=37, top_k=3, tokens=(1800, 0, 1900, 2000)[:world],
+               seed=11)    # > SPLIT_BYTES of bf16 rows on one rank
+    cases = [*runtime_cases(world), big, big, runtime_cases(world)[2]]
     res = run_ranks(_run, world, hosts, cases, timeout_s=240)
     for r, (seen, why, _) in enumerate(res):
         assert seen == hosts, (r, seen)
         assert "span" in why
     for i, case in enumerate(cases):
         check_hybrid(case, hosts, [res[r][2][i] for r in range(world)])
+    modes = [res[0][2][i]["mode"] for i in range(len(cases))]
+    assert modes[-3:] == ["joint", "split", "split"], modes
 
 
 def _kill(rank, world, hosts, victim, phase, deadline_s):

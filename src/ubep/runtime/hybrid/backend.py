@@ -17,6 +17,13 @@ combine: the forwarded rows' expert outputs are summed per (token, host) through
     own tokens' rows on this host are summed the same way -> the token's rank adds the
     partials in fp32 in host order and rounds once.
 
+Two shared-memory exchanges per step let the near tier work while the far one moves bytes
+("split" mode). When the batch is small there is nothing worth hiding and each exchange is a
+rendezvous of the host's ranks, so the rank's own tokens ride in the forwarded exchange
+instead ("joint" mode: one exchange per step, after the network). The host's ranks pick the
+mode alike from the previous call's largest batch on the host (published beside the origin
+tables): split when its rows for one rank exceed `SPLIT_BYTES`.
+
 Rounding contract: a host's partial is the fp32 sum of the token's slots on that host in
 slot order, rounded to the output dtype (fp32 for 8-bit outputs) -- what crosses the network,
 as DeepEP's combine and ubep's torch backend send them, half the bytes of fp32 partials; the
@@ -44,10 +51,15 @@ from ubep.runtime.hybrid.network import Exchange, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.stats import Stats
 
-__all__ = ["HybridBackend", "PARTIAL_DTYPES"]
+__all__ = ["HybridBackend", "PARTIAL_DTYPES", "SPLIT_BYTES"]
 
 #: combine partials travel in the output dtype for these, in fp32 for the rest (8-bit)
 PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: split mode when the host's largest batch of the previous call had more bf16 row bytes
+#: than this on one rank (~9 rows of 7168), where moving the local rows starts to cost more
+#: than one more rendezvous of the host's ranks (bf16 whatever the dtype: every rank of
+#: the host must decide alike)
+SPLIT_BYTES = 128 << 10
 _HEADER = 8                 # bytes before a dispatch message's rows: its row count (int64)
 _clock = time.perf_counter
 
@@ -63,22 +75,20 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Sent:
-    """What one dispatch sent and received over the network: combine's map back."""
+class _Part:
+    """One shared-memory dispatch of a call: its handle and where its rows went."""
 
-    tokens: tuple[np.ndarray, ...]      # per host: my tokens sent there (ascending)
-    recv_rows: dict[int, int]           # per source rank: rows received from it as entry
+    handle: DispatchHandle
+    pos: torch.Tensor                   # [n] int64: the final row of each of its rows
 
 
 @dataclass(frozen=True)
 class _HybridState:
-    """A dispatch's handle state: the two shm dispatches and where their rows went."""
+    """A dispatch's handle state: combine's map back."""
 
-    local: DispatchHandle               # the shm dispatch of this rank's own tokens
-    forwarded: DispatchHandle           # the shm dispatch of the rows received as entry
-    pos_local: torch.Tensor             # [n_local] int64: final row of each local row
-    pos_forwarded: torch.Tensor         # [n_forwarded] int64
-    sent: _Sent
+    parts: tuple[_Part, ...]            # split: (local, forwarded); joint: (both,)
+    tokens: tuple[np.ndarray, ...]      # per host: my tokens sent there (ascending)
+    recv_rows: dict[int, int]           # per source rank: rows received from it as entry
 
 
 class HybridBackend:
@@ -91,7 +101,7 @@ class HybridBackend:
         self.config = c
         self.buffer_id = buffer_id
         self.rank, self.world = c.rank, c.world_size
-        self._group = group if group is not None else dist.group.WORLD
+        self._pg = group if group is not None else dist.group.WORLD
         hosts = c.hosts or discover_hosts(group, rank=c.rank, world=c.world_size,
                                           timeout_s=c.timeout_s)
         self.layout = lay = HostLayout.of(hosts, c.num_experts)
@@ -100,8 +110,6 @@ class HybridBackend:
         #: False once a call failed after peers were involved (`Buffer` then refuses reuse)
         self.in_step = True
         self._closed = False
-        self._global = ((lambda r: r) if group is None
-                        else (lambda r: dist.get_global_rank(group, r)))
         #: peers on other hosts: the entries I send to (host -> rank), the sources I forward
         self._entries = {h: int(lay.entry[self.rank, h]) for h in range(lay.num_hosts)
                          if h != self.host}
@@ -110,14 +118,14 @@ class HybridBackend:
         #: the largest dispatch message (rows of 4-byte elements, kmax slots)
         self._msg_cap = _HEADER + tmax * (4 * c.hidden + 4 * (1 + 2 * kmax))
         self._inbox = {s: torch.empty(self._msg_cap, dtype=torch.uint8) for s in self._sources}
-        most = max(len(lay.sources(int(r))) for r in self.host_ranks) * tmax
-        # the shared-memory part: the host's ranks as one shm group on the one-copy owned
-        # path, sized for this host's largest forwarded dispatch
-        members = [self._global(int(r)) for r in self.host_ranks]
+        # a rank's shm dispatch carries at most its own tokens and its sources' (joint mode)
+        most = (1 + max(len(lay.sources(int(r))) for r in self.host_ranks)) * tmax
+        members = [int(r) if group is None else dist.get_global_rank(group, int(r))
+                   for r in self.host_ranks]
         self._host_group = dist.new_group(members, use_local_synchronization=True)
         shm_cfg = dataclasses.replace(
             c, rank=int(lay.local_index[self.rank]), world_size=len(self.host_ranks),
-            num_experts=lay.host_experts(self.host), max_tokens_per_rank=max(most, tmax),
+            num_experts=lay.host_experts(self.host), max_tokens_per_rank=most,
             backend="shm", requested_backend="shm", direct="owned", mode="ubep",
             topology=None, hosts=(), backend_reason="the hybrid backend's shared-memory part")
         self._shm = ShmBackend(shm_cfg, self._host_group, buffer_id)
@@ -129,6 +137,8 @@ class HybridBackend:
             self._shm.close()
             raise
         self._calls = 0
+        self._shm_calls = 0
+        self._joint = True          # the first call's mode (then the host's last batch picks)
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -136,10 +146,10 @@ class HybridBackend:
         return self.layout.hosts
 
     # -- pieces ------------------------------------------------------------------------------
-    def _exchange(self, phase: str, sends: dict, recvs: dict) -> Exchange:
-        ex = Exchange(self.rank, phase, self.config.timeout_s)
+    def _post(self, phase: str, sends: dict, recvs: dict) -> Exchange:
         try:
-            return post(ex, self._group, self._global, sends, recvs)
+            return post(Exchange(self.rank, phase, self.config.timeout_s), self._pg, sends,
+                        recvs)
         except BaseException:
             self.in_step = False
             raise
@@ -165,6 +175,10 @@ class HybridBackend:
             self.in_step = self.in_step and self._shm.in_step
             raise
 
+    def _shm_dispatch(self, x, idx, w, phase: str) -> DispatchResult:
+        self._shm_calls += 1
+        return self._shm_call(self._shm.dispatch, phase, x, idx, w, self._shm_calls)
+
     # -- dispatch ----------------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int) -> DispatchResult:
@@ -173,25 +187,33 @@ class HybridBackend:
         c = self.config
         t0 = _clock()
         deadline = t0 + c.timeout_s
-        K = topk_idx.shape[1]
+        T, K = topk_idx.shape
         rb = c.hidden * x.element_size()
         mb = 4 * (1 + 2 * K)        # per row sent: token, K host expert ids, K weights
+        self._calls += 1
+        parity, joint = self._calls & 1, self._joint
+        self._origins.write_count(parity, T)
         split = split_routing(self.layout, self.rank, topk_idx.numpy())
         sends = {e: self._pack(x, topk_weights, split.tokens[h], split.remote_idx[h], rb, mb)
                  for h, e in self._entries.items()}
-        net = self._exchange("dispatch/network", sends, self._inbox)
+        net = self._post("dispatch/network", sends, self._inbox)
         t_posted = _clock()
-        self._calls += 1
-        local = self._shm_dispatch(x, torch.from_numpy(split.local_idx), topk_weights,
-                                   "dispatch/shm local")
+        local_idx = torch.from_numpy(split.local_idx)
+        if not joint:       # my tokens for this host's experts move while the rows travel
+            local = self._shm_dispatch(x, local_idx, topk_weights, "dispatch/shm local")
         t_local = _clock()
         self._finish(net, deadline)
         t_net = _clock()
-        xf, idxf, wf, recv_rows = self._unpack(x.dtype, rb, mb, K)
+        own = (x, local_idx, topk_weights) if joint else None
+        xf, idxf, wf, recv_rows = self._unpack(own, x.dtype, rb, mb, K, parity)
         fwd = self._shm_dispatch(xf, idxf, wf, "dispatch/shm forwarded")
         t_fwd = _clock()
-        merged = self._merge(x, topk_idx, topk_weights, call, local, fwd,
-                             _Sent(split.tokens, recv_rows))
+        # every rank of the host published its batch before its first shm dispatch: the
+        # next call's mode, the same on each
+        self._joint = self._origins.max_count(parity) * c.hidden * 2 <= SPLIT_BYTES
+        results = [(fwd, True)] if joint else [(local, False), (fwd, True)]
+        merged = self._merge(x, topk_idx, topk_weights, call, results, parity,
+                             split.tokens, recv_rows)
         t_end = _clock()
         us = 1e6
         phases = {"pack": (t_posted - t0) * us, "shm local": (t_local - t_posted) * us,
@@ -206,14 +228,13 @@ class HybridBackend:
                       bytes_recv=sum(recv_rows.values()) * (rb + mb) + _HEADER * len(recv_rows),
                       bytes_sent_network=rows_out * rb,
                       extra={"network_meta_bytes": rows_out * mb + _HEADER * len(sends),
+                             "shm_mode": "joint" if joint else "split",
                              "rows_sent_per_host": [len(t) for t in split.tokens],
                              "rows_forwarded": int(sum(recv_rows.values())),
-                             "messages": _messages(sends, {
-                                 s: _HEADER + m * (rb + mb) for s, m in recv_rows.items()})})
+                             "messages": _messages(
+                                 {p: t.numel() for p, t in sends.items()},
+                                 {s: _HEADER + m * (rb + mb) for s, m in recv_rows.items()})})
         return DispatchResult(*merged, stats=stats)
-
-    def _shm_dispatch(self, x, idx, w, phase: str) -> DispatchResult:
-        return self._shm_call(self._shm.dispatch, phase, x, idx, w, self._calls)
 
     def _pack(self, x: torch.Tensor, w: torch.Tensor, toks: np.ndarray, ridx: np.ndarray,
               rb: int, mb: int) -> torch.Tensor:
@@ -231,15 +252,20 @@ class HybridBackend:
             meta[:, 1 + k:] = w.numpy()[toks].view(np.int32)
         return out
 
-    def _unpack(self, dtype: torch.dtype, rb: int, mb: int, K: int):
-        """The forwarded dispatch's inputs, virtual token v = v-th row received (sources in
-        rank order), and the rows from each source; their origins go in my table. The rows
-        of a single source are used where they arrived."""
+    def _unpack(self, own: tuple | None, dtype: torch.dtype, rb: int, mb: int, K: int,
+                parity: int):
+        """The forwarded dispatch's inputs and the rows received from each source.
+
+        Virtual token v: this rank's own tokens first when `own` = (x, host routing,
+        weights) rides along (joint mode), then the rows received, sources in rank order.
+        Their origins go in my table. The rows of a single source, alone, are dispatched
+        where they arrived."""
         counts = {s: int(buf[:_HEADER].view(torch.int64)[0]) for s, buf in self._inbox.items()}
-        n = sum(counts.values())
+        t_own = 0 if own is None else own[0].shape[0]
+        n = t_own + sum(counts.values())
         hidden = self.config.hidden
         full = [s for s, m in counts.items() if m]
-        if len(full) == 1:
+        if own is None and len(full) == 1:
             xf = self._inbox[full[0]][_HEADER:_HEADER + n * rb].view(dtype).view(n, hidden)
         else:
             xf = torch.empty(n, hidden, dtype=dtype)
@@ -248,10 +274,17 @@ class HybridBackend:
         src = np.empty(n, np.int64)
         tok = np.empty(n, np.int64)
         idn, wfn = idxf.numpy(), wf.numpy()
-        at = 0
+        copy = xf.data_ptr() != self._inbox[full[0]].data_ptr() + _HEADER if full else True
+        if t_own:
+            _words(xf)[:t_own] = _words(own[0])
+            idxf[:t_own] = own[1]
+            wf[:t_own] = own[2]
+            src[:t_own] = self.rank
+            tok[:t_own] = np.arange(t_own)
+        at = t_own
         for s in full:
             m, buf = counts[s], self._inbox[s]
-            if len(full) > 1:
+            if copy:
                 _words(xf)[at:at + m] = _words(buf[_HEADER:_HEADER + m * rb].view(m, rb))
             meta = buf[_HEADER + m * rb:_HEADER + m * (rb + mb)].numpy().view(np.int32)
             meta = meta.reshape(m, -1)
@@ -260,47 +293,52 @@ class HybridBackend:
             src[at:at + m] = s
             tok[at:at + m] = meta[:, 0]
             at += m
-        self._origins.write(self._calls & 1, src, tok)
+        self._origins.write(parity, src, tok)
         return xf, idxf, wf, counts
 
-    def _merge(self, x, topk_idx, topk_weights, call, local: DispatchResult,
-               fwd: DispatchResult, sent: _Sent) -> tuple:
-        """The two shm results laid out expert-major by (source rank, source token): the
+    def _origins_of(self, res: DispatchResult, from_table: bool,
+                    parity: int) -> tuple[np.ndarray, np.ndarray]:
+        """(global source rank, source token) of each row of an shm dispatch's result."""
+        sender = res.recv_src_rank.numpy()
+        vtok = res.recv_src_token.numpy()
+        if not from_table:
+            return self.host_ranks[sender], vtok
+        src, tok = np.empty_like(vtok), np.empty_like(vtok)
+        for e in np.unique(sender):
+            rows = sender == e
+            src[rows], tok[rows] = self._origins.read(int(e), parity, vtok[rows])
+        return src, tok
+
+    def _merge(self, x, topk_idx, topk_weights, call, results: list, parity: int,
+               tokens: tuple, recv_rows: dict) -> tuple:
+        """The shm results laid out expert-major by (source rank, source token): the
         `DispatchResult` fields up to `handle`, in order."""
         c, W = self.config, self.world
         epr = c.experts_per_rank
         tmax = c.max_tokens_per_rank
-        lsrc = self.host_ranks[local.recv_src_rank.numpy()]
-        ltok = local.recv_src_token.numpy()
-        fsrc, ftok = np.empty(0, np.int64), np.empty(0, np.int64)
-        entry = fwd.recv_src_rank.numpy()
-        vtok = fwd.recv_src_token.numpy()
-        if len(vtok):
-            fsrc, ftok = np.empty_like(vtok), np.empty_like(vtok)
-            parity = self._calls & 1
-            for e in np.unique(entry):
-                rows = entry == e
-                fsrc[rows], ftok[rows] = self._origins.read(int(e), parity, vtok[rows])
-        keys = []
-        for res, src, tok in ((local, lsrc, ltok), (fwd, fsrc, ftok)):
+        keys, origins_of = [], []
+        for res, from_table in results:
+            src, tok = self._origins_of(res, from_table, parity)
             expert = np.repeat(np.arange(epr), res.tokens_per_expert.numpy())
             keys.append((expert * W + src) * tmax + tok)
-        pos = merge_order(keys[0], keys[1])
-        n_l, n = len(keys[0]), len(pos)
+            origins_of.append((src, tok))
+        pos = merge_order(*keys) if len(keys) == 2 else merge_order(keys[0], keys[0][:0])
+        n = len(pos)
         recv_x = torch.empty(n, c.hidden, dtype=x.dtype)
         out = _words(recv_x).numpy()
-        out[pos[:n_l]] = _words(local.recv_x).numpy()
-        out[pos[n_l:]] = _words(fwd.recv_x).numpy()
         recv_w = np.empty(n, np.float32)
-        recv_w[pos[:n_l]] = local.recv_weights.numpy()
-        recv_w[pos[n_l:]] = fwd.recv_weights.numpy()
         origins = np.empty((3, n), np.int64)
-        for p, src, tok, res in ((pos[:n_l], lsrc, ltok, local), (pos[n_l:], fsrc, ftok, fwd)):
+        parts, at = [], 0
+        for (res, _), (src, tok) in zip(results, origins_of):
+            p = pos[at:at + len(src)]
+            at += len(src)
+            out[p] = _words(res.recv_x).numpy()
+            recv_w[p] = res.recv_weights.numpy()
             origins[0, p], origins[1, p], origins[2, p] = src, tok, res.recv_src_slot.numpy()
+            parts.append(_Part(res.handle, torch.from_numpy(p)))
         src_rank, src_token, src_slot = (torch.from_numpy(o) for o in origins)
-        tpe = local.tokens_per_expert + fwd.tokens_per_expert
-        state = _HybridState(local.handle, fwd.handle, torch.from_numpy(pos[:n_l]),
-                             torch.from_numpy(pos[n_l:]), sent)
+        tpe = sum(res.tokens_per_expert for res, _ in results)
+        state = _HybridState(tuple(parts), tokens, recv_rows)
         handle = DispatchHandle(buffer_id=self.buffer_id, call=call, num_tokens=x.shape[0],
                                 num_recv=n, hidden=c.hidden, topk_idx=topk_idx,
                                 topk_weights=topk_weights, recv_src_rank=src_rank,
@@ -313,31 +351,33 @@ class HybridBackend:
         if self._closed:
             raise RuntimeError("cannot combine after close")
         st: _HybridState = handle.state
-        sent = st.sent
         c = self.config
         t0 = _clock()
         deadline = t0 + c.timeout_s
+        T = handle.num_tokens
         pdtype = expert_out.dtype if expert_out.dtype in PARTIAL_DTYPES else torch.float32
         rows = expert_out if expert_out.dtype == pdtype else expert_out.to(pdtype)
+        joint = len(st.parts) == 1
         # what comes back: one partial row per token I sent to each other host
-        inbox = {e: torch.empty(len(sent.tokens[h]), c.hidden, dtype=pdtype)
+        inbox = {e: torch.empty(len(st.tokens[h]), c.hidden, dtype=pdtype)
                  for h, e in self._entries.items()}
         # the forwarded rows first: their partials are what the network waits for
-        yf = self._shm_combine(rows, st.pos_forwarded, st.forwarded, weighted,
-                               "combine/shm forwarded")
-        sends, at = {}, 0
-        for s, m in sent.recv_rows.items():
+        fwd = st.parts[-1]
+        yf = self._shm_combine(rows, fwd, weighted, "combine/shm forwarded")
+        sends, at = {}, T if joint else 0
+        for s, m in st.recv_rows.items():
             sends[s] = yf[at:at + m]
             at += m
-        net = self._exchange("combine/network", sends, inbox)
+        net = self._post("combine/network", sends, inbox)
         t_posted = _clock()
-        yl = self._shm_combine(rows, st.pos_local, st.local, weighted, "combine/shm local")
+        yl = (yf[:T] if joint else
+              self._shm_combine(rows, st.parts[0], weighted, "combine/shm local"))
         t_local = _clock()
         self._finish(net, deadline)
         t_net = _clock()
         # the partials in host order, fp32, one rounding
-        acc = torch.zeros(handle.num_tokens, c.hidden, dtype=torch.float32)
-        for h, toks in enumerate(sent.tokens):
+        acc = torch.zeros(T, c.hidden, dtype=torch.float32)
+        for h, toks in enumerate(st.tokens):
             if h == self.host:
                 acc += yl
             elif len(toks):
@@ -349,26 +389,27 @@ class HybridBackend:
                   "network wait": (t_net - t_local) * us, "sum": (t_end - t_net) * us}
         phases["network"] = phases["network wait"]
         phases["shm"] = phases["shm forwarded"] + phases["shm local"]
-        nbytes = sum(s.numel() for s in sends.values()) * pdtype.itemsize
+        size = pdtype.itemsize * c.hidden
+        nbytes = sum(len(s) for s in sends.values()) * size
         stats = Stats(op="combine", backend="hybrid", mode="ubep", sync=c.sync,
                       schedule="static", rank=self.rank, total_us=(t_end - t0) * us,
                       phases_us=phases, bytes_sent=nbytes,
-                      bytes_recv=sum(b.numel() for b in inbox.values()) * pdtype.itemsize,
+                      bytes_recv=sum(len(b) for b in inbox.values()) * size,
                       bytes_sent_network=nbytes,
                       extra={"partial_dtype": str(pdtype).removeprefix("torch."),
-                             "messages": _messages(
-                                 {p: t.numel() * pdtype.itemsize for p, t in sends.items()},
-                                 {p: t.numel() * pdtype.itemsize for p, t in inbox.items()})})
+                             "shm_mode": "joint" if joint else "split",
+                             "messages": _messages({p: len(t) * size for p, t in sends.items()},
+                                                   {p: len(t) * size for p, t in inbox.items()})})
         return CombineResult(y=y, stats=stats)
 
-    def _shm_combine(self, rows: torch.Tensor, pos: torch.Tensor, handle: DispatchHandle,
-                     weighted: bool, phase: str) -> torch.Tensor:
-        """The shm part's combine of `rows[pos]`, gathered straight into its combine buffer
-        (read there in place: no copy into shared memory)."""
-        cb = self._shm_call(self._shm.combine_buffer, phase, handle, rows.dtype)
-        if len(pos):
-            torch.index_select(_words(rows), 0, pos, out=_words(cb))
-        return self._shm_call(self._shm.combine, phase, cb, handle, weighted).y
+    def _shm_combine(self, rows: torch.Tensor, part: _Part, weighted: bool,
+                     phase: str) -> torch.Tensor:
+        """The shm part's combine of `rows[part.pos]`, gathered straight into its combine
+        buffer (read there in place: no copy into shared memory)."""
+        cb = self._shm_call(self._shm.combine_buffer, phase, part.handle, rows.dtype)
+        if len(part.pos):
+            torch.index_select(_words(rows), 0, part.pos, out=_words(cb))
+        return self._shm_call(self._shm.combine, phase, cb, part.handle, weighted).y
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -381,9 +422,7 @@ class HybridBackend:
         self._shm.close()
 
 
-def _messages(sends: dict, recvs: dict) -> list[tuple[int, int, int]]:
+def _messages(sends: dict[int, int], recvs: dict[int, int]) -> list[tuple[int, int, int]]:
     """`(peer, bytes to it, bytes from it)` of a step's messages (`Stats.extra["messages"]`,
     what `ubep bench --hosts` replays bare)."""
-    size = {p: (v if isinstance(v, int) else v.numel() * v.element_size())
-            for p, v in sends.items()}
-    return [(p, size.get(p, 0), recvs.get(p, 0)) for p in sorted({*size, *recvs})]
+    return [(p, sends.get(p, 0), recvs.get(p, 0)) for p in sorted({*sends, *recvs})]
