@@ -19,12 +19,12 @@ How it is built (as root; `ip` and `unshare` from iproute2 and util-linux):
     ip netns exec <hX> unshare -m --propagation private sh -c \\
         'mount -t tmpfs -o mode=1777 ubep-host /dev/shm && exec python -c <agent>'
 
-The agent is the host's keeper: it holds the namespaces, lists its /dev/shm when asked (the
-leak check), and exits when this process closes its stdin. Rank processes come from the same
-forkserver as `run_ranks` (torch and ubep preloaded) and enter their host's network and mount
-namespaces with setns(2) through the agent's /proc/<pid>/ns entries before anything else, as
-`nsenter` does. A store keeper process on host 0 holds the group's TCP store at
-10.213.77.1:29500, as torchrun's agent on the first node does; every rank sets
+Each host's agent holds its namespaces, lists its /dev/shm when asked (the leak check), and
+exits when this process closes its stdin (so also when this process dies). Rank processes
+come from the same forkserver as `run_ranks` (torch and ubep preloaded) and enter their
+host's network and mount namespaces with setns(2) through the agent's /proc/<pid>/ns entries
+before anything else, as `nsenter` does. A store keeper process on host 0 holds the group's
+TCP store at 10.213.77.1:29500, as torchrun's agent on the first node does; every rank sets
 `GLOO_SOCKET_IFNAME=eth0`, so gloo binds to the host's link address.
 
 Not isolated: the rest of the file system (/tmp is shared, handy for reports), the PID
@@ -256,7 +256,7 @@ def _build_links(prefix: str, hosts: int, rate: str | None, namespaces: list[str
     """Make the namespaces (appended to `namespaces` as they exist, for the caller's cleanup)
     and the links: a veth pair for two hosts, else a bridge in namespace `<prefix>sw`."""
     names = [f"{prefix}h{h}" for h in range(hosts)]
-    tbf = ["root", "tbf", "rate", rate or "", "burst", "256kb", "latency", "50ms"]
+    tbf = ["root", "tbf", "rate", str(rate), "burst", "256kb", "latency", "50ms"]
     for ns in names:
         _cmd(["ip", "netns", "add", ns])
         namespaces.append(ns)
