@@ -49,6 +49,7 @@ from ubep.plan.hosts import HostLayout, merge_order, split_routing
 from ubep.runtime.hosts import discover_hosts
 from ubep.runtime.hybrid.network import Exchange, post
 from ubep.runtime.hybrid.origins import OriginTables
+from ubep.runtime.shm.outputs import OutputPool
 from ubep.stats import Stats
 
 __all__ = ["HybridBackend", "PARTIAL_DTYPES", "SPLIT_BYTES"]
@@ -136,6 +137,9 @@ class HybridBackend:
         except BaseException:
             self._shm.close()
             raise
+        #: recv_x and y on kept memory (no page faults per call); scratch kept and grown
+        self._pool = OutputPool()
+        self._scratch: dict[object, torch.Tensor] = {}
         self._calls = 0
         self._shm_calls = 0
         self._joint = True          # the first call's mode (then the host's last batch picks)
@@ -175,6 +179,14 @@ class HybridBackend:
             self.in_step = self.in_step and self._shm.in_step
             raise
 
+    def _kept(self, key, nbytes: int) -> torch.Tensor:
+        """`nbytes` of uint8 scratch kept across calls under `key` (grown when short): large
+        fresh tensors cost a page fault per 4 KiB on every call."""
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._scratch[key] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+        return buf[:nbytes]
+
     def _shm_dispatch(self, x, idx, w, phase: str) -> DispatchResult:
         self._shm_calls += 1
         return self._shm_call(self._shm.dispatch, phase, x, idx, w, self._shm_calls)
@@ -194,7 +206,7 @@ class HybridBackend:
         parity, joint = self._calls & 1, self._joint
         self._origins.write_count(parity, T)
         split = split_routing(self.layout, self.rank, topk_idx.numpy())
-        sends = {e: self._pack(x, topk_weights, split.tokens[h], split.remote_idx[h], rb, mb)
+        sends = {e: self._pack(e, x, topk_weights, split.tokens[h], split.remote_idx[h], rb, mb)
                  for h, e in self._entries.items()}
         net = self._post("dispatch/network", sends, self._inbox)
         t_posted = _clock()
@@ -236,11 +248,12 @@ class HybridBackend:
                                  {s: _HEADER + m * (rb + mb) for s, m in recv_rows.items()})})
         return DispatchResult(*merged, stats=stats)
 
-    def _pack(self, x: torch.Tensor, w: torch.Tensor, toks: np.ndarray, ridx: np.ndarray,
-              rb: int, mb: int) -> torch.Tensor:
-        """One dispatch message: the row count, the rows, then their routing."""
+    def _pack(self, peer: int, x: torch.Tensor, w: torch.Tensor, toks: np.ndarray,
+              ridx: np.ndarray, rb: int, mb: int) -> torch.Tensor:
+        """One dispatch message to `peer`: the row count, the rows, then their routing (in
+        kept scratch: the send is waited for before the call returns)."""
         n = len(toks)
-        out = torch.empty(_HEADER + n * (rb + mb), dtype=torch.uint8)
+        out = self._kept(("send", peer), _HEADER + n * (rb + mb))
         out[:_HEADER].view(torch.int64)[0] = n
         if n:
             rows = out[_HEADER:_HEADER + n * rb].view(n, rb)
@@ -268,7 +281,7 @@ class HybridBackend:
         if own is None and len(full) == 1:
             xf = self._inbox[full[0]][_HEADER:_HEADER + n * rb].view(dtype).view(n, hidden)
         else:
-            xf = torch.empty(n, hidden, dtype=dtype)
+            xf = self._kept("xf", n * rb).view(dtype).view(n, hidden)
         idxf = torch.empty(n, K, dtype=torch.int64)
         wf = torch.empty(n, K, dtype=torch.float32)
         src = np.empty(n, np.int64)
@@ -324,7 +337,7 @@ class HybridBackend:
             origins_of.append((src, tok))
         pos = merge_order(*keys) if len(keys) == 2 else merge_order(keys[0], keys[0][:0])
         n = len(pos)
-        recv_x = torch.empty(n, c.hidden, dtype=x.dtype)
+        recv_x = self._pool.empty(n, c.hidden, x.dtype)
         out = _words(recv_x).numpy()
         recv_w = np.empty(n, np.float32)
         origins = np.empty((3, n), np.int64)
@@ -359,8 +372,9 @@ class HybridBackend:
         rows = expert_out if expert_out.dtype == pdtype else expert_out.to(pdtype)
         joint = len(st.parts) == 1
         # what comes back: one partial row per token I sent to each other host
-        inbox = {e: torch.empty(len(st.tokens[h]), c.hidden, dtype=pdtype)
-                 for h, e in self._entries.items()}
+        size = pdtype.itemsize * c.hidden
+        inbox = {e: self._kept(("partials", e), len(st.tokens[h]) * size).view(pdtype).view(
+                    -1, c.hidden) for h, e in self._entries.items()}
         # the forwarded rows first: their partials are what the network waits for
         fwd = st.parts[-1]
         yf = self._shm_combine(rows, fwd, weighted, "combine/shm forwarded")
@@ -376,20 +390,24 @@ class HybridBackend:
         self._finish(net, deadline)
         t_net = _clock()
         # the partials in host order, fp32, one rounding
-        acc = torch.zeros(T, c.hidden, dtype=torch.float32)
+        acc = self._kept("acc", T * c.hidden * 4).view(torch.float32).view(T, c.hidden)
+        acc.zero_()
         for h, toks in enumerate(st.tokens):
             if h == self.host:
                 acc += yl
             elif len(toks):
-                acc.index_add_(0, torch.from_numpy(toks), inbox[self._entries[h]].float())
-        y = acc.to(expert_out.dtype) if out is None else out.copy_(acc)
+                part = inbox[self._entries[h]]
+                if part.dtype != torch.float32:     # index_add_ takes its own dtype only
+                    part = self._kept("part32", part.numel() * 4).view(torch.float32).view(
+                        part.shape).copy_(part)
+                acc.index_add_(0, torch.from_numpy(toks), part)
+        y = (self._pool.empty(T, c.hidden, expert_out.dtype) if out is None else out).copy_(acc)
         t_end = _clock()
         us = 1e6
         phases = {"shm forwarded": (t_posted - t0) * us, "shm local": (t_local - t_posted) * us,
                   "network wait": (t_net - t_local) * us, "sum": (t_end - t_net) * us}
         phases["network"] = phases["network wait"]
         phases["shm"] = phases["shm forwarded"] + phases["shm local"]
-        size = pdtype.itemsize * c.hidden
         nbytes = sum(len(s) for s in sends.values()) * size
         stats = Stats(op="combine", backend="hybrid", mode="ubep", sync=c.sync,
                       schedule="static", rank=self.rank, total_us=(t_end - t0) * us,
@@ -420,6 +438,8 @@ class HybridBackend:
         self._closed = True
         self._origins.close()
         self._shm.close()
+        self._pool.close()
+        self._scratch.clear()
 
 
 def _messages(sends: dict[int, int], recvs: dict[int, int]) -> list[tuple[int, int, int]]:
