@@ -91,7 +91,7 @@ def _run(rank, world, hosts, cases):
         outs = []
         for case in cases:
             out = run_case(buf, case, rank)
-            out["mode"] = buf.last_stats.extra["shm_mode"]
+            out["mode"] = buf.last_stats.extra["mode"]
             outs.append(out)
         return buf.config.hosts, buf.config.backend_reason, outs
 

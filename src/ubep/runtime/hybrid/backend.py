@@ -17,12 +17,19 @@ combine: the forwarded rows' expert outputs are summed per (token, host) through
     own tokens' rows on this host are summed the same way -> the token's rank adds the
     partials in fp32 in host order and rounds once.
 
-Two shared-memory exchanges per step let the near tier work while the far one moves bytes
-("split" mode). When the batch is small there is nothing worth hiding and each exchange is a
-rendezvous of the host's ranks, so the rank's own tokens ride in the forwarded exchange
-instead ("joint" mode: one exchange per step, after the network). The host's ranks pick the
-mode alike from the previous call's largest batch on the host (published beside the origin
-tables): split when its rows for one rank exceed `SPLIT_BYTES`.
+Modes, as DeepEP has a low-latency and a normal mode, picked per call alike on every rank
+from the previous call's largest batch of any rank (every rank learns it: dispatch messages
+carry their sender's batch, the host's ranks publish what they heard beside the origin
+tables; in flat mode the torch backend's count exchange carries it):
+
+* "split": two shared-memory exchanges per step, so the near tier works while the far one
+  moves bytes (the largest batch had more than `SPLIT_BYTES` of bf16 rows);
+* "joint": the rank's own tokens ride in the forwarded exchange (one exchange per step,
+  after the network): at medium batches there is little to hide and each exchange is a
+  rendezvous of the host's ranks;
+* "flat": at small batches (at most `FLAT_BYTES`) bytes are cheap and every phase is a
+  round of waiting, so the call goes straight to the expert ranks over the group as the
+  torch backend sends it (two phases instead of four), each token once per rank.
 
 Rounding contract: a host's partial is the fp32 sum of the token's slots on that host in
 slot order, rounded to the output dtype (fp32 for 8-bit outputs) -- what crosses the network,
@@ -50,18 +57,20 @@ from ubep.runtime.hosts import discover_hosts
 from ubep.runtime.hybrid.network import Exchange, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.runtime.shm.outputs import OutputPool
+from ubep.runtime.torch_backend import TorchBackend
 from ubep.stats import Stats
 
-__all__ = ["HybridBackend", "PARTIAL_DTYPES", "SPLIT_BYTES"]
+__all__ = ["HybridBackend", "PARTIAL_DTYPES", "FLAT_BYTES", "SPLIT_BYTES"]
 
 #: combine partials travel in the output dtype for these, in fp32 for the rest (8-bit)
 PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: split mode when the host's largest batch of the previous call had more bf16 row bytes
-#: than this on one rank (~9 rows of 7168), where moving the local rows starts to cost more
-#: than one more rendezvous of the host's ranks (bf16 whatever the dtype: every rank of
-#: the host must decide alike)
-SPLIT_BYTES = 128 << 10
-_HEADER = 8                 # bytes before a dispatch message's rows: its row count (int64)
+#: the previous call's largest batch on one rank, as bf16 rows of `hidden` (whatever the
+#: dtype: every rank must decide alike), picks the mode: "flat" up to FLAT_BYTES (~4 rows of
+#: 7168), "joint" up to SPLIT_BYTES (~18 rows), "split" beyond, where moving the local rows
+#: during the network transfer saves more than one more rendezvous of the host's ranks costs
+FLAT_BYTES = 64 << 10
+SPLIT_BYTES = 256 << 10
+_HEADER = 16                # bytes before a dispatch message's rows: row count, sender's batch
 _clock = time.perf_counter
 
 
@@ -142,7 +151,10 @@ class HybridBackend:
         self._scratch: dict[object, torch.Tensor] = {}
         self._calls = 0
         self._shm_calls = 0
-        self._joint = True          # the first call's mode (then the host's last batch picks)
+        #: small batches: the flat exchange, the torch backend's, on the same group
+        self._flat = TorchBackend(dataclasses.replace(c, backend="torch", hosts=()), group,
+                                  buffer_id)
+        self._mode = "joint"        # the first call's (then the last call's batch picks)
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -187,6 +199,11 @@ class HybridBackend:
             buf = self._scratch[key] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
         return buf[:nbytes]
 
+    def _mode_for(self, batch: int) -> str:
+        """The next call's mode after a call whose largest batch on one rank was `batch`."""
+        nbytes = batch * self.config.hidden * 2
+        return "flat" if nbytes <= FLAT_BYTES else "joint" if nbytes <= SPLIT_BYTES else "split"
+
     def _shm_dispatch(self, x, idx, w, phase: str) -> DispatchResult:
         self._shm_calls += 1
         return self._shm_call(self._shm.dispatch, phase, x, idx, w, self._shm_calls)
@@ -196,6 +213,8 @@ class HybridBackend:
                  call: int) -> DispatchResult:
         if self._closed:
             raise RuntimeError("cannot dispatch after close")
+        if self._mode == "flat":
+            return self._flat_dispatch(x, topk_idx, topk_weights, call)
         c = self.config
         t0 = _clock()
         deadline = t0 + c.timeout_s
@@ -203,8 +222,7 @@ class HybridBackend:
         rb = c.hidden * x.element_size()
         mb = 4 * (1 + 2 * K)        # per row sent: token, K host expert ids, K weights
         self._calls += 1
-        parity, joint = self._calls & 1, self._joint
-        self._origins.write_count(parity, T)
+        parity, joint = self._calls & 1, self._mode == "joint"
         split = split_routing(self.layout, self.rank, topk_idx.numpy())
         sends = {e: self._pack(e, x, topk_weights, split.tokens[h], split.remote_idx[h], rb, mb)
                  for h, e in self._entries.items()}
@@ -217,12 +235,14 @@ class HybridBackend:
         self._finish(net, deadline)
         t_net = _clock()
         own = (x, local_idx, topk_weights) if joint else None
-        xf, idxf, wf, recv_rows = self._unpack(own, x.dtype, rb, mb, K, parity)
+        xf, idxf, wf, recv_rows, heard = self._unpack(own, x.dtype, rb, mb, K, parity)
+        # the largest batch I know of (mine, my sources'), before the dispatch that shows it
+        self._origins.write_count(parity, max(T, heard))
         fwd = self._shm_dispatch(xf, idxf, wf, "dispatch/shm forwarded")
         t_fwd = _clock()
-        # every rank of the host published its batch before its first shm dispatch: the
-        # next call's mode, the same on each
-        self._joint = self._origins.max_count(parity) * c.hidden * 2 <= SPLIT_BYTES
+        # every remote rank told one rank of this host its batch: the host's ranks' largest
+        # is every rank's largest, so the next call's mode is the same everywhere
+        self._mode = self._mode_for(self._origins.max_count(parity))
         results = [(fwd, True)] if joint else [(local, False), (fwd, True)]
         merged = self._merge(x, topk_idx, topk_weights, call, results, parity,
                              split.tokens, recv_rows)
@@ -240,7 +260,7 @@ class HybridBackend:
                       bytes_recv=sum(recv_rows.values()) * (rb + mb) + _HEADER * len(recv_rows),
                       bytes_sent_network=rows_out * rb,
                       extra={"network_meta_bytes": rows_out * mb + _HEADER * len(sends),
-                             "shm_mode": "joint" if joint else "split",
+                             "mode": "joint" if joint else "split",
                              "rows_sent_per_host": [len(t) for t in split.tokens],
                              "rows_forwarded": int(sum(recv_rows.values())),
                              "messages": _messages(
@@ -255,6 +275,7 @@ class HybridBackend:
         n = len(toks)
         out = self._kept(("send", peer), _HEADER + n * (rb + mb))
         out[:_HEADER].view(torch.int64)[0] = n
+        out[:_HEADER].view(torch.int64)[1] = x.shape[0]
         if n:
             rows = out[_HEADER:_HEADER + n * rb].view(n, rb)
             torch.index_select(_words(x), 0, torch.from_numpy(toks), out=_words(rows))
@@ -272,8 +293,10 @@ class HybridBackend:
         Virtual token v: this rank's own tokens first when `own` = (x, host routing,
         weights) rides along (joint mode), then the rows received, sources in rank order.
         Their origins go in my table. The rows of a single source, alone, are dispatched
-        where they arrived."""
-        counts = {s: int(buf[:_HEADER].view(torch.int64)[0]) for s, buf in self._inbox.items()}
+        where they arrived. Also returns the largest batch the sources reported."""
+        heads = {s: buf[:_HEADER].view(torch.int64).tolist() for s, buf in self._inbox.items()}
+        counts = {s: h[0] for s, h in heads.items()}
+        heard = max((h[1] for h in heads.values()), default=0)
         t_own = 0 if own is None else own[0].shape[0]
         n = t_own + sum(counts.values())
         hidden = self.config.hidden
@@ -307,7 +330,7 @@ class HybridBackend:
             tok[at:at + m] = meta[:, 0]
             at += m
         self._origins.write(parity, src, tok)
-        return xf, idxf, wf, counts
+        return xf, idxf, wf, counts, heard
 
     def _origins_of(self, res: DispatchResult, from_table: bool,
                     parity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -363,12 +386,14 @@ class HybridBackend:
                 out: torch.Tensor | None = None) -> CombineResult:
         if self._closed:
             raise RuntimeError("cannot combine after close")
+        if type(handle.state) is not _HybridState:
+            return self._flat_combine(expert_out, handle, weighted, out)
         st: _HybridState = handle.state
         c = self.config
         t0 = _clock()
         deadline = t0 + c.timeout_s
         T = handle.num_tokens
-        pdtype = expert_out.dtype if expert_out.dtype in PARTIAL_DTYPES else torch.float32
+        pdtype = _partial_dtype(expert_out.dtype)
         rows = expert_out if expert_out.dtype == pdtype else expert_out.to(pdtype)
         joint = len(st.parts) == 1
         # what comes back: one partial row per token I sent to each other host
@@ -415,10 +440,59 @@ class HybridBackend:
                       bytes_recv=sum(len(b) for b in inbox.values()) * size,
                       bytes_sent_network=nbytes,
                       extra={"partial_dtype": str(pdtype).removeprefix("torch."),
-                             "shm_mode": "joint" if joint else "split",
+                             "mode": "joint" if joint else "split",
                              "messages": _messages({p: len(t) * size for p, t in sends.items()},
                                                    {p: len(t) * size for p, t in inbox.items()})})
         return CombineResult(y=y, stats=stats)
+
+    # -- flat mode ---------------------------------------------------------------------------
+    def _flat_dispatch(self, x, topk_idx, topk_weights, call) -> DispatchResult:
+        """The torch backend's dispatch, its stats in this backend's terms."""
+        try:
+            res = self._flat.dispatch(x, topk_idx, topk_weights, call)
+        except BaseException:
+            self.in_step = self.in_step and self._flat.in_step
+            raise
+        g = self._flat.inline_tokens        # 0: the largest batch overflowed its budget
+        self._mode = self._mode_for(g) if g else "split"
+        st = res.stats
+        rows = self._far_rows(topk_idx)
+        extra = {**st.extra, "mode": "flat"}
+        stats = dataclasses.replace(_plain(st), backend="hybrid", extra=extra,
+                                    bytes_sent_network=rows * x.shape[1] * x.element_size())
+        return _with_stats(res, stats)
+
+    def _flat_combine(self, expert_out, handle, weighted, out) -> CombineResult:
+        try:
+            res = self._flat.combine(expert_out, handle, weighted, out)
+        except BaseException:
+            self.in_step = self.in_step and self._flat.in_step
+            raise
+        st = _plain(res.stats)
+        rows = self._far_rows_back(handle)
+        stats = dataclasses.replace(st, backend="hybrid", extra={**st.extra, "mode": "flat"},
+                                    bytes_sent_network=rows * expert_out.shape[1]
+                                    * _partial_dtype(expert_out.dtype).itemsize)
+        return CombineResult(y=res.y, stats=stats)
+
+    def _far_rows(self, topk_idx: torch.Tensor) -> int:
+        """Rows a flat dispatch puts on the network: one per (token, rank on another host
+        holding one of its experts)."""
+        idx = topk_idx.numpy()
+        ranks = np.where(idx >= 0, idx // self.config.experts_per_rank, -1)
+        far = (ranks >= 0) & (self.layout.host_of_rank[np.maximum(ranks, 0)] != self.host)
+        ranks = np.where(far, ranks, -1)
+        ranks.sort(axis=1)
+        distinct = (ranks[:, 1:] != ranks[:, :-1]) & (ranks[:, 1:] >= 0)
+        return int(distinct.sum() + (ranks[:, :1] >= 0).sum())
+
+    def _far_rows_back(self, handle: DispatchHandle) -> int:
+        """Partial rows a flat combine puts on the network: one per (token, rank) of the
+        received rows whose source lives on another host."""
+        src = handle.recv_src_rank.numpy()
+        tok = handle.recv_src_token.numpy()
+        far = self.layout.host_of_rank[src] != self.host
+        return len(np.unique(src[far] * (1 << 32) + tok[far]))
 
     def _shm_combine(self, rows: torch.Tensor, part: _Part, weighted: bool,
                      phase: str) -> torch.Tensor:
@@ -440,6 +514,23 @@ class HybridBackend:
         self._shm.close()
         self._pool.close()
         self._scratch.clear()
+
+
+def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in PARTIAL_DTYPES else torch.float32
+
+
+def _plain(st: Stats) -> Stats:
+    """A plain `Stats` of `st` (which may build its fields on first read)."""
+    return Stats(**{f.name: getattr(st, f.name) for f in dataclasses.fields(Stats)})
+
+
+def _with_stats(res: DispatchResult, stats: Stats) -> DispatchResult:
+    """`res` with `stats` (the other fields as they are, made on first read or not)."""
+    out = object.__new__(DispatchResult)
+    out.__dict__.update(res.__dict__)
+    out.__dict__["stats"] = stats
+    return out
 
 
 def _messages(sends: dict[int, int], recvs: dict[int, int]) -> list[tuple[int, int, int]]:
