@@ -96,6 +96,7 @@ def expert_outputs(got, dtype, seed: int = 2):
     ("skewed", 4, 6, 2, 8, 32, torch.float32),
     ("holes", 3, 5, 3, 9, 48, torch.float16),
     ("one-expert", 2, 7, 4, 8, 16, torch.bfloat16),
+    ("uniform", 3, 6, 4, 12, 32, torch.float32),     # fp32 sums of 4: their order shows
 ])
 def test_dispatch_and_combine_match_the_oracle(mode, kind, P, T, K_, E, H, dtype):
     idx, w = routing(kind, P, T, K_, E)
