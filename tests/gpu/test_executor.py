@@ -65,10 +65,11 @@ def check_dispatch(got, xs, idx, w, E):
 def check_combine(y, outs, ref, idx, w, weighted=True):
     """Every rank's combine `y[s]` against the oracle's contract bit for bit: fp32 products
     `w * row`, summed in slot order, rounded once to the output dtype. Under the interpreter
-    that rounding is the interpreter's: it converts fp32 to bf16 by truncation (on a GPU the
-    kernels round to nearest even, as the oracle does), so bf16 is checked against the
-    oracle's fp32 sums truncated. Catches a combine that sums in another order or precision
-    or rounds its weights."""
+    that rounding is the interpreter's: it converts fp32 to bf16 by truncation, so bf16 is
+    checked against the oracle's fp32 sums truncated. (On a GPU the conversion rounds to
+    nearest even, and Triton may contract `acc + w * row` into one FMA; these tests run under
+    the interpreter only.) Catches a combine that sums in another order or precision or rounds
+    its weights (the fp32 top-4 case shows the order)."""
     sums = reference.combine([o.float() for o in outs], ref, list(idx), list(w),
                              weighted=weighted)            # fp32 rows: the sums, unrounded
     for s, want in enumerate(sums):
