@@ -12,19 +12,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_broken_vllm_fails_the_integration_run_when_required(tmp_path):
+def test_a_missing_vllm_fails_the_integration_run_when_required(tmp_path):
     """Mutation: the integration conftest's check removed (each module's importorskip then
-    turns the broken vLLM into skips and the run exits 0). Collecting tests/integrations with
-    UBEP_REQUIRE_VLLM=1 must exit non-zero and name the import error."""
+    turns the missing vLLM into skips and the run exits 0). The stand-in raises what a
+    missing vLLM, or one whose dependency is missing, raises (`ModuleNotFoundError`, which
+    importorskip skips on): collecting tests/integrations with UBEP_REQUIRE_VLLM=1 must exit
+    non-zero and name it."""
     (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('this vLLM is broken')\n")
+    (tmp_path / "vllm" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'vllm' (stand-in)\", name='vllm')\n")
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "UBEP_REQUIRE_VLLM": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only",
                            "-p", "no:cacheprovider", str(Path(__file__).parent)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "this vLLM is broken" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "No module named 'vllm' (stand-in)" in proc.stdout + proc.stderr, \
+        proc.stdout + proc.stderr
 
 
 def test_make_test_vllm_requires_vllm_and_native():
