@@ -54,7 +54,7 @@ from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
 from ubep.plan.hosts import HostLayout, merge_order, split_routing
 from ubep.runtime.hosts import discover_hosts
-from ubep.runtime.hybrid.network import Exchange, post
+from ubep.runtime.hybrid.network import Exchange, network_error, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.torch_backend import TorchBackend
@@ -450,9 +450,12 @@ class HybridBackend:
         """The torch backend's dispatch, its stats in this backend's terms."""
         try:
             res = self._flat.dispatch(x, topk_idx, topk_weights, call)
-        except BaseException:
-            self.in_step = self.in_step and self._flat.in_step
-            raise
+        except (ValueError, TypeError):
+            raise                           # refused before anything moved
+        except BaseException as e:
+            self.in_step = False
+            raise network_error(self.rank, "dispatch/flat", self._others(), e,
+                                self.config.timeout_s) from e
         g = self._flat.inline_tokens        # 0: the largest batch overflowed its budget
         self._mode = self._mode_for(g) if g else "split"
         st = res.stats
@@ -465,15 +468,21 @@ class HybridBackend:
     def _flat_combine(self, expert_out, handle, weighted, out) -> CombineResult:
         try:
             res = self._flat.combine(expert_out, handle, weighted, out)
-        except BaseException:
-            self.in_step = self.in_step and self._flat.in_step
+        except (ValueError, TypeError):
             raise
+        except BaseException as e:
+            self.in_step = False
+            raise network_error(self.rank, "combine/flat", self._others(), e,
+                                self.config.timeout_s) from e
         st = _plain(res.stats)
         rows = self._far_rows_back(handle)
         stats = dataclasses.replace(st, backend="hybrid", extra={**st.extra, "mode": "flat"},
                                     bytes_sent_network=rows * expert_out.shape[1]
                                     * _partial_dtype(expert_out.dtype).itemsize)
         return CombineResult(y=res.y, stats=stats)
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.world) if r != self.rank]
 
     def _far_rows(self, topk_idx: torch.Tensor) -> int:
         """Rows a flat dispatch puts on the network: one per (token, rank on another host

@@ -65,18 +65,23 @@ def post(ex: Exchange, pg, sends: dict[int, torch.Tensor],
     return ex
 
 
-def network_error(rank: int, phase: str, peer: int, e: BaseException,
+def network_error(rank: int, phase: str, peer: int | list[int], e: BaseException,
                   timeout_s: float) -> UbepError:
-    """The named error for a failed wait on `peer`: died, timed out, or other."""
+    """The named error for a failed wait on `peer` (or one of several): died, timed out, or
+    other; anything but a torch.distributed error is returned as it is."""
+    if not isinstance(e, RuntimeError) or isinstance(e, UbepError):
+        return e
+    peers = list(peer) if isinstance(peer, list) else [peer]
+    which = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}"
     text = str(e)
     first = text.splitlines()[0][:300] if text else type(e).__name__
     low = text.lower()
     if "timeout" in low or "timed out" in low:
-        return PeerTimeoutError(rank, phase, [peer], timeout_s,
-                                "no message from that rank on another host in time")
+        return PeerTimeoutError(rank, phase, peers, timeout_s,
+                                f"no message from {which} in time")
     if any(w in low for w in ("closed by peer", "connection reset", "broken pipe", "crash")):
-        err = PeerDiedError(rank, phase, [peer])
-        err.args = (f"{err.args[0]} (the connection to its host closed: {first})",)
+        err = PeerDiedError(rank, phase, peers)
+        err.args = (f"{err.args[0]} (the connection to {which} closed: {first})",)
         return err
-    return NetworkError(f"rank {rank} in phase {phase!r}: the exchange with rank {peer} on "
-                        f"another host failed: {first}")
+    return NetworkError(f"rank {rank} in phase {phase!r}: the exchange with {which} "
+                        f"failed: {first}")
