@@ -104,9 +104,10 @@ $(VLLM_WARM): $(VLLM_NATIVE) $(SOURCES)
 
 vllm-venv: $(VLLM_WARM)
 
-# the plugin's tests, the end-to-end one included (DP 2 + EP through ubep vs one engine)
+# the plugin's tests, the end-to-end one included (DP 2 + EP through ubep vs one engine);
+# UBEP_REQUIRE_VLLM: a missing or broken vLLM fails the run (tests/integrations/conftest.py)
 test-vllm: $(VLLM_WARM)
-	UBEP_REQUIRE_NATIVE=1 $(VLLM_BIN)/python -m pytest -q tests/integrations
+	UBEP_REQUIRE_NATIVE=1 UBEP_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q tests/integrations
 	@leftover=$$(ls /dev/shm | grep -i ubep || true); \
 	if [ -n "$$leftover" ]; then echo "leaked shared memory: $$leftover"; exit 1; fi
 

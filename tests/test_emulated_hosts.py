@@ -26,8 +26,8 @@ from ubep.testing import (
 )
 
 #: what `Buffer(backend="auto")` picks on a group over two emulated hosts, and a phrase of its
-#: reason (today: the flat torch backend; "hybrid" once that backend exists)
-AUTO_ACROSS_HOSTS = ("torch", "do not share one host's shared memory")
+#: reason
+AUTO_ACROSS_HOSTS = ("hybrid", "shared-memory domains")
 
 
 def _our_namespaces() -> list[str]:

@@ -284,7 +284,7 @@ def test_the_compiled_entries_make_the_results_python_makes(direct):
     for g, want in zip(got, ref[:6], strict=True):
         assert torch.equal(g.view(torch.uint8) if g.dtype == torch.bfloat16 else g,
                            want.view(torch.uint8) if want.dtype == torch.bfloat16 else want)
-    assert torch.allclose(y.float(), ref[6].float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(y.view(torch.uint8), ref[6].view(torch.uint8))     # the oracle's bits
     assert c_kinds == (c_type, True, "combine", True)
 
 
@@ -512,7 +512,7 @@ def _two_threads(rank, world, n):
                 y = bufs[k].combine(res.recv_x, res.handle)
                 want = reference.combine([d.recv_x for d in ref], ref, [a[1] for a in ins],
                                          [a[2] for a in ins])[rank]
-                assert torch.allclose(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+                assert torch.equal(y.view(torch.uint8), want.view(torch.uint8))
                 done[k] += 1
         except BaseException as e:  # noqa: BLE001 - reported to the test
             errors.append(repr(e))

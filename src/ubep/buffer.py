@@ -54,10 +54,14 @@ class Buffer:
         hidden: elements per token row.
         max_tokens_per_rank: the largest token count T any call may pass on any rank.
         backend: "auto" (default), "torch" (all_to_all_single, any process group, across
-            hosts) or "shm" (ranks on one host through shared memory, workers as threads).
+            hosts), "shm" (ranks on one host through shared memory, workers as threads) or
+            "hybrid" (ranks on several hosts: shared memory inside each host,
+            torch.distributed between hosts, each token over the network once per host).
             "auto" picks shm when every rank of the group maps this host's /dev/shm and it
-            has room for all the ranks' segments, torch otherwise; `config.backend` says
-            which runs, `config.backend_reason` why, and every `Stats.backend` names it. On
+            has room for all the ranks' segments, hybrid when the ranks span several hosts
+            (shared-memory domains; `config.hosts` lists each one's ranks), torch otherwise;
+            `config.backend` says which runs, `config.backend_reason` why, and every
+            `Stats.backend` names it. On
             shm, when neither `mode`, `direct` nor `count_workers` is given and `sync` is
             "tff" or "sw", auto runs `direct="owned"` (the fastest path whose results the
             caller owns; below); it never turns on `direct=True`, whose `recv_x` is a view
@@ -166,12 +170,12 @@ class Buffer:
             # the fastest path whose results the caller owns, unless a choice rules it out
             owned = (direct is None and mode is None and count_workers is None
                      and sync in ("tff", "sw"))
-            chosen, why, chosen_direct = choose_backend(self.config, group, owned=owned)
+            chosen, why, chosen_direct, hosts = choose_backend(self.config, group, owned=owned)
             if direct and chosen != "shm":
                 raise ValueError(f"direct={direct!r} needs the shm backend, which this group "
                                  f"cannot use: {why}")
             self.config = dataclasses.replace(self.config, backend=chosen, backend_reason=why,
-                                              direct=chosen_direct)
+                                              direct=chosen_direct, hosts=hosts)
         self.group = group
         self.rank, self.world_size = rank, world_size
         self.num_experts = num_experts
@@ -187,6 +191,8 @@ class Buffer:
         # the inputs' fast checks, compiled when `ubep.native` is built (same answers)
         self._dispatch_ready, self._combine_ready = fast_checks()
         self._backend = make_backend(self.config, group, self._id)
+        if self.config.backend == "hybrid" and not self.config.hosts:
+            self.config = dataclasses.replace(self.config, hosts=self._backend.hosts)
         # the common call's whole way in one compiled call where the backend offers it
         # (`ubep.native`'s doors: shm's direct path with one worker, torch's CPU path); None:
         # the Python layers below

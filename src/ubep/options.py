@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("auto", "torch", "shm")
+BACKENDS = ("auto", "torch", "shm", "hybrid")
 MODES = ("ubep", "bsp")
 SYNCS = ("sw", "tff", "dc", "sp")
 SCHEDULES = ("static", "balanced", "hierarchical")
@@ -42,7 +42,7 @@ class BufferConfig:
     max_tokens_per_rank: int = field(metadata={"help": "largest T any call may pass"})
     max_top_k: int = field(metadata={"help": "largest K any call may pass"})
     backend: str = field(default="torch", metadata={
-        "help": "executor that runs the calls: torch | shm (what backend='auto' chose)"})
+        "help": "executor that runs the calls: torch | shm | hybrid (what backend='auto' chose)"})
     mode: str = field(default="ubep", metadata={"help": "ubep (decomposed) | bsp (baseline)"})
     sync: str = field(default="tff", metadata={"help": "sw | tff | dc | sp"})
     schedule: str = field(default="hierarchical", metadata={"help": "static|balanced|hierarchical"})
@@ -57,6 +57,9 @@ class BufferConfig:
         "help": "the backend= the Buffer was given: auto | torch | shm"})
     backend_reason: str = field(default="", metadata={
         "help": "why `backend` runs the calls (backend='auto': what was found)"})
+    hosts: tuple[tuple[int, ...], ...] = field(default=(), metadata={
+        "help": "the group ranks of each shared-memory domain (host), when auto or the "
+                "hybrid backend looked; () otherwise"})
 
     @property
     def experts_per_rank(self) -> int:

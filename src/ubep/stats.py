@@ -45,6 +45,9 @@ class Stats:
     bytes_recv: int = 0
     payload_efficiency: float | None = None   # payload bytes / bytes on the wire
     extra: dict[str, object] = field(default_factory=dict)
+    #: row bytes (hidden x element size per row) this rank put on the network between hosts
+    #: in this call (hybrid backend; 0 elsewhere); routing metadata is counted in `extra`
+    bytes_sent_network: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

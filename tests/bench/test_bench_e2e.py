@@ -8,7 +8,6 @@ import pytest
 
 from ubep.bench.cli import _config_from_args
 from ubep.bench.config import BenchConfig
-from ubep.bench.run import mpi_unavailable_reason
 from ubep.cli import build_parser, main
 
 TINY = ["--ranks", "2", "--hidden", "64", "--tokens", "1", "5", "--experts", "4",
@@ -82,8 +81,7 @@ def test_bench_no_pin_leaves_ranks_unbound(tmp_path):
     assert run["config"]["pin"] is False and run["rank_cores"]["2"] == [None, None]
 
 
-@pytest.mark.skipif(mpi_unavailable_reason() is not None, reason=str(mpi_unavailable_reason()))
-def test_bench_peers_under_mpiexec(tmp_path):
+def test_bench_peers_under_mpiexec(tmp_path, mpi):
     out = tmp_path / "peers"
     assert main(["bench", *TINY, "--peers", "--out", str(out)]) == 0
     rows, run = _read(out)

@@ -3,7 +3,9 @@
 Run by test_compile.py in a fresh interpreter with TRITON_INTERPRET=0 (the interpreter
 accepts programs that the compiler rejects). Arguments are typed by name; pointers and the
 row width carry the 16-divisibility Triton's launcher gives torch tensors and H = 7168.
-Prints one JSON line per kernel.
+Prints one JSON line per kernel: counts of PTX instructions, and each load of the Triton IR
+(TTIR) with the kernel argument its pointer derives from and its cache modifier (PTX has
+lost the arguments' names; TTIR still has them).
 """
 
 import json
@@ -37,6 +39,48 @@ VARIANTS = {
                  RV=1, R=1, max_spins=1),
 }
 
+#: the ops a pointer goes through between a kernel argument and a load (offsets, shapes)
+_PTR_OPS = ("tt.addptr", "tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape")
+
+
+def loads_by_argument(ttir: str) -> list[tuple[str | None, str]]:
+    """`(argument, cache modifier)` of each `tt.load` in a kernel's TTIR: the argument its
+    pointer is computed from (None if not through `_PTR_OPS` alone), modifier "" if none.
+
+    SSA names repeat across sibling regions, so a use is resolved to the nearest earlier
+    definition whose region encloses it (by brace depth)."""
+    lines = ttir.splitlines()
+    start = next(i for i, line in enumerate(lines) if "tt.func public" in line)
+    args = set(re.findall(r"%(\w+): ", lines[start]))
+    depth, d, defs = [], 0, {}
+    for i, line in enumerate(lines):
+        depth.append(d)
+        m = re.match(r"\s*%(\w+)(?::\d+)? = ([\w.]+) (.*)$", line)
+        if m and i > start:
+            defs.setdefault(m.group(1), []).append(
+                (i, m.group(2), re.findall(r"%(\w+)", m.group(3))))
+        code = re.sub(r'"[^"]*"', "", line)
+        d += code.count("{") - code.count("}")
+
+    def resolve(name, at):
+        for i, op, operands in reversed(defs.get(name, [])):
+            if i < at and min(depth[i + 1:at + 1]) >= depth[i]:
+                return i, op, operands
+        return None
+
+    out = []
+    for ds in defs.values():
+        for i, op, operands in ds:
+            if op != "tt.load":
+                continue
+            p, at = operands[0], i
+            while p is not None and (found := resolve(p, at)) is not None:
+                at, p = found[0], found[2][0] if found[1] in _PTR_OPS else None
+            cm = re.search(r"cache_modifier = (\w+)", lines[i])
+            out.append((p if p in args else None, cm.group(1) if cm else ""))
+    return out
+
+
 for variant, name in [(v, k) for v in VARIANTS for k in KERNELS]:
     CONSTEXPRS = VARIANTS[variant]
     fn = getattr(K, name)
@@ -51,7 +95,10 @@ for variant, name in [(v, k) for v in VARIANTS for k in KERNELS]:
         variant=variant, kernel=name, cubin_bytes=len(c.asm["cubin"]),
         vector_ld=bool(re.search(r"ld\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)),
         vector_st=bool(re.search(r"st\.global(\.[a-z0-9]+)*\.v4\.b32", ptx)),
-        acquire=bool(re.search(r"atom\.global\.gpu\.acquire\.add", ptx)),
+        acquire=len(re.findall(r"atom\.global\.gpu\.acquire\.add", ptx)),
         l1_bypass=bool(re.search(r"ld\.global\.cg\.v4\.b32", ptx)),
+        # scalar words read past L1 (counts, weights, (token, slot) words), not row vectors
+        cg_words=len(re.findall(r"ld\.global\.cg\.b32", ptx)),
         release=len(re.findall(r"atom\.global\.gpu\.release\.exch", ptx)),
+        loads=loads_by_argument(c.asm["ttir"]),
     )))

@@ -1,4 +1,4 @@
-"""ubep.gpu against the oracle: every rank's dispatch bit-exact, combine to fp32 tolerance."""
+"""ubep.gpu against the oracle: every rank's dispatch and combine bit-exact."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def check_dispatch(got, xs, idx, w, E):
     return ref
 
 
+def check_combine(y, outs, ref, idx, w, weighted=True):
+    """Every rank's combine `y[s]` against the oracle's contract bit for bit: fp32 products
+    `w * row`, summed in slot order, rounded once to the output dtype. Under the interpreter
+    that rounding is the interpreter's: it converts fp32 to bf16 by truncation, so bf16 is
+    checked against the oracle's fp32 sums truncated. (On a GPU the conversion rounds to
+    nearest even, and Triton may contract `acc + w * row` into one FMA; these tests run under
+    the interpreter only.) Catches a combine that sums in another order or precision or rounds
+    its weights (the fp32 top-4 case shows the order)."""
+    sums = reference.combine([o.float() for o in outs], ref, list(idx), list(w),
+                             weighted=weighted)            # fp32 rows: the sums, unrounded
+    for s, want in enumerate(sums):
+        if y.dtype == torch.bfloat16 and K.INTERPRETED:
+            want = (want.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+        else:
+            want = want.to(y.dtype)
+        assert torch.equal(y[s].view(torch.uint8), want.view(torch.uint8)), \
+            (s, (y[s].float() - want.float()).abs().max())
+
+
 def expert_outputs(got, dtype, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
     P, NC, H = got.recv_x.shape
@@ -78,6 +97,7 @@ def expert_outputs(got, dtype, seed: int = 2):
     ("skewed", 4, 6, 2, 8, 32, torch.float32),
     ("holes", 3, 5, 3, 9, 48, torch.float16),
     ("one-expert", 2, 7, 4, 8, 16, torch.bfloat16),
+    ("uniform", 3, 6, 4, 12, 32, torch.float32),     # fp32 sums of 4: their order shows
 ])
 def test_dispatch_and_combine_match_the_oracle(mode, kind, P, T, K_, E, H, dtype):
     idx, w = routing(kind, P, T, K_, E)
@@ -89,10 +109,8 @@ def test_dispatch_and_combine_match_the_oracle(mode, kind, P, T, K_, E, H, dtype
     outs = [out[r, :got.num_recv[r]] for r in range(P)]
     for weighted in (True, False):
         y = pod.combine(out, got, weighted=weighted)
-        want = reference.combine(outs, ref, list(idx), list(w), weighted=weighted)
         assert y.dtype == dtype and y.shape == (P, T, H)
-        for s in range(P):
-            torch.testing.assert_close(y[s], want[s])
+        check_combine(y, outs, ref, idx, w, weighted)
 
 
 @pytest.mark.parametrize("mode", ["ubep", "bsp"])
@@ -109,10 +127,7 @@ def test_repeated_calls_reuse_and_grow_the_buffers(mode):
         ref = check_dispatch(got, x, idx, w, E)
         out = expert_outputs(got, dtype)
         y = pod.combine(out, got)
-        want = reference.combine([out[r, :got.num_recv[r]] for r in range(P)], ref, list(idx),
-                                 list(w))
-        for s in range(P):
-            torch.testing.assert_close(y[s], want[s])
+        check_combine(y, [out[r, :got.num_recv[r]] for r in range(P)], ref, idx, w)
         if mode == "ubep":   # the last program of each call moved the device epoch on
             assert pod._state.tolist() == [1 + 2 * (i + 1), 0, 0]   # tickets reset too
 
@@ -128,26 +143,104 @@ def test_only_the_latest_dispatch_can_be_combined():
         pod.combine(first.recv_x, first)
 
 
+def _launch_dispatch(pod, rt, x, *, count_programs: int, send_programs: int) -> None:
+    """`ubep_dispatch` as `EmulatedSuperpod.dispatch` launches it, with `count_programs` and
+    `send_programs` per rank instead of the pod's (0: that role never runs), its receivers
+    the pod's. Returns at once; `pod.check()` reports."""
+    P, H = pod.num_ranks, pod.hidden
+    T, K_ = rt.num_tokens, rt.top_k
+    C, S, RV = count_programs, send_programs, pod.recv_programs
+    xw = x.contiguous().view(torch.int32)            # float32 rows, moved as 4-byte words
+    pod._reserve(torch.int32, rt)
+    K.ubep_dispatch[(P * (C + S + RV),)](
+        rt.cnt, rt.count_dest, rt.send_lo, rt.send_tok, rt.send_slot, rt.send_dst, rt.send_pos,
+        xw, rt.topk_weights, pod._counts, pod._count_flag, pod._win, pod._win_w, pod._win_ts,
+        pod._row_flag, pod._recv_x, pod._recv_w, pod._recv_rank, pod._recv_ts,
+        pod._tokens_per_expert, pod._err, pod._state, P, pod.num_experts,
+        pod.experts_per_rank, T, K_, pod._win_rows, pod._recv_rows, H, C, S, RV, pod.max_spins,
+        BP=pod._bp, BE=pod._be, ROWS=pod.rows_per_step, BH=pod.block_hidden)
+
+
+def _launch_combine(pod, got, expert_out, *, send_programs: int) -> None:
+    """`ubep_combine` as `EmulatedSuperpod.combine` launches it, with `send_programs` per
+    rank returning rows (0: none does), its reducers the pod's."""
+    P, H, rt = pod.num_ranks, pod.hidden, got.routing
+    T, K_ = rt.num_tokens, rt.top_k
+    pod._reserve_combine(expert_out.dtype, T * K_)
+    y = torch.empty(P, T, H, dtype=expert_out.dtype)
+    K.ubep_combine[(P * (send_programs + pod.recv_programs),)](
+        rt.topk_idx, rt.topk_weights, expert_out, expert_out.shape[1], pod._tokens_per_expert,
+        pod._recv_rank, pod._recv_ts, pod._cwin.view(expert_out.dtype), pod._cflag, y, pod._err,
+        pod._state, P, pod.experts_per_rank, T, K_, pod._recv_rows, H, send_programs,
+        pod.recv_programs, pod.max_spins, BE=pod._be, BK=K.next_pow2(K_), WEIGHTED=True,
+        ROWS=pod.rows_per_step, BH=pod.block_hidden)
+
+
 def test_a_receiver_whose_producers_never_run_gives_up_with_a_clear_error():
     """The ubep kernel launched with its receivers only: they poll counts nobody sends."""
     P, E, H = 2, 4, 8
     pod = EmulatedSuperpod(P, E, H, device="cpu", max_spins=3)
     idx, w = routing("uniform", P, 2, 2, E)
     rt = pod.route(idx, w)
-    x = payload(P, 2, H, torch.float32).view(torch.int32)
-    pod._reserve(torch.int32, rt)
-    K.ubep_dispatch[(P,)](
-        rt.cnt, rt.count_dest, rt.send_lo, rt.send_tok, rt.send_slot, rt.send_dst, rt.send_pos,
-        x, rt.topk_weights, pod._counts, pod._count_flag, pod._win, pod._win_w, pod._win_ts,
-        pod._row_flag, pod._recv_x, pod._recv_w, pod._recv_rank, pod._recv_ts,
-        pod._tokens_per_expert, pod._err, pod._state, P, E, E // P, 2, 2, pod._win_rows,
-        pod._recv_rows, H, 0, 0, 1, pod.max_spins, BP=2, BE=2, ROWS=4, BH=8)
+    _launch_dispatch(pod, rt, payload(P, 2, H, torch.float32), count_programs=0,
+                     send_programs=0)
     with pytest.raises(SpinLimitError, match=r"rank 0 gave up in phase 'dispatch counts' after "
                                              r"3 polls: 2 flag\(s\) not set, the first from "
                                              r"rank 0"):
         pod.check()
     with pytest.raises(BrokenBufferError, match="broken"):
         pod.dispatch(payload(P, 2, H, torch.float32), rt)
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh", "stale-flags"])
+def test_receivers_whose_rows_never_come_give_up_in_dispatch_rows(stale):
+    """The ubep kernel launched with its count programs and receivers, no senders: the counts
+    arrive, the rows never do, so every receiver must give up polling their flags. Under the
+    interpreter the senders otherwise always finish first, so this is what catches the
+    mutation `_place_rows(..., POLL=False)` in `ubep_dispatch` (receivers copy rows without
+    waiting for them) and, with `stale`, a poll that takes the previous call's flags (every
+    row flag still holds epoch 1 of a completed dispatch of the same routing)."""
+    P, E, H, T, K_ = 2, 4, 8, 3, 2
+    pod = EmulatedSuperpod(P, E, H, device="cpu", max_spins=3)
+    idx, w = routing("uniform", P, T, K_, E, seed=3)
+    x = payload(P, T, H, torch.float32)
+    rt = pod.route(idx, w)
+    if stale:
+        check_dispatch(pod.dispatch(x, rt), x, idx, w, E)
+    _launch_dispatch(pod, rt, x, count_programs=1, send_programs=0)
+    # rank 0's receiver gives up on its first step: its first rows, the oracle's order
+    first = reference.dispatch(list(x), list(idx), list(w), E)[0].recv_src_rank
+    first = first[:pod.rows_per_step]
+    assert first.numel() > 0
+    with pytest.raises(SpinLimitError, match=rf"rank 0 gave up in phase 'dispatch rows' after "
+                                             rf"3 polls: {first.numel()} flag\(s\) not set, "
+                                             rf"the first from rank {int(first.min())}$"):
+        pod.check()
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh", "stale-flags"])
+def test_reducers_whose_rows_never_come_give_up_in_combine_rows(stale):
+    """The ubep combine kernel launched with its reducers only, after a real dispatch: no
+    row comes back, so every reducer must give up polling. Catches the mutation
+    `_reduce(..., POLL=False)` in `ubep_combine` (reducers sum whatever the window holds)
+    and, with `stale`, a poll that takes the previous combine's flags."""
+    P, E, H, T, K_ = 2, 4, 8, 3, 2
+    pod = EmulatedSuperpod(P, E, H, device="cpu", max_spins=3)
+    idx, w = routing("uniform", P, T, K_, E, seed=4)
+    x = payload(P, T, H, torch.float32)
+    got = pod.dispatch(x, pod.route(idx, w))
+    out = expert_outputs(got, torch.float32)
+    if stale:
+        pod.combine(out, got)
+    _launch_combine(pod, got, out, send_programs=0)
+    # rank 0's reducer gives up on its first tokens: their routed slots, by expert's rank
+    slots = idx[0, :pod.rows_per_step]
+    slots = slots[slots >= 0]
+    with pytest.raises(SpinLimitError, match=rf"rank 0 gave up in phase 'combine rows' after "
+                                             rf"3 polls: {slots.numel()} flag\(s\) not set, "
+                                             rf"the first from rank "
+                                             rf"{int(slots.min()) // (E // P)}$"):
+        pod.check()
 
 
 def test_the_single_kernel_must_fit_the_resident_programs():
@@ -236,9 +329,6 @@ def test_any_routing_and_program_split_places_rows_as_the_oracle(mode):
         got = pod.dispatch(x, pod.route(idx, w))
         ref = check_dispatch(got, x, idx, w, E)
         y = pod.combine(got.recv_x, got)
-        want = reference.combine([got.recv_x[q, :got.num_recv[q]] for q in range(P)], ref,
-                                 list(idx), list(w))
-        for q in range(P):
-            torch.testing.assert_close(y[q], want[q])
+        check_combine(y, [got.recv_x[q, :got.num_recv[q]] for q in range(P)], ref, idx, w)
 
     check()

@@ -47,7 +47,8 @@ def _grad_inputs(rank, world, kw):
 def test_tensors_that_require_grad_are_moved_as_data_under_no_grad_on_every_path(path):
     # with grad enabled the call goes through ubep.ops (autograd); under no_grad the rows and
     # weights are data: every path reads them (workers=2 and direct raised numpy's error)
-    check_case(CASE, run_ranks(_grad_inputs, 2, PATHS[path], timeout_s=120))
+    check_case(CASE, run_ranks(_grad_inputs, 2, PATHS[path], timeout_s=120),
+               contract="torch" if path == "torch" else "oracle")
 
 
 def test_a_timeout_names_only_other_ranks_as_peers():
@@ -102,4 +103,5 @@ def _odd_strides(rank, world, kw):
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_rows_torch_calls_contiguous_without_unit_stride_are_moved_on_every_path(path):
     # found by `ubep soak`: the torch backend raised on an empty [0, 1] x of strides (1, 0)
-    check_case(ODD, run_ranks(_odd_strides, 2, PATHS[path], timeout_s=120))
+    check_case(ODD, run_ranks(_odd_strides, 2, PATHS[path], timeout_s=120),
+               contract="torch" if path == "torch" else "oracle")

@@ -32,26 +32,51 @@ def mpiexec_path() -> Path:
     return Path(sys.executable).parent / "mpiexec"
 
 
-@functools.cache
-def mpi_unavailable_reason() -> str | None:
-    """Why the MPI peer cannot run here, or None if it can (probes `mpiexec -n 2` once)."""
+def mpi_missing_reason() -> str | None:
+    """Why MPI is not installed here (mpi4py, or MPICH's `mpiexec` next to this interpreter),
+    or None if both are: what the `dev` and `mpi` extras install."""
     try:
         import mpi4py  # noqa: F401
     except ImportError as e:
         return f"mpi4py is not installed ({e}); pip install -e '.[mpi]'"
     if not mpiexec_path().exists():
         return f"no mpiexec at {mpiexec_path()} (pip install mpich)"
+    return None
+
+
+#: `mpiexec -n 2` probes before MPI counts as broken, and each one's limit, seconds: on a
+#: loaded host starting two interpreters that import mpi4py has taken tens of seconds
+MPI_PROBES = 3
+MPI_PROBE_TIMEOUT_S = 120.0
+#: the pause between two probes, seconds
+MPI_PROBE_PAUSE_S = 1.0
+
+
+@functools.cache
+def mpi_unavailable_reason() -> str | None:
+    """Why the MPI peer cannot run here, or None if it can: not installed
+    (`mpi_missing_reason`), or `mpiexec -n 2` failed `MPI_PROBES` times in a row (each
+    within `MPI_PROBE_TIMEOUT_S`; the last failure is named). Probes once per process."""
+    missing = mpi_missing_reason()
+    if missing is not None:
+        return missing
     probe = [str(mpiexec_path()), "-n", "2", sys.executable, "-c",
              "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"]
-    try:
-        proc = subprocess.run(probe, capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"`mpiexec -n 2` does not run here: {e}"
-    if proc.returncode != 0:
+    why = ""
+    for attempt in range(MPI_PROBES):
+        if attempt:
+            time.sleep(MPI_PROBE_PAUSE_S)
+        try:
+            proc = subprocess.run(probe, capture_output=True, text=True,
+                                  timeout=MPI_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = f"does not run here: {e}"
+            continue
+        if proc.returncode == 0:
+            return None
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-        return f"`mpiexec -n 2` failed here (exit {proc.returncode}): {tail[0][:200]}"
-    return None
+        why = f"failed here (exit {proc.returncode}): {tail[0][:200]}"
+    return f"`mpiexec -n 2` {why} ({MPI_PROBES} tries)"
 
 
 def machine_info() -> dict:

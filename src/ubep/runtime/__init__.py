@@ -64,6 +64,7 @@ class Backend(Protocol):
 _BACKENDS: dict[str, str] = {
     "torch": "ubep.runtime.torch_backend:TorchBackend",
     "shm": "ubep.runtime.shm.backend:ShmBackend",
+    "hybrid": "ubep.runtime.hybrid:HybridBackend",
 }
 
 

@@ -19,6 +19,7 @@ import dataclasses
 
 from ubep.options import BufferConfig
 from ubep.runtime.bootstrap import exchange
+from ubep.runtime.hosts import hosts_of_keys
 from ubep.runtime.shm.segments import SHM_DIR, host_memory_key
 
 __all__ = ["choose_backend", "host_memory_key", "shm_bytes_needed", "SHM_DIR"]
@@ -43,14 +44,16 @@ def _shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
 
 
 def choose_backend(config: BufferConfig, group, *,
-                   owned: bool = False) -> tuple[str, str, bool | str]:
-    """("shm" | "torch", why, direct) for `config` on `group`. Collective: every rank must
-    call it.
+                   owned: bool = False) -> tuple[str, str, bool | str, tuple]:
+    """("shm" | "hybrid" | "torch", why, direct, hosts) for `config` on `group`. Collective:
+    every rank must call it.
 
     shm when every rank maps the same /dev/shm and it has room for all the ranks' segments
-    (with a 10% margin); torch otherwise. With `owned` (the caller chose neither mode nor
-    direct), shm runs `direct="owned"` if its segments fit too; else `direct` is
-    `config.direct`. The same answer on every rank.
+    (with a 10% margin); hybrid when the ranks span several shared-memory domains (hosts),
+    each with room for its ranks' part; torch otherwise. With `owned` (the caller chose
+    neither mode nor direct), shm runs `direct="owned"` if its segments fit too; else
+    `direct` is `config.direct`. `hosts`: the group ranks of each domain. The same answer on
+    every rank.
     """
     from ubep.runtime.shm.backend import default_workers
 
@@ -60,11 +63,11 @@ def choose_backend(config: BufferConfig, group, *,
     facts = exchange(mine, group, rank=c.rank, world=c.world_size, timeout_s=c.timeout_s,
                      phase="Buffer()/auto")
     keys = {f[0] for f in facts}
+    hosts = hosts_of_keys([f[0] for f in facts])
     if None in keys:
-        return "torch", "a rank has no /dev/shm", c.direct
+        return "torch", "a rank has no /dev/shm", c.direct, hosts
     if len(keys) > 1:
-        return ("torch", f"the group's {c.world_size} ranks do not share one host's shared "
-                f"memory", c.direct)
+        return _across_hosts(c, facts, hosts, workers) + (hosts,)
     workers = max(f[1] for f in facts)
     need = c.world_size * shm_bytes_needed(c, workers)
     free = min(f[2] for f in facts)
@@ -75,12 +78,35 @@ def choose_backend(config: BufferConfig, group, *,
         if need_owned * 1.1 <= free:
             return "shm", (f"every rank on this host; /dev/shm has room "
                            f"{room.format(need_owned / 2**20)}; direct='owned': one copy per "
-                           f"row, results yours"), "owned"
+                           f"row, results yours"), "owned", hosts
     if need * 1.1 > free:
         return "torch", (f"/dev/shm has {free / 2**20:.0f} MiB free, the shm backend needs "
-                         f"{need / 2**20:.0f} MiB for {c.world_size} ranks"), c.direct
+                         f"{need / 2**20:.0f} MiB for {c.world_size} ranks"), c.direct, hosts
     why = f"every rank on this host; /dev/shm has room {room.format(need / 2**20)}"
     if owned:
         why += (f"; the two-copy path: direct='owned' would need "
                 f"{need_owned / 2**20:.0f} MiB")
-    return "shm", why, c.direct
+    return "shm", why, c.direct, hosts
+
+
+def _across_hosts(c: BufferConfig, facts: list, hosts: tuple,
+                  workers: int) -> tuple[str, str, bool]:
+    """hybrid if every host's /dev/shm has room for its ranks' shared-memory part, else
+    torch; (backend, why, direct)."""
+    from ubep.plan.hosts import HostLayout
+
+    lay = HostLayout.of(hosts, c.num_experts)
+    span = (f"the group's {c.world_size} ranks span {len(hosts)} shared-memory domains "
+            f"(hosts {[list(h) for h in hosts]})")
+    for h, ranks in enumerate(lay.hosts):
+        part = dataclasses.replace(
+            c, world_size=len(ranks), num_experts=lay.host_experts(h), direct="owned",
+            max_tokens_per_rank=max(lay.max_virtual_tokens_on(h, c.max_tokens_per_rank),
+                                    c.max_tokens_per_rank))
+        need = len(ranks) * shm_bytes_needed(part, workers)
+        free = min(facts[r][2] for r in ranks)
+        if need * 1.1 > free:
+            return "torch", (f"{span}; host {h}'s /dev/shm has {free / 2**20:.0f} MiB free, "
+                             f"the hybrid backend needs {need / 2**20:.0f} MiB there"), c.direct
+    return "hybrid", (f"{span}; hybrid: shared memory inside each host, torch.distributed "
+                      f"between them, each token once per host"), False

@@ -393,6 +393,13 @@ class TorchBackend(Backend):
             return None
         return (self, lock, self._doors, _TorchState, self.buffer_id, *limits)
 
+    @property
+    def inline_tokens(self) -> int:
+        """Tokens per peer the next dispatch carries in its first collective: the previous
+        dispatch's largest count of tokens any rank sent one peer (the same on every rank),
+        or 0 when that overflowed the inline budget (`_INLINE_BYTES`)."""
+        return self._inline
+
     def _buffer(self, name: str, rows: int, row_bytes: int, device,
                 keep: int = 0) -> torch.Tensor:
         """`[rows, row_bytes]` uint8 scratch, reused across calls (grown when too small,

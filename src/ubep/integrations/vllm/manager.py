@@ -27,10 +27,11 @@ class UbepAll2AllManager(All2AllManagerBase):
 
     `get_handle(kwargs)` returns the `ubep.Buffer` for one layer shape, made on first use
     (a collective: every EP rank builds its layers in the same order) and cached. Buffers
-    run on the EP group's CPU (gloo) process group: `backend="auto"` when all EP ranks share
-    this host (the one-copy shm path with results the caller owns, `direct="owned"`, or
-    `"torch"` where `/dev/shm` has no room; the choice is logged), `"torch"` across hosts;
-    `UBEP_VLLM_BUFFER` (a JSON object) overrides any `ubep.Buffer` argument. Tokens move
+    run on the EP group's CPU (gloo) process group with `backend="auto"`: on one host the
+    one-copy shm path with results the caller owns (`direct="owned"`, or `"torch"` where
+    `/dev/shm` has no room), across hosts `"hybrid"` (shared memory inside each host, each
+    token over the network once per host); the choice is logged. `UBEP_VLLM_BUFFER` (a JSON
+    object) overrides any `ubep.Buffer` argument. Tokens move
     inside the MoE modular kernel (`UbepPrepareAndFinalize`), so the manager's own
     gather-style `dispatch`/`combine` (used only by MoE methods without a modular kernel) are
     not provided.
@@ -43,8 +44,7 @@ class UbepAll2AllManager(All2AllManagerBase):
 
     def buffer_kwargs(self) -> dict[str, Any]:
         """The `ubep.Buffer` arguments every layer shape shares (defaults, then the env)."""
-        kwargs: dict[str, Any] = {"backend": "torch" if self.internode else "auto",
-                                  "timeout_s": DEFAULT_TIMEOUT_S}
+        kwargs: dict[str, Any] = {"backend": "auto", "timeout_s": DEFAULT_TIMEOUT_S}
         raw = os.environ.get(BUFFER_KWARGS_ENV)
         if raw:
             try:

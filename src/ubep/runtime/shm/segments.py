@@ -46,14 +46,20 @@ _LOCK_WAIT_S = 5.0
 def host_memory_key(shm_dir: str = SHM_DIR) -> tuple | None:
     """What identifies the shared memory this process maps: (boot id, device, inode) of
     `shm_dir`, or None where there is none (not Linux, no /dev/shm). Ranks with equal keys
-    share it, whatever their hostnames (containers with `--ipc=host`) or PID namespaces."""
+    share it, whatever their hostnames (containers with `--ipc=host`) or PID namespaces.
+
+    `UBEP_SHM_DOMAIN` in the environment, when set, is part of the key: ranks with different
+    values never share memory though they could (to run the multi-host path on one host,
+    as the tests do, or to keep groups of ranks apart)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         st = os.stat(shm_dir)
     except OSError:
         return None
-    return (boot, st.st_dev, st.st_ino)
+    domain = os.environ.get("UBEP_SHM_DOMAIN")
+    key = (boot, st.st_dev, st.st_ino)
+    return key if domain is None else (*key, domain)
 
 
 def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:

@@ -1,0 +1,80 @@
+"""What the ranks of a host tell each other beside the rows: origins and batch sizes.
+
+An entry rank forwards the rows it received from other hosts through a shared-memory
+dispatch, numbering them by *virtual token* in arrival order (after its own tokens, when
+they travel in the same dispatch). A rank that receives such a row learns (entry, virtual
+token) from that dispatch; it reads the row's origin, (source rank, source token), from the
+entry's table here. Each rank also publishes its call's token count, from which the host's
+ranks pick the next call's mode alike (`backend.HybridBackend`).
+
+Ordering: a rank writes its table and count before the shm dispatch that needs them; a
+receiver reads them after that dispatch returned, having acquired the writer's count words
+or rows (the shm path's release/acquire), so it sees them. Reuse: two slots by call parity;
+a rank writes call n+2's slot only after the shm exchanges of call n+1, which need every
+rank of the host to have finished call n.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ubep.runtime import bootstrap
+from ubep.runtime.shm import segments
+
+
+class OriginTables:
+    """Each rank's two slots `[count, (src << 32) | token ...]`, mapped by its host."""
+
+    def __init__(self, group, *, rank: int, world: int, capacity: int, buffer_id: int,
+                 timeout_s: float):
+        self.capacity = max(1, capacity)
+        self.rank = rank
+        self._own: segments.Segment | None = None
+        self._peers: list[segments.Segment] = []
+        self._views: list[np.ndarray] = []
+        size = 2 * 8 * (1 + self.capacity)
+        name = segments.segment_name(os.environ.get("UBEP_JOB_ID", "job") + "o", buffer_id,
+                                     rank)
+        try:
+            self._own = segments.create(name, size)
+            names = bootstrap.exchange(name, group, rank=rank, world=world,
+                                       timeout_s=timeout_s, phase="Buffer()/origin tables")
+            for r, n in enumerate(names):
+                seg = self._own if r == rank else segments.attach(n)
+                if r != rank:
+                    self._peers.append(seg)
+                self._views.append(np.frombuffer(seg.buf, np.int64).reshape(2, -1))
+            bootstrap.exchange(True, group, rank=rank, world=world, timeout_s=timeout_s,
+                               phase="Buffer()/origin tables attached")
+        finally:
+            segments.unlink_name(name)      # mapped by every rank (or failed): memory stays
+
+    def write_count(self, parity: int, num_tokens: int) -> None:
+        """This rank's token count of the call of parity `parity`."""
+        self._views[self.rank][parity, 0] = num_tokens
+
+    def max_count(self, parity: int) -> int:
+        """The largest token count the host's ranks published for parity `parity`."""
+        return max(int(v[parity, 0]) for v in self._views)
+
+    def write(self, parity: int, src: np.ndarray, token: np.ndarray) -> None:
+        """This rank's table of parity `parity`: virtual token v came from (src[v], token[v])."""
+        self._views[self.rank][parity, 1:1 + len(src)] = (src << 32) | token
+
+    def read(self, entry: int, parity: int, vtoken: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source rank, source token) of virtual tokens `vtoken` of `entry` (host index)."""
+        packed = self._views[entry][parity, 1 + vtoken]
+        return packed >> 32, packed & 0xFFFFFFFF
+
+    def close(self) -> None:
+        """Unmap every table (idempotent)."""
+        self._views.clear()
+        for seg in [*self._peers, self._own]:
+            if seg is not None:
+                try:
+                    seg.close()
+                except (BufferError, OSError):
+                    pass
+        self._peers, self._own = [], None

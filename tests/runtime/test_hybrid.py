@@ -1,0 +1,136 @@
+"""The hybrid backend against the oracle, with hosts told apart by `UBEP_SHM_DOMAIN`.
+
+Ranks here share one machine; each rank's `UBEP_SHM_DOMAIN` puts it in a shared-memory
+domain of its own host, so `auto` sees several hosts and the hybrid backend moves rows
+between them over gloo, inside them through shared memory. tests/test_emulated_hosts_hybrid.py
+runs the same checks on emulated hosts (network namespaces, a private /dev/shm each).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from ubep import reference
+from ubep.testing import Case, check_case, run_case, run_ranks, runtime_cases
+
+
+def host_of(hosts, rank: int) -> int:
+    return next(h for h, ranks in enumerate(hosts) if rank in ranks)
+
+
+def contract(mode: str, hosts, world: int):
+    """The combine contract of a hybrid call in `mode`: the torch backend's in flat mode,
+    else per-host partials in the output dtype summed in host order (docs/multihost.md)."""
+    if mode == "flat":
+        return "torch"
+    return functools.partial(reference.combine_partials,
+                             group_of_rank=[host_of(hosts, r) for r in range(world)])
+
+
+def check_hybrid(case: Case, hosts, outs: list[dict]) -> None:
+    """Dispatch bit-exact against the oracle; combine bit-exact against the contract of the
+    mode the call ran in (the same on every rank)."""
+    modes = {o["mode"] for o in outs}
+    assert len(modes) == 1, modes
+    check_case(case, outs, contract=contract(modes.pop(), hosts, len(case.tokens)))
+
+
+def _run(rank, world, hosts, cases):
+    import ubep
+
+    os.environ["UBEP_SHM_DOMAIN"] = f"h{host_of(hosts, rank)}"
+    most = max(max(c.tokens) for c in cases) or 1
+    e = cases[0].num_experts
+    with ubep.Buffer(num_experts=e, hidden=cases[0].hidden, max_tokens_per_rank=most,
+                     max_top_k=max(c.top_k for c in cases), timeout_s=20) as buf:
+        assert buf.config.backend == "hybrid", buf.config.backend_reason
+        outs = []
+        for case in cases:
+            out = run_case(buf, case, rank)
+            out["mode"] = buf.last_stats.extra["mode"]
+            outs.append(out)
+        return buf.config.hosts, buf.config.backend_reason, outs
+
+
+@pytest.mark.parametrize("hosts", [((0, 1), (2, 3)), ((0,), (1, 2), (3,)), ((0, 2), (1, 3))],
+                         ids=["2x2", "uneven", "interleaved"])
+def test_hybrid_matches_oracle(hosts):
+    """Every runtime case, then large batches (the split mode: own rows through shared
+    memory while the network moves the rest) and small again (back to the joint mode)."""
+    world = sum(len(h) for h in hosts)
+    # batches past FLAT_BYTES and SPLIT_BYTES of bf16 rows on one rank: joint, then split
+    mid = Case(num_experts=4 * world, hidden=37, top_k=3, tokens=(900, 0, 1000, 20)[:world],
+               seed=12)
+    big = Case(num_experts=4 * world, hidden=37, top_k=2, tokens=(3600, 0, 3700, 5)[:world],
+               seed=11)
+    cases = [*runtime_cases(world), mid, mid, big, big, runtime_cases(world)[2]]
+    res = run_ranks(_run, world, hosts, cases, timeout_s=240)
+    for r, (seen, why, _) in enumerate(res):
+        assert seen == hosts, (r, seen)
+        assert "span" in why
+    for i, case in enumerate(cases):
+        check_hybrid(case, hosts, [res[r][2][i] for r in range(world)])
+    modes = [res[0][2][i]["mode"] for i in range(len(cases))]
+    assert {"flat", "joint", "split"} <= set(modes), modes
+
+
+def _kill(rank, world, hosts, victim, phase, deadline_s, batch=8):
+    import signal
+    import threading
+    import time
+
+    import ubep
+    from ubep.testing import make_routing, make_tokens
+
+    os.environ["UBEP_SHM_DOMAIN"] = f"h{host_of(hosts, rank)}"
+    buf = ubep.Buffer(num_experts=4 * world, hidden=64, max_tokens_per_rank=batch, max_top_k=4,
+                      timeout_s=deadline_s)
+
+    def inputs(i):
+        idx, w = make_routing(batch, 4, 4 * world, seed=i * 10 + rank)
+        return make_tokens(rank, batch, 64, torch.bfloat16, seed=i), idx, w
+
+    res = buf.dispatch(*inputs(0))
+    buf.combine(res.recv_x, res.handle)
+    if rank == victim:
+        timer = threading.Timer(0.0005, os.kill, (os.getpid(), signal.SIGKILL))
+        if phase == "dispatch":
+            timer.start()
+        res = buf.dispatch(*inputs(1))
+        if phase == "combine":
+            timer.start()
+        buf.combine(res.recv_x, res.handle)
+        time.sleep(60)
+    t0 = time.monotonic()
+    try:
+        for i in range(1, 6):
+            t0 = time.monotonic()
+            res = buf.dispatch(*inputs(i))
+            t0 = time.monotonic()
+            buf.combine(res.recv_x, res.handle)
+    except (ubep.PeerDiedError, ubep.PeerTimeoutError) as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        buf.close()
+    return "no error", "", 0.0
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+@pytest.mark.parametrize("batch", [8, 2100], ids=["flat", "split"])
+def test_hybrid_peer_on_other_host_killed(phase, batch):
+    """A rank on the other host SIGKILLed inside a call (small batches: the flat exchange;
+    large: the hierarchical one): every survivor raises a named error (PeerDiedError or
+    PeerTimeoutError) within its deadline; no segment is left."""
+    hosts = ((0, 1), (2, 3))
+    deadline = 5.0
+    out = run_ranks(_kill, 4, hosts, 3, phase, deadline, batch, timeout_s=120,
+                    return_exceptions=True)
+    for r in (0, 1, 2):
+        kind, text, waited = out[r]
+        assert kind in ("PeerDiedError", "PeerTimeoutError"), (r, out[r])
+        assert waited < deadline + 2.0, (r, out[r])
+    assert not [n for n in os.listdir("/dev/shm") if "ubep" in n.lower()]
