@@ -5,8 +5,10 @@ False/True/"owned", workers, block size, sizes) on real rank processes and makes
 calls whose inputs change every call: dtype, batch size 0..max per rank, top-k, routing
 (uniform, skewed, one hot expert, all on one rank's experts, -1 slots, nothing routed),
 weighted or not, combine or not. Every rank rebuilds every rank's inputs from the call's
-seed and checks its own results against `ubep.reference`: dispatch bit for bit, combine to
-fp32-accumulation tolerance. Between chunks of sessions /dev/shm is checked for segments of the job.
+seed and checks its own results against `ubep.reference`: dispatch bit for bit, combine bit
+for bit to its backend's contract (`ubep.testing.combine_contract`: the oracle's sums on shm,
+per-rank partial sums on torch). Between chunks of sessions /dev/shm is checked for segments
+of the job.
 
     ubep soak --calls 2000            # or --minutes 10; exit 1 on any mismatch, hang,
                                       # error or leaked segment
@@ -134,6 +136,7 @@ def _soak_rank(rank: int, world: int, sessions: list[dict], stop_at: float) -> d
 
     import ubep
     from ubep import reference
+    from ubep.testing import combine_contract
 
     tally = Tally()
     for s in sessions:
@@ -142,6 +145,7 @@ def _soak_rank(rank: int, world: int, sessions: list[dict], stop_at: float) -> d
         tally.sessions += 1
         kw = s["kw"]
         where = f"session seed {s['seed']} {kw}"
+        contract = combine_contract("torch" if kw["backend"] == "torch" else "oracle")
         try:
             buf = ubep.Buffer(**kw)
         except Exception as e:  # noqa: BLE001 - counted and reported, the soak goes on
@@ -179,12 +183,13 @@ def _soak_rank(rank: int, world: int, sessions: list[dict], stop_at: float) -> d
                     cb.copy_(out)
                     out = cb
                 y = buf.combine(out, res.handle, weighted=weighted)
-                ref_y = reference.combine([_expert(d.recv_x) for d in refs], refs,
-                                          [a[1] for a in ins], [a[2] for a in ins],
-                                          weighted=weighted)[rank]
-                tol = 1e-5 if y.dtype == torch.float32 else 2e-2
-                if y.dtype != ref_y.dtype or y.shape != ref_y.shape or not torch.allclose(
-                        y.float(), ref_y.float(), rtol=tol, atol=tol):
+                # bit for bit to the backend's combine contract (`testing.check_case`'s):
+                # the oracle's sums (shm), per-rank partial sums (torch)
+                ref_y = contract([_expert(d.recv_x) for d in refs], refs, [a[1] for a in ins],
+                                 [a[2] for a in ins], weighted=weighted)[rank]
+                if y.dtype != ref_y.dtype or y.shape != ref_y.shape or not torch.equal(
+                        y.reshape(-1).contiguous().view(torch.uint8),
+                        ref_y.reshape(-1).view(torch.uint8)):
                     tally.mismatches += 1
                     tally.failures.append(f"rank {rank} {where} call {i} ({dtype}, k={k}, "
                                           f"{kind}, weighted={weighted}): combine differs")
