@@ -25,6 +25,7 @@ from ubep.options import (
 from ubep.runtime import make_backend
 from ubep.runtime.auto import choose_backend
 from ubep.runtime.bootstrap import agree
+from ubep.runtime.hosts import discover_hosts
 from ubep.stats import Stats
 from ubep.validate import (
     byte_span,
@@ -190,9 +191,10 @@ class Buffer:
         self._limits = (c.hidden, c.num_experts, c.max_tokens_per_rank, c.max_top_k)
         # the inputs' fast checks, compiled when `ubep.native` is built (same answers)
         self._dispatch_ready, self._combine_ready = fast_checks()
+        if self.config.backend == "hybrid" and not self.config.hosts:   # asked for by name
+            self.config = dataclasses.replace(self.config, hosts=discover_hosts(
+                group, rank=rank, world=world_size, timeout_s=float(timeout_s)))
         self._backend = make_backend(self.config, group, self._id)
-        if self.config.backend == "hybrid" and not self.config.hosts:
-            self.config = dataclasses.replace(self.config, hosts=self._backend.hosts)
         # the common call's whole way in one compiled call where the backend offers it
         # (`ubep.native`'s doors: shm's direct path with one worker, torch's CPU path); None:
         # the Python layers below

@@ -78,13 +78,13 @@ class Tier:
 
     def __post_init__(self) -> None:
         if self.groups is not None:
-            object.__setattr__(self, "groups", _normal_groups(self.groups, f"tier {self.name!r}"))
+            object.__setattr__(self, "groups", normal_groups(self.groups, f"tier {self.name!r}"))
 
     @staticmethod
     def of_groups(name: str, groups: Sequence[Sequence[int]], latency_ns: float,
                   bandwidth_GBps: float) -> Tier:
         """A tier of explicit groups; consecutive equal blocks become a plain block tier."""
-        g = _normal_groups(groups, f"tier {name!r}")
+        g = normal_groups(groups, f"tier {name!r}")
         size = max(len(x) for x in g)
         n = sum(len(x) for x in g)
         blocks = tuple(tuple(range(i, min(i + size, n))) for i in range(0, n, size))
@@ -294,7 +294,7 @@ class Topology:
     # -- scaled copies -----------------------------------------------------------------
     def with_ranks(self, n: int) -> Topology:
         """The same fabric with `n` ranks: inner tiers keep their groups, the outermost grows."""
-        _check_int("ranks", n, minimum=1)
+        check_int("ranks", n, minimum=1)
         if n == self.num_ranks:
             return self
         fixed = [i for i, t in enumerate(self.tiers) if t.groups is not None]
@@ -308,7 +308,7 @@ class Topology:
 
     def with_workers(self, n: int) -> Topology:
         """The same fabric with `n` workers per rank."""
-        _check_int("workers", n, minimum=1)
+        check_int("workers", n, minimum=1)
         return self if n == self.workers_per_rank else replace(self, workers_per_rank=n)
 
     # -- constructors ------------------------------------------------------------------
@@ -354,11 +354,9 @@ class Topology:
                              f"other: a file lists tiers, or describes a cluster (hosts, "
                              f"ranks_per_host, nic_gbps, nic_latency_us, intra_host)")
         if cluster_keys:
-            from ubep.plan.cluster import cluster_from_dict
-
             return cluster_from_dict(data, where)
-        _check_keys(data, _TOP_KEYS, _TOP_REQUIRED, where, prefix="")
-        num_ranks = _typed(data, "num_ranks", "int", where)
+        check_keys(data, _TOP_KEYS, _TOP_REQUIRED, where, prefix="")
+        num_ranks = typed(data, "num_ranks", "int", where)
         tiers_raw = data["tiers"]
         if not isinstance(tiers_raw, list) or not tiers_raw:
             raise ValueError(f"{where}: key 'tiers' must be a non-empty array of tables "
@@ -368,7 +366,7 @@ class Topology:
             prefix = f"tiers[{i}]."
             if not isinstance(t, dict):
                 raise ValueError(f"{where}: key 'tiers[{i}]' must be a table, got {t!r}")
-            _check_keys(t, _TIER_KEYS, _TIER_REQUIRED, where, prefix=prefix)
+            check_keys(t, _TIER_KEYS, _TIER_REQUIRED, where, prefix=prefix)
             outer = i == len(tiers_raw) - 1
             if "groups" in t:
                 if "ranks_per_group" in t:
@@ -377,14 +375,14 @@ class Topology:
                 if outer:
                     raise ValueError(f"{where}: key '{prefix}groups' is not allowed on the "
                                      f"outermost tier: it joins every rank (omit the key)")
-                groups = _typed(t, "groups", "groups", where, prefix)
+                groups = typed(t, "groups", "groups", where, prefix)
                 tiers.append(Tier.of_groups(
-                    _typed(t, "name", "str", where, prefix), groups,
-                    _typed(t, "latency_ns", "float", where, prefix),
-                    _typed(t, "bandwidth_GBps", "float", where, prefix)))
+                    typed(t, "name", "str", where, prefix), groups,
+                    typed(t, "latency_ns", "float", where, prefix),
+                    typed(t, "bandwidth_GBps", "float", where, prefix)))
                 continue
             if "ranks_per_group" in t:
-                rpg = _typed(t, "ranks_per_group", "int", where, prefix)
+                rpg = typed(t, "ranks_per_group", "int", where, prefix)
                 if outer and rpg != num_ranks:
                     raise ValueError(
                         f"{where}: key '{prefix}ranks_per_group' = {rpg} must equal "
@@ -395,21 +393,21 @@ class Topology:
             else:
                 raise ValueError(f"{where}: key '{prefix}ranks_per_group' is missing "
                                  f"(required for every tier but the outermost)")
-            tiers.append(Tier(name=_typed(t, "name", "str", where, prefix), ranks_per_group=rpg,
-                              latency_ns=_typed(t, "latency_ns", "float", where, prefix),
-                              bandwidth_GBps=_typed(t, "bandwidth_GBps", "float", where, prefix)))
+            tiers.append(Tier(name=typed(t, "name", "str", where, prefix), ranks_per_group=rpg,
+                              latency_ns=typed(t, "latency_ns", "float", where, prefix),
+                              bandwidth_GBps=typed(t, "bandwidth_GBps", "float", where, prefix)))
         return Topology(
-            name=_typed(data, "name", "str", where),
-            description=_typed(data, "description", "text", where) if "description" in data
+            name=typed(data, "name", "str", where),
+            description=typed(data, "description", "text", where) if "description" in data
             else "",
             num_ranks=num_ranks,
-            workers_per_rank=_typed(data, "workers_per_rank", "int", where),
-            atomic_block_bytes=_typed(data, "atomic_block_bytes", "int", where),
-            flag_bytes=_typed(data, "flag_bytes", "int", where),
+            workers_per_rank=typed(data, "workers_per_rank", "int", where),
+            atomic_block_bytes=typed(data, "atomic_block_bytes", "int", where),
+            flag_bytes=typed(data, "flag_bytes", "int", where),
             tiers=tuple(tiers),
-            local_latency_ns=_typed(data, "local_latency_ns", "float", where),
-            local_bandwidth_GBps=_typed(data, "local_bandwidth_GBps", "float", where),
-            staging_rows=_typed(data, "staging_rows", "int", where) if "staging_rows" in data
+            local_latency_ns=typed(data, "local_latency_ns", "float", where),
+            local_bandwidth_GBps=typed(data, "local_bandwidth_GBps", "float", where),
+            staging_rows=typed(data, "staging_rows", "int", where) if "staging_rows" in data
             else 2,
         )
 
@@ -460,20 +458,18 @@ class Topology:
             if hosts is None:
                 raise ValueError("hosts is None: give the number of hosts, or ranks_per_host "
                                  "as a list of each host's ranks")
-            _check_int("hosts", hosts, minimum=1)
-            sizes = [_check_int("ranks_per_host", ranks_per_host, minimum=1)] * int(hosts)
+            check_int("hosts", hosts, minimum=1)
+            sizes = [check_int("ranks_per_host", ranks_per_host, minimum=1)] * int(hosts)
         elif isinstance(ranks_per_host, Sequence) and not isinstance(ranks_per_host, str):
-            sizes = [_check_int(f"ranks_per_host[{i}]", n, minimum=1)
+            sizes = [check_int(f"ranks_per_host[{i}]", n, minimum=1)
                      for i, n in enumerate(ranks_per_host)]
             if not sizes:
                 raise ValueError("ranks_per_host=[]: a cluster needs at least one host")
-            if hosts is not None and _check_int("hosts", hosts, minimum=1) != len(sizes):
+            if hosts is not None and check_int("hosts", hosts, minimum=1) != len(sizes):
                 raise ValueError(f"hosts={hosts} but ranks_per_host lists {len(sizes)} hosts")
         else:
             raise TypeError(f"ranks_per_host must be an int or a list of ints, got "
                             f"{type(ranks_per_host).__name__}")
-        from ubep.plan.cluster import build_cluster
-
         starts = np.cumsum([0] + sizes)
         groups = [tuple(range(int(a), int(b))) for a, b in zip(starts[:-1], starts[1:])]
         return build_cluster(groups, nic_gbps=nic_gbps, nic_latency_us=nic_latency_us,
@@ -489,9 +485,7 @@ class Topology:
         """A cluster whose hosts hold the given ranks (any sizes, any ranks: `groups[h]` is
         host h's ranks, together each rank of `0..P-1` exactly once). The other arguments
         are `Topology.cluster`'s. Inside a host, ranks are taken in ascending order."""
-        from ubep.plan.cluster import build_cluster
-
-        return build_cluster(_normal_groups(groups, "groups"), nic_gbps=nic_gbps,
+        return build_cluster(normal_groups(groups, "groups"), nic_gbps=nic_gbps,
                         nic_latency_us=nic_latency_us, nics_per_host=nics_per_host,
                         intra_host=intra_host, workers_per_rank=workers_per_rank, name=name,
                         description=description)
@@ -516,7 +510,7 @@ class Topology:
         `obj`: None (this host), a preset name, a TOML path, or a `Topology` (rescaled if
         its rank count differs).
         """
-        _check_int("num_ranks", num_ranks, minimum=1)
+        check_int("num_ranks", num_ranks, minimum=1)
         if obj is None:
             return Topology.host(num_ranks)
         if isinstance(obj, Topology):
@@ -542,7 +536,7 @@ class Topology:
 
 def host_topology(info, ranks: int | None = None) -> Topology:
     """The host topology for a `ubep.plan.hostinfo.HostInfo` (see `Topology.host`)."""
-    n = info.num_nodes if ranks is None else _check_int("ranks", ranks, minimum=1)
+    n = info.num_nodes if ranks is None else check_int("ranks", ranks, minimum=1)
     workers = max(1, info.num_cores // n)
     outer = Tier("host", n, latency_ns=200.0 if info.num_nodes > 1 else 100.0,
                  bandwidth_GBps=10.0)
@@ -557,7 +551,7 @@ def host_topology(info, ranks: int | None = None) -> Topology:
                     local_bandwidth_GBps=20.0)
 
 
-def _normal_groups(groups: object, name: str) -> tuple[tuple[int, ...], ...]:
+def normal_groups(groups: object, name: str) -> tuple[tuple[int, ...], ...]:
     """`groups` as a tuple of ascending int tuples: non-empty groups, no rank twice."""
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
         raise ValueError(f"{name} must be a non-empty list of groups of ranks, got {groups!r}")
@@ -579,7 +573,7 @@ def _normal_groups(groups: object, name: str) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def _check_cover(groups: Sequence[Sequence[int]], num_ranks: int, name: str) -> None:
+def check_cover(groups: Sequence[Sequence[int]], num_ranks: int, name: str) -> None:
     """Every rank of `0..num_ranks-1` in some group (and no other rank)."""
     have = {r for g in groups for r in g}
     missing = sorted(set(range(num_ranks)) - have)
@@ -618,7 +612,7 @@ def _check_index(name: str, value: object, size: int) -> int:
     return int(value)
 
 
-def _check_positive(name: str, value: object) -> float:
+def check_positive(name: str, value: object) -> float:
     ok = (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
           and math.isfinite(value) and value > 0)
     if not ok:
@@ -626,7 +620,7 @@ def _check_positive(name: str, value: object) -> float:
     return float(value)
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
+def check_int(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
@@ -634,7 +628,7 @@ def _check_int(name: str, value: object, *, minimum: int) -> int:
     return int(value)
 
 
-def _check_keys(table: dict, allowed: dict[str, str], required: tuple[str, ...], where: str,
+def check_keys(table: dict, allowed: dict[str, str], required: tuple[str, ...], where: str,
                 prefix: str) -> None:
     for key in table:
         if key not in allowed:
@@ -645,7 +639,7 @@ def _check_keys(table: dict, allowed: dict[str, str], required: tuple[str, ...],
             raise ValueError(f"{where}: key '{prefix}{key}' is missing")
 
 
-def _typed(table: dict, key: str, kind: str, where: str, prefix: str = "") -> Any:
+def typed(table: dict, key: str, kind: str, where: str, prefix: str = "") -> Any:
     value = table[key]
     bad = None
     if kind == "str":
@@ -662,7 +656,7 @@ def _typed(table: dict, key: str, kind: str, where: str, prefix: str = "") -> An
         bad = None if ok else "a non-empty array of non-empty arrays of ranks (ints >= 0)"
         if ok:
             try:
-                value = _normal_groups(value, f"'{prefix}{key}'")
+                value = normal_groups(value, f"'{prefix}{key}'")
             except ValueError as e:
                 raise ValueError(f"{where}: key {e}") from None
     elif kind == "float":
@@ -677,11 +671,11 @@ def _typed(table: dict, key: str, kind: str, where: str, prefix: str = "") -> An
 
 def _check_topology(t: Topology, where: str) -> None:
     """The structural rules of a topology (types are checked by the TOML loader)."""
-    _check_int("num_ranks", t.num_ranks, minimum=1)
-    _check_int("workers_per_rank", t.workers_per_rank, minimum=1)
-    _check_int("atomic_block_bytes", t.atomic_block_bytes, minimum=8)
-    _check_int("flag_bytes", t.flag_bytes, minimum=1)
-    _check_int("staging_rows", t.staging_rows, minimum=1)
+    check_int("num_ranks", t.num_ranks, minimum=1)
+    check_int("workers_per_rank", t.workers_per_rank, minimum=1)
+    check_int("atomic_block_bytes", t.atomic_block_bytes, minimum=8)
+    check_int("flag_bytes", t.flag_bytes, minimum=1)
+    check_int("staging_rows", t.staging_rows, minimum=1)
     if t.flag_bytes >= t.atomic_block_bytes:
         raise ValueError(f"{where}: flag_bytes={t.flag_bytes} must be < atomic_block_bytes="
                          f"{t.atomic_block_bytes} (a block must carry payload)")
@@ -701,7 +695,7 @@ def _check_topology(t: Topology, where: str) -> None:
                 raise ValueError(f"{where}: tiers[{i}] ({tier.name!r}) lists groups; the "
                                  f"outermost tier joins every rank (no groups)")
             try:
-                _check_cover(tier.groups, t.num_ranks, f"tiers[{i}].groups")
+                check_cover(tier.groups, t.num_ranks, f"tiers[{i}].groups")
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             largest = max(len(g) for g in tier.groups)
@@ -735,3 +729,121 @@ def _check_topology(t: Topology, where: str) -> None:
                          f"{t.tiers[-1].ranks_per_group}; it must join all {t.num_ranks} ranks")
     if t.local_latency_ns <= 0 or t.local_bandwidth_GBps <= 0:
         raise ValueError(f"{where}: local_latency_ns and local_bandwidth_GBps must be positive")
+
+
+# -- clusters: hosts joined by a network, built around the inside of one host -----------------
+# `Topology.cluster`, `Topology.from_hosts` and cluster files (`hosts`, `ranks_per_host`,
+# `nic_gbps`, `nic_latency_us`, `[intra_host]`): the tiers inside a host are repeated on every
+# host's ranks, the host tier's groups are the hosts, and the outermost tier, "other host"
+# (`NETWORK_TIER`), is the network (one rank's share of its host's NICs).
+
+#: a cluster file's keys (see `Topology.cluster`)
+_CLUSTER_KEYS = {
+    "name": "str", "description": "str", "hosts": "int", "ranks_per_host": "int or array",
+    "host_groups": "groups", "nic_gbps": "float", "nic_latency_us": "float",
+    "nics_per_host": "int", "workers_per_rank": "int", "intra_host": "str or table"}
+_CLUSTER_REQUIRED = ("name", "nic_gbps", "nic_latency_us")
+
+
+def build_cluster(groups: Sequence[Sequence[int]], *, nic_gbps: float, nic_latency_us: float,
+                  intra_host, name: str, description: str, nics_per_host: int | None = None,
+                  workers_per_rank: int | None = None) -> Topology:
+    """`Topology.cluster` / `from_hosts` for hosts given as rank groups."""
+    groups = normal_groups(groups, "groups")
+    num_ranks = sum(len(g) for g in groups)
+    check_cover(groups, num_ranks, "groups")
+    nic_gbps = check_positive("nic_gbps", nic_gbps)
+    nic_latency_us = check_positive("nic_latency_us", nic_latency_us)
+    largest = max(len(g) for g in groups)
+    try:
+        base = Topology.resolve(intra_host, largest)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"intra_host={intra_host!r}: {e}") from None
+    if base.network_hop_class is not None:
+        raise ValueError(f"intra_host={base.name!r} spans several hosts (it has an "
+                         f"{NETWORK_TIER!r} tier): give the inside of one host")
+    per_host = [base.with_ranks(len(g)) for g in groups]
+    tiers = []
+    for i, t in enumerate(base.tiers[:-1]):    # tiers inside a host, per host's groups
+        tier_groups = [tuple(g[k] for k in local)
+                       for g, inside in zip(groups, per_host) for local in inside.tier_groups(i)]
+        tiers.append(Tier.of_groups(t.name, tier_groups, t.latency_ns, t.bandwidth_GBps))
+    host = base.tiers[-1]
+    tiers.append(Tier.of_groups(host.name, groups, host.latency_ns, host.bandwidth_GBps))
+    nic_GBps = nic_gbps / 8
+    if nics_per_host is not None:
+        nic_GBps *= check_int("nics_per_host", nics_per_host, minimum=1) / largest
+    tiers.append(Tier(NETWORK_TIER, num_ranks, nic_latency_us * 1e3, nic_GBps))
+    if not description:
+        sizes = {len(g) for g in groups}
+        shape = (f"{len(groups)} hosts x {largest} ranks" if len(sizes) == 1 else
+                 f"{len(groups)} hosts of {'/'.join(str(len(g)) for g in groups)} ranks")
+        nics = "one per rank" if nics_per_host is None else f"{nics_per_host} per host"
+        description = (f"{shape}, {nic_gbps:g} Gb/s NICs ({nics}, {nic_latency_us:g} us); "
+                       f"inside a host: {base.name}")
+    return Topology(name=name, description=description, num_ranks=num_ranks,
+                    workers_per_rank=(base.workers_per_rank if workers_per_rank is None else
+                                      check_int("workers_per_rank", workers_per_rank,
+                                                 minimum=1)),
+                    atomic_block_bytes=base.atomic_block_bytes, flag_bytes=base.flag_bytes,
+                    tiers=tuple(tiers), local_latency_ns=base.local_latency_ns,
+                    local_bandwidth_GBps=base.local_bandwidth_GBps,
+                    staging_rows=base.staging_rows)
+
+
+def cluster_from_dict(data: dict, where: str) -> Topology:
+    """A cluster file (`hosts`, `ranks_per_host`, `nic_gbps`, ... see `Topology.cluster`)."""
+    check_keys(data, _CLUSTER_KEYS, _CLUSTER_REQUIRED, where, prefix="")
+    kw: dict[str, Any] = {}
+    if "host_groups" in data:
+        for other in ("hosts", "ranks_per_host"):
+            if other in data:
+                raise ValueError(f"{where}: keys 'host_groups' and '{other}' exclude each "
+                                 f"other (host_groups lists every host's ranks)")
+        groups = typed(data, "host_groups", "groups", where)
+        try:
+            check_cover(groups, sum(len(g) for g in groups), "host_groups")
+        except ValueError as e:
+            raise ValueError(f"{where}: key {e}") from None
+    else:
+        if "ranks_per_host" not in data:
+            raise ValueError(f"{where}: key 'ranks_per_host' is missing (or give "
+                             f"'host_groups')")
+        rph = data["ranks_per_host"]
+        if isinstance(rph, list):
+            if not rph or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                  for n in rph):
+                raise ValueError(f"{where}: key 'ranks_per_host' must be a positive integer "
+                                 f"or a non-empty array of them, got {rph!r}")
+            if "hosts" in data and typed(data, "hosts", "int", where) != len(rph):
+                raise ValueError(f"{where}: key 'hosts' = {data['hosts']} must equal the "
+                                 f"{len(rph)} entries of 'ranks_per_host'")
+            sizes = rph
+        else:
+            n = typed(data, "ranks_per_host", "int", where)
+            if "hosts" not in data:
+                raise ValueError(f"{where}: key 'hosts' is missing (required when "
+                                 f"'ranks_per_host' is one number)")
+            sizes = [n] * typed(data, "hosts", "int", where)
+        starts = np.cumsum([0] + list(sizes))
+        groups = [list(range(int(a), int(b))) for a, b in zip(starts[:-1], starts[1:])]
+    intra: Any = "host"
+    if "intra_host" in data:
+        raw = data["intra_host"]
+        if isinstance(raw, str) and raw:
+            intra = raw
+        elif isinstance(raw, dict):
+            table = dict(raw)
+            table.setdefault("num_ranks", max(len(g) for g in groups))
+            intra = Topology.from_dict(table, where=f"{where} [intra_host]")
+        else:
+            raise ValueError(f"{where}: key 'intra_host' must be a preset name, a TOML path "
+                             f"or a table ([intra_host]) describing one host, got {raw!r}")
+    for key in ("nics_per_host", "workers_per_rank"):
+        if key in data:
+            kw[key] = typed(data, key, "int", where)
+    return build_cluster(groups, nic_gbps=typed(data, "nic_gbps", "float", where),
+                    nic_latency_us=typed(data, "nic_latency_us", "float", where),
+                    intra_host=intra, name=typed(data, "name", "str", where),
+                    description=(typed(data, "description", "text", where)
+                                 if "description" in data else ""), **kw)

@@ -53,6 +53,7 @@ from ubep.errors import PeerDiedError, PeerTimeoutError
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
 from ubep.plan.hosts import HostLayout, merge_order, split_routing
+from ubep.runtime import Backend
 from ubep.runtime.hosts import discover_hosts
 from ubep.runtime.hybrid.network import Exchange, network_error, post
 from ubep.runtime.hybrid.origins import OriginTables
@@ -101,8 +102,9 @@ class _HybridState:
     recv_rows: dict[int, int]           # per source rank: rows received from it as entry
 
 
-class HybridBackend:
-    """Dispatch/combine across hosts: shm inside a host, point-to-point between hosts."""
+class HybridBackend(Backend):
+    """Dispatch/combine across hosts: shm inside a host, point-to-point between hosts (no
+    door: every call goes through `dispatch` and `combine`)."""
 
     def __init__(self, config: BufferConfig, group, buffer_id: int):
         from ubep.runtime.shm.backend import ShmBackend
