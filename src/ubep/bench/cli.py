@@ -88,6 +88,13 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None,
                    help="output folder for bench.csv, samples.csv, run.json, bench.png "
                         "(default results/bench/<time>)")
+    p.add_argument("--hosts", type=int, default=None, metavar="H",
+                   help="across hosts: H emulated hosts (network namespaces, a private "
+                        "/dev/shm each; needs root), the default Buffer (hybrid there) vs "
+                        "backend='torch' vs their bare network messages (ubep.bench.multihost)")
+    p.add_argument("--ranks-per-host", type=int, default=2, help="with --hosts: ranks on each")
+    p.add_argument("--link-rate", default=None,
+                   help="with --hosts: each host's link per direction, e.g. 1gbit (tc tbf)")
     mod = _sync_sweep_module()
     if mod is not None:
         mod.add_sync_sweep_args(p)       # --sync-sweep and its --sweep-* options
@@ -161,6 +168,8 @@ def _run_and_report(cfg: BenchConfig, out_dir: Path, timeout_s: float, console) 
 
 
 def _bench_main(args) -> int:
+    if args.hosts is not None:
+        return _hosts_main(args)
     if args.sync_sweep:
         mod = _sync_sweep_module()
         if mod is None:
@@ -172,6 +181,25 @@ def _bench_main(args) -> int:
         raise SystemExit(f"ubep bench: {e}") from None
     out = Path(args.out or Path("results/bench") / time.strftime("%Y%m%d-%H%M%S"))
     return _run_and_report(cfg, out, args.timeout, _console())
+
+
+def _hosts_main(args) -> int:
+    """`ubep bench --hosts H`: hybrid vs torch on emulated hosts (`ubep.bench.multihost`)."""
+    from ubep.bench.multihost import MultihostConfig, run
+
+    kw = {"hosts": args.hosts, "ranks_per_host": args.ranks_per_host,
+          "link_rate": args.link_rate, "seed": args.seed, "timeout_s": args.timeout}
+    if args.tokens:
+        kw["batches"] = tuple(args.tokens)
+    if args.hidden:
+        kw["hidden"] = args.hidden[0]
+    if args.top_k:
+        kw["top_k"] = args.top_k
+    if args.hosts < 2:
+        raise SystemExit(f"ubep bench: --hosts {args.hosts} must be >= 2")
+    out = Path(args.out or Path("results/multihost") / time.strftime("%Y%m%d-%H%M%S"))
+    run(MultihostConfig(**kw), out)
+    return 0
 
 
 def demo_config(iters: int = 40) -> BenchConfig:

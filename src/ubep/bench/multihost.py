@@ -10,7 +10,7 @@ line alike):
 * `torch raw`: the torch backend's own collectives, replayed bare on the same bytes (how far
   the baseline is from its primitive);
 * `ubep raw`: the hybrid backend's messages between hosts, replayed bare (isend/irecv of the
-  same bytes to the same peers).
+  same bytes to the same peers; in its flat mode, at small batches, the collectives it ran).
 
 A call's time is the slowest rank's; the table gives medians and p90 over the calls, the
 bytes each rank put on the network between hosts (rows only) and torch over ubep.
@@ -64,13 +64,24 @@ def _replay_messages(messages: list) -> callable:
     return call
 
 
+def _replay_collectives(calls: list, all_to_all) -> callable:
+    """A call that replays the torch backend's collectives (`replay_calls`) bare."""
+    import torch.distributed as dist
+
+    def call() -> None:
+        for o, i, rs, ss in calls:
+            all_to_all(dist.group.WORLD, o, i, rs, ss)
+
+    return call
+
+
 def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
     """One rank's timings per batch and line (ns per call) and network bytes."""
     import torch
-    import torch.distributed as dist
 
     import ubep
     from ubep.bench.systems import replay_calls
+    from ubep.plan.hosts import HostLayout, rows_to_other_hosts
     from ubep.runtime.torch_backend import all_to_all
     from ubep.testing import alternate, make_routing, make_tokens
 
@@ -80,7 +91,6 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
               max_top_k=cfg.top_k, timeout_s=120.0)
     ub, tb = ubep.Buffer(**kw), ubep.Buffer(backend="torch", **kw)
     out: dict = {"backend": ub.config.backend, "reason": ub.config.backend_reason}
-    host_of = {r: h for h, rs in enumerate(ub.config.hosts) for r in rs}
     try:
         for b in cfg.batches:
             idx, w = make_routing(b, cfg.top_k, e, seed=cfg.seed * 1000 + rank)
@@ -94,13 +104,14 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
             for _ in range(2):
                 ud, uc = call(ub)
                 td, tc = call(tb)
-            raw_t = [replay_calls(st) for st in (td, tc)]
-            raw_u = [_replay_messages(st.extra["messages"]) for st in (ud, uc)]
+            raw_t = [_replay_collectives(replay_calls(st), all_to_all) for st in (td, tc)]
+            # what the call ran: messages between hosts, or (flat mode) the collectives
+            raw_u = [_replay_messages(st.extra["messages"]) if "messages" in st.extra
+                     else _replay_collectives(replay_calls(st), all_to_all) for st in (ud, uc)]
 
             def torch_raw(raw_t=raw_t):
-                for calls in raw_t:
-                    for o, i, rs, ss in calls:
-                        all_to_all(dist.group.WORLD, o, i, rs, ss)
+                for f in raw_t:
+                    f()
 
             def ubep_raw(raw_u=raw_u):
                 for f in raw_u:
@@ -109,9 +120,11 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
             ways = {"ubep": lambda: call(ub), "torch": lambda: call(tb), "ubep raw": ubep_raw,
                     "torch raw": torch_raw}
             times = alternate(ways, cfg.rounds, block=cfg.block)
-            far = [p for p in range(world) if host_of[p] != host_of[rank]]
-            torch_net = sum(send[p] for _, send, _ in td.extra["collectives"] for p in far)
+            lay = HostLayout.of(ub.config.hosts, e)
+            torch_net = rows_to_other_hosts(lay, rank, idx.numpy(), per="rank") * (
+                cfg.hidden * x.element_size())
             out[b] = {"times": times, "ubep_net": ud.bytes_sent_network,
+                      "ubep_mode": ud.extra["mode"],
                       "ubep_meta": ud.extra["network_meta_bytes"], "torch_net": torch_net}
     finally:
         ub.close()
@@ -138,7 +151,7 @@ def run(cfg: MultihostConfig, out_dir: str | Path | None = None) -> list[dict]:
         ub_net = sum(p["ubep_net"] for p in per)
         t_net = sum(p["torch_net"] for p in per)
         for r in rows[-len(LINES):]:
-            r.update(torch_over_ubep=med["torch"] / med["ubep"],
+            r.update(torch_over_ubep=med["torch"] / med["ubep"], ubep_mode=per[0]["ubep_mode"],
                      net_bytes_ubep=ub_net, net_bytes_torch=t_net,
                      net_bytes_ratio=t_net / ub_net if ub_net else float("nan"))
     _print(cfg, res[0]["backend"], res[0]["reason"], rows, time.time() - t0)
@@ -163,13 +176,15 @@ def _print(cfg: MultihostConfig, backend: str, reason: str, rows: list[dict],
                     f"{cfg.link_rate or 'unlimited'}, hidden {cfg.hidden} bf16, top-"
                     f"{cfg.top_k}, {cfg.experts_per_rank} experts/rank "
                     f"(dispatch+combine, slowest rank per call)")
-    for col in ("batch", "line", "median ms", "p90 ms", "torch/ubep", "net bytes torch/ubep"):
+    for col in ("batch", "line", "median ms", "p90 ms", "torch/ubep", "net bytes torch/ubep",
+                "ubep mode"):
         t.add_column(col, justify="right")
     for r in rows:
         first = r["line"] == LINES[0]
         t.add_row(str(r["batch"]) if first else "", r["line"], f"{r['median_ms']:.2f}",
                   f"{r['p90_ms']:.2f}", f"{r['torch_over_ubep']:.2f}" if first else "",
-                  f"{r['net_bytes_ratio']:.2f}" if first else "")
+                  f"{r['net_bytes_ratio']:.2f}" if first else "",
+                  r["ubep_mode"] if first else "")
     con = Console()
     con.print(t)
     con.print(f"ubep ran backend={backend!r}: {reason}. {took_s:.0f} s.")

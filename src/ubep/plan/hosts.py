@@ -172,6 +172,23 @@ def split_routing(layout: HostLayout, rank: int, topk_idx: np.ndarray) -> Routin
     return RoutingSplit(local_idx, tuple(tokens), tuple(remote))
 
 
+def rows_to_other_hosts(layout: HostLayout, rank: int, topk_idx: np.ndarray, *,
+                        per: str = "host") -> int:
+    """Rows `rank`'s routing `topk_idx` `[T, K]` puts on the network: one per (token, other
+    host holding one of its experts) (`per="host"`, the hybrid exchange), or one per (token,
+    rank on another host holding one of its experts) (`per="rank"`, a flat exchange)."""
+    if per not in ("host", "rank"):
+        raise ValueError(f"per={per!r} is not one of 'host', 'rank'")
+    idx = np.asarray(topk_idx, dtype=np.int64)
+    ranks = np.where(idx >= 0, idx // layout.experts_per_rank, -1)
+    where = layout.host_of_rank[np.maximum(ranks, 0)]
+    far = (ranks >= 0) & (where != layout.host_of_rank[rank])
+    dest = np.where(far, ranks if per == "rank" else where, -1)
+    dest.sort(axis=1)
+    distinct = (dest[:, 1:] != dest[:, :-1]) & (dest[:, 1:] >= 0)
+    return int(distinct.sum() + (dest[:, :1] >= 0).sum())
+
+
 def merge_order(keys_local: np.ndarray, keys_forwarded: np.ndarray) -> np.ndarray:
     """Where each received row goes in the final expert-major layout.
 

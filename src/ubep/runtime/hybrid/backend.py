@@ -52,7 +52,7 @@ import torch.distributed as dist
 from ubep.errors import PeerDiedError, PeerTimeoutError
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
-from ubep.plan.hosts import HostLayout, merge_order, split_routing
+from ubep.plan.hosts import HostLayout, merge_order, rows_to_other_hosts, split_routing
 from ubep.runtime import Backend
 from ubep.runtime.hosts import discover_hosts
 from ubep.runtime.hybrid.network import Exchange, network_error, post
@@ -460,11 +460,14 @@ class HybridBackend(Backend):
                                 self.config.timeout_s) from e
         g = self._flat.inline_tokens        # 0: the largest batch overflowed its budget
         self._mode = self._mode_for(g) if g else "split"
-        st = res.stats
-        rows = self._far_rows(topk_idx)
-        extra = {**st.extra, "mode": "flat"}
-        stats = dataclasses.replace(_plain(st), backend="hybrid", extra=extra,
-                                    bytes_sent_network=rows * x.shape[1] * x.element_size())
+        st = _plain(res.stats)
+        row_bytes = rows_to_other_hosts(self.layout, self.rank, topk_idx.numpy(), per="rank") * (
+            x.shape[1] * x.element_size())
+        far = [p for p in range(self.world) if self.layout.host_of_rank[p] != self.host]
+        wire = sum(send[p] for _, send, _ in st.extra.get("collectives", ()) for p in far)
+        extra = {**st.extra, "mode": "flat", "network_meta_bytes": max(wire - row_bytes, 0)}
+        stats = dataclasses.replace(st, backend="hybrid", extra=extra,
+                                    bytes_sent_network=row_bytes)
         return _with_stats(res, stats)
 
     def _flat_combine(self, expert_out, handle, weighted, out) -> CombineResult:
@@ -485,17 +488,6 @@ class HybridBackend(Backend):
 
     def _others(self) -> list[int]:
         return [r for r in range(self.world) if r != self.rank]
-
-    def _far_rows(self, topk_idx: torch.Tensor) -> int:
-        """Rows a flat dispatch puts on the network: one per (token, rank on another host
-        holding one of its experts)."""
-        idx = topk_idx.numpy()
-        ranks = np.where(idx >= 0, idx // self.config.experts_per_rank, -1)
-        far = (ranks >= 0) & (self.layout.host_of_rank[np.maximum(ranks, 0)] != self.host)
-        ranks = np.where(far, ranks, -1)
-        ranks.sort(axis=1)
-        distinct = (ranks[:, 1:] != ranks[:, :-1]) & (ranks[:, 1:] >= 0)
-        return int(distinct.sum() + (ranks[:, :1] >= 0).sum())
 
     def _far_rows_back(self, handle: DispatchHandle) -> int:
         """Partial rows a flat combine puts on the network: one per (token, rank) of the
