@@ -33,6 +33,8 @@ ITERS = 200
 _SHM_SYSTEMS = ("shm-owned", "shm-direct", "shm-ubep")
 #: the paths that stage rows through windows (the paper's two copies per row)
 _STAGED = ("shm-ubep", "shm-bsp")
+#: the batches the doc's tables show (the figures table reads these; every batch is plotted)
+DOC_BATCHES = (1, 16, 128)
 
 
 def configs(iters: int, warmup: int) -> tuple[BenchConfig, BenchConfig]:
@@ -129,26 +131,23 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
 
 _SYSTEM_ROWS = (
     ('`shm-owned`',
-     '`ubep.Buffer(backend="shm", direct="owned")` (what `backend="auto"` gives on one '
-     'host): counts first, each row copied once into a receive area lent as `recv_x` while '
-     'the caller holds it; results the caller owns, any handle combinable'),
+     '`Buffer(backend="shm", direct="owned")`, what `backend="auto"` gives on one host: counts '
+     'first, each row copied once into a receive area lent as `recv_x`; results the caller '
+     'owns, any handle combinable'),
     ('`shm-ubep`',
-     '`ubep.Buffer(backend="shm", mode="ubep")`: the paper\'s mechanism on shared memory: '
-     'kernel decomposition, TFF epochs, rows via windows (two copies per row)'),
+     '`Buffer(backend="shm", mode="ubep")`: the paper\'s mechanism (kernel decomposition, TFF '
+     'epochs, rows via windows: two copies per row)'),
     ('`shm-direct`',
-     '`ubep.Buffer(backend="shm", direct=True)`: counts first, each row copied once to its '
-     'final place, per-row flag word; combine reads expert outputs in place; `recv_x` is '
-     'valid until the next dispatch'),
+     '`Buffer(backend="shm", direct=True)`: counts first, each row copied once to its final '
+     'place; combine reads expert outputs in place; `recv_x` valid until the next dispatch'),
     ('`shm-bsp`',
-     '`ubep.Buffer(backend="shm", mode="bsp")`: the paper\'s barrier-separated baseline on '
-     'the same runtime'),
+     '`Buffer(backend="shm", mode="bsp")`: the paper\'s barrier-separated baseline'),
     ('`torch`',
-     '`ubep.Buffer(backend="torch")` (what `backend="auto"` gives across hosts): two or '
-     'three `all_to_all_single` over gloo'),
+     '`Buffer(backend="torch")`, what `backend="auto"` gives across hosts: two or three '
+     '`all_to_all_single` over gloo'),
     ('raw collectives',
-     "the torch backend's `all_to_all_single` calls alone, synchronous, on preallocated "
-     'buffers of the byte counts it sent and received in this run (`Stats.extra'
-     '["collectives"]`)'),
+     "the torch backend's `all_to_all_single` calls alone, on preallocated buffers of the "
+     'byte counts it moved in this run (`Stats.extra["collectives"]`)'),
     ('agrs collectives',
      "the AgRs peer's all-gather and reduce-scatter alone, on buffers of the sizes it moves"),
     ('mpi collectives',
@@ -159,68 +158,53 @@ _SYSTEM_ROWS = (
      'token, slot, weight), numpy reordering (MPICH wheel, `mpiexec`)'),
     ('`agrs`',
      "`ubep.bench.agrs_peer`: vLLM's CPU expert parallelism (`AgRsAll2AllManager`): one "
-     "all-gather of every rank's rows and routing, the local rows summed per token in one "
-     "compiled pass (fp32), the partial sums reduce-scattered in bf16 (gloo)"),
+     "all-gather of every rank's rows and routing, the local rows summed per token (fp32), "
+     "the partial sums reduce-scattered in bf16 (gloo)"),
     ('copy bound',
      'the bytes dispatch and combine must move on each rank (every routed row once each '
-     "way), memcpy'd contiguously between page-aligned buffers by one core per rank at the "
-     'same time, plus one flag round trip between the processes'),
+     "way), memcpy'd between page-aligned buffers by one core per rank at once, plus one "
+     'flag round trip'),
 )
 _MEASURED = "| system | what it is |\n|:---|:---|\n" + "".join(
     f"| {name} | {text} |\n" for name, text in _SYSTEM_ROWS) + """
-Each point (row width, batch) builds every rank's inputs from one seed (`bench_inputs`:
-uniform routing, top-8 of 16 experts), checks one dispatch of every system byte for byte
-against `ubep.reference` (untimed; a system that differs is dropped and listed as
-unavailable), then runs warm-up and timed iterations. Each timed dispatch and each timed
-combine starts right after a shared-memory barrier of both ranks; an iteration's time is the
-max over ranks; Python's cyclic GC is paused in the timed loop. Between dispatch and combine
-(untimed) the stand-in expert clones recv_x and combine takes the clone, weighted: an expert
-GEMM reads every received row and writes a new tensor, as DeepEP's tests combine
-`simulated_gemm_x = packed_recv_x.clone()`. Run 1 lets each system run turns of 20
-back-to-back calls, each turn led by one untimed call (how a decode loop calls one layer);
-run 2 interleaves every iteration, so each call starts on caches another system evicted.
-Each run also probes the host on both cores at its start and end (`benchmarks.probes`): gaps
-longer than 20 µs in a clock loop (the times the host took a core away), the phases of the
-millisecond they bunch in (`benchmarks.timer_windows`), and a fixed loop's speed.
+Each point (row width, batch) builds every rank's inputs from one seed (`bench_inputs`) and
+checks one dispatch of every system byte for byte against `ubep.reference` (untimed; a
+system that differs is dropped and listed as unavailable) before its timed iterations. Each
+timed dispatch and combine starts right after a shared-memory barrier of both ranks; an
+iteration's time is the max over ranks; Python's cyclic GC is paused. Between dispatch and
+combine (untimed) the stand-in expert clones recv_x, as DeepEP's tests do, and combine takes
+the clone, weighted. Each run probes the host on both cores at its start and end
+(`benchmarks.probes`): gaps over 20 µs in a clock loop, the phases of the millisecond they
+bunch in (`benchmarks.timer_windows`), a fixed loop's speed.
 """
 
 
 _LIMITS = """\
-*Absolute µs and ratios.* This host is a 2-core VM whose state changes from one second to
-the next: a fixed loop of Python arithmetic runs at two speeds ~1.8x apart (its cores share
-physical cores with other tenants), and the host takes a core away tens to hundreds of times
-a second, most often at one or two fixed phases of every millisecond (the timer tick). So a
-run's absolute µs say which state the host was in; ratios of one run hold, because every
-system takes its turns in the same states. The p99 of any batch-1 call here is one of the
-host's gaps: the copy bound's own p99/median is the floor a system's is read against, and the
-figures table gives, for each shm path, the p99/median the host's probed gaps alone give a
-call of its median that never varies (`benchmarks.host_floor`: back-to-back calls replayed
-over the gaps both cores saw, each core stopping while it is away) and the p99/median of the
-calls that ran clear of the timer windows.
+*Absolute µs and ratios.* This host is a 2-core VM that switches between a fast and a slow
+state (~1.8x apart) from one second to the next, and takes a core away tens to hundreds of
+times a second, mostly at fixed phases of each millisecond (the timer tick). A run's absolute
+µs say which state it met; ratios within a run hold, since every system takes its turns in
+the same states. The p99 of any batch-1 call here is one of the host's gaps: read it against
+the copy bound's own p99/median, the host floor (`benchmarks.host_floor`: back-to-back calls
+of that median replayed over the gaps both cores saw) and the calls clear of the timer
+windows.
 
 *Two copies per row (shm-ubep, shm-bsp).* The paper's mechanism writes each row into a window
-at its destination and then into the expert-major output, and combine copies back and then
-reduces. With one core a rank both copies run one after the other on that core, so at batch
-128 these paths take up to two copy bounds; the paper spreads them over a die's cores.
-shm-direct and shm-owned exchange the per-expert counts first, so every row has a known final
-place and is copied once, by memcpy, each row guarded by a meta word stored after an `sfence`
-(docs/sync.md); combine reads each expert output where it lies. The staged paths copy window
-blocks with their own loops, since a block's marker can be its own last word, which a string
-copy may store before the rest. With the cloned expert output, combine first copies the rows
-peers read into shared memory; a model that writes its expert outputs into
-`get_combine_buffer`'s tensor skips that copy.
-
-*One worker per rank.* With 2 cores and 2 ranks each rank has one worker: kernel
-decomposition has no second core to overlap its count, send and reorder roles on, so
-shm-ubep and shm-bsp copy the same bytes in the same thread and differ by a flag round.
+at its destination, then into the expert-major output; combine copies back, then reduces.
+With one core a rank both copies run on that core, so at batch 128 these paths take up to
+two copy bounds (the paper spreads them over a die's cores). shm-direct and shm-owned
+exchange the counts first and copy each row once, by memcpy, to its final place
+(docs/sync.md); combine reads expert outputs where they lie, after copying the cloned ones
+peers read into shared memory (a model that writes into `get_combine_buffer`'s tensor skips
+that copy). With 2 cores and 2 ranks each rank has one worker, so shm-ubep and shm-bsp copy
+the same bytes in one thread and differ by a flag round.
 
 *Fixed costs at batch 1.* A batch-1 call moves 8 rows each way (~115 KB); the rest of a shm
-call is the wait for the peer and its own work around the kernels (checks, where rows go,
-result objects), one C++ call with `ubep.native` (the header says whether it was on). Moving
-rows between two ranks also costs more than the copy bound's memcpy of bytes already in the
-copying core's cache: the header gives the same bytes copied as the other core has just
-written them, the coherence traffic every transport between two processes pays once.
-The torch backend and the peers: docs/results/torch_backend.md.
+call is the wait for the peer and the work around the kernels (checks, placement, result
+objects), one C++ call with `ubep.native`. Rows the other core just wrote cost more to copy
+than the copy bound's cached bytes (the header's cross-core figure): coherence traffic every
+transport between two processes pays. The torch backend against its collectives:
+docs/results/torch_backend.md.
 """
 
 
@@ -230,9 +214,8 @@ def _xcopy_words(res: BenchResult) -> str:
         return ""
     n, peer, own = res.xcopy[2]
     return (f" Copying the {n // 1024} KiB a batch-1 dispatch moves takes {peer:.1f} µs when "
-            f"the other core has just written them and {own:.1f} µs from the copying core's "
-            "own cache (the copy bound's case; `ubep.bench.flags.HostSync.cross_core_copy_us`"
-            ").")
+            f"the other core has just written them, {own:.1f} µs from the copying core's own "
+            "cache (the copy bound's case; `ubep.bench.flags.HostSync.cross_core_copy_us`).")
 
 
 def _start_end(per_rank: list[tuple[float, float]]) -> tuple[str, str]:
@@ -246,10 +229,9 @@ def _gaps_words(res: HostRecord) -> str:
     out = ""
     if 2 in res.gaps:
         start, end = _start_end(res.gaps[2])
-        out += (" The host took a rank's core away for more than 20 µs (a gap in a clock "
-                f"loop, `benchmarks.probes.clock_gaps`) {start} times a second at the start of "
-                f"run 1 and {end} at its end (ranks 0/1; \"Absolute µs and ratios\" below says "
-                "what that does to a batch-1 call)")
+        out += (" The host took a rank's core away for over 20 µs "
+                f"(`benchmarks.probes.clock_gaps`) {start} times a second at the start of run 1 "
+                f"and {end} at its end (ranks 0/1)")
         w = res.windows.get(2)
         out += "." if w is None else (
             f"; {100 * w.share_of_gaps:.0f}% of the {w.gaps} gaps the probes saw started "
@@ -259,8 +241,7 @@ def _gaps_words(res: HostRecord) -> str:
     if 2 in res.speed:
         start, end = _start_end(res.speed[2])
         out += (f" A fixed loop ran at {start} iterations a µs at the start of run 1 and {end} "
-                "at its end (`benchmarks.probes.loop_speed`: this host has a fast and a slow "
-                "state).")
+                "at its end (`benchmarks.probes.loop_speed`).")
     return out
 
 
@@ -302,20 +283,20 @@ def update_readme(path: Path, table: str) -> bool:
 
 
 def _headline(res: BenchResult) -> BenchResult:
-    """`res` with the rows of the headline hidden size only (the doc's tables)."""
-    return dataclasses.replace(res, rows=[r for r in res.rows if r["hidden"] == HEADLINE_HIDDEN])
+    """`res` with the rows of the doc's tables only: the headline hidden size, `DOC_BATCHES`."""
+    return dataclasses.replace(res, rows=[r for r in res.rows if r["hidden"] == HEADLINE_HIDDEN
+                                          and r["batch"] in DOC_BATCHES])
 
 
 def render(turns: BenchResult, inter: BenchResult, command: str,
            host: HostRecord | None = None) -> str:
     """docs/results.md from the two runs (`host`: run 1's host probes, `host_record`)."""
-    from ubep.bench.report import load_warning, markdown
+    from ubep.bench.report import markdown
 
     m = turns.machine
     out = [
         "# Results: ubep against the peers a user would pick instead, on this host", "",
-        "Generated by one command (it runs the two benchmarks below and rewrites this file; "
-        "the plots go to `docs/figures/`):", "",
+        "Generated, with the plots in `docs/figures/`, by:", "",
         f"    {command}", "",
         f"Run at {m.get('time_utc')} on {m.get('cpu_model')}, {m.get('cpus_usable')} usable "
         f"cores, 1-minute load {m.get('load_avg_1m', 0):.1f} at the start; Python "
@@ -326,41 +307,31 @@ def render(turns: BenchResult, inter: BenchResult, command: str,
         + _gaps_words(host or HostRecord())
         + f" Run 1 took {turns.elapsed_s:.0f} s, run 2 {inter.elapsed_s:.0f} s.", "",
         "P=2 ranks, bf16, top-8, 16 experts, uniform routing, batch = tokens per rank. Every "
-        "figure is a median (or p99) over iterations, or a ratio of two medians, of ONE run; "
-        "absolute µs move with the host's load, ratios within a run much less. Run 1: "
-        "systems take turns of 20 back-to-back iterations (as a decode loop calls one layer "
-        "again and again), each turn led by one untimed call; run 2: every iteration "
-        "interleaves all systems, so each call starts on caches the previous system "
-        "evicted.", ""]
-    for res in (turns, inter):
-        w = load_warning(res)
-        if w:
-            out += [f"**Note ({'run 1' if res is turns else 'run 2'}):** {w}.", ""]
-    out += ["## Figures against the targets (hidden 7168)", "", *figures(turns, inter), "",
-            "Host floor: the p99/median the host's probed gaps alone give a call of that median "
-            "that never varies (`benchmarks.host_floor`); calls clear of the timer windows: the "
-            "host's tail apart from the code's; a turn's first call follows another system's "
-            "turn (the cold call). ",
-            "× raw+copy: a system's median over (raw collectives + copy bound) medians of the "
-            "same run — for `torch`, how much its own packing, reordering and reduction add "
-            "to the collectives it cannot avoid; for `agrs` and `mpi` (and their own lines) "
-            "against that peer's collectives (`agrs collectives`, `mpi collectives`) "
-            "instead.", "",
-            "![dispatch+combine latency vs batch, turns of 20](figures/bench_peers.png)", "",
-            "## Run 1: turns of 20 back-to-back iterations", "",
-            f"Hidden {HEADLINE_HIDDEN}; hidden {PEERS_HIDDENS[0]}'s tables are in the run's "
-            "`bench.md`.", "", markdown(_headline(turns), phases=False),
-            "## Run 2: every iteration interleaved", "", markdown(_headline(inter), phases=False),
-            "![the same, interleaved every iteration](figures/bench_peers_interleaved.png)", "",
-            "## Method", "", _MEASURED, _LIMITS,
-            "## Other results", "",
-            "- `docs/results/e2e.md` — MoE decoding, time per output token per backend",
-            "- `docs/results/simulator.md` — the paper's experiments on modelled superpods",
-            "- `docs/results/torch_backend.md` — the torch backend against its raw "
-            "collectives: where the time goes, and the floor on this host",
-            "- `docs/results/sync.md` — the Data-as-Flag variants",
-            "- `docs/results/scheduler.md` — the token-to-core scheduler",
-            "- `docs/results/gpu.md` — the Triton path", ""]
+        "figure is a median (or p99), or a ratio of two medians, of ONE run: absolute µs move "
+        "with the host's load, ratios much less. Run 1: systems take turns of 20 back-to-back "
+        "iterations, each led by one untimed call (a decode loop calling one layer); run 2 "
+        "interleaves every iteration, so each call starts on caches another system evicted. "
+        "The tables' notes say when the host was busy.", "",
+        "## Figures against the targets (hidden 7168)", "", *figures(turns, inter), "",
+        "Host floor: the p99/median the host's probed gaps alone give a call of that median "
+        "that never varies; calls clear of the timer windows: the host's tail apart from the "
+        "code's; a turn's first call follows another system's turn (cold caches). "
+        "× raw+copy: a system's median over (its collectives + copy bound) medians of the "
+        "same run: for `torch` the raw collectives (what its packing, reordering and "
+        "reduction add to the collectives it cannot avoid), for `agrs` and `mpi` their own.",
+        "",
+        "![dispatch+combine latency vs batch, turns of 20](figures/bench_peers.png)", "",
+        "## Run 1: turns of 20 back-to-back iterations", "",
+        f"Hidden {HEADLINE_HIDDEN}, batches "
+        + ", ".join(str(b) for b in DOC_BATCHES)
+        + f"; the other batches are in the plots, hidden {PEERS_HIDDENS[0]} and every batch "
+        "in the run's `bench.md`.", "", markdown(_headline(turns), phases=False),
+        "## Run 2: every iteration interleaved", "", markdown(_headline(inter), phases=False),
+        "![the same, interleaved every iteration](figures/bench_peers_interleaved.png)", "",
+        "## Method", "", _MEASURED, _LIMITS,
+        "Other results: docs/results/ (`e2e.md` MoE decoding, `simulator.md` the paper's "
+        "experiments on modelled superpods, `torch_backend.md`, `sync.md` the Data-as-Flag "
+        "variants, `scheduler.md`, `gpu.md` the Triton path).", ""]
     return "\n".join(out)
 
 
