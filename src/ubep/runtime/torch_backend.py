@@ -355,6 +355,7 @@ class TorchBackend(Backend):
         #: tokens per peer that ride in dispatch's first collective; every rank computes the
         #: same value from the same headers (starts at what max_tokens_per_rank could need)
         self._inline = config.max_tokens_per_rank
+        self._global_max = 0
         #: the CPU path's per-shape constants and scratch views (`_cpu_shape`,
         #: `_combine_views`); emptied whenever a scratch buffer is reallocated, so its views
         #: are always the current ones
@@ -394,11 +395,11 @@ class TorchBackend(Backend):
         return (self, lock, self._doors, _TorchState, self.buffer_id, *limits)
 
     @property
-    def inline_tokens(self) -> int:
-        """Tokens per peer the next dispatch carries in its first collective: the previous
-        dispatch's largest count of tokens any rank sent one peer (the same on every rank),
-        or 0 when that overflowed the inline budget (`_INLINE_BYTES`)."""
-        return self._inline
+    def last_global_max(self) -> int:
+        """The largest count of tokens any rank sent one peer in this backend's latest
+        dispatch (from the count headers every rank receives: the same on every rank; 0
+        before the first). Through `dispatch`, not the Buffer's compiled door."""
+        return self._global_max
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device,
                 keep: int = 0) -> torch.Tensor:
@@ -588,6 +589,7 @@ class TorchBackend(Backend):
         # else none (a batch that overflowed will likely overflow again: then the first
         # collective is a 16-byte count exchange, not rows that save nothing)
         self._inline = global_max if global_max <= cap else 0
+        self._global_max = global_max
         t4 = _now_us()
         own = slice(first := sum(dests[:me]), first + n_me)
         if n_me:
@@ -739,6 +741,9 @@ class TorchBackend(Backend):
             if type(r) is tuple:
                 return self._native_rest(x, topk_idx, topk_weights, call, r)
             if r is not NotImplemented:
+                from ubep.runtime.torch_entries import K_GMAX  # (loaded with the door)
+
+                self._global_max = int(door[0][K_GMAX])     # its headers' largest count
                 return r
         shape = self._shapes.get(key)
         if shape is None or num_tokens > shape[-1]:     # (grows the send scratch)
@@ -839,6 +844,7 @@ class TorchBackend(Backend):
         else:
             work, work_addr, work_bytes = None, recv_addr, recv1_bytes
         self._inline = global_max if global_max <= cap else 0
+        self._global_max = global_max
         t3 = _now_us()
 
         if pool is None:    # large batches: the plan first, then recv_x's rows exactly

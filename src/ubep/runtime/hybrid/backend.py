@@ -458,8 +458,8 @@ class HybridBackend(Backend):
             self.in_step = False
             raise network_error(self.rank, "dispatch/flat", self._others(), e,
                                 self.config.timeout_s) from e
-        g = self._flat.inline_tokens        # 0: the largest batch overflowed its budget
-        self._mode = self._mode_for(g) if g else "split"
+        # the largest count any rank sent one peer: every rank's headers say the same
+        self._mode = self._mode_for(self._flat.last_global_max)
         st = _plain(res.stats)
         row_bytes = rows_to_other_hosts(self.layout, self.rank, topk_idx.numpy(), per="rank") * (
             x.shape[1] * x.element_size())
