@@ -66,10 +66,12 @@ __all__ = ["HybridBackend", "PARTIAL_DTYPES", "FLAT_BYTES", "SPLIT_BYTES"]
 #: combine partials travel in the output dtype for these, in fp32 for the rest (8-bit)
 PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the previous call's largest batch on one rank, as bf16 rows of `hidden` (whatever the
-#: dtype: every rank must decide alike), picks the mode: "flat" up to FLAT_BYTES (~4 rows of
+#: dtype: every rank must decide alike), picks the mode: "flat" up to FLAT_BYTES (~9 rows of
 #: 7168), "joint" up to SPLIT_BYTES (~18 rows), "split" beyond, where moving the local rows
 #: during the network transfer saves more than one more rendezvous of the host's ranks costs
-FLAT_BYTES = 64 << 10
+#: (docs/results/multihost.md: at batch 8, 2 emulated hosts x 2 ranks, the joint exchange
+#: took 1.7x the flat one's time)
+FLAT_BYTES = 128 << 10
 SPLIT_BYTES = 256 << 10
 _HEADER = 16                # bytes before a dispatch message's rows: row count, sender's batch
 _clock = time.perf_counter
