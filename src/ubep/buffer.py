@@ -6,11 +6,13 @@ import dataclasses
 import itertools
 import threading
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ubep import ops, quant
-from ubep.errors import BrokenBufferError, UbepError
+from ubep.elastic import check_drain_mask
+from ubep.errors import BrokenBufferError, RankRemovedError, UbepError
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.native import load_native
 from ubep.options import (
@@ -35,6 +37,8 @@ from ubep.validate import (
 )
 
 _buffer_ids = itertools.count(1)
+#: dispatches whose tokens per expert `Buffer` keeps before adding them up (`expert_load`)
+_LOAD_FOLD = 256
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
@@ -95,6 +99,14 @@ class Buffer:
             two areas (True) or four ("owned": two lent as recv_x, a scratch one, the combine
             area) of world x max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4
             bytes.
+        elastic: a rank found dead (shm: its liveness lock; torch: a failed or overdue
+            collective) leaves `active_ranks` on every other rank instead of failing the
+            call: the call completes without it, raises nothing, and no later call waits for
+            it. Slots routed to an inactive rank's experts are not delivered
+            (`DispatchResult.masked`) and combine does not sum them; traffic between the
+            remaining ranks stays exact. `set_active_ranks` removes ranks on purpose.
+            Default False: a dead peer is a `PeerDiedError`. Costs nothing while nothing
+            fails (docs/reliability.md, "Elastic").
 
     Every rank must pass the same backend, mode, sync, direct, num_experts, hidden,
     max_tokens_per_rank, max_top_k, block_bytes and workers: the constructor compares them
@@ -103,14 +115,16 @@ class Buffer:
 
     Attributes:
         rank, world_size, num_experts, num_local_experts, config (`ubep.BufferConfig`),
-        last_stats (stats of the latest dispatch or combine, or None).
+        last_stats (stats of the latest dispatch or combine, or None), active_ranks
+        (`[world]` bool, elastic).
     """
 
     def __init__(self, group=None, *, num_experts: int, hidden: int, max_tokens_per_rank: int,
                  backend: str = "auto", mode: str | None = None, sync: str = "tff",
                  schedule: str = "hierarchical", workers: int | None = None,
                  count_workers: int | None = None, topology=None, timeout_s: float = 30.0,
-                 max_top_k: int = 8, block_bytes: int = 512, direct: bool | str | None = None):
+                 max_top_k: int = 8, block_bytes: int = 512, direct: bool | str | None = None,
+                 elastic: bool = False):
         check_choice("backend", backend, BACKENDS)
         if mode is not None:
             check_choice("mode", mode, MODES)
@@ -140,6 +154,8 @@ class Buffer:
             if sync not in ("tff", "sw"):
                 raise ValueError(f"direct={direct!r} flags each row with one word written after "
                                  f"it; sync={sync!r} does not apply: use 'tff' or 'sw'")
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be a bool, got {type(elastic).__name__}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         if not dist.is_initialized():
@@ -150,7 +166,7 @@ class Buffer:
         # every field that shapes memory or the protocol, compared before anything is built
         agree(dict(backend=backend, mode=mode, sync=sync, direct=direct, num_experts=num_experts,
                    hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k,
-                   block_bytes=block_bytes, workers=workers),
+                   block_bytes=block_bytes, workers=workers, elastic=elastic),
               group, rank=rank, world=world_size, timeout_s=float(timeout_s))
         if num_experts % world_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
@@ -160,7 +176,7 @@ class Buffer:
             max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k, backend=backend,
             mode=mode or "ubep", sync=sync, schedule=schedule, workers=workers,
             count_workers=count_workers, block_bytes=block_bytes, timeout_s=float(timeout_s),
-            topology=topology, direct=False if direct is None else direct,
+            topology=topology, direct=False if direct is None else direct, elastic=elastic,
             requested_backend=backend, backend_reason="" if backend == "auto" else "asked for")
         if backend == "auto":
             # the fastest path whose results the caller owns, unless a choice rules it out
@@ -197,6 +213,19 @@ class Buffer:
             self._door_dispatch, self._door_combine = (
                 getattr(native, name) for name in self._backend.DOOR_ENTRIES)
         self._companions: dict[int, Buffer] = {}  # rows of other widths (ubep.quant)
+        # `expert_load`: each dispatch's tokens per local expert, summed when read (or every
+        # `_LOAD_FOLD` dispatches): a list append per call
+        self._loads: list = []
+        self._load = np.zeros(self.num_local_experts, np.int64)
+        #: the elastic membership (`ubep.elastic.Membership`), None without elastic
+        self._members = getattr(self._backend, "membership", None)
+        if elastic:
+            if self._members is None:
+                self._backend.close()
+                raise ValueError(f"elastic=True is not supported by the "
+                                 f"{self.config.backend!r} backend")
+            # the elastic door: membership read before each call, masks after (see there)
+            self.dispatch, self.combine = self._elastic_dispatch, self._elastic_combine
         ops.register_buffer(self)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -224,6 +253,9 @@ class Buffer:
     def _check_usable(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"cannot {what} after close")
+        if isinstance(self._broken, RankRemovedError):
+            raise RankRemovedError(self.rank, self._members.why.get(self.rank, "died")
+                                   ) from self._broken
         if self._broken is not None:
             raise BrokenBufferError(
                 f"cannot {what}: an earlier call failed ({type(self._broken).__name__}: "
@@ -275,6 +307,10 @@ class Buffer:
             if self._door is not None:      # the whole call compiled, or NotImplemented
                 res = self._door_dispatch(self._door, self, x, topk_idx, topk_weights)
                 if res is not NotImplemented:
+                    tpe = res.__dict__.get("_tpe")     # `expert_load`'s: not the rows
+                    self._loads.append(res.tokens_per_expert if tpe is None else tpe)
+                    if len(self._loads) >= _LOAD_FOLD:
+                        self._fold_loads()
                     return res
             if self._dispatch_ready(x, topk_idx, topk_weights, *self._limits):
                 return self._dispatch_checked(x, topk_idx, topk_weights)
@@ -314,12 +350,18 @@ class Buffer:
             if self._closed or self._broken is not None:
                 self._check_usable("dispatch")
             self._calls += 1
+            if self._members is not None and self._members.any_inactive:
+                idx = self._members.mask(idx)[0]    # nothing goes to an inactive rank
             try:                # inline (a helper call per op costs more than the try)
                 res = self._backend.dispatch(x, idx, w, self._calls)
             except BaseException as e:
                 self._failed(e)
                 raise
             self.last_stats = res.stats
+            tpe = res.__dict__.get("_tpe")
+            self._loads.append(res.tokens_per_expert if tpe is None else tpe)
+            if len(self._loads) >= _LOAD_FOLD:
+                self._fold_loads()
             return res
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
@@ -414,6 +456,122 @@ class Buffer:
                 raise
             self.last_stats = res.stats
             return res.y
+
+    # -- elastic expert parallelism and load ----------------------------------------------
+    def _elastic_dispatch(self, x, topk_idx=None, topk_weights=None, *,
+                          handle: DispatchHandle | None = None) -> DispatchResult:
+        """`dispatch` of an elastic Buffer: the shared membership first (one load while it
+        is unchanged), then the call, then `masked` if a rank is inactive."""
+        m = self._members
+        if self._backend.membership_stale():
+            self._sync_members()
+        version = m.version
+        res = Buffer.dispatch(self, x, topk_idx, topk_weights, handle=handle)
+        if m.any_inactive:
+            if m.version != version:
+                self._door = None
+            idx = handle.topk_idx if topk_idx is None else topk_idx
+            hit = m.slots_on_inactive(idx)
+            if hit is not None:
+                res.__dict__["masked"] = hit
+                res.handle.__dict__["masked"] = hit
+        return res
+
+    def _elastic_combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
+                         weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`combine` of an elastic Buffer (see `_elastic_dispatch`): `handle.masked` then
+        says which slots were not summed."""
+        m = self._members
+        if self._backend.membership_stale():
+            self._sync_members()
+        version = m.version
+        y = Buffer.combine(self, expert_out, handle, weighted, out)
+        if m.version != version:
+            self._door = None
+        return y
+
+    def _sync_members(self) -> None:
+        """Apply what the backend's shared membership says (a rank found dead elsewhere)."""
+        with self._lock:
+            if self._closed or self._broken is not None:
+                return              # the call raises the reason
+            try:
+                self._backend.sync_membership()
+            except RankRemovedError as e:
+                self._broken = e
+                raise
+            if self._members.any_inactive:
+                self._door = None   # the compiled door assumes every rank active
+
+    @property
+    def active_ranks(self) -> torch.Tensor:
+        """`[world]` bool: the ranks this Buffer still exchanges with (all True without
+        elastic). With elastic, a rank leaves it when found dead or removed by
+        `set_active_ranks`; the remaining ranks agree on it once each has made a call after
+        the death (a dead rank is found by every remaining rank in the first call it misses)."""
+        if self._members is None:
+            return torch.ones(self.world_size, dtype=torch.bool)
+        if not self._closed and self._backend.membership_stale():
+            self._sync_members()
+        return self._members.active_ranks()
+
+    def set_active_ranks(self, mask: torch.Tensor) -> None:
+        """Remove ranks without a failure (a planned drain: maintenance, or after a load
+        balancer moved their experts away).
+
+        Called by every rank that stays active, at the same point of their calls, with the
+        same mask; the removed ranks do not call it: their Buffer refuses every later call
+        (`RankRemovedError`) and may be closed. Returns once the remaining ranks agreed
+        (bounded by `timeout_s`; masks that differ between them are the same ValueError on
+        each). Needs `elastic=True`.
+
+        Arguments:
+            mask: `[world]` bool tensor, True = stays active. It may only remove ranks (an
+                inactive rank cannot come back: make a new Buffer to grow) and must keep the
+                calling rank.
+        """
+        if self._members is None:
+            raise ValueError("set_active_ranks needs Buffer(elastic=True)")
+        with self._lock:
+            self._check_usable("set_active_ranks")
+        if self._backend.membership_stale():
+            self._sync_members()
+        new = check_drain_mask(mask, self._members.active, self.rank)
+        with self._lock:
+            self._check_usable("set_active_ranks")
+            try:
+                self._backend.set_active_ranks(new)
+            except ValueError:
+                raise               # masks differ: nothing changed, on every rank alike
+            except BaseException as e:
+                self._failed(e)
+                raise
+            if self._members.any_inactive:
+                self._door = None
+
+    def expert_load(self, reset: bool = False) -> torch.Tensor:
+        """Tokens received per local expert since this Buffer was made or last reset (rows
+        its dispatches delivered here, masked slots not counted), as DeepEP's
+        `cumulative_local_expert_recv_stats`: what a load balancer reads to move experts.
+
+        Arguments:
+            reset: start counting again from zero after this read.
+
+        Returns:
+            `[num_local_experts]` int64 (a copy).
+        """
+        with self._lock:
+            self._fold_loads()
+            out = torch.from_numpy(self._load.copy())
+            if reset:
+                self._load[:] = 0
+            return out
+
+    def _fold_loads(self) -> None:
+        """Add the kept dispatches' tokens per expert into the running total."""
+        loads, self._loads = self._loads, []
+        for tpe in loads:
+            self._load += tpe.numpy() if isinstance(tpe, torch.Tensor) else tpe
 
     def get_combine_buffer(self, handle: DispatchHandle,
                            dtype: torch.dtype | None = None) -> torch.Tensor:
