@@ -33,7 +33,7 @@ from ubep.runtime.shm import segments
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.direct import DirectPath
 from ubep.runtime.shm.kernels.sentinel import arm_sentinels
-from ubep.runtime.shm.kernels.warmup import warm_up, warm_up_direct
+from ubep.runtime.shm.kernels.warmup import warm_up, warm_up_direct, warm_up_elastic
 from ubep.runtime.shm.membership import ShmMembership
 from ubep.runtime.shm.pool import PoolPath
 from ubep.runtime.shm.protocol import SentinelAbort, ShmProtocolError
@@ -173,6 +173,10 @@ class ShmBackend:
                                       fmt=self.fmt), self.workers > 1)
         if c.direct:
             warm_up_direct()
+        if c.elastic:
+            warm_up_elastic(lambda: region_layout(world=1, experts_per_rank=c.experts_per_rank,
+                                                  max_workers=1, hidden=2, max_tokens=1,
+                                                  max_top_k=1, fmt=self.fmt))
         infos = exchange((socket.gethostname(), self.workers,
                           os.environ.get("UBEP_JOB_ID", ""), segments.host_memory_key()),
                          "hosts")
