@@ -140,6 +140,8 @@ def elastic_trial(rank: int, world: int, kw: dict, victim: int, kill_at: int, ph
             res = buf.dispatch(*ins[rank])
             if rank == victim and i == kill_at and phase == "combine":
                 kill_later(delay_s)
+            if rank == victim and i == kill_at and phase == "between":
+                os.kill(os.getpid(), signal.SIGKILL)    # after its dispatch, before combine
             out = expert_rows(res.recv_x, res.tokens_per_expert, rank * (experts // world))
             y = buf.combine(out, res.handle)
             slowest = max(slowest, time.monotonic() - t0)
@@ -152,5 +154,59 @@ def elastic_trial(rank: int, world: int, kw: dict, victim: int, kill_at: int, ph
                 errors.append(f"call {i}: {why}")
         return dict(errors=errors, active=buf.active_ranks.tolist(), slowest=slowest,
                     load=buf.expert_load().tolist())
+    finally:
+        buf.close()
+
+
+def drain_trial(rank: int, world: int, kw: dict, removed: int, calls: int, seed: int,
+                deadline_s: float) -> dict:
+    """A planned drain: after call 1 every rank but `removed` calls `set_active_ranks`
+    without it; `removed` then tries a dispatch (refused: `RankRemovedError`) and closes. The
+    others check every call against the oracle (exact, the removed rank masked after the
+    drain) and report their `expert_load`."""
+    import ubep
+
+    experts = 2 * world
+    buf = ubep.Buffer(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=TOKENS,
+                      max_top_k=TOP_K, timeout_s=deadline_s, elastic=True, **kw)
+    errors, load = [], torch.zeros(experts // world, dtype=torch.int64)
+    try:
+        for i in range(calls):
+            ins = inputs(world, experts, i, seed)
+            if i == 2:
+                keep = torch.ones(world, dtype=torch.bool)
+                keep[removed] = False
+                if rank == removed:
+                    t0 = time.monotonic()
+                    try:
+                        buf.dispatch(*ins[rank])
+                        return dict(errors=["the removed rank's dispatch was not refused"])
+                    except ubep.RankRemovedError as e:
+                        try:
+                            buf.dispatch(*ins[rank])
+                            return dict(errors=["a second call was not refused"])
+                        except ubep.RankRemovedError:
+                            pass
+                        return dict(errors=[], refused=str(e), took=time.monotonic() - t0)
+                buf.set_active_ranks(keep)
+            res = buf.dispatch(*ins[rank])
+            load += res.tokens_per_expert.to(torch.int64)
+            out = expert_rows(res.recv_x, res.tokens_per_expert, rank * (experts // world))
+            y = buf.combine(out, res.handle)
+            why = check_call(rank, world, experts, ins, res, y, buf.active_ranks, True, removed)
+            if why:
+                errors.append(f"call {i}: {why}")
+        try:
+            buf.set_active_ranks(torch.ones(world, dtype=torch.bool))
+            errors.append("set_active_ranks brought a removed rank back")
+        except ValueError as e:
+            if "may only remove ranks" not in str(e):
+                errors.append(f"set_active_ranks: {e}")
+        got = buf.expert_load(reset=True)
+        if not torch.equal(got, load):
+            errors.append(f"expert_load {got.tolist()} != {load.tolist()}")
+        if buf.expert_load().any():
+            errors.append("expert_load(reset=True) did not reset")
+        return dict(errors=errors, active=buf.active_ranks.tolist())
     finally:
         buf.close()

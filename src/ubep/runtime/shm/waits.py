@@ -109,6 +109,9 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
             if now >= next_live:
                 next_live = now + LIVENESS_EVERY_S
                 members.find_dead()
+                if members.members.any_inactive:
+                    version = -1          # again now and then: a removed rank that still
+                                          # calls may overwrite what `on_inactive` wrote
             if members.members.version != version:
                 version = members.members.version
                 if on_inactive is not None:
