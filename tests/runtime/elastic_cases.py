@@ -129,7 +129,7 @@ def elastic_trial(rank: int, world: int, kw: dict, victim: int, kill_at: int, ph
     experts = 2 * world
     buf = ubep.Buffer(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=TOKENS,
                       max_top_k=TOP_K, timeout_s=deadline_s, elastic=True, **kw)
-    errors, slowest = [], 0.0
+    errors, slowest, seen = [], 0.0, []
     try:
         for i in range(calls):
             ins = inputs(world, experts, i, seed)
@@ -147,13 +147,21 @@ def elastic_trial(rank: int, world: int, kw: dict, victim: int, kill_at: int, ph
             slowest = max(slowest, time.monotonic() - t0)
             if rank == victim and i >= kill_at:
                 time.sleep(60)                      # the timer kills it by then
-            exact = i != kill_at or not bool(before.all())
-            why = check_call(rank, world, experts, ins, res, y, buf.active_ranks, exact,
-                             victim)
+            # the call the victim died in: exact between live ranks only (its rows of that
+            # call may have arrived, even where this rank knew of the death at the start)
+            exact = i != kill_at
+            after = buf.active_ranks
+            if bool(before.all()) and not bool(after.all()):
+                # where this rank learned of the death: inside call i (a wait), and whether
+                # it dropped something (rows of the victim, or combine slots beyond masked)
+                seen.append((i, bool(res.masked.any()),
+                             bool((res.handle.masked & ~res.masked).any()),
+                             "_full" in res.handle.__dict__))
+            why = check_call(rank, world, experts, ins, res, y, after, exact, victim)
             if why:
                 errors.append(f"call {i}: {why}")
         return dict(errors=errors, active=buf.active_ranks.tolist(), slowest=slowest,
-                    load=buf.expert_load().tolist())
+                    load=buf.expert_load().tolist(), seen=seen)
     finally:
         buf.close()
 

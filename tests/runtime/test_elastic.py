@@ -17,8 +17,8 @@ import random
 
 import pytest
 import torch
-
 from elastic_cases import drain_trial, elastic_trial
+
 from ubep.testing import RankFailure, run_ranks
 
 WORLD = 4
