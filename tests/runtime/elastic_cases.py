@@ -77,12 +77,13 @@ def rows_from(res_or_ref, ranks: set[int]):
 
 
 def check_call(rank: int, world: int, experts: int, ins, res, y, active: torch.Tensor,
-               exact: bool, victim: int) -> str:
+               exact: bool, victim: int, bits: bool = True) -> str:
     """'' if this rank's dispatch `res` and combine `y` of a call with inputs `ins` are right:
     `exact` (a call after the death): bit for bit the oracle with the inactive ranks masked,
     `masked` marking exactly their slots; else (the call the death happened in) the rows
     from live ranks exact, the victim's all there or none, `masked` only on the victim's
-    experts. The combine always sums exactly the slots `handle.masked` leaves."""
+    experts. The combine always sums exactly the slots `handle.masked` leaves (bit for bit
+    if `bits`, else to the torch backend's rounding: partial sums rounded per rank)."""
     per = experts // world
     xs, idxs, ws = [a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins]
     if exact:
@@ -107,7 +108,12 @@ def check_call(rank: int, world: int, experts: int, ins, res, y, active: torch.T
             return "masked holds slots of live ranks"
     mask = res.handle.masked
     want_y = expected_y(xs[rank], idxs[rank], ws[rank], mask)
-    if not torch.equal(y.view(torch.int16), want_y.view(torch.int16)):
+    if bits:
+        same = torch.equal(y.view(torch.int16), want_y.view(torch.int16))
+    else:       # partial sums rounded per rank: within a few bf16 units of the token's scale
+        scale = want_y.float().abs().amax(1, keepdim=True) + 1
+        same = bool(((y.float() - want_y.float()).abs() <= 2e-2 * scale).all())
+    if not same:
         return f"combine differs from the oracle over the slots it summed ({mask.tolist()})"
     return ""
 
@@ -157,7 +163,8 @@ def elastic_trial(rank: int, world: int, kw: dict, victim: int, kill_at: int, ph
                 seen.append((i, bool(res.masked.any()),
                              bool((res.handle.masked & ~res.masked).any()),
                              "_full" in res.handle.__dict__))
-            why = check_call(rank, world, experts, ins, res, y, after, exact, victim)
+            why = check_call(rank, world, experts, ins, res, y, after, exact, victim,
+                             bits=buf.config.backend == "shm")
             if why:
                 errors.append(f"call {i}: {why}")
         return dict(errors=errors, active=buf.active_ranks.tolist(), slowest=slowest,
@@ -201,7 +208,8 @@ def drain_trial(rank: int, world: int, kw: dict, removed: int, calls: int, seed:
             load += res.tokens_per_expert.to(torch.int64)
             out = expert_rows(res.recv_x, res.tokens_per_expert, rank * (experts // world))
             y = buf.combine(out, res.handle)
-            why = check_call(rank, world, experts, ins, res, y, buf.active_ranks, True, removed)
+            why = check_call(rank, world, experts, ins, res, y, buf.active_ranks, True, removed,
+                             bits=buf.config.backend == "shm")
             if why:
                 errors.append(f"call {i}: {why}")
         try:
