@@ -512,12 +512,14 @@ class TorchBackend:
             try:
                 res = self._dispatch_once(x, topk_idx, topk_weights, call)
             except Redo:
-                redone = True
-                self._inline = 0 if el.served else inline
+                # a rank that replayed its previous call for the others starts this one as
+                # they will (no inline rows); one that redoes it, as the replaying ranks ran it
+                redone = not el.served
+                self._inline = inline if redone else 0
                 topk_idx = self.membership.mask(topk_idx)[0]
                 continue
             el.end()
-            if redone:
+            if redone:      # the replaying ranks' next call starts with no inline rows
                 self._inline = 0
             return res
 
@@ -533,8 +535,8 @@ class TorchBackend:
             try:
                 res = self._combine_once(expert_out, handle, weighted, out)
             except Redo:
-                redone = True
-                if el.served:
+                redone = not el.served      # (as in `_elastic_dispatch`)
+                if not redone:
                     self._inline = 0
                 continue
             el.end()

@@ -282,6 +282,7 @@ class TorchElastic:
                 self._run(input.new_empty(sum(out_splits)), input, out_splits, in_splits)
         self.redo_collectives = 0 if self.served else served
 
+
     # -- set_active_ranks -----------------------------------------------------------------------
     def drain(self, mask: np.ndarray) -> None:
         """The remaining ranks agree on `mask` through the store (bounded; masks that differ
