@@ -317,6 +317,12 @@ class Buffer:
         if handle is not None:
             topk_idx, topk_weights = self._routing_of(handle, topk_idx, topk_weights)
         if type(x) is tuple:
+            if self._members is not None:
+                raise ValueError("x=(rows, scales) is not supported with elastic=True: the "
+                                 "scales travel through a second Buffer, whose rows could "
+                                 "differ from these in the call a rank dies in; send the "
+                                 "scales inside the rows (one byte row each), or use "
+                                 "elastic=False")
             return quant.dispatch_with_scales(self, x, topk_idx, topk_weights)
         if ((getattr(x, "requires_grad", False) or getattr(topk_weights, "requires_grad", False))
                 and _grad_enabled() or _is_compiling()):

@@ -123,7 +123,7 @@ class TorchElastic:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._beat_store.add(key, 1)
-            except Exception:  # noqa: BLE001 - the store is gone; recovery will say so
+            except RuntimeError:    # the store is gone: a recovery will say so
                 return
 
     # -- collectives ----------------------------------------------------------------------------
@@ -205,9 +205,7 @@ class TorchElastic:
                 self.members.remove([self.rank], "removed by set_active_ranks")
                 raise RankRemovedError(self.rank, "removed by set_active_ranks")
             return self.store.check([f"{self._prefix}/g{self.gen}/started"])
-        except RankRemovedError:
-            raise
-        except Exception as e:  # noqa: BLE001
+        except dist.DistNetworkError as e:
             raise _dead_store(e) from e
 
     # -- recovery -------------------------------------------------------------------------------
@@ -223,7 +221,7 @@ class TorchElastic:
             self._recover()
         except (StoreHostDiedError, RankRemovedError, PeerTimeoutError, Redo):
             raise
-        except (dist.DistNetworkError, dist.DistStoreError) as e:
+        except dist.DistNetworkError as e:     # the store's connection: its host is gone
             raise _dead_store(e) from e
         self._fruitless = 0 if self.members.version != before else self._fruitless + 1
         raise Redo()
@@ -302,9 +300,7 @@ class TorchElastic:
                                            self.timeout_s)
                 time.sleep(0.002)
             masks = {r: self.store.get(f"{key}/{r}").decode() for r in stay}
-        except (PeerTimeoutError, ValueError):
-            raise
-        except Exception as e:  # noqa: BLE001
+        except dist.DistNetworkError as e:
             raise _dead_store(e) from e
         if any(m != mine for m in masks.values()):
             detail = "; ".join(f"rank {r} keeps {[i for i, c in enumerate(m) if c == '1']}"
