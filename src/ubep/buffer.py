@@ -225,6 +225,7 @@ class Buffer:
                 raise ValueError(f"elastic=True is not supported by the "
                                  f"{self.config.backend!r} backend")
             # the elastic door: membership read before each call, masks after (see there)
+            self._stale = self._backend.membership_stale
             self.dispatch, self.combine = self._elastic_dispatch, self._elastic_combine
         ops.register_buffer(self)
 
@@ -468,9 +469,9 @@ class Buffer:
                           handle: DispatchHandle | None = None) -> DispatchResult:
         """`dispatch` of an elastic Buffer: the shared membership first (one load while it
         is unchanged), then the call, then `masked` if a rank is inactive."""
-        m = self._members
-        if self._backend.membership_stale():
+        if self._stale():
             self._sync_members()
+        m = self._members
         version = m.version
         res = Buffer.dispatch(self, x, topk_idx, topk_weights, handle=handle)
         if m.any_inactive:
@@ -487,9 +488,9 @@ class Buffer:
                          weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """`combine` of an elastic Buffer (see `_elastic_dispatch`): `handle.masked` then
         says which slots were not summed."""
-        m = self._members
-        if self._backend.membership_stale():
+        if self._stale():
             self._sync_members()
+        m = self._members
         version = m.version
         y = Buffer.combine(self, expert_out, handle, weighted, out)
         if m.version != version:

@@ -31,6 +31,7 @@ class Membership:
         active: `[world]` bool numpy array, this rank's view (only ever loses ranks).
         version: incremented whenever a rank is removed: a Buffer compares it before and after
             a call to see whether ranks were removed meanwhile.
+        any_inactive: whether some rank is inactive.
         why: per removed rank, why ("died", "removed by set_active_ranks").
     """
 
@@ -43,10 +44,8 @@ class Membership:
         self._lock = threading.Lock()
         #: `[num_experts]` bool: expert hosted by an inactive rank (None while all active)
         self._expert_inactive: torch.Tensor | None = None
-
-    @property
-    def any_inactive(self) -> bool:
-        return self._expert_inactive is not None
+        #: whether some rank is inactive (an attribute: read on every call)
+        self.any_inactive = False
 
     @property
     def inactive(self) -> list[int]:
@@ -68,6 +67,7 @@ class Membership:
                 self.why[r] = why
             self._expert_inactive = torch.from_numpy(
                 np.repeat(~self.active, self.experts_per_rank))
+            self.any_inactive = True
             self.version += 1
             return new
 

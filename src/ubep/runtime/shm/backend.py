@@ -140,6 +140,8 @@ class ShmBackend:
             self.membership = Membership(self.rank, self.world, c.experts_per_rank)
             self.ctx.members = ShmMembership(self.membership, self.ctx.region, self.ctx.bases,
                                              self.ctx.segs)
+            # read before every call: the word's bound method itself, one call deep
+            self.membership_stale = self.ctx.members.stale
         self._refuse_sp = c.sync == "sp" and not c.direct
         self.topology = Topology.resolve(c.topology, self.world)
         mapper = WorkerMapper.of(self.topology, self.rank, c.num_experts, c.schedule)

@@ -67,10 +67,10 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
     `failed()` true (another worker of the call failed) raises `Cancelled`. `deadline` is in
     `time.perf_counter()` seconds (`deadline_after`).
 
-    `members` (a `membership.ShmMembership`, elastic Buffers only): a dead peer is recorded as
-    inactive instead of raising, ranks other ranks recorded are read from the shared word on
-    every round, and `on_inactive()` (the path's: stop waiting for inactive ranks; it must be
-    idempotent) runs whenever the inactive ranks changed, and first thing if some are.
+    `members` (a `membership.ShmMembership`, elastic Buffers only): at every liveness probe, a
+    dead peer is recorded as inactive instead of raising, ranks other ranks recorded are read
+    from the shared word, and `on_inactive()` (the path's: stop waiting for inactive ranks; it
+    must be idempotent) runs while some rank is inactive; also first thing if some are.
     """
     left = poll(SPINS)
     if left == 0:
@@ -78,8 +78,8 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
     version = -1
     if members is not None:
         m = members.members
+        version = m.version
         if m.any_inactive and on_inactive is not None:
-            version = m.version
             on_inactive()
             left = poll(SPINS)
             if left == 0:
@@ -103,27 +103,26 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
         if still < left:                                   # progress: the peer is running
             yield_until, n = now + YIELD_S, 0
         left = still
-        if members is not None:
-            if members.stale():
-                members.sync()                    # raises if this rank was removed
-            if now >= next_live:
-                next_live = now + LIVENESS_EVERY_S
-                members.find_dead()
-                if members.members.any_inactive:
-                    version = -1          # again now and then: a removed rank that still
-                                          # calls may overwrite what `on_inactive` wrote
-            if members.members.version != version:
-                version = members.members.version
-                if on_inactive is not None:
-                    on_inactive()
-                left = poll(SPINS)
-                if left == 0:
-                    return
-        elif now >= next_live:
+        if now >= next_live:
             next_live = now + LIVENESS_EVERY_S
-            dead = [r for r, seg in enumerate(segs) if not seg.owner_alive()]
-            if dead:
-                raise PeerDiedError(rank, phase, dead)
+            if members is None:
+                dead = [r for r, seg in enumerate(segs) if not seg.owner_alive()]
+                if dead:
+                    raise PeerDiedError(rank, phase, dead)
+            else:           # elastic: what others recorded, then my own probe
+                if members.stale():
+                    members.sync()                # raises if this rank was removed
+                members.find_dead()
+                m = members.members
+                if m.version != version or m.any_inactive:
+                    # (again at every probe while a rank is inactive: a removed rank that
+                    # still calls may overwrite what `on_inactive` wrote)
+                    version = m.version
+                    if on_inactive is not None:
+                        on_inactive()
+                    left = poll(SPINS)
+                    if left == 0:
+                        return
         if now > deadline:
             if poll(SPINS) == 0:
                 return
