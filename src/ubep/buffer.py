@@ -217,16 +217,14 @@ class Buffer:
         # `_LOAD_FOLD` dispatches): a list append per call
         self._loads: list = []
         self._load = np.zeros(self.num_local_experts, np.int64)
-        #: the elastic membership (`ubep.elastic.Membership`), None without elastic
+        #: the elastic membership (`ubep.elastic.Membership`), None without elastic; and the
+        #: backend's test of its shared membership (one load; None: changes inside calls only)
         self._members = getattr(self._backend, "membership", None)
-        if elastic:
-            if self._members is None:
-                self._backend.close()
-                raise ValueError(f"elastic=True is not supported by the "
-                                 f"{self.config.backend!r} backend")
-            # the elastic door: membership read before each call, masks after (see there)
-            self._stale = self._backend.membership_stale
-            self.dispatch, self.combine = self._elastic_dispatch, self._elastic_combine
+        self._stale = getattr(self._backend, "membership_stale", None)
+        if elastic and self._members is None:
+            self._backend.close()
+            raise ValueError(f"elastic=True is not supported by the "
+                             f"{self.config.backend!r} backend")
         ops.register_buffer(self)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -304,6 +302,8 @@ class Buffer:
         # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
         # ~40 µs batch-1 dispatch+combine (docs/results.md, "Layer by layer, in place"); on the
         # shm direct path with `ubep.native`, the door takes it whole ("The door")
+        if self._stale is not None and self._stale():
+            self._sync_members()            # elastic: a rank another rank found dead
         if handle is None and not _is_compiling():
             if self._door is not None:      # the whole call compiled, or NotImplemented
                 res = self._door_dispatch(self._door, self, x, topk_idx, topk_weights)
@@ -312,6 +312,8 @@ class Buffer:
                     self._loads.append(res.tokens_per_expert if tpe is None else tpe)
                     if len(self._loads) >= _LOAD_FOLD:
                         self._fold_loads()
+                    if self._members is not None and self._members.any_inactive:
+                        self._note_masked(res, topk_idx)    # a rank died in this call
                     return res
             if self._dispatch_ready(x, topk_idx, topk_weights, *self._limits):
                 return self._dispatch_checked(x, topk_idx, topk_weights)
@@ -357,6 +359,7 @@ class Buffer:
             if self._closed or self._broken is not None:
                 self._check_usable("dispatch")
             self._calls += 1
+            routing = idx
             if self._members is not None and self._members.any_inactive:
                 idx = self._members.mask(idx)[0]    # nothing goes to an inactive rank
             try:                # inline (a helper call per op costs more than the try)
@@ -364,6 +367,8 @@ class Buffer:
             except BaseException as e:
                 self._failed(e)
                 raise
+            if self._members is not None and self._members.any_inactive:
+                self._note_masked(res, routing)
             self.last_stats = res.stats
             tpe = res.__dict__.get("_tpe")
             self._loads.append(res.tokens_per_expert if tpe is None else tpe)
@@ -397,9 +402,13 @@ class Buffer:
         # the common call (eager, this Buffer's handle, rows as the handle expects, `out`
         # None or a contiguous tensor apart from them): the rows' fast check alone, then the
         # backend (as in `dispatch`)
+        if self._stale is not None and self._stale():
+            self._sync_members()            # elastic: a rank another rank found dead
         if self._door is not None and not _is_compiling():
             y = self._door_combine(self._door, self, expert_out, handle, weighted, out)
             if y is not NotImplemented:
+                if self._members is not None and self._members.any_inactive:
+                    self._door = None       # a rank died in this call (the door assumes none)
                 return y
         if (type(handle) is DispatchHandle and out is None and handle.buffer_id == self._id
                 and not _is_compiling() and self._combine_ready(expert_out, handle.num_recv,
@@ -461,41 +470,20 @@ class Buffer:
             except BaseException as e:
                 self._failed(e)
                 raise
+            if self._members is not None and self._members.any_inactive:
+                self._door = None
             self.last_stats = res.stats
             return res.y
 
     # -- elastic expert parallelism and load ----------------------------------------------
-    def _elastic_dispatch(self, x, topk_idx=None, topk_weights=None, *,
-                          handle: DispatchHandle | None = None) -> DispatchResult:
-        """`dispatch` of an elastic Buffer: the shared membership first (one load while it
-        is unchanged), then the call, then `masked` if a rank is inactive."""
-        if self._stale():
-            self._sync_members()
-        m = self._members
-        version = m.version
-        res = Buffer.dispatch(self, x, topk_idx, topk_weights, handle=handle)
-        if m.any_inactive:
-            if m.version != version:
-                self._door = None
-            idx = handle.topk_idx if topk_idx is None else topk_idx
-            hit = m.slots_on_inactive(idx)
-            if hit is not None:
-                res.__dict__["masked"] = hit
-                res.handle.__dict__["masked"] = hit
-        return res
-
-    def _elastic_combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
-                         weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`combine` of an elastic Buffer (see `_elastic_dispatch`): `handle.masked` then
-        says which slots were not summed."""
-        if self._stale():
-            self._sync_members()
-        m = self._members
-        version = m.version
-        y = Buffer.combine(self, expert_out, handle, weighted, out)
-        if m.version != version:
-            self._door = None
-        return y
+    def _note_masked(self, res: DispatchResult, routing: torch.Tensor) -> None:
+        """Elastic, some rank inactive: `res.masked` (and its handle's) are the slots of the
+        caller's `routing` on inactive ranks; the door is off from now on."""
+        self._door = None
+        hit = self._members.slots_on_inactive(routing)
+        if hit is not None:
+            res.__dict__["masked"] = hit
+            res.handle.__dict__["masked"] = hit
 
     def _sync_members(self) -> None:
         """Apply what the backend's shared membership says (a rank found dead elsewhere)."""
@@ -518,7 +506,7 @@ class Buffer:
         the death (a dead rank is found by every remaining rank in the first call it misses)."""
         if self._members is None:
             return torch.ones(self.world_size, dtype=torch.bool)
-        if not self._closed and self._backend.membership_stale():
+        if not self._closed and self._stale is not None and self._stale():
             self._sync_members()
         return self._members.active_ranks()
 
@@ -541,7 +529,7 @@ class Buffer:
             raise ValueError("set_active_ranks needs Buffer(elastic=True)")
         with self._lock:
             self._check_usable("set_active_ranks")
-        if self._backend.membership_stale():
+        if self._stale is not None and self._stale():
             self._sync_members()
         new = check_drain_mask(mask, self._members.active, self.rank)
         with self._lock:

@@ -545,12 +545,8 @@ class TorchBackend:
             note_combine(handle, self.membership, self.membership.inactive)
             return res
 
-    def membership_stale(self) -> bool:
-        """Torch: the membership changes inside calls only (recovery): never stale."""
-        return False
-
-    def sync_membership(self) -> None:
-        """Nothing to read (see `membership_stale`)."""
+    #: the membership changes inside calls only (a recovery): nothing to read between them
+    membership_stale = None
 
     def set_active_ranks(self, mask: np.ndarray) -> None:
         """Remove the ranks `mask` drops (`TorchElastic.drain`)."""

@@ -292,10 +292,9 @@ class ShmBackend:
         return res
 
     # -- elastic ------------------------------------------------------------------------------
-    def membership_stale(self) -> bool:
-        """Whether ranks were marked inactive in the shared word since this rank last read it
-        (one load; `Buffer` asks before each call)."""
-        return self.ctx.members.stale()
+    #: elastic: whether ranks were marked inactive in the shared word since this rank last read
+    #: it (`ShmMembership.stale`, one load; `Buffer` asks before each call); None without
+    membership_stale = None
 
     def sync_membership(self) -> None:
         """Read the shared word into `membership` (`RankRemovedError` if this rank is out)."""
