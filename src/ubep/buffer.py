@@ -218,9 +218,11 @@ class Buffer:
         self._loads: list = []
         self._load = np.zeros(self.num_local_experts, np.int64)
         #: the elastic membership (`ubep.elastic.Membership`), None without elastic; and the
-        #: backend's test of its shared membership (one load; None: changes inside calls only)
+        #: backend's shared membership word with the bits of it applied (compared before each
+        #: call: one load; None where the membership changes inside calls only)
         self._members = getattr(self._backend, "membership", None)
-        self._stale = getattr(self._backend, "membership_stale", None)
+        self._word, self._applied = getattr(self._backend, "membership_word", None) or (None,
+                                                                                        None)
         if elastic and self._members is None:
             self._backend.close()
             raise ValueError(f"elastic=True is not supported by the "
@@ -235,6 +237,7 @@ class Buffer:
                 return
             self._closed = True
             self._door = None
+            self._word = None           # (a view of shared memory the backend unmaps)
             self._backend.close()
             for companion in self._companions.values():
                 companion.close()
@@ -302,7 +305,7 @@ class Buffer:
         # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
         # ~40 µs batch-1 dispatch+combine (docs/results.md, "Layer by layer, in place"); on the
         # shm direct path with `ubep.native`, the door takes it whole ("The door")
-        if self._stale is not None and self._stale():
+        if self._word is not None and self._word[0] != self._applied[0]:
             self._sync_members()            # elastic: a rank another rank found dead
         if handle is None and not _is_compiling():
             if self._door is not None:      # the whole call compiled, or NotImplemented
@@ -402,7 +405,7 @@ class Buffer:
         # the common call (eager, this Buffer's handle, rows as the handle expects, `out`
         # None or a contiguous tensor apart from them): the rows' fast check alone, then the
         # backend (as in `dispatch`)
-        if self._stale is not None and self._stale():
+        if self._word is not None and self._word[0] != self._applied[0]:
             self._sync_members()            # elastic: a rank another rank found dead
         if self._door is not None and not _is_compiling():
             y = self._door_combine(self._door, self, expert_out, handle, weighted, out)
@@ -506,7 +509,7 @@ class Buffer:
         the death (a dead rank is found by every remaining rank in the first call it misses)."""
         if self._members is None:
             return torch.ones(self.world_size, dtype=torch.bool)
-        if not self._closed and self._stale is not None and self._stale():
+        if not self._closed and self._word is not None and self._word[0] != self._applied[0]:
             self._sync_members()
         return self._members.active_ranks()
 
@@ -529,7 +532,7 @@ class Buffer:
             raise ValueError("set_active_ranks needs Buffer(elastic=True)")
         with self._lock:
             self._check_usable("set_active_ranks")
-        if self._stale is not None and self._stale():
+        if self._word is not None and self._word[0] != self._applied[0]:
             self._sync_members()
         new = check_drain_mask(mask, self._members.active, self.rank)
         with self._lock:

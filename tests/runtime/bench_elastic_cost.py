@@ -29,6 +29,7 @@ def _rank(rank: int, world: int, kw: dict, rounds: int, batch: int) -> dict:
     from ubep.bench.flags import HostSync
     from ubep.testing import alternate, make_routing, make_tokens
 
+    os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})   # one core per rank
     idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
     x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
     sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"], timeout_s=60)

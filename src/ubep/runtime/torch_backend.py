@@ -546,7 +546,7 @@ class TorchBackend:
             return res
 
     #: the membership changes inside calls only (a recovery): nothing to read between them
-    membership_stale = None
+    membership_word = None
 
     def set_active_ranks(self, mask: np.ndarray) -> None:
         """Remove the ranks `mask` drops (`TorchElastic.drain`)."""

@@ -140,8 +140,8 @@ class ShmBackend:
             self.membership = Membership(self.rank, self.world, c.experts_per_rank)
             self.ctx.members = ShmMembership(self.membership, self.ctx.region, self.ctx.bases,
                                              self.ctx.segs)
-            # read before every call: the word's bound method itself, one call deep
-            self.membership_stale = self.ctx.members.stale
+            # read before every call (`Buffer`): the shared word and the bits applied
+            self.membership_word = (self.ctx.members.word, self.ctx.members.applied)
         self._refuse_sp = c.sync == "sp" and not c.direct
         self.topology = Topology.resolve(c.topology, self.world)
         mapper = WorkerMapper.of(self.topology, self.rank, c.num_experts, c.schedule)
@@ -292,9 +292,9 @@ class ShmBackend:
         return res
 
     # -- elastic ------------------------------------------------------------------------------
-    #: elastic: whether ranks were marked inactive in the shared word since this rank last read
-    #: it (`ShmMembership.stale`, one load; `Buffer` asks before each call); None without
-    membership_stale = None
+    #: elastic: (my region's membership word, the bits of it applied so far), which `Buffer`
+    #: compares before every call (ranks another rank found inactive); None without
+    membership_word = None
 
     def sync_membership(self) -> None:
         """Read the shared word into `membership` (`RankRemovedError` if this rank is out)."""

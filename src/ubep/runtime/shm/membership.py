@@ -40,27 +40,30 @@ class ShmMembership:
         self.members = members
         self.rank = members.rank
         self._word = region[H_INACTIVE:H_INACTIVE + 16].view(np.int64)   # inactive, removed
+        #: what `Buffer` reads before every call, as cheap as Python reads: my region's word
+        #: (an int64 memoryview) and the bits applied so far (a one-element list)
+        self.word = memoryview(region[H_INACTIVE:H_INACTIVE + 8]).cast("q")
+        self.applied = [0]
         self._inactive_addrs = np.ascontiguousarray(bases + H_INACTIVE)
         self._removed_addrs = np.ascontiguousarray(bases + H_REMOVED)
         self._drain_first = int(bases[self.rank]) + H_DRAIN_OFF
         self._drain_addrs = np.ascontiguousarray(bases + H_DRAIN_OFF + 16 * self.rank)
         self._segs = segs
-        self._seen = 0                    # the bits of the word applied to `members`
         self._lock = threading.RLock()
         self.drains = 0                   # set_active_ranks calls so far (the generation)
 
     # -- reading ------------------------------------------------------------------------------
     def stale(self) -> bool:
         """Whether my region's word holds bits `members` does not know yet (one load)."""
-        return int(self._word[0]) != self._seen
+        return self.word[0] != self.applied[0]
 
     def sync(self) -> list[int]:
         """Apply the word's new bits to `members`; the ranks that became inactive. Raises
         `RankRemovedError` if this rank's own bit is set."""
         with self._lock:
             word = int(self._word[0])
-            new_bits = word & ~self._seen
-            self._seen = word
+            new_bits = word & ~self.applied[0]
+            self.applied[0] = word
             if not new_bits:
                 return []
             removed = int(self._word[1])
