@@ -235,7 +235,7 @@ class PoolPath:
                                np.zeros(c.num_experts, np.int64), n_tw, elem, STATUS_ABORT, 0,
                                world)
                 raise sentinel_error("x", bad)
-        if ctx.members is not None:
+        if ctx.members is not None and ctx.members.members.any_inactive:
             proxy_counts(ctx, epoch, elem)
         cl = self.runner.start(DispatchCall(
             epoch=epoch, deadline=ctx.deadline(), n=n, xb=xb, idx=idx, w=w, dtype=x.dtype,
@@ -425,7 +425,7 @@ class PoolPath:
                 KS.send_hello(ctx.bases, ctx.lay, ctx.rank, epoch, n, elem, STATUS_ABORT)
                 raise sentinel_error("expert_out", bad)
         self.dropped = []
-        if ctx.members is not None:
+        if ctx.members is not None and ctx.members.members.any_inactive:
             proxy_hellos(ctx, epoch, elem)
         ecode, lut = combine_elem(dtype)
         num_tokens, top_k = idx.shape

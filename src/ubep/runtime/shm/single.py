@@ -161,7 +161,7 @@ class SinglePath:
         the rows."""
         self._d_epoch = epoch = next_epoch(self._d_epoch)
         tpe = np.empty(self.ctx.config.experts_per_rank, np.int64)
-        if self.ctx.members is not None:
+        if self.ctx.members is not None and self.ctx.members.members.any_inactive:
             proxy_counts(self.ctx, epoch, DTYPE_CODES[x.dtype])
         left = KS.dispatch_begin_at(self._state_addr, epoch, x.data_ptr(), x.shape[0],
                                     x.shape[1] * x.element_size(), topk_idx.data_ptr(),
@@ -244,7 +244,7 @@ class SinglePath:
         num_tokens, hidden = handle.num_tokens, handle.hidden
         self._c_epoch = epoch = next_epoch(self._c_epoch)
         self.dropped = []
-        if self.ctx.members is not None:
+        if self.ctx.members is not None and self.ctx.members.members.any_inactive:
             proxy_hellos(self.ctx, epoch, DTYPE_CODES[dtype])
         # the kernels write by address: a caller's row-major `dest` takes the sums directly
         into = dest if dest is not None and dest.is_contiguous() else None
