@@ -476,16 +476,20 @@ class TorchBackend:
     def _a2a(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
              input_splits: list[int], async_op: bool = False):
         """`all_to_all` on this Buffer's group; elastic: on its current members, bounded, a
-        failure recovered (`TorchElastic.all_to_all`, synchronous: returns None)."""
+        failure recovered (`TorchElastic.all_to_all`)."""
         if self._el is None:
             return all_to_all(self._pg, output, input, output_splits, input_splits, async_op)
-        self._el.all_to_all(output, input, output_splits, input_splits)
-        return None
+        return self._el.all_to_all(output, input, output_splits, input_splits, async_op)
 
     def _wait(self, work) -> None:
-        """`wait` for an `_a2a(..., async_op=True)` (nothing for an elastic one: done)."""
-        if work is not None:
+        """`wait` for an `_a2a(..., async_op=True)` (elastic: bounded, a failure recovered;
+        None: done already)."""
+        if work is None:
+            return
+        if self._el is None:
             wait(work, self._pg)
+        else:
+            self._el.finish(work)
 
     def _forced_phase2(self) -> bool:
         """Elastic: a dispatch redone after a recovery runs phase 2 when the ranks that

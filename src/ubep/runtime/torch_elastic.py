@@ -128,10 +128,12 @@ class TorchElastic:
 
     # -- collectives ----------------------------------------------------------------------------
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
-                   input_splits: list[int]) -> None:
+                   input_splits: list[int], async_op: bool = False):
         """`all_to_all_single` of flat tensors (byte or element splits by rank of the Buffer's
         group; empty = equal), on the current members (inactive ranks' parts: nothing sent,
-        zeros received); a failure or a deadline passed starts the recovery (`Redo`)."""
+        zeros received); a failure or a deadline passed starts the recovery (`Redo`).
+        `async_op` while every rank is active: returns the collective's work, which `finish`
+        waits for; else None (done)."""
         # flat, splits in elements (a split of a [n, m] tensor counts rows of m)
         o_row = output[0].numel() if output.dim() > 1 and output.shape[0] else 1
         i_row = input[0].numel() if input.dim() > 1 and input.shape[0] else 1
@@ -141,17 +143,28 @@ class TorchElastic:
         input_splits = ([input.numel() // self.world] * self.world if not input_splits
                         else [int(n) * i_row for n in input_splits])
         self._now.append((input, input_splits, output_splits))
-        self._run(output, input, output_splits, input_splits)
+        return self._run(output, input, output_splits, input_splits, async_op)
 
-    def _run(self, output, input, output_splits, input_splits) -> None:
+    def finish(self, work) -> None:
+        """Wait for the work an `all_to_all(..., async_op=True)` returned (see `_run`)."""
+        try:
+            self._wait(work)
+        except (Redo, StoreHostDiedError, RankRemovedError, PeerTimeoutError):
+            raise
+        except Exception as e:   # noqa: BLE001 - a collective that failed: a peer died
+            self.recover(e)
+
+    def _run(self, output, input, output_splits, input_splits, async_op: bool = False):
         from ubep.runtime.torch_backend import all_to_all
 
         try:
             if not self.members.any_inactive:
                 work = all_to_all(self.group, output, input, output_splits, input_splits,
                                   async_op=True)
+                if async_op:
+                    return work
                 self._wait(work)
-                return
+                return None
             act = np.flatnonzero(self.members.active).tolist()
             o_at = np.concatenate([[0], np.cumsum(output_splits)]).tolist()
             i_at = np.concatenate([[0], np.cumsum(input_splits)]).tolist()
@@ -168,6 +181,7 @@ class TorchElastic:
                     at += n
                 else:
                     output[o_at[r]:o_at[r] + n].zero_()
+            return None
         except Redo:
             raise
         except (StoreHostDiedError, RankRemovedError, PeerTimeoutError):
