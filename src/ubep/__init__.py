@@ -10,8 +10,10 @@ from ubep.errors import (
     BrokenBufferError,
     PeerDiedError,
     PeerTimeoutError,
+    RankRemovedError,
     ShmCapacityError,
     ShmError,
+    StoreHostDiedError,
     UbepError,
 )
 from ubep.handle import DispatchHandle, DispatchResult
@@ -27,5 +29,5 @@ __all__ = [
     "Buffer", "BufferConfig", "DispatchHandle", "DispatchResult", "DispatchLayout",
     "get_dispatch_layout", "Stats", "Interval", "chrome_trace", "write_chrome_trace", "Topology",
     "UbepError", "PeerTimeoutError", "PeerDiedError", "BrokenBufferError", "ShmError",
-    "ShmCapacityError", "sync_info", "SyncInfo",
+    "ShmCapacityError", "RankRemovedError", "StoreHostDiedError", "sync_info", "SyncInfo",
 ]

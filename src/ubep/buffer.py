@@ -6,11 +6,13 @@ import dataclasses
 import itertools
 import threading
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ubep import ops, quant
-from ubep.errors import BrokenBufferError, UbepError
+from ubep.elastic import check_drain_mask
+from ubep.errors import BrokenBufferError, RankRemovedError, UbepError
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.native import load_native
 from ubep.options import (
@@ -36,6 +38,8 @@ from ubep.validate import (
 )
 
 _buffer_ids = itertools.count(1)
+#: dispatches whose tokens per expert `Buffer` keeps before adding them up (`expert_load`)
+_LOAD_FOLD = 256
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
@@ -100,6 +104,14 @@ class Buffer:
             two areas (True) or four ("owned": two lent as recv_x, a scratch one, the combine
             area) of world x max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4
             bytes.
+        elastic: a rank found dead (shm: its liveness lock; torch: a failed or overdue
+            collective) leaves `active_ranks` on every other rank instead of failing the
+            call: the call completes without it, raises nothing, and no later call waits for
+            it. Slots routed to an inactive rank's experts are not delivered
+            (`DispatchResult.masked`) and combine does not sum them; traffic between the
+            remaining ranks stays exact. `set_active_ranks` removes ranks on purpose.
+            Default False: a dead peer is a `PeerDiedError`. Costs nothing while nothing
+            fails (docs/reliability.md, "Elastic").
 
     Every rank must pass the same backend, mode, sync, direct, num_experts, hidden,
     max_tokens_per_rank, max_top_k, block_bytes and workers: the constructor compares them
@@ -108,14 +120,16 @@ class Buffer:
 
     Attributes:
         rank, world_size, num_experts, num_local_experts, config (`ubep.BufferConfig`),
-        last_stats (stats of the latest dispatch or combine, or None).
+        last_stats (stats of the latest dispatch or combine, or None), active_ranks
+        (`[world]` bool, elastic).
     """
 
     def __init__(self, group=None, *, num_experts: int, hidden: int, max_tokens_per_rank: int,
                  backend: str = "auto", mode: str | None = None, sync: str = "tff",
                  schedule: str = "hierarchical", workers: int | None = None,
                  count_workers: int | None = None, topology=None, timeout_s: float = 30.0,
-                 max_top_k: int = 8, block_bytes: int = 512, direct: bool | str | None = None):
+                 max_top_k: int = 8, block_bytes: int = 512, direct: bool | str | None = None,
+                 elastic: bool = False):
         check_choice("backend", backend, BACKENDS)
         if mode is not None:
             check_choice("mode", mode, MODES)
@@ -145,6 +159,8 @@ class Buffer:
             if sync not in ("tff", "sw"):
                 raise ValueError(f"direct={direct!r} flags each row with one word written after "
                                  f"it; sync={sync!r} does not apply: use 'tff' or 'sw'")
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be a bool, got {type(elastic).__name__}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         if not dist.is_initialized():
@@ -155,7 +171,7 @@ class Buffer:
         # every field that shapes memory or the protocol, compared before anything is built
         agree(dict(backend=backend, mode=mode, sync=sync, direct=direct, num_experts=num_experts,
                    hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k,
-                   block_bytes=block_bytes, workers=workers),
+                   block_bytes=block_bytes, workers=workers, elastic=elastic),
               group, rank=rank, world=world_size, timeout_s=float(timeout_s))
         if num_experts % world_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
@@ -165,7 +181,7 @@ class Buffer:
             max_tokens_per_rank=max_tokens_per_rank, max_top_k=max_top_k, backend=backend,
             mode=mode or "ubep", sync=sync, schedule=schedule, workers=workers,
             count_workers=count_workers, block_bytes=block_bytes, timeout_s=float(timeout_s),
-            topology=topology, direct=False if direct is None else direct,
+            topology=topology, direct=False if direct is None else direct, elastic=elastic,
             requested_backend=backend, backend_reason="" if backend == "auto" else "asked for")
         if backend == "auto":
             # the fastest path whose results the caller owns, unless a choice rules it out
@@ -204,6 +220,19 @@ class Buffer:
             self._door_dispatch, self._door_combine = (
                 getattr(native, name) for name in self._backend.DOOR_ENTRIES)
         self._companions: dict[int, Buffer] = {}  # rows of other widths (`companion`)
+        # `expert_load`: each dispatch's tokens per local expert, summed when read (or every
+        # `_LOAD_FOLD` dispatches): a list append per call
+        self._loads: list = []
+        self._load = np.zeros(self.num_local_experts, np.int64)
+        #: the elastic membership (`ubep.elastic.Membership`), None without elastic; and the
+        #: backend's shared membership word with the bits of it applied (compared before each
+        #: call: one load; None where the membership changes inside calls only)
+        self._members = self._backend.membership
+        self._word, self._applied = self._backend.membership_word or (None, None)
+        if elastic and self._members is None:
+            self._backend.close()
+            raise ValueError(f"elastic=True is not supported by the "
+                             f"{self.config.backend!r} backend")
         ops.register_buffer(self)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -214,6 +243,7 @@ class Buffer:
                 return
             self._closed = True
             self._door = None
+            self._word = None           # (a view of shared memory the backend unmaps)
             self._backend.close()
             for companion in self._companions.values():
                 companion.close()
@@ -252,6 +282,9 @@ class Buffer:
     def _check_usable(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"cannot {what} after close")
+        if isinstance(self._broken, RankRemovedError):
+            raise RankRemovedError(self.rank, self._members.why.get(self.rank, "died")
+                                   ) from self._broken
         if self._broken is not None:
             raise BrokenBufferError(
                 f"cannot {what}: an earlier call failed ({type(self._broken).__name__}: "
@@ -298,16 +331,30 @@ class Buffer:
         # straight to the backend: every frame and keyword call saved here is ~0.3-1 µs of a
         # ~40 µs batch-1 dispatch+combine in one process; on the shm direct path with
         # `ubep.native`, the door takes it whole
+        if self._word is not None and self._word[0] != self._applied[0]:
+            self._sync_members()            # elastic: a rank another rank found dead
         if handle is None and not _is_compiling():
             if self._door is not None:      # the whole call compiled, or NotImplemented
                 res = self._door_dispatch(self._door, self, x, topk_idx, topk_weights)
                 if res is not NotImplemented:
+                    tpe = res.__dict__.get("_tpe")     # `expert_load`'s: not the rows
+                    self._loads.append(res.tokens_per_expert if tpe is None else tpe)
+                    if len(self._loads) >= _LOAD_FOLD:
+                        self._fold_loads()
+                    if self._members is not None and self._members.any_inactive:
+                        self._note_masked(res, topk_idx)    # a rank died in this call
                     return res
             if self._dispatch_ready(x, topk_idx, topk_weights, *self._limits):
                 return self._dispatch_checked(x, topk_idx, topk_weights)
         if handle is not None:
             topk_idx, topk_weights = self._routing_of(handle, topk_idx, topk_weights)
         if type(x) is tuple:
+            if self._members is not None:
+                raise ValueError("x=(rows, scales) is not supported with elastic=True: the "
+                                 "scales travel through a second Buffer, whose rows could "
+                                 "differ from these in the call a rank dies in; send the "
+                                 "scales inside the rows (one byte row each), or use "
+                                 "elastic=False")
             return quant.dispatch_with_scales(self, x, topk_idx, topk_weights)
         if ((getattr(x, "requires_grad", False) or getattr(topk_weights, "requires_grad", False))
                 and _grad_enabled() or _is_compiling()):
@@ -342,12 +389,21 @@ class Buffer:
             if self._closed or self._broken is not None:
                 self._check_usable("dispatch")
             self._calls += 1
+            routing = idx
+            if self._members is not None and self._members.any_inactive:
+                idx = self._members.mask(idx)[0]    # nothing goes to an inactive rank
             try:                # inline (a helper call per op costs more than the try)
                 res = self._backend.dispatch(x, idx, w, self._calls)
             except BaseException as e:
                 self._failed(e)
                 raise
+            if self._members is not None and self._members.any_inactive:
+                self._note_masked(res, routing)
             self.last_stats = res.stats
+            tpe = res.__dict__.get("_tpe")
+            self._loads.append(res.tokens_per_expert if tpe is None else tpe)
+            if len(self._loads) >= _LOAD_FOLD:
+                self._fold_loads()
             return res
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
@@ -376,9 +432,13 @@ class Buffer:
         # the common call (eager, this Buffer's handle, rows as the handle expects, `out`
         # None or a contiguous tensor apart from them): the rows' fast check alone, then the
         # backend (as in `dispatch`)
+        if self._word is not None and self._word[0] != self._applied[0]:
+            self._sync_members()            # elastic: a rank another rank found dead
         if self._door is not None and not _is_compiling():
             y = self._door_combine(self._door, self, expert_out, handle, weighted, out)
             if y is not NotImplemented:
+                if self._members is not None and self._members.any_inactive:
+                    self._door = None       # a rank died in this call (the door assumes none)
                 return y
         if (type(handle) is DispatchHandle and out is None and handle.buffer_id == self._id
                 and not _is_compiling() and self._combine_ready(expert_out, handle.num_recv,
@@ -441,8 +501,103 @@ class Buffer:
             except BaseException as e:
                 self._failed(e)
                 raise
+            if self._members is not None and self._members.any_inactive:
+                self._door = None
             self.last_stats = res.stats
             return res.y
+
+    # -- elastic expert parallelism and load ----------------------------------------------
+    def _note_masked(self, res: DispatchResult, routing: torch.Tensor) -> None:
+        """Elastic, some rank inactive: `res.masked` (and its handle's) are the slots of the
+        caller's `routing` on inactive ranks; the door is off from now on."""
+        self._door = None
+        hit = self._members.slots_on_inactive(routing)
+        if hit is not None:
+            res.__dict__["masked"] = hit
+            res.handle.__dict__["masked"] = hit
+
+    def _sync_members(self) -> None:
+        """Apply what the backend's shared membership says (a rank found dead elsewhere)."""
+        with self._lock:
+            if self._closed or self._broken is not None:
+                return              # the call raises the reason
+            try:
+                self._backend.sync_membership()
+            except RankRemovedError as e:
+                self._broken = e
+                raise
+            if self._members.any_inactive:
+                self._door = None   # the compiled door assumes every rank active
+
+    @property
+    def active_ranks(self) -> torch.Tensor:
+        """`[world]` bool: the ranks this Buffer still exchanges with (all True without
+        elastic). With elastic, a rank leaves it when found dead or removed by
+        `set_active_ranks`; the remaining ranks agree on it once each has made a call after
+        the death (a dead rank is found by every remaining rank in the first call it misses)."""
+        if self._members is None:
+            return torch.ones(self.world_size, dtype=torch.bool)
+        if not self._closed and self._word is not None and self._word[0] != self._applied[0]:
+            self._sync_members()
+        return self._members.active_ranks()
+
+    def set_active_ranks(self, mask: torch.Tensor) -> None:
+        """Remove ranks without a failure (a planned drain: maintenance, or after a load
+        balancer moved their experts away).
+
+        Called by every rank that stays active, at the same point of their calls, with the
+        same mask; the removed ranks do not call it: their Buffer refuses every later call
+        (`RankRemovedError`) and may be closed. Returns once the remaining ranks agreed
+        (bounded by `timeout_s`; masks that differ between them are the same ValueError on
+        each). Needs `elastic=True`.
+
+        Arguments:
+            mask: `[world]` bool tensor, True = stays active. It may only remove ranks (an
+                inactive rank cannot come back: make a new Buffer to grow) and must keep the
+                calling rank.
+        """
+        if self._members is None:
+            raise ValueError("set_active_ranks needs Buffer(elastic=True)")
+        with self._lock:
+            self._check_usable("set_active_ranks")
+        if self._word is not None and self._word[0] != self._applied[0]:
+            self._sync_members()
+        new = check_drain_mask(mask, self._members.active, self.rank)
+        with self._lock:
+            self._check_usable("set_active_ranks")
+            try:
+                self._backend.set_active_ranks(new)
+            except ValueError:
+                raise               # masks differ: nothing changed, on every rank alike
+            except BaseException as e:
+                self._failed(e)
+                raise
+            if self._members.any_inactive:
+                self._door = None
+
+    def expert_load(self, reset: bool = False) -> torch.Tensor:
+        """Tokens received per local expert since this Buffer was made or last reset (rows
+        its dispatches delivered here, masked slots not counted), as DeepEP's
+        `cumulative_local_expert_recv_stats`: what a load balancer reads to move experts.
+
+        Arguments:
+            reset: start counting again from zero after this read.
+
+        Returns:
+            `[num_local_experts]` int64 (a copy).
+        """
+        with self._lock:
+            self._fold_loads()
+            out = torch.from_numpy(self._load.copy())
+            if reset:
+                self._load[:] = 0
+            return out
+
+    def _fold_loads(self) -> None:
+        """Add the kept dispatches' tokens per expert into the running total."""
+        loads, self._loads = self._loads, []
+        for tpe in loads:
+            self._load += tpe.numpy() if isinstance(tpe, torch.Tensor) else tpe
 
     def get_combine_buffer(self, handle: DispatchHandle,
                            dtype: torch.dtype | None = None) -> torch.Tensor:

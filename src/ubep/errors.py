@@ -35,6 +35,22 @@ class BrokenBufferError(UbepError):
     """An earlier failure left the Buffer unusable; close it and make a new one."""
 
 
+class RankRemovedError(UbepError):
+    """This rank is no longer an active member of an elastic Buffer (`Buffer(elastic=True)`):
+    the other ranks removed it (`set_active_ranks`) or found it dead. Close the Buffer."""
+
+    def __init__(self, rank: int, why: str):
+        self.rank = rank
+        super().__init__(f"rank {rank} is no longer an active rank of this elastic Buffer "
+                         f"({why}); it makes no more calls: close it (the other ranks go on "
+                         f"without it)")
+
+
+class StoreHostDiedError(UbepError):
+    """An elastic torch Buffer lost the `torch.distributed` store that coordinates recovery:
+    the process that hosts it (rank 0 of the default group, the TCPStore master) died."""
+
+
 class ShmError(OSError):
     """A shared-memory segment could not be created or attached; says why and what to do."""
 

@@ -33,7 +33,8 @@ class DispatchHandle:
     state: Any = field(default=None, repr=False)
 
     def __getattr__(self, name: str):
-        """Row origins left as numpy by `new_handle` become tensors on first read."""
+        """Row origins left as numpy by `new_handle` become tensors on first read; `masked`
+        is all False until an elastic Buffer sets it."""
         return _made_on_read(self, name, _from_origins)
 
 
@@ -54,6 +55,10 @@ class DispatchResult:
         stats: `ubep.Stats` with per-phase times and per-worker intervals, or None.
         recv_x_scales: `[N, S]` float32, the scales of `recv_x`'s rows when `x` was a tuple
             `(x, x_scales)`; else None.
+        masked: `[T, K]` bool; True where slot (t, k) was not delivered because its expert's
+            rank is inactive (`Buffer(elastic=True)`: dead, or removed by `set_active_ranks`);
+            all False when nothing was masked (and always without elastic). `-1` slots are
+            False. Combine does not sum masked slots.
     """
 
     recv_x: torch.Tensor
@@ -103,13 +108,23 @@ def _made_on_read(obj: object, name: str, make) -> Any:
     return value
 
 
+def _no_mask(d: dict) -> torch.Tensor:
+    """`masked` where nothing was masked: all False, the routing's shape."""
+    idx = d["handle"].topk_idx if "handle" in d else d["topk_idx"]
+    return torch.zeros(idx.shape, dtype=torch.bool)
+
+
 def _from_origins(d: dict, name: str) -> torch.Tensor | None:
+    if name == "masked":
+        return _no_mask(d)
     row = _ORIGIN_ROWS.get(name)
     origins = d.get("_origins")
     return None if row is None or origins is None else torch.from_numpy(origins[row])
 
 
 def _from_weights_or_handle(d: dict, name: str) -> torch.Tensor | None:
+    if name == "masked":
+        return _no_mask(d)
     if name == "recv_weights" and "_weights" in d:
         return torch.from_numpy(d["_weights"])
     if name == "tokens_per_expert" and "_tpe" in d:
@@ -152,3 +167,13 @@ def new_combine_result(y: torch.Tensor, stats: Stats | None) -> CombineResult:
     r = _new(CombineResult)
     r.__dict__.update(y=y, stats=stats)
     return r
+
+
+def rerouted(handle: DispatchHandle, topk_idx: torch.Tensor, state: Any) -> DispatchHandle:
+    """A copy of `handle` whose combine uses routing `topk_idx` and backend state `state`
+    (an elastic Buffer's: the routing without inactive ranks' slots); same row origins."""
+    h = _new(DispatchHandle)
+    h.__dict__.update(handle.__dict__)
+    h.__dict__.update(topk_idx=topk_idx, state=state)
+    h.__dict__.pop("masked", None)
+    return h

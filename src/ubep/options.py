@@ -53,6 +53,8 @@ class BufferConfig:
     topology: Any = field(default=None, metadata={"help": "ubep.Topology, preset name or None"})
     direct: bool = field(default=False, metadata={
         "help": "shm: rows written straight to their final place (recv_x is a buffer view)"})
+    elastic: bool = field(default=False, metadata={
+        "help": "a rank found dead (or removed) leaves active_ranks; calls go on without it"})
     requested_backend: str = field(default="", metadata={
         "help": "the backend= the Buffer was given: auto | torch | shm"})
     backend_reason: str = field(default="", metadata={

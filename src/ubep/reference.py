@@ -171,3 +171,18 @@ def _bf16_ties_away(x: torch.Tensor) -> torch.Tensor:
     out = (((bits + 0x8000) >> 16) & 0xFFFF).to(torch.int32)
     out = torch.where(x.isnan(), torch.full_like(out, 0x7FC0), out)
     return out.to(torch.int16).view(torch.bfloat16)
+
+
+def masked_routing(topk_idxs: list[torch.Tensor], active: torch.Tensor,
+                   num_experts: int) -> list[torch.Tensor]:
+    """What an elastic Buffer (`Buffer(elastic=True)`) delivers, as a routing for the oracle:
+    every slot on an inactive rank's experts is -1, and an inactive rank sends nothing (all
+    its slots -1). `active` is `[world]` bool."""
+    per_rank = num_experts // len(topk_idxs)
+    off = ~active.to(torch.bool).repeat_interleave(per_rank)
+    out = []
+    for s, idx in enumerate(topk_idxs):
+        idx = idx.to(torch.int64)
+        dead = (idx >= 0) & (off[idx.clamp(min=0)] | (not bool(active[s])))
+        out.append(idx.masked_fill(dead, -1))
+    return out

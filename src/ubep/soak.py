@@ -12,6 +12,17 @@ of the job.
 
     ubep soak --calls 2000            # or --minutes 10; exit 1 on any mismatch, hang,
                                       # error or leaked segment
+
+With `--kill-every N` every Buffer is elastic (`Buffer(elastic=True)`) on 4 ranks (or
+`--world`), and every N calls a random active rank SIGKILLs itself at a random point of a
+call (until two remain) while the others go on; each survivor checks every call against the
+oracle with the dead ranks' slots masked (`reference.masked_routing`): bit for bit from the
+call after a death on; in the call a rank died in, the rows between live ranks bit for bit
+and the dead rank's all there or none, and combine over exactly the slots it reports summed
+(`handle.masked`). A survivor that raises, waits past its deadline or disagrees on
+`active_ranks` is counted as a failure.
+
+    ubep soak --kill-every 5 --calls 300
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ class Tally:
     hangs: int = 0
     errors: int = 0
     leaked: int = 0
+    kills: int = 0
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -46,7 +58,7 @@ class Tally:
         return not (self.mismatches or self.hangs or self.errors or self.leaked)
 
     def add(self, other: Tally) -> None:
-        for k in ("calls", "sessions", "mismatches", "hangs", "errors", "leaked"):
+        for k in ("calls", "sessions", "mismatches", "hangs", "errors", "leaked", "kills"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.failures.extend(other.failures)
 
@@ -208,6 +220,198 @@ def _soak_rank(rank: int, world: int, sessions: list[dict], stop_at: float) -> d
     return tally.__dict__
 
 
+# -- --kill-every: elastic sessions where ranks die -----------------------------------------------
+def elastic_session(rng: random.Random, world: int, calls: int, kill_every: int) -> dict:
+    """An elastic session (`random_session`'s configuration with `elastic=True`, sync not
+    sp) and its deaths: every `kill_every` calls, `(call, victim, phase, delay_s)`, victims
+    drawn from the ranks still active, until two remain."""
+    s = random_session(rng, world, calls)
+    kw = s["kw"]
+    kw.update(elastic=True, timeout_s=10.0, max_tokens_per_rank=max(kw["max_tokens_per_rank"], 3))
+    if kw["sync"] == "sp":
+        kw["sync"] = rng.choice(("tff", "sw", "dc"))
+    alive, kills = list(range(world)), []
+    for at in range(kill_every, calls, kill_every):
+        if len(alive) <= 2:
+            break
+        victim = alive.pop(rng.randrange(len(alive)))
+        kills.append((at, victim, rng.choice(("dispatch", "combine", "between")),
+                      0.0 if rng.random() < 0.3 else rng.uniform(0, 2e-3)))
+    s["kills"] = kills
+    return s
+
+
+def _same_rows(got, want) -> bool:
+    import torch
+
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _rows_from(res, ranks) -> tuple:
+    """(origins [3, n], row bytes) of `res`'s rows whose source is in `ranks`, in order."""
+    import torch
+
+    src = res.recv_src_rank.to(torch.int64)
+    keep = torch.isin(src, torch.tensor(sorted(ranks), dtype=torch.int64))
+    return (torch.stack([src[keep], res.recv_src_token.to(torch.int64)[keep],
+                         res.recv_src_slot.to(torch.int64)[keep]]),
+            res.recv_x[keep].contiguous().view(torch.uint8))
+
+
+def _elastic_rank(rank: int, world: int, session: dict, stop_at: float) -> dict:
+    """One elastic session on this rank (see `elastic_session`); its tally as a dict."""
+    import os
+    import signal
+    import threading
+
+    import torch
+
+    import ubep
+    from ubep import reference
+
+    tally = Tally(sessions=1)
+    kw = session["kw"]
+    kills = {at: (victim, phase, delay) for at, victim, phase, delay in session["kills"]}
+    where = f"session seed {session['seed']} {kw} kills {session['kills']}"
+    per = kw["num_experts"] // world
+    try:
+        buf = ubep.Buffer(**kw)
+    except Exception as e:  # noqa: BLE001 - counted and reported
+        tally.errors += 1
+        tally.failures.append(f"rank {rank} {where}: Buffer(): {type(e).__name__}: {e}")
+        return tally.__dict__
+    active = torch.ones(world, dtype=torch.bool)
+    try:
+        for i in range(session["calls"]):
+            if time.time() > stop_at:
+                break
+            ins, (dtype, k, kind, weighted, _) = call_inputs(session, world, i)
+            victim, phase, delay = kills.get(i, (None, None, 0.0))
+            mine = victim == rank
+            if mine and phase == "dispatch":
+                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            t0 = time.monotonic()
+            res = buf.dispatch(*ins[rank])
+            if mine and phase == "combine":
+                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            if mine and phase == "between":
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = _expert(res.recv_x)
+            y = buf.combine(out, res.handle, weighted=weighted)
+            took = time.monotonic() - t0
+            if mine:
+                time.sleep(120)                 # the timer kills it by then
+            tally.calls += 1
+            if took > kw["timeout_s"]:
+                tally.hangs += 1
+                tally.failures.append(f"rank {rank} {where} call {i}: took {took:.1f} s")
+            xs, idxs, ws = ([a[0] for a in ins], [a[1] for a in ins], [a[2] for a in ins])
+            why = ""
+            if victim is None:                  # no death in this call: exact, masked
+                refs = reference.dispatch(xs, reference.masked_routing(idxs, active,
+                                                                       kw["num_experts"]),
+                                          ws, kw["num_experts"])
+                ref = refs[rank]
+                if not _same_rows((res.recv_x.contiguous().view(torch.uint8),
+                                   res.recv_weights, res.tokens_per_expert.to(torch.int64),
+                                   res.recv_src_rank.to(torch.int64),
+                                   res.recv_src_token.to(torch.int64),
+                                   res.recv_src_slot.to(torch.int64)),
+                                  (ref.recv_x.contiguous().view(torch.uint8),
+                                   ref.recv_weights, ref.tokens_per_expert,
+                                   ref.recv_src_rank, ref.recv_src_token,
+                                   ref.recv_src_slot)):
+                    why = "dispatch differs from the masked oracle"
+                off = ~active.repeat_interleave(per)
+                want = (idxs[rank] >= 0) & off[idxs[rank].clamp(min=0)]
+                if not why and not torch.equal(res.masked, want):
+                    why = "masked is not exactly the dead ranks' slots"
+            else:                               # the call a rank died in
+                active[victim] = False
+                refs = reference.dispatch(xs, idxs, ws, kw["num_experts"])
+                ref = refs[rank]
+                live = {r for r in range(world) if bool(active[r])}
+                if not _same_rows(_rows_from(res, live), _rows_from(ref, live)):
+                    why = "rows between live ranks differ from the oracle"
+                got = _rows_from(res, {victim})
+                if not why and got[0].numel() and not _same_rows(got, _rows_from(ref, {victim})):
+                    why = "the dead rank's rows are partial"
+            if not why:
+                routing = [idx if r != rank else idx.masked_fill(res.handle.masked, -1)
+                           for r, idx in enumerate(idxs)]
+                if victim is None:
+                    routing = reference.masked_routing(routing, active, kw["num_experts"])
+                ref_y = reference.combine([_expert(d.recv_x) for d in refs], refs, routing, ws,
+                                          weighted=weighted)[rank]
+                tol = 1e-5 if y.dtype == torch.float32 else 2e-2
+                if not torch.allclose(y.float(), ref_y.float(), rtol=tol, atol=tol):
+                    why = "combine differs from the oracle over the slots it summed"
+            if why:
+                tally.mismatches += 1
+                tally.failures.append(f"rank {rank} {where} call {i} ({dtype}, k={k}, "
+                                      f"{kind}): {why}")
+        if not torch.equal(buf.active_ranks, active):
+            tally.mismatches += 1
+            tally.failures.append(f"rank {rank} {where}: active_ranks "
+                                  f"{buf.active_ranks.tolist()} != {active.tolist()}")
+    except ubep.PeerTimeoutError as e:
+        tally.hangs += 1
+        tally.failures.append(f"rank {rank} {where}: {e}")
+    except Exception as e:  # noqa: BLE001
+        tally.errors += 1
+        tally.failures.append(f"rank {rank} {where}: {type(e).__name__}: {e}")
+    finally:
+        buf.close()
+    return tally.__dict__
+
+
+def soak_kills(*, calls: int | None, minutes: float | None, world: int, seed: int,
+               calls_per_session: int, kill_every: int, progress=None) -> Tally:
+    """`soak` with `--kill-every`: elastic sessions on fresh processes, one job each."""
+    from ubep.runtime.shm.segments import unlink_name
+    from ubep.testing import RankFailure, run_ranks
+
+    rng = random.Random(seed)
+    stop_at = time.time() + minutes * 60 if minutes is not None else float("inf")
+    total = Tally()
+    n = 0
+    while time.time() < stop_at and (calls is None or total.calls < calls):
+        n += 1
+        left = calls_per_session if calls is None else min(calls_per_session,
+                                                           calls - total.calls)
+        s = elastic_session(rng, world, max(left, kill_every + 1), kill_every)
+        job = f"soakk{os.getpid()}s{n}"
+        outs = run_ranks(_elastic_rank, world, s, stop_at, timeout_s=s["calls"] * 4.0 + 120,
+                         return_exceptions=True, env={"UBEP_JOB_ID": job})
+        got = Tally(sessions=1, kills=len(s["kills"]))
+        victims = {v for _, v, _, _ in s["kills"]}
+        for r, o in enumerate(outs):
+            if isinstance(o, RankFailure):
+                if r in victims and o.kind == "died":
+                    continue
+                if o.kind == "timeout":
+                    got.hangs += 1
+                else:
+                    got.errors += 1
+                got.failures.append(str(o)[:2000])
+                continue
+            t = Tally(**o)
+            got.calls = max(got.calls, t.calls)
+            got.mismatches += t.mismatches
+            got.hangs += t.hangs
+            got.errors += t.errors
+            got.failures.extend(t.failures)
+        left_behind = _job_segments(job)
+        got.leaked += len(left_behind)
+        got.failures.extend(f"leaked segment /dev/shm/{n}" for n in left_behind)
+        for name in left_behind:
+            unlink_name(name)
+        total.add(got)
+        if progress is not None:
+            progress(total)
+    return total
+
+
 def _job_segments(job: str) -> list[str]:
     from ubep.runtime.shm.segments import SHM_DIR
 
@@ -280,8 +484,9 @@ def soak(*, calls: int | None = None, minutes: float | None = None, world: int =
 
 
 def _print_progress(t: Tally) -> None:
-    print(f"  {t.calls} calls, {t.sessions} buffers, {t.mismatches} mismatches, {t.hangs} hangs, "
-          f"{t.errors} errors, {t.leaked} leaked segments", flush=True)
+    kills = f", {t.kills} ranks killed" if t.kills else ""
+    print(f"  {t.calls} calls, {t.sessions} buffers{kills}, {t.mismatches} mismatches, "
+          f"{t.hangs} hangs, {t.errors} errors, {t.leaked} leaked segments", flush=True)
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -291,6 +496,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random configurations")
     ap.add_argument("--calls-per-buffer", type=int, default=50,
                     help="calls made on one Buffer before the next configuration (default 50)")
+    ap.add_argument("--kill-every", type=int, default=None, metavar="N",
+                    help="elastic Buffers (4 ranks unless --world): every N calls a random "
+                         "rank is SIGKILLed inside a call while the others go on")
     ap.add_argument("--quiet", action="store_true", help="print only the summary")
 
 
@@ -298,16 +506,28 @@ def run(args: argparse.Namespace) -> int:
     """0 if nothing went wrong, 1 on any mismatch, hang, error or leak, 2 on bad arguments."""
     if args.calls is None and args.minutes is None:
         args.calls = 1000
+    progress = None if args.quiet else _print_progress
     try:
-        t = soak(calls=args.calls, minutes=args.minutes, world=args.world, seed=args.seed,
-                 calls_per_session=args.calls_per_buffer,
-                 progress=None if args.quiet else _print_progress)
+        if args.kill_every is not None:
+            if args.kill_every < 1:
+                raise ValueError(f"--kill-every={args.kill_every} must be >= 1")
+            world = 4 if args.world == 2 else args.world
+            if world < 3:
+                raise ValueError(f"--kill-every needs --world >= 3 (two ranks stay), "
+                                 f"got {world}")
+            t = soak_kills(calls=args.calls, minutes=args.minutes, world=world, seed=args.seed,
+                           calls_per_session=args.calls_per_buffer,
+                           kill_every=args.kill_every, progress=progress)
+        else:
+            t = soak(calls=args.calls, minutes=args.minutes, world=args.world, seed=args.seed,
+                     calls_per_session=args.calls_per_buffer, progress=progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for line in t.failures[:50]:
         print(f"FAIL {line}")
-    print(f"calls: {t.calls}  buffers: {t.sessions}  mismatches: {t.mismatches}  "
+    kills = f"  ranks killed: {t.kills}" if args.kill_every is not None else ""
+    print(f"calls: {t.calls}  buffers: {t.sessions}{kills}  mismatches: {t.mismatches}  "
           f"hangs: {t.hangs}  errors: {t.errors}  leaked segments: {t.leaked}")
     return 0 if t.ok else 1
 

@@ -31,6 +31,13 @@ class Backend(Protocol):
     #: returns one
     DOOR_ENTRIES: tuple[str, str] = ("", "")
 
+    #: elastic (`Buffer(elastic=True)`): this rank's `ubep.elastic.Membership`; None where
+    #: the backend has no elastic mode or the Buffer is not elastic
+    membership = None
+    #: the backend's shared membership word and the bits of it applied (Buffer compares
+    #: them before each call), or None where membership changes inside calls only
+    membership_word = None
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int) -> DispatchResult: ...
 
@@ -56,6 +63,14 @@ class Backend(Protocol):
         """Where to write `handle`'s expert outputs so combine copies nothing
         (`Buffer.get_combine_buffer`, `direct` only)."""
         raise ValueError(f"{type(self).__name__} has no combine buffer (direct only)")
+
+    def sync_membership(self) -> None:
+        """Elastic: take in the ranks another rank found dead (the membership word moved)."""
+
+    def set_active_ranks(self, mask) -> None:
+        """Elastic: remove the ranks `mask` drops (`Buffer.set_active_ranks`)."""
+        raise ValueError(f"{type(self).__name__} is not elastic: set_active_ranks needs "
+                         f"Buffer(elastic=True) on a backend that offers it")
 
     def close(self) -> None: ...
 

@@ -91,6 +91,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ubep.elastic import Membership, note_combine
 from ubep.handle import (
     CombineResult,
     DispatchHandle,
@@ -102,6 +103,7 @@ from ubep.handle import (
 from ubep.native import load_native
 from ubep.options import BufferConfig
 from ubep.runtime import Backend
+from ubep.runtime.torch_elastic import Redo, TorchElastic
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
     KIND_BF16,
@@ -379,6 +381,16 @@ class TorchBackend(Backend):
                                     DeferredStats)
         #: how long the compiled path polls a collective before blocking in its wait (`wait`)
         self._poll_ns = int(POLL_S * 1e9) if self._pg.name() in _HOST_BACKENDS else 0
+        #: elastic (`Buffer(elastic=True)`, `torch_elastic.py`): the membership, the recovery,
+        #: and a second scratch set the calls alternate with; None without elastic
+        self.membership = self._el = None
+        if config.elastic:
+            self.membership = Membership(config.rank, config.world_size,
+                                         config.experts_per_rank)
+            self._el = TorchElastic(self.membership, group, buffer_id, config.timeout_s)
+            self._native = None     # the compiled path runs its collectives itself
+            self._alt = ({}, {}, {})
+            self.dispatch, self.combine = self._elastic_dispatch, self._elastic_combine
 
     #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
     DOOR_ENTRIES = ("torch_door_dispatch", "torch_door_combine")
@@ -469,6 +481,90 @@ class TorchBackend(Backend):
         return _dispatch_stats(self.config.world_size, self.config.rank, phases, inline,
                                block_bytes, row_bytes, rows)
 
+    # -- the collectives, and elastic calls ------------------------------------------------
+    def _a2a(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+             input_splits: list[int], async_op: bool = False):
+        """`all_to_all` on this Buffer's group; elastic: on its current members, bounded, a
+        failure recovered (`TorchElastic.all_to_all`)."""
+        if self._el is None:
+            return all_to_all(self._pg, output, input, output_splits, input_splits, async_op)
+        return self._el.all_to_all(output, input, output_splits, input_splits, async_op)
+
+    def _wait(self, work) -> None:
+        """`wait` for an `_a2a(..., async_op=True)` (elastic: bounded, a failure recovered;
+        None: done already)."""
+        if work is None:
+            return
+        if self._el is None:
+            wait(work, self._pg)
+        else:
+            self._el.finish(work)
+
+    def _forced_phase2(self) -> bool:
+        """Elastic: a dispatch redone after a recovery runs phase 2 when the ranks that
+        replay it for this one ran it (the same collectives on every rank)."""
+        return self._el is not None and self._el.redo_collectives >= 2
+
+    def _flip(self) -> None:
+        """Elastic: the next call uses the other scratch set, so this call's send buffers
+        stay intact for a replay (`torch_elastic.py`, step 5)."""
+        alt = self._alt
+        self._alt = (self._scratch, self._views, self._shapes)
+        self._scratch, self._views, self._shapes = alt
+
+    def _elastic_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                          topk_weights: torch.Tensor, call: int):
+        """`dispatch` of an elastic Buffer: again from its start, on the new members, when
+        a recovery interrupted it (`Redo`); the inline capacity as the replaying ranks had
+        it, then none after a recovery (every rank alike)."""
+        el = self._el
+        self._flip()
+        inline, redone = self._inline, False
+        while True:
+            el.begin()
+            try:
+                res = self._dispatch_once(x, topk_idx, topk_weights, call)
+            except Redo:
+                # a rank that replayed its previous call for the others starts this one as
+                # they will (no inline rows); one that redoes it, as the replaying ranks ran it
+                redone = not el.served
+                self._inline = inline if redone else 0
+                topk_idx = self.membership.mask(topk_idx)[0]
+                continue
+            el.end()
+            if redone:      # the replaying ranks' next call starts with no inline rows
+                self._inline = 0
+            return res
+
+    def _elastic_combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
+                         weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
+        """`combine` of an elastic Buffer (see `_elastic_dispatch`): partial sums of
+        inactive ranks are not summed (zeros), and `handle.masked` says which slots."""
+        el = self._el
+        self._flip()
+        redone = False
+        while True:
+            el.begin()
+            try:
+                res = self._combine_once(expert_out, handle, weighted, out)
+            except Redo:
+                redone = not el.served      # (as in `_elastic_dispatch`)
+                if not redone:
+                    self._inline = 0
+                continue
+            el.end()
+            if redone:
+                self._inline = 0
+            note_combine(handle, self.membership, self.membership.inactive)
+            return res
+
+    #: the membership changes inside calls only (a recovery): nothing to read between them
+    membership_word = None
+
+    def set_active_ranks(self, mask: np.ndarray) -> None:
+        """Remove the ranks `mask` drops (`TorchElastic.drain`)."""
+        self._el.drain(mask)
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int):
         on_cpu = x.is_cpu
@@ -557,7 +653,7 @@ class TorchBackend(Backend):
         work = self._buffer("recv", recv1_rows, row_bytes, device)
         if C:
             split1 = [0 if r == me else blk * row_bytes for r in range(world)]
-            all_to_all(self._pg, self._flat("recv", 0, recv1_rows * row_bytes),
+            self._a2a(self._flat("recv", 0, recv1_rows * row_bytes),
                        self._flat("send", 0, send1_rows * row_bytes), split1, split1)
             hdr = work.view(-1)
             hdr = hdr.numpy() if on_cpu else hdr.cpu().numpy()
@@ -567,7 +663,7 @@ class TorchBackend(Backend):
             global_max = max(int(h[1]) for h in heads)
         else:
             hdr_in = torch.empty(world * _HEADER_BYTES // 4, dtype=torch.int32, device=device)
-            all_to_all(self._pg, hdr_in, dev(header.reshape(-1)), [], [])
+            self._a2a(hdr_in, dev(header.reshape(-1)), [], [])
             hdr_in = (hdr_in.numpy() if on_cpu else hdr_in.cpu().numpy()).reshape(world, -1)
             srcs = hdr_in[:, 0].tolist()
             srcs[me] = n_me
@@ -579,9 +675,8 @@ class TorchBackend(Backend):
                  for s, n in enumerate(srcs)]
         num_remote = recv1_rows + sum(recv2)
         work = self._buffer("recv", num_remote + n_me, row_bytes, device, keep=recv1_rows)
-        if global_max > C:
-            all_to_all(
-                self._pg,
+        if global_max > C or self._forced_phase2():
+            self._a2a(
                 self._flat("recv", recv1_rows * row_bytes, (num_remote - recv1_rows) * row_bytes),
                 self._flat("send", send1_rows * row_bytes, sum(send2) * row_bytes),
                 [r * row_bytes for r in recv2], [r * row_bytes for r in send2])
@@ -723,6 +818,9 @@ class TorchBackend(Backend):
                 _cpu_dispatch_stats, _rows_dispatch_stats, coll1, self.buffer_id,
                 self.config.rank, bytes1, self._owned_t)
 
+    #: one attempt of a call (an elastic Buffer's calls may make several)
+    _dispatch_once = dispatch
+
     def _dispatch_cpu(self, x: torch.Tensor, topk_idx: torch.Tensor,
                       topk_weights: torch.Tensor, call: int):
         """`dispatch` for host memory: the same bytes on the wire as the device path below,
@@ -768,17 +866,17 @@ class TorchBackend(Backend):
 
         pairs = min(meta_k, per_rank)          # most local experts one token can name
         if C:
-            pending = all_to_all(self._pg, recv1, send1, split1, split1, async_op=True)
+            pending = self._a2a(recv1, send1, split1, split1, async_op=True)
             # while it runs, what needs nothing from the peers: recv_x's array, with room
             # for every pair the tokens of a call that fits inline could name (every peer
             # sends <= C)
             pool, pool_addr = self._owned_rows(((world - 1) * C + n_me) * pairs, row_bytes)
-            wait(pending, self._pg)
+            self._wait(pending)
             global_max, num_bags = read_headers_at(recv_addr, recv1_bytes, blk * row_bytes, me,
                                                    world, ws_addr, ws_len)
         else:
             hdr_in = torch.empty((world, _HEADER_BYTES // 4), dtype=torch.int32)
-            all_to_all(self._pg, hdr_in, torch.from_numpy(header), [], [])
+            self._a2a(hdr_in, torch.from_numpy(header), [], [])
             global_max, num_bags = read_counts_at(hdr_in.data_ptr(), me, world, ws_addr,
                                                   ws_len)
             pool, pool_addr = None, 0
@@ -830,13 +928,12 @@ class TorchBackend(Backend):
         pairs = min(meta_k, per_rank)
         hidden = x.shape[1]
         xa, x_bytes = x.data_ptr(), num_tokens * row_bytes
-        if global_max > C:
+        if global_max > C or self._forced_phase2():
             phase2_at(ws_addr, ws_len, world, me, C, meta_bytes, row_bytes)   # into recv2
             r2, s2 = recv2.tolist(), send2.tolist()
             num_remote = recv1_rows + sum(r2)
             work = self._buffer("recv", num_remote, row_bytes, x.device, keep=recv1_rows)
-            all_to_all(
-                self._pg,
+            self._a2a(
                 self._flat("recv", recv1_rows * row_bytes, (num_remote - recv1_rows) * row_bytes),
                 self._flat("send", send1_rows * row_bytes, sum(s2) * row_bytes),
                 [r * row_bytes for r in r2], [r * row_bytes for r in s2])
@@ -945,7 +1042,7 @@ class TorchBackend(Backend):
         send_splits, recv_splits, collectives = _combine_splits(st, prow_bytes)
         t1 = _now_us()
         flat = partial.view(-1).view(torch.uint8)
-        all_to_all(self._pg, self._flat("combine", 0, back * prow_bytes),
+        self._a2a(self._flat("combine", 0, back * prow_bytes),
                    flat[:nret * prow_bytes], recv_splits, send_splits)
         t2 = _now_us()
         if own:     # after the collective: work before one slows it more than it costs
@@ -963,6 +1060,8 @@ class TorchBackend(Backend):
         phases = {"reduce": t1 - t0 + t3 - t2, "token_exchange": t2 - t1}
         return CombineResult(y=y, stats=self._stats("combine", phases, nret * prow_bytes,
                                                     back * prow_bytes, collectives))
+
+    _combine_once = combine
 
     def _combine_cpu(self, expert_out: torch.Tensor, st: _TorchState, weighted: bool,
                      out: torch.Tensor | None, pdtype: torch.dtype) -> CombineResult:
@@ -1003,16 +1102,15 @@ class TorchBackend(Backend):
         if nret * itemsize * hidden <= _INLINE_BYTES:
             # a small collective is latency: own tokens' partials (they do not travel) are
             # summed while it runs
-            work = all_to_all(self._pg, recv_flat, send_flat, recv_splits, send_splits,
-                              async_op=True)
+            work = self._a2a(recv_flat, send_flat, recv_splits, send_splits, async_op=True)
             bag_sums_at(kind, rows, num_rows, hidden, w_at, weighted, rows_at, offs_at,
                         num_pairs, num_bags, nret, nret + own, own_at)
             t2 = _now_us()
-            wait(work, self._pg)
+            self._wait(work)
             t3 = _now_us()
         else:   # a large one moves bytes: the sums would compete with it for the cores
             t2 = _now_us()
-            all_to_all(self._pg, recv_flat, send_flat, recv_splits, send_splits)
+            self._a2a(recv_flat, send_flat, recv_splits, send_splits)
             t3 = _now_us()
             bag_sums_at(kind, rows, num_rows, hidden, w_at, weighted, rows_at, offs_at,
                         num_pairs, num_bags, nret, nret + own, own_at)
@@ -1066,6 +1164,9 @@ class TorchBackend(Backend):
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""
+        if self._el is not None:
+            self._el.close()
+            self._alt = ({}, {}, {})
         self._scratch.clear()
         self._views.clear()
         self._owned.clear()

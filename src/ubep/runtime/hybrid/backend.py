@@ -112,6 +112,10 @@ class HybridBackend(Backend):
         from ubep.runtime.shm.backend import ShmBackend
 
         c = config
+        if c.elastic:
+            raise ValueError("elastic=True is not supported by the 'hybrid' backend yet: a "
+                             "rank lost across hosts is a PeerDiedError (use backend='torch' "
+                             "or 'shm' for elastic expert parallelism)")
         self.config = c
         self.buffer_id = buffer_id
         self.rank, self.world = c.rank, c.world_size

@@ -84,6 +84,20 @@ def fetch_add(typingctx, addr, value):
 
 
 @intrinsic
+def fetch_or(typingctx, addr, value):
+    """`atomicrmw or ... acq_rel` on the int64 at `addr`; returns the previous value."""
+    if not isinstance(addr, types.Integer) or not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = context.cast(builder, args[0], signature.args[0], types.int64)
+        v = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.atomic_rmw("or", _ptr(builder, a), v, ordering="acq_rel")
+
+    return types.int64(addr, value), codegen
+
+
+@intrinsic
 def cpu_pause(typingctx):
     """The spin-wait hint (`pause` on x86); nothing elsewhere."""
 

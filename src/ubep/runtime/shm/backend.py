@@ -23,19 +23,21 @@ import numpy as np
 import torch
 
 from ubep import tuning
+from ubep.elastic import Membership, expand, note_combine, without_sources
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
 from ubep.plan import Topology, WorkerMapper
 from ubep.plan.blocks import BlockFormat, sentinel_refusal
-from ubep.runtime import bootstrap
+from ubep.runtime import Backend, bootstrap
 from ubep.runtime.shm import segments
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.direct import DirectPath
 from ubep.runtime.shm.kernels.sentinel import arm_sentinels
-from ubep.runtime.shm.kernels.warmup import warm_up, warm_up_direct
+from ubep.runtime.shm.kernels.warmup import warm_up, warm_up_direct, warm_up_elastic
+from ubep.runtime.shm.membership import ShmMembership
 from ubep.runtime.shm.pool import PoolPath
 from ubep.runtime.shm.protocol import SentinelAbort, ShmProtocolError
-from ubep.runtime.shm.region import region_layout, segment_layouts
+from ubep.runtime.shm.region import MAX_ELASTIC_RANKS, region_layout, segment_layouts
 from ubep.runtime.shm.single import SinglePath
 from ubep.runtime.shm.waits import now_us
 from ubep.runtime.shm.workers import WorkerPool
@@ -101,7 +103,7 @@ def _raise_if_any_failed(names: list, size: int, world: int) -> None:
                             f"segment: {detail}")
 
 
-class ShmBackend:
+class ShmBackend(Backend):
     """Dispatch/combine through shared memory between the ranks of one host."""
 
     def __init__(self, config: BufferConfig, group, buffer_id: int):
@@ -115,6 +117,16 @@ class ShmBackend:
         self._closed = False
         #: False once a call failed after its peers were told (see `Buffer._failed`)
         self.in_step = True
+        if c.elastic:
+            if self.world > MAX_ELASTIC_RANKS:
+                raise ValueError(f"elastic=True on the shm backend supports up to "
+                                 f"{MAX_ELASTIC_RANKS} ranks (one bit each in a shared word), "
+                                 f"got a group of {self.world}")
+            if c.sync == "sp":
+                raise ValueError("elastic=True does not apply to sync='sp': sp re-arms each "
+                                 "block as it reads it, so a combine cannot sum a token again "
+                                 "without the rows of a rank that died mid-call; use 'tff' "
+                                 "(the default), 'sw' or 'dc'")
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
         try:
@@ -122,6 +134,14 @@ class ShmBackend:
         except BaseException:
             self._finalizer()
             raise
+        #: the elastic membership (`Buffer(elastic=True)`), else None
+        self.membership = None
+        if c.elastic:
+            self.membership = Membership(self.rank, self.world, c.experts_per_rank)
+            self.ctx.members = ShmMembership(self.membership, self.ctx.region, self.ctx.bases,
+                                             self.ctx.segs)
+            # read before every call (`Buffer`): the shared word and the bits applied
+            self.membership_word = (self.ctx.members.word, self.ctx.members.applied)
         self._refuse_sp = c.sync == "sp" and not c.direct
         self.topology = Topology.resolve(c.topology, self.world)
         mapper = WorkerMapper.of(self.topology, self.rank, c.num_experts, c.schedule)
@@ -155,6 +175,10 @@ class ShmBackend:
                                       fmt=self.fmt), self.workers > 1)
         if c.direct:
             warm_up_direct()
+        if c.elastic:
+            warm_up_elastic(lambda: region_layout(world=1, experts_per_rank=c.experts_per_rank,
+                                                  max_workers=1, hidden=2, max_tokens=1,
+                                                  max_top_k=1, fmt=self.fmt))
         infos = exchange((socket.gethostname(), self.workers,
                           os.environ.get("UBEP_JOB_ID", ""), segments.host_memory_key()),
                          "hosts")
@@ -222,10 +246,13 @@ class ShmBackend:
             if why:
                 raise ValueError(why)
         try:
-            return self._path.dispatch(x, topk_idx, topk_weights, call, t0)
+            res = self._path.dispatch(x, topk_idx, topk_weights, call, t0)
         except SentinelAbort:
             self.in_step = False
             raise
+        if self.membership is not None and "_dropped" in res.__dict__:
+            res = without_sources(res, res.__dict__["_dropped"])
+        return res
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
                 weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
@@ -237,11 +264,52 @@ class ShmBackend:
             why = sentinel_refusal(str(expert_out.dtype))
             if why:
                 raise ValueError(why)
-        try:
-            return self._path.combine(expert_out, handle, weighted, t0, out)
-        except SentinelAbort:
-            self.in_step = False
-            raise
+        if self.membership is None:
+            try:
+                return self._path.combine(expert_out, handle, weighted, t0, out)
+            except SentinelAbort:
+                self.in_step = False
+                raise
+        return self._elastic_combine(expert_out, handle, weighted, t0, out)
+
+    def _elastic_combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
+                         weighted: bool, t0: float, out: torch.Tensor | None) -> CombineResult:
+        """`combine` of an elastic Buffer: a handle whose dispatch dropped a dead source's
+        rows combines through its full layout (`ubep.elastic.expand`); slots on ranks
+        inactive now are not summed (the routing without them); `handle.masked` then says
+        which slots were not summed (those, and those of ranks dropped meanwhile)."""
+        m = self.membership
+        noted = handle
+        if "_full" in handle.__dict__:
+            expert_out, handle = expand(expert_out, handle)
+        before = m.inactive
+        if before:
+            idx, hit = m.mask(handle.topk_idx)
+            if hit is not None:
+                handle = self._path.with_routing(handle, idx)
+        res = self._path.combine(expert_out, handle, weighted, t0, out)
+        note_combine(noted, m, before + self._path.dropped)
+        return res
+
+    # -- elastic ------------------------------------------------------------------------------
+    #: elastic: (my region's membership word, the bits of it applied so far), which `Buffer`
+    #: compares before every call (ranks another rank found inactive); None without
+    membership_word = None
+
+    def sync_membership(self) -> None:
+        """Read the shared word into `membership` (`RankRemovedError` if this rank is out)."""
+        self.ctx.members.sync()
+
+    def set_active_ranks(self, mask: np.ndarray) -> None:
+        """Remove the ranks `mask` (`[world]` bool) drops, after the remaining ranks agreed on
+        it (`ShmMembership.agree_drain`); both epochs jump by two, so a removed rank that
+        still calls matches nothing of theirs."""
+        ctx = self.ctx
+        deadline = ctx.deadline()
+        ctx.members.agree_drain(mask, ctx.config.timeout_s,
+                                lambda poll, phase, peers: ctx.wait(poll, phase, peers,
+                                                                    deadline=deadline))
+        self._path.skip_epochs(2)
 
     @property
     def DOOR_ENTRIES(self) -> tuple[str, str]:    # noqa: N802 - the torch backend's constant
@@ -257,12 +325,21 @@ class ShmBackend:
 
     def resume(self, which: str, *args) -> DispatchResult | CombineResult:
         """A door's call that must wait: `DirectPath.dispatch_resume` or `combine_resume`
-        (`which`), `in_step` kept as `dispatch` and `combine` keep it."""
+        (`which`), `in_step` kept as `dispatch` and `combine` keep it. (Elastic: the door
+        runs only while every rank is active; a rank found dead in this wait is dropped as
+        in `dispatch` and `combine`.)"""
         try:
-            return getattr(self._path, which)(*args)
+            res = getattr(self._path, which)(*args)
         except SentinelAbort:
             self.in_step = False
             raise
+        if self.membership is not None:
+            if "_dropped" in res.__dict__:
+                res = without_sources(res, res.__dict__["_dropped"])
+            elif which == "combine_resume" and self._path.dropped:
+                handle = args[2]
+                note_combine(handle, self.membership, self._path.dropped)
+        return res
 
     def combine_buffer(self, handle: DispatchHandle, dtype: torch.dtype | None) -> torch.Tensor:
         """direct=True: the `[N, hidden]` view combine reads in place (see DirectPath)."""

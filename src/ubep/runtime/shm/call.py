@@ -86,11 +86,12 @@ class CallRunner:
                 self.broken = True     # barrier counter out of step: the Buffer is broken
 
     def wait(self, call: Call, poll: Callable[[int], int], phase: str,
-             peers_of: Callable[[], list[int]], detail_of: Callable[[], str] | None = None
-             ) -> None:
-        """`ShmContext.wait` until the call's deadline, cancelled when a co-worker failed."""
+             peers_of: Callable[[], list[int]], detail_of: Callable[[], str] | None = None,
+             on_inactive: Callable[[], None] | None = None) -> None:
+        """`ShmContext.wait` until the call's deadline, cancelled when a co-worker failed
+        (`on_inactive`: see `waits.wait`)."""
         self.ctx.wait(poll, phase, peers_of, detail_of, deadline=call.deadline,
-                      failed=call.failed)
+                      failed=call.failed, on_inactive=on_inactive)
 
     def barrier(self, call: Call, k: int, phase: str) -> None:
         """The k-th barrier (1-based) among this call's workers (mode "bsp")."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,8 @@ class ShmContext:
         dlay: the `region.D_*` layout of the direct areas, or None without `direct=True`.
         region: my region as `[size]` uint8.
         pool: the worker threads (`workers` > 1), else None.
+        members: the elastic membership (`membership.ShmMembership`) of a Buffer made with
+            `elastic=True`, else None.
     """
 
     config: BufferConfig
@@ -46,6 +49,7 @@ class ShmContext:
     dlay: np.ndarray | None
     region: np.ndarray
     pool: WorkerPool | None
+    members: Any = None
 
     def deadline(self) -> float:
         """The deadline (`time.perf_counter()` seconds, as `waits.wait`) of a call that starts
@@ -54,8 +58,10 @@ class ShmContext:
 
     def wait(self, poll: Callable[[int], int], phase: str, peers_of: Callable[[], list[int]],
              detail_of: Callable[[], str] | None = None, *, deadline: float,
-             failed: Callable[[], bool] | None = None) -> None:
-        """`waits.wait` for this rank (see there)."""
+             failed: Callable[[], bool] | None = None,
+             on_inactive: Callable[[], None] | None = None) -> None:
+        """`waits.wait` for this rank (see there); `on_inactive` applies in an elastic
+        Buffer only."""
         wait(poll, rank=self.rank, segs=self.segs, phase=phase, deadline=deadline,
              timeout_s=self.config.timeout_s, peers_of=peers_of, detail_of=detail_of,
-             failed=failed)
+             failed=failed, members=self.members, on_inactive=on_inactive)

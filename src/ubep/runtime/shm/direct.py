@@ -45,6 +45,7 @@ count ahead of a peer that still reads).
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 import torch
@@ -56,6 +57,7 @@ from ubep.handle import (
     new_combine_result,
     new_dispatch_result,
     new_handle,
+    rerouted,
 )
 from ubep.native import load_native
 from ubep.runtime.shm.call import Call, CallRunner
@@ -161,6 +163,11 @@ class DirectPath:
         self._ready = np.full(w, -1, np.int64)
         self._epoch = 0
         self._c_epoch = 0
+        #: elastic: ranks whose rows the latest combine dropped (died before publishing), and
+        #: those the latest pool dispatch dropped (died with rows of theirs still missing)
+        self.dropped: list[int] = []
+        self._pool_dropped: list[int] = []
+        self._drop_lock = threading.Lock()
         self._last_call = 0
         self._last_dtype = torch.bfloat16
         # one worker: the compiled call path when built (`ubep.native`), else None
@@ -218,12 +225,13 @@ class DirectPath:
         self._lend.close()
 
     def _wait(self, cl: Call | None, poll, phase: str, peers_of,
-              deadline: float | None = None) -> None:
-        """A bounded wait of the calling thread (`cl` None) or of a pool worker of `cl`."""
+              deadline: float | None = None, on_inactive=None) -> None:
+        """A bounded wait of the calling thread (`cl` None) or of a pool worker of `cl`
+        (`on_inactive`: see `waits.wait`)."""
         if cl is None:
-            self.ctx.wait(poll, phase, peers_of, deadline=deadline)
+            self.ctx.wait(poll, phase, peers_of, deadline=deadline, on_inactive=on_inactive)
         else:
-            self.runner.wait(cl, poll, phase, peers_of)
+            self.runner.wait(cl, poll, phase, peers_of, on_inactive=on_inactive)
 
     # -- views of my areas -------------------------------------------------------------------
     def _view(self, area: str, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -300,19 +308,26 @@ class DirectPath:
         deadline = deadline_after(t0, self._timeout_s)
         counts, tails, got, dlay, bases = self._counts, self._tails, self._got, self.dlay, b.bases
         t_n, k_n = topk_idx.shape
+        members = b.members
         if begun:                       # the compiled entry published my counts
             left = 1
         else:
             if self.owned:              # the handle's `pos`
                 keep = np.empty(t_n * k_n, np.int64)
+            spins = 1 if members is not None and members.members.any_inactive else INLINE_SPINS
             left, n_recv = DK.dispatch_begin_at(bases, dlay, b.rank, epoch, topk_idx.data_ptr(),
                                                 t_n, k_n, self.num_experts, code, roff, counts,
-                                                tails, got, INLINE_SPINS)
+                                                tails, got, spins)
         if left:
             b.wait(lambda s: DK.gather_counts(bases, dlay, epoch, counts, tails, got, s),
                     "dispatch/counts", lambda: [s for s in range(b.world) if not got[s]],
-                    deadline=deadline)
+                    deadline=deadline,
+                    on_inactive=lambda: self._skip_counts(epoch, code))
             n_recv = DK.rows_for(counts, b.rank)
+            if members is not None and members.members.any_inactive:
+                # ranks found inactive while their counts were awaited get no rows of mine
+                # (the counts I published for their experts place nobody else's rows)
+                topk_idx = members.members.mask(topk_idx)[0]
         t1 = now_us()
         tpe = np.empty(self.el, np.int64)
         ints = np.empty((3, n_recv), np.int64)   # src rank, token, slot: exactly N each
@@ -332,9 +347,12 @@ class DirectPath:
                                               dst, roff, deadline)
             if recv_x is None:
                 recv_x = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype)
-            return self._dispatch_result(x, topk_idx, topk_weights, call, epoch, (t0, t1), ivs,
-                                         n_recv, tpe, ints, wts, (idx, w, pos, epoch, ints[0]),
-                                         recv_x)
+            res = self._dispatch_result(x, topk_idx, topk_weights, call, epoch, (t0, t1), ivs,
+                                        n_recv, tpe, ints, wts, (idx, w, pos, epoch, ints[0]),
+                                        recv_x)
+            if self._pool_dropped:
+                res.__dict__["_dropped"] = self._pool_dropped
+            return res
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
         if self.owned:                  # `pos` goes with the handle: any handle combinable
             n_recv, missing, pos_addr = DK.dispatch_rows_own(
@@ -359,14 +377,19 @@ class DirectPath:
         b = self.ctx
         if n_recv < 0:
             raise self._dtype_error(x.dtype, missing)
+        dropped: list[int] = []
         if missing:
             rb = x.shape[1] * x.element_size()
             b.wait(lambda s: DK.recv_meta(b.base, self.dlay, epoch, 0, n_recv, ints[1], ints[2],
                                           wts, dst, roff, rb, s),
                    "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], 0, n_recv),
-                   deadline=deadline)
-        return self._dispatch_result(x, topk_idx, topk_weights, call, epoch, ts, None, n_recv,
-                                     tpe, ints, wts, state, recv_x)
+                   deadline=deadline,
+                   on_inactive=lambda: self._drop_rows(ints, n_recv, dropped))
+        res = self._dispatch_result(x, topk_idx, topk_weights, call, epoch, ts, None, n_recv,
+                                    tpe, ints, wts, state, recv_x)
+        if dropped:
+            res.__dict__["_dropped"] = dropped
+        return res
 
     def _dispatch_result(self, x, topk_idx, topk_weights, call, epoch, ts, ivs, n_recv, tpe,
                          ints, wts, state, recv_x) -> DispatchResult:
@@ -428,6 +451,7 @@ class DirectPath:
         cl = self.runner.start(Call(epoch=epoch, deadline=deadline, n=n))
         xa = x.data_ptr()
         t_n = idx.shape[0]
+        dropped: list[int] = []
 
         def work(j: int) -> None:
             a = now_us()
@@ -438,11 +462,13 @@ class DirectPath:
             lo, hi = j * n_recv // n, (j + 1) * n_recv // n
             self._wait(cl, lambda s: DK.recv_meta(b.base, self.dlay, epoch, lo, hi, ints[1],
                                                ints[2], wts, dst, roff, rb, s),
-                    "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], lo, hi))
+                    "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], lo, hi),
+                    on_inactive=lambda: self._drop_rows(ints, n_recv, dropped))
             cl.iv[j].append(("send", a, m, "busy"))
             cl.iv[j].append(("wait_rows", m, now_us(), "wait"))
 
         self.runner.run(cl, work)
+        self._pool_dropped = dropped
         return n_recv, cl.iv
 
     def _dtype_error(self, dtype: torch.dtype, rank: int) -> Exception:
@@ -455,6 +481,69 @@ class DirectPath:
         ep = epoch & 0x7FFFFFFF
         return sorted({int(src_rank[i]) for i in range(lo, hi)
                        if int(self._meta[2 * i + 1]) >> 32 != ep})
+
+    # -- elastic (`Buffer(elastic=True)`, `membership.py`): stop waiting for inactive ranks --
+    def _skip_counts(self, epoch: int, code: int) -> None:
+        """Dispatch's counts: an inactive rank whose counts of `epoch` did not come sends
+        nothing (its count row zero, its dtype word mine); one whose counts came is kept
+        (every survivor read the same ones: it published them before it died)."""
+        b = self.ctx
+        DK.gather_counts(b.bases, self.dlay, epoch, self._counts, self._tails, self._got, 1)
+        for r in b.members.members.inactive:
+            if not self._got[r]:
+                self._got[r] = 1
+                self._counts[r] = 0
+                self._tails[r] = (code, 0, 0, 0)
+
+    def _drop_rows(self, ints: np.ndarray, n_recv: int, dropped: list[int]) -> None:
+        """Dispatch's rows: rows of an inactive rank are all kept if all arrived, else all
+        dropped (marked decoded here so no wait is for them; the backend then leaves them
+        out of the result). `dropped` collects such ranks."""
+        src, tok = ints[0, :n_recv], ints[1, :n_recv]
+        for r in self.ctx.members.members.inactive:
+            if r in dropped:
+                continue
+            mine = src == r
+            if mine.any() and (tok[mine] < 0).any():
+                dropped.append(r)
+                ints[1, :n_recv][mine] = 0
+                ints[2, :n_recv][mine] = 0
+
+    def _proxy_done(self) -> None:
+        """Combine's done words: an inactive rank reads none of my expert outputs; its word
+        on my region counts as done for every epoch (rewritten every combine: a removed rank
+        that still calls must not lower it)."""
+        for r in self.ctx.members.members.inactive:
+            self._done[r] = 1 << 62
+
+    def _drop_ready(self, handle: DispatchHandle, cur: list, dropped: list[int]) -> None:
+        """Combine's rows: tokens stop waiting for inactive ranks that have not published
+        their expert outputs (`cur[0]` becomes the routing without them; no token summed
+        any of their rows, since none was readable); one that published is read in full."""
+        self._proxy_done()
+        m = self.ctx.members.members
+        gone = [r for r in m.inactive if self._ready[r] < 0 and r not in dropped]
+        if not gone:
+            return
+        idx, hit = m.mask(cur[1], gone)
+        if hit is not None:
+            dropped.extend(r for r in gone if r not in dropped)
+            cur[0], cur[1] = idx.data_ptr(), idx
+
+    def skip_epochs(self, n: int) -> None:
+        """`set_active_ranks`: advance both epochs by `n` (even), so a removed rank that
+        still calls never matches the remaining ranks' counts or outputs."""
+        self._epoch += n
+        self._c_epoch += n
+
+    def with_routing(self, handle: DispatchHandle, idx: torch.Tensor) -> DispatchHandle:
+        """A copy of `handle` whose combine uses routing `idx` (masked)."""
+        st = handle.state
+        if len(st) == 5:                # the pool's (idx, w, pos, epoch, src_rank)
+            state = (idx.numpy(), *st[1:])
+        else:                           # one worker's (idx_addr, w_addr, ...)
+            state = (idx.data_ptr(), *st[1:])
+        return rerouted(handle, idx, state)
 
     def _dispatch_stats(self, ts, ivs, topk_idx: torch.Tensor, n_recv: int, rb: int,
                         epoch: int) -> Stats:
@@ -509,6 +598,9 @@ class DirectPath:
                     "valid until the next combine or get_combine_buffer")
         # refused above before anything moved (a retry keeps this rank in step); from here on
         self._c_epoch = epoch = self._c_epoch + 1
+        self.dropped = []
+        if b.members is not None and b.members.members.any_inactive:
+            self._proxy_done()
         if self.owned:
             # a tensor in a lent area (a recv_x the caller holds) is read where it lies
             lent = self._lent_lo <= ptr and ptr + n_recv * rb <= self._lent_hi
@@ -545,6 +637,7 @@ class DirectPath:
         """The rest of a combine whose compiled entry, called by `ubep.native`'s door,
         stopped at a wait and returned `r` (`dest`: the caller's contiguous `out`, which the
         entry sums into): the Python path's waits from there."""
+        self.dropped = []
         dtype = expert_out.dtype
         code, ecode, lut = _elem(dtype)
         es = dtype.itemsize
@@ -579,7 +672,7 @@ class DirectPath:
             ready[:] = -1
             t1 = now_us()
             ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
-                                     y, out16, ptr if copied else 0, deadline)
+                                     y, out16, ptr if copied else 0, deadline, handle)
             if dtype in _ROUNDED:
                 out = torch.from_numpy(out16).view(dtype)
             elif dtype == torch.float32:
@@ -631,9 +724,10 @@ class DirectPath:
             y_addr = out.data_ptr() if dtype is torch.float32 else self._y_addr
             out_addr = out.data_ptr() if rounded else 0
             bad = [-1]                  # a rank that published another dtype
+            cur = [idx_addr, handle.topk_idx]    # elastic: the routing without dead ranks
 
             def poll(s: int) -> int:
-                r = DK.reduce_direct_at(b.bases, self.dlay, epoch, idx_addr, w_addr, t_n, k_n,
+                r = DK.reduce_direct_at(b.bases, self.dlay, epoch, cur[0], w_addr, t_n, k_n,
                                         weighted, pos_addr, self.el, rb, es, code, ecode,
                                         lut, ready, done, y_addr, out_addr, hidden, b.rank,
                                         own, s)
@@ -643,8 +737,9 @@ class DirectPath:
                 return r
 
             b.wait(poll, "combine/rows",
-                   lambda: self._reduce_missing(handle.topk_idx.numpy(), ready, done, 0, t_n),
-                   deadline=deadline)
+                   lambda: self._reduce_missing(cur[1].numpy(), ready, done, 0, t_n),
+                   deadline=deadline,
+                   on_inactive=lambda: self._drop_ready(handle, cur, self.dropped))
             if bad[0] >= 0:
                 raise self._combine_dtype_error(dtype, bad[0])
         if out is None:                                  # fp8: cast from the fp32 sums
@@ -674,7 +769,7 @@ class DirectPath:
             return
         b.wait(lambda s: poll_words_at_least(first, world, epoch, s), "combine/done",
                lambda: [r for r in range(world) if int(self._done[r]) < epoch],
-               deadline=deadline)
+               deadline=deadline, on_inactive=self._proxy_done)
 
     def _reduce_missing(self, idx: np.ndarray, ready: np.ndarray, done: np.ndarray, lo: int,
                         hi: int) -> list[int]:
@@ -682,38 +777,49 @@ class DirectPath:
         return sorted({int(e) // self.el for t in range(lo, hi) if not done[t]
                        for e in idx[t] if e >= 0 and ready[int(e) // self.el] < 0})
 
-    def _reduce(self, b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
-                own, lo, hi, deadline) -> None:
-        """Sum tokens [lo, hi) as their ranks publish; bounded wait naming the ranks."""
+    def _reduce(self, b, cl, epoch, cur, w, weighted, pos, rb, expert_out, ready, done, y, out16,
+                own, lo, hi, deadline, handle) -> None:
+        """Sum tokens [lo, hi) as their ranks publish; bounded wait naming the ranks. `cur`:
+        `[routing as numpy, as a tensor]`, shared by the workers (elastic: without dead
+        ranks once found)."""
         code, ecode, lut = _elem(expert_out.dtype)
         es = expert_out.element_size()
         bad = [-1]                  # a rank that published another dtype
 
         def poll(s: int) -> int:
-            r = DK.reduce_direct(b.bases, self.dlay, epoch, idx, w, weighted, pos, self.el, rb,
-                                 es, code, ecode, lut, lo, hi, ready, done, y, out16, b.rank,
-                                 own, s)
+            r = DK.reduce_direct(b.bases, self.dlay, epoch, cur[0], w, weighted, pos, self.el,
+                                 rb, es, code, ecode, lut, lo, hi, ready, done, y, out16,
+                                 b.rank, own, s)
             if r < 0:
                 bad[0] = -r - 1
                 return 0
             return r
 
+        def drop() -> None:
+            with self._drop_lock:
+                before = cur[1]
+                self._drop_ready(handle, cur, self.dropped)
+                if cur[1] is not before:
+                    cur[0] = cur[1].numpy()
+
         self._wait(cl, poll, "combine/rows",
-                   lambda: self._reduce_missing(idx, ready, done, lo, hi), deadline=deadline)
+                   lambda: self._reduce_missing(cur[0], ready, done, lo, hi), deadline=deadline,
+                   on_inactive=drop)
         if bad[0] >= 0:
             raise self._combine_dtype_error(expert_out.dtype, bad[0])
 
     def _combine_pool(self, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
-                      own, deadline):
+                      own, deadline, handle):
         b = self.ctx
         n = b.workers
         cl = self.runner.start(Call(epoch=epoch, deadline=deadline, n=n))
         t_n = idx.shape[0]
+        cur = [idx, handle.topk_idx]
 
         def work(j: int) -> None:
             a = now_us()
-            self._reduce(b, cl, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y,
-                         out16, own, j * t_n // n, (j + 1) * t_n // n, deadline)
+            self._reduce(b, cl, epoch, cur, w, weighted, pos, rb, expert_out, ready, done, y,
+                         out16, own, j * t_n // n, (j + 1) * t_n // n, deadline, handle)
             cl.iv[j].append(("reduce", a, now_us(), "busy"))
 
         self.runner.run(cl, work)

@@ -24,18 +24,26 @@ barrier -> flags -> verification -> barrier -> reduce. Each worker maps its own 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ubep.handle import CombineResult, DispatchHandle, DispatchResult
+from ubep.handle import CombineResult, DispatchHandle, DispatchResult, rerouted
 from ubep.plan import WorkerMapper
 from ubep.plan.costmodel import balance_count_workers
 from ubep.plan.fastplan import count_expert_range, worker_sends
 from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
+from ubep.runtime.shm.inactive import (
+    drop_partial,
+    mark_dropped,
+    proxy_counts,
+    proxy_hellos,
+    tokens_on,
+)
 from ubep.runtime.shm.kernels import combine as KC
 from ubep.runtime.shm.kernels import dispatch as KD
 from ubep.runtime.shm.kernels import sentinel as KP
@@ -95,6 +103,8 @@ class DispatchCall(Call):
     recv_xb: np.ndarray | None = None    # recv_x as [n_recv, row bytes] uint8
     recv_w: np.ndarray | None = None     # [n_recv] float32
     ints: np.ndarray | None = None       # [3, n_recv] (source rank, token, slot)
+    #: elastic: inactive sources whose rows were dropped (`inactive.drop_partial`)
+    dropped: list[int] = field(default_factory=list)
 
     @property
     def rb(self) -> int:
@@ -126,6 +136,9 @@ class CombineCall(Call):
     n_tw: int                       # workers that send rows back (batch flags per rank)
     n_count: int                    # workers that send the hellos (mode "ubep")
     cs: list[np.ndarray] = field(default_factory=list)  # per worker: [world] dc checksums
+    #: every rank's hello, once a worker has them all (elastic: for `_sum_again`)
+    hello: np.ndarray | None = None
+    routing: torch.Tensor | None = None  # elastic: `idx` as a tensor (`_drop_sources`)
 
 
 class PoolPath:
@@ -142,6 +155,9 @@ class PoolPath:
         self.rank_mapper = rank_mapper
         self._d_epoch = 0
         self._c_epoch = 0
+        #: elastic: ranks whose rows the latest combine dropped (`inactive.py`)
+        self.dropped: list[int] = []
+        self._drop_lock = threading.Lock()
         self._n_count: dict[tuple[int, int], int] = {}
         self._tuned = tuned or {}
         self._lend = OutputPool()           # recv_x and combine outputs: no page faults
@@ -219,6 +235,8 @@ class PoolPath:
                                np.zeros(c.num_experts, np.int64), n_tw, elem, STATUS_ABORT, 0,
                                world)
                 raise sentinel_error("x", bad)
+        if ctx.members is not None and ctx.members.members.any_inactive:
+            proxy_counts(ctx, epoch, elem)
         cl = self.runner.start(DispatchCall(
             epoch=epoch, deadline=ctx.deadline(), n=n, xb=xb, idx=idx, w=w, dtype=x.dtype,
             hidden=x.shape[1], elem=elem, n_tw=n_tw, n_count=n_count,
@@ -236,6 +254,8 @@ class PoolPath:
             self.runner.run(cl, lambda j: self._dispatch_ubep(cl, j))
         t1 = now_us()
         ints = cl.ints
+        if cl.dropped:
+            mark_dropped(ints, cl.rc, cl.out_start, cl.dropped)
         src_rank, src_tok, src_slot = (torch.from_numpy(ints[0]), torch.from_numpy(ints[1]),
                                        torch.from_numpy(ints[2]))
         handle = DispatchHandle(
@@ -247,10 +267,13 @@ class PoolPath:
                  "block_bytes": c.block_bytes, "barriers": self.runner.barriers}
         stats = self._stats("dispatch", cl, t0, t1, META_BYTES + cl.rb, sum(cl.n_sent),
                             cl.n_recv, extra)
-        return DispatchResult(
+        res = DispatchResult(
             recv_x=cl.recv_x, recv_weights=torch.from_numpy(cl.recv_w),
             tokens_per_expert=torch.from_numpy(cl.tpe), recv_src_rank=src_rank,
             recv_src_token=src_tok, recv_src_slot=src_slot, handle=handle, stats=stats)
+        if cl.dropped:
+            res.__dict__["_dropped"] = cl.dropped
+        return res
 
     # the roles of mode "ubep"
     def _dispatch_ubep(self, cl: DispatchCall, j: int) -> None:
@@ -349,7 +372,8 @@ class PoolPath:
         rc, meta, got = cl.rc, cl.meta, cl.got
         self.runner.wait(cl, lambda s: KS.poll_counts(ctx.base, ctx.lay, cl.epoch, lo, hi, rc,
                                                       meta, got, s),
-                         "dispatch/counts", lambda: [s for s in range(lo, hi) if not got[s]])
+                         "dispatch/counts", lambda: [s for s in range(lo, hi) if not got[s]],
+                         on_inactive=lambda: proxy_counts(ctx, cl.epoch, cl.elem))
         cl.record(j, "wait_counts", a, "wait")
 
     def _outputs(self, cl: DispatchCall, n_recv: int) -> None:
@@ -377,7 +401,7 @@ class PoolPath:
                                            hi, done, batch, cl.recv_xb, cl.recv_w, ints[0],
                                            ints[1], ints[2], s),
                 "dispatch/rows", lambda: missing_sources(rc, done, lo, hi),
-                lambda: dc_detail(batch))
+                lambda: dc_detail(batch), on_inactive=lambda: self._drop_partial(cl))
         cl.record(j, "reorder", a)
 
     # -- combine -----------------------------------------------------------------------------
@@ -400,6 +424,9 @@ class PoolPath:
             if bad >= 0:
                 KS.send_hello(ctx.bases, ctx.lay, ctx.rank, epoch, n, elem, STATUS_ABORT)
                 raise sentinel_error("expert_out", bad)
+        self.dropped = []
+        if ctx.members is not None and ctx.members.members.any_inactive:
+            proxy_hellos(ctx, epoch, elem)
         ecode, lut = combine_elem(dtype)
         num_tokens, top_k = idx.shape
         n_count = self._count_workers(num_tokens, top_k)
@@ -420,6 +447,8 @@ class PoolPath:
             self.runner.run(cl, lambda j: self._combine_bsp(cl, j))
         else:
             self.runner.run(cl, lambda j: self._combine_ubep(cl, j))
+        if self.dropped:         # no token keeps a row of a rank dropped meanwhile
+            self._sum_again(cl, tokens_on(idx, self.dropped, c.experts_per_rank))
         if y is None:                              # fp8: rare, cast by numpy/torch
             y = cast_rows(cl.y, dtype)
         if out is not None:
@@ -483,6 +512,7 @@ class PoolPath:
             if missing == 0 and not checked[0]:
                 check_peers_meta(hello, cl.elem, ctx.rank, "combine")
                 checked[0] = True
+                cl.hello = hello
             rem = KC.reduce_tokens_into(ctx.base, ctx.lay, cl.epoch, cl.idx, cl.w, cl.weighted,
                                         cl.rows.shape[1], cl.es, cl.ecode, cl.lut, hello, tlo,
                                         thi, cl.done, batch, cl.y, cl.out16, s)
@@ -497,8 +527,53 @@ class PoolPath:
                 want = {r for r in want if batch[r] != 1}
             return sorted(want | {s for s in range(world) if not got[s]})
 
-        self.runner.wait(cl, poll, "combine/rows", peers, lambda: dc_detail(batch))
+        self.runner.wait(cl, poll, "combine/rows", peers, lambda: dc_detail(batch),
+                         on_inactive=lambda: self._drop_sources(cl))
         cl.record(j, "reduce", a)
+
+    # -- elastic (`Buffer(elastic=True)`, `inactive.py`) ------------------------------------------
+    def _drop_partial(self, cl: DispatchCall) -> None:
+        """Dispatch's rows: drop inactive sources whose rows have not all arrived."""
+        with self._drop_lock:
+            drop_partial(self.ctx, cl.rc, cl.done, cl.dropped)
+
+    def _drop_sources(self, cl: CombineCall) -> None:
+        """Combine's rows: hellos for the inactive ranks, and the workers' routing (`cl.idx`)
+        without them; `dropped` collects those this combine routed to."""
+        with self._drop_lock:
+            proxy_hellos(self.ctx, cl.epoch, cl.elem)
+            m = self.ctx.members.members
+            gone = [r for r in m.inactive if r not in self.dropped]
+            if cl.routing is None:
+                cl.routing = torch.from_numpy(cl.idx)
+            idx, hit = m.mask(cl.routing, gone)
+            if hit is not None:
+                self.dropped.extend(gone)
+                cl.routing, cl.idx = idx, idx.numpy()
+
+    def _sum_again(self, cl: CombineCall, tokens: np.ndarray) -> None:
+        """Sum `tokens` again with the routing without the dropped ranks (their other rows
+        are still in my window)."""
+        ctx = self.ctx
+        cl.done[tokens] = 0
+        batch = np.zeros(ctx.world, np.int64)
+        hello = cl.hello
+        self.runner.wait(
+            cl, lambda s: KC.reduce_tokens_into(ctx.base, ctx.lay, cl.epoch, cl.idx, cl.w,
+                                                cl.weighted, cl.rows.shape[1], cl.es, cl.ecode,
+                                                cl.lut, hello, 0, cl.idx.shape[0], cl.done,
+                                                batch, cl.y, cl.out16, s),
+            "combine/rows", lambda: [])
+
+    def with_routing(self, handle: DispatchHandle, idx: torch.Tensor) -> DispatchHandle:
+        """A copy of `handle` whose combine uses routing `idx` (masked)."""
+        _, w, ints, epoch = handle.state
+        return rerouted(handle, idx, (idx.numpy(), w, ints, epoch))
+
+    def skip_epochs(self, n: int) -> None:
+        """`set_active_ranks`: advance both epochs by `n` (even; see `DirectPath`)."""
+        self._d_epoch += n
+        self._c_epoch += n
 
     def _combine_ubep(self, cl: CombineCall, j: int) -> None:
         if j < cl.n_count:                    # count role: the hellos to my share of ranks
@@ -524,7 +599,8 @@ class PoolPath:
             got = np.zeros(ctx.world, np.int8)
             self.runner.wait(cl, lambda s: KS.poll_hello(ctx.base, ctx.lay, cl.epoch, hello,
                                                          got, s),
-                             "combine/flags", lambda: [s for s in range(ctx.world) if not got[s]])
+                             "combine/flags", lambda: [s for s in range(ctx.world) if not got[s]],
+                             on_inactive=lambda: proxy_hellos(ctx, cl.epoch, cl.elem))
             check_peers_meta(hello, cl.elem, ctx.rank, "combine")
             cl.record(0, "wait_flags", a, "wait")
         self.runner.barrier(cl, 2, "combine")

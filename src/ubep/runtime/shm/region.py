@@ -52,6 +52,18 @@ STATUS_OK, STATUS_ABORT = 0, 1
 
 _PAGE = 4096
 
+# -- the header page (the first page of every region): elastic membership words ------------------
+#: `Buffer(elastic=True)`: bit r set = rank r is inactive (dead or removed); every rank that
+#: learns of one ors its bit into this word of every region (`membership.py`)
+H_INACTIVE = 0
+#: the bits of `H_INACTIVE` that `set_active_ranks` removed (the rest died), or-ed first
+H_REMOVED = 8
+#: `set_active_ranks`'s agreement: per rank s, [mask bits, generation] written by s into every
+#: remaining rank's region (the generation word release-stored after the mask)
+H_DRAIN_OFF = 64
+#: ranks an elastic shm Buffer can have: one bit each in a word
+MAX_ELASTIC_RANKS = 64
+
 
 def _align(n: int, a: int) -> int:
     return -(-n // a) * a

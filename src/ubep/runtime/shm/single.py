@@ -28,6 +28,7 @@ from ubep.handle import (
     new_combine_result,
     new_dispatch_result,
     new_handle,
+    rerouted,
 )
 from ubep.native import load_native
 from ubep.options import BufferConfig
@@ -35,6 +36,13 @@ from ubep.plan import WorkerMapper
 from ubep.plan.blocks import BlockFormat
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
+from ubep.runtime.shm.inactive import (
+    drop_partial,
+    mark_dropped,
+    proxy_counts,
+    proxy_hellos,
+    tokens_on,
+)
 from ubep.runtime.shm.kernels import single as KS
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.shm.protocol import DTYPE_CODES, check_peers_meta, dc_detail, sentinel_error
@@ -60,6 +68,8 @@ class SinglePath:
         self._bsp = c.mode == "bsp"
         self._d_epoch = 0
         self._c_epoch = 0
+        #: elastic: ranks whose rows the latest combine dropped (`inactive.py`)
+        self.dropped: list[int] = []
         # scratch, kept: the path allocates nothing it can reuse
         self._y = np.zeros(c.max_tokens_per_rank * c.hidden, np.float32)   # fp32 sums
         self._y_addr = self._y.ctypes.data
@@ -141,6 +151,7 @@ class SinglePath:
         if len(r) == 1:
             raise sentinel_error("expert_out", -r[0] - 1)
         left, out, t1 = r
+        self.dropped = []
         return self._combine_end(expert_out, handle, weighted, t0, epoch, out, out, t1, left)
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -150,6 +161,8 @@ class SinglePath:
         the rows."""
         self._d_epoch = epoch = next_epoch(self._d_epoch)
         tpe = np.empty(self.ctx.config.experts_per_rank, np.int64)
+        if self.ctx.members is not None and self.ctx.members.members.any_inactive:
+            proxy_counts(self.ctx, epoch, DTYPE_CODES[x.dtype])
         left = KS.dispatch_begin_at(self._state_addr, epoch, x.data_ptr(), x.shape[0],
                                     x.shape[1] * x.element_size(), topk_idx.data_ptr(),
                                     topk_idx.shape[1], topk_weights.data_ptr(),
@@ -168,7 +181,8 @@ class SinglePath:
             t1 = now_us()
             ctx.wait(lambda s: KS.dispatch_counts_at(state, epoch, tpe, elem, s),
                      "dispatch/counts", lambda: [s for s in range(world) if not got[s]],
-                     deadline=deadline_after(t0, self._timeout_s))
+                     deadline=deadline_after(t0, self._timeout_s),
+                     on_inactive=lambda: proxy_counts(ctx, epoch, elem))
             t2 = now_us()
         else:
             t1 = t2 = now_us()
@@ -199,20 +213,27 @@ class SinglePath:
         num_tokens, hidden = x.shape
         n_recv, rb, top_k = recv_x.shape[0], hidden * x.element_size(), topk_idx.shape[1]
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
+        dropped: list[int] = []
         if left:
             state, x_addr, src_addr = self._state_addr, recv_x.data_ptr(), x.data_ptr()
             rc, done, batch = self._rc, self._done_rows, self._batch
             ctx.wait(lambda s: KS.recv_rows_at(state, epoch, n_recv, x_addr, rb, wts, ints,
                                                src_addr, num_tokens, w_addr, top_k, s),
                      "dispatch/rows", lambda: missing_sources(rc, done, 0, n_recv),
-                     lambda: dc_detail(batch), deadline=deadline_after(t0, self._timeout_s))
+                     lambda: dc_detail(batch), deadline=deadline_after(t0, self._timeout_s),
+                     on_inactive=lambda: drop_partial(ctx, rc, done[:n_recv], dropped))
+            if dropped:
+                mark_dropped(ints, rc, self._out_start, dropped)
         t3 = now_us()
         handle = new_handle(ctx.buffer_id, call, num_tokens, n_recv, hidden, topk_idx,
                             topk_weights, ints, (idx_addr, w_addr, top_k, ints))
         stats = DeferredStats.of(_dispatch_stats, ctx.config, ctx.fmt, ctx.rank,
                                  (t0, *ts, t3), int(self._res[KS.RES_SENDS]), n_recv, rb,
                                  epoch)
-        return new_dispatch_result(recv_x, wts, tpe, handle, stats)
+        res = new_dispatch_result(recv_x, wts, tpe, handle, stats)
+        if dropped:
+            res.__dict__["_dropped"] = dropped
+        return res
 
     # -- combine -----------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, weighted: bool,
@@ -222,6 +243,9 @@ class SinglePath:
         dtype = expert_out.dtype
         num_tokens, hidden = handle.num_tokens, handle.hidden
         self._c_epoch = epoch = next_epoch(self._c_epoch)
+        self.dropped = []
+        if self.ctx.members is not None and self.ctx.members.members.any_inactive:
+            proxy_hellos(self.ctx, epoch, DTYPE_CODES[dtype])
         # the kernels write by address: a caller's row-major `dest` takes the sums directly
         into = dest if dest is not None and dest.is_contiguous() else None
         out = None
@@ -264,9 +288,20 @@ class SinglePath:
         dtype = expert_out.dtype
         if left:
             batch, done = self._batch, self._done_tokens
-            ctx.wait(lambda s: self._combine_poll(expert_out, handle, weighted, epoch, out, s),
-                     "combine/rows", lambda: self._combine_missing(handle, done),
-                     lambda: dc_detail(batch), deadline=deadline_after(t0, self._timeout_s))
+            cur = [handle]          # elastic: the routing without dead ranks, once found
+            deadline = deadline_after(t0, self._timeout_s)
+            ctx.wait(lambda s: self._combine_poll(expert_out, cur[0], weighted, epoch, out, s),
+                     "combine/rows", lambda: self._combine_missing(cur[0], done),
+                     lambda: dc_detail(batch), deadline=deadline,
+                     on_inactive=lambda: self._drop_sources(cur, epoch, DTYPE_CODES[dtype]))
+            if self.dropped:        # no token keeps a row of a rank dropped meanwhile
+                again = tokens_on(handle.topk_idx.numpy(), self.dropped,
+                                  ctx.config.experts_per_rank)
+                done[again] = 0
+                ctx.wait(lambda s: self._combine_poll(expert_out, cur[0], weighted, epoch, out,
+                                                      s),
+                         "combine/rows", lambda: self._combine_missing(cur[0], done),
+                         lambda: dc_detail(batch), deadline=deadline)
         _, code, _, routed = self._res.tolist()
         if code:
             check_peers_meta(self._hello, DTYPE_CODES[dtype], ctx.rank, "combine")
@@ -280,6 +315,28 @@ class SinglePath:
                                  handle.num_recv, routed, handle.hidden * expert_out.element_size(),
                                  epoch)
         return new_combine_result(out, stats)
+
+    # -- elastic (`Buffer(elastic=True)`, `inactive.py`) ------------------------------------------
+    def _drop_sources(self, cur: list, epoch: int, elem: int) -> None:
+        """Combine's rows: hellos for the inactive ranks, and `cur[0]` becomes the routing
+        without them; `dropped` collects those this combine routed to."""
+        proxy_hellos(self.ctx, epoch, elem)
+        m = self.ctx.members.members
+        gone = [r for r in m.inactive if r not in self.dropped]
+        idx, hit = m.mask(cur[0].topk_idx, gone)
+        if hit is not None:
+            self.dropped.extend(gone)
+            cur[0] = self.with_routing(cur[0], idx)
+
+    def with_routing(self, handle: DispatchHandle, idx: torch.Tensor) -> DispatchHandle:
+        """A copy of `handle` whose combine uses routing `idx` (masked)."""
+        _, w_addr, top_k, ints = handle.state
+        return rerouted(handle, idx, (idx.data_ptr(), w_addr, top_k, ints))
+
+    def skip_epochs(self, n: int) -> None:
+        """`set_active_ranks`: advance both epochs by `n` (even; see `DirectPath`)."""
+        self._d_epoch += n
+        self._c_epoch += n
 
     def _combine_missing(self, handle: DispatchHandle, done: np.ndarray) -> list[int]:
         """The ranks a combine still waits for (rows of unfinished tokens, hellos)."""

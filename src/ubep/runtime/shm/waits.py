@@ -4,7 +4,8 @@ Every wait of the shm runtime goes through `wait`: it has a deadline (`PeerTimeo
 names the waiting rank, the phase and the peers still missing), checks that the peers are
 alive (`PeerDiedError`, by the lock every rank holds on its own segment: no process ids,
 so ranks in different PID namespaces work), and stops early when another worker of the same
-call failed.
+call failed. In an elastic Buffer (`members`) a dead peer is recorded as inactive instead,
+and the wait's `on_inactive` lets the path stop waiting for it (`membership.py`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def deadline_after(t0_us: float, timeout_s: float) -> float:
 def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segment], phase: str,
          deadline: float, timeout_s: float, peers_of: Callable[[], list[int]],
          detail_of: Callable[[], str] | None = None,
-         failed: Callable[[], bool] | None = None) -> None:
+         failed: Callable[[], bool] | None = None, members=None,
+         on_inactive: Callable[[], None] | None = None) -> None:
     """Re-enter `poll(spins)` until it returns 0; raise if the deadline passes or a peer dies.
 
     Spins in the kernel first, then yields the core (for `YIELD_S`), then sleeps 20-100 us per
@@ -64,10 +66,24 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
     `peers_of()` names the ranks still missing and `detail_of()` adds to the timeout message;
     `failed()` true (another worker of the call failed) raises `Cancelled`. `deadline` is in
     `time.perf_counter()` seconds (`deadline_after`).
+
+    `members` (a `membership.ShmMembership`, elastic Buffers only): at every liveness probe, a
+    dead peer is recorded as inactive instead of raising, ranks other ranks recorded are read
+    from the shared word, and `on_inactive()` (the path's: stop waiting for inactive ranks; it
+    must be idempotent) runs while some rank is inactive; also first thing if some are.
     """
     left = poll(SPINS)
     if left == 0:
         return
+    version = -1
+    if members is not None:
+        m = members.members
+        version = m.version
+        if m.any_inactive and on_inactive is not None:
+            on_inactive()
+            left = poll(SPINS)
+            if left == 0:
+                return
     n = 0
     now = time.perf_counter()
     yield_until = now + YIELD_S
@@ -89,9 +105,24 @@ def wait(poll: Callable[[int], int], *, rank: int, segs: Sequence[segments.Segme
         left = still
         if now >= next_live:
             next_live = now + LIVENESS_EVERY_S
-            dead = [r for r, seg in enumerate(segs) if not seg.owner_alive()]
-            if dead:
-                raise PeerDiedError(rank, phase, dead)
+            if members is None:
+                dead = [r for r, seg in enumerate(segs) if not seg.owner_alive()]
+                if dead:
+                    raise PeerDiedError(rank, phase, dead)
+            else:           # elastic: what others recorded, then my own probe
+                if members.stale():
+                    members.sync()                # raises if this rank was removed
+                members.find_dead()
+                m = members.members
+                if m.version != version or m.any_inactive:
+                    # (again at every probe while a rank is inactive: a removed rank that
+                    # still calls may overwrite what `on_inactive` wrote)
+                    version = m.version
+                    if on_inactive is not None:
+                        on_inactive()
+                    left = poll(SPINS)
+                    if left == 0:
+                        return
         if now > deadline:
             if poll(SPINS) == 0:
                 return

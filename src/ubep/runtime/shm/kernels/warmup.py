@@ -259,3 +259,21 @@ def warm_up_direct() -> None:
                   np.zeros(1, np.uint8), y, np.zeros((0, 2), np.uint16), 0, 0, 1)
     poll_words_at_least(base, 1, 0, 1)
     del mem
+
+
+def warm_up_elastic(lay_of) -> None:
+    """Compile (or load from cache) the elastic membership kernels (`members`) on a private
+    1-rank region, as `warm_up` (`Buffer(elastic=True)`)."""
+    from ubep.runtime.shm.kernels import members as KM
+
+    lay = lay_of()
+    mem = np.zeros(int(lay[L_SIZE]) + 64, np.uint8)
+    base = (mem.ctypes.data + 63) // 64 * 64
+    bases = np.array([base], np.int64)
+    KM.or_into(bases, 0)
+    KM.publish_drain(bases + 64, np.int64(1), 1)
+    KM.poll_drain(base + 64, np.zeros(1, np.int64), 1, np.zeros(1, np.int64), 1)
+    none = np.zeros(0, np.int64)
+    KM.proxy_counts(bases, lay, 0, 1, none, np.zeros(int(lay[L_EL]), np.int64), 0)
+    KM.proxy_hellos(bases, lay, 0, 1, none, 0)
+    del mem

@@ -1,0 +1,78 @@
+"""What `Buffer(elastic=True)` costs while nothing fails: batch-1 dispatch+combine of an
+elastic Buffer against a plain one of the same kind, side by side in one process pair
+(`ubep.testing.alternate`: turns of 20 calls, every turn started after a cross-process
+barrier, the pair's time the slower rank's). Results are checked equal first. Not a test
+(pytest does not collect it); the ratio is in docs/reliability.md ("Elastic").
+
+The default is the path `backend="auto"` runs on one host (shm, `direct="owned"`);
+`--path` picks another shm path, `--backend torch` the torch backend (gloo).
+
+    .venv/bin/python tests/runtime/bench_elastic_cost.py [--path owned|direct|staged|pool]
+        [--backend shm|torch] [--rounds 40] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+PATHS = {"owned": dict(direct="owned", workers=1), "direct": dict(direct=True, workers=1),
+         "staged": dict(mode="ubep", workers=1), "pool": dict(mode="ubep", workers=2)}
+
+
+def _rank(rank: int, world: int, kw: dict, rounds: int, batch: int) -> dict:
+    import torch
+
+    import ubep
+    from ubep.bench.flags import HostSync
+    from ubep.testing import alternate, make_routing, make_tokens
+
+    os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})   # one core per rank
+    idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
+    x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
+    sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"], timeout_s=60)
+    base = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, **kw)
+    try:
+        with ubep.Buffer(**base) as plain, ubep.Buffer(**base, elastic=True) as elastic:
+            a, b = plain.dispatch(x, idx, w), elastic.dispatch(x, idx, w)
+            if not (torch.equal(a.recv_x, b.recv_x) and torch.equal(
+                    plain.combine(a.recv_x, a.handle), elastic.combine(b.recv_x, b.handle))):
+                raise SystemExit("the two Buffers disagree")
+            del a, b
+
+            def call(buf):
+                def run():
+                    r = buf.dispatch(x, idx, w)
+                    buf.combine(r.recv_x, r.handle)
+                return run
+
+            gc.collect()
+            gc.disable()
+            times = alternate({"elastic=False": call(plain), "elastic=True": call(elastic)},
+                              rounds, barrier=sync.barrier)
+            gc.enable()
+            return times
+    finally:
+        sync.close()
+
+
+def main() -> None:
+    from ubep.testing import print_turns, run_ranks
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--path", default="owned", choices=sorted(PATHS))
+    p.add_argument("--backend", default="shm", choices=["shm", "torch"])
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--batch", type=int, default=1)
+    a = p.parse_args()
+    kw = dict(backend="torch") if a.backend == "torch" else dict(backend="shm", **PATHS[a.path])
+    out = run_ranks(_rank, 2, kw, a.rounds, a.batch, timeout_s=1800,
+                    env={"UBEP_JOB_ID": f"elcost{os.getpid()}"})
+    label = "torch" if a.backend == "torch" else f"shm {a.path}"
+    print_turns(out, f"{label}, batch {a.batch},")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

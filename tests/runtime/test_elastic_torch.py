@@ -1,0 +1,127 @@
+"""Elastic expert parallelism on the torch backend (`Buffer(backend="torch", elastic=True)`).
+
+A non-zero rank SIGKILLed at a random point inside a call (or between a dispatch and its
+combine), 20 trials of 4 ranks on gloo: the survivors recover through the store, never raise,
+never wait past their deadline, agree on `active_ranks`, move the rows between them exactly
+(combine to the torch backend's rounding) from the call after the death on, and the call the
+death happened in keeps the dead rank's rows all or none. Also the planned drain, and the
+named error when the rank that hosts the store dies.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+from elastic_cases import HIDDEN, TOKENS, TOP_K, drain_trial, elastic_trial, inputs
+
+from ubep.testing import RankFailure, run_ranks
+
+WORLD = 4
+DEADLINE_S = 10.0
+TRIALS = 20
+
+
+def _plan(n: int, seed: str) -> list[tuple]:
+    rng = random.Random(seed)
+    return [(("dispatch", "combine", "between")[t % 3], rng.randint(1, WORLD - 1),
+             rng.randint(1, 2), 0.0 if t % 4 == 0 else rng.uniform(0, 3e-3))
+            for t in range(n)]
+
+
+@pytest.mark.parametrize("trial,phase,victim,kill_at,delay",
+                         [(t, *p) for t, p in enumerate(_plan(TRIALS, "elastic-torch"))])
+def test_survivors_go_on_after_a_sigkill(trial, phase, victim, kill_at, delay):
+    out = run_ranks(elastic_trial, WORLD, dict(backend="torch"), victim, kill_at, phase,
+                    delay, kill_at + 3, trial, DEADLINE_S, timeout_s=120,
+                    return_exceptions=True, env={"UBEP_JOB_ID": f"elt{os.getpid()}t{trial}"})
+    where = f"{phase} victim={victim} kill_at={kill_at} delay={delay * 1e3:.2f} ms"
+    assert isinstance(out[victim], RankFailure) and out[victim].kind == "died", (where, out)
+    want = [r != victim for r in range(WORLD)]
+    for r, o in enumerate(out):
+        if r == victim:
+            continue
+        assert not isinstance(o, RankFailure), (where, o)
+        assert o["errors"] == [], (where, r, o["errors"])
+        assert o["active"] == want, (where, r, o["active"])
+        assert o["slowest"] <= DEADLINE_S, (where, r, o["slowest"])
+
+
+def test_planned_drain():
+    out = run_ranks(drain_trial, WORLD, dict(backend="torch"), 2, 5, 3, DEADLINE_S,
+                    timeout_s=120, return_exceptions=True)
+    removed = out[2]
+    assert not isinstance(removed, RankFailure), removed
+    assert removed["errors"] == [] and "removed by set_active_ranks" in removed["refused"]
+    assert removed["took"] <= DEADLINE_S
+    for r in (0, 1, 3):
+        assert not isinstance(out[r], RankFailure), out[r]
+        assert out[r]["errors"] == [], (r, out[r]["errors"])
+        assert out[r]["active"] == [True, True, False, True]
+
+
+def _store_host_rank(rank: int, world: int, port: int, conn) -> None:
+    """A rank of a job whose store rank 0 hosts (as `init_process_group` with env:// does);
+    rank 0 dies after one call; the others report what their next call raised."""
+    import torch.distributed as dist
+
+    import ubep
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                              wait_for_workers=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        buf = ubep.Buffer(num_experts=2 * world, hidden=HIDDEN, max_tokens_per_rank=TOKENS,
+                          max_top_k=TOP_K, backend="torch", elastic=True, timeout_s=DEADLINE_S)
+        for i in range(3):
+            if rank == 0 and i == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            ins = inputs(world, 2 * world, i)
+            t0 = time.monotonic()
+            try:
+                res = buf.dispatch(*ins[rank])
+                buf.combine(res.recv_x, res.handle)
+            except ubep.StoreHostDiedError as e:
+                conn.send(("StoreHostDiedError", str(e), time.monotonic() - t0))
+                break
+        else:
+            conn.send(("no error",))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send((type(e).__name__, str(e)))
+    finally:
+        conn.close()
+        os._exit(0)     # no teardown: the store is gone
+
+
+def test_store_host_death_is_named():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = 3
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_store_host_rank, args=(r, world, port, pipes[r][1]))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for r in (1, 2):
+            assert pipes[r][0].poll(120), f"rank {r} did not answer"
+            got[r] = pipes[r][0].recv()
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for r, g in got.items():
+        assert g[0] == "StoreHostDiedError", (r, g)
+        assert "hosts it (rank 0" in g[1] and g[2] <= DEADLINE_S, (r, g)
