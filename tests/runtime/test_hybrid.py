@@ -8,6 +8,7 @@ runs the same checks on emulated hosts (network namespaces, a private /dev/shm e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -67,7 +68,10 @@ def test_hybrid_matches_oracle(hosts):
                seed=12)
     big = Case(num_experts=4 * world, hidden=37, top_k=2, tokens=(3600, 0, 3700, 5)[:world],
                seed=11)
-    cases = [*runtime_cases(world), mid, mid, big, big, runtime_cases(world)[2]]
+    # a flat call's largest count to one peer picks the next mode: all tokens to one rank
+    # make it the batch (then split), uniform routing runs there after
+    to_one = dataclasses.replace(big, routing="one_expert", top_k=1)
+    cases = [*runtime_cases(world), mid, mid, to_one, big, big, runtime_cases(world)[2]]
     res = run_ranks(_run, world, hosts, cases, timeout_s=240)
     for r, (seen, why, _) in enumerate(res):
         assert seen == hosts, (r, seen)

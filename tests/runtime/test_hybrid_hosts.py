@@ -61,7 +61,9 @@ def test_hybrid_on_emulated_hosts(ranks_per_host):
     host's /dev/shm keeps anything."""
     world = 4
     big = Case(num_experts=4 * world, hidden=37, top_k=2, tokens=(3600, 7, 3700, 0), seed=11)
-    cases = [*runtime_cases(world), big, big]
+    to_one = Case(num_experts=4 * world, hidden=37, top_k=1, tokens=(3600, 7, 3700, 0),
+                  routing="one_expert")     # a flat call's largest count to one peer: 3700
+    cases = [*runtime_cases(world), big, to_one, big]
     res = run_hosts(_cases, cases, ranks_per_host=ranks_per_host, timeout_s=300,
                     check_leaks=True)
     hosts = res.hosts
