@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ubep.soak import Tally, _soak_rank, random_session, soak
+from ubep.soak import Tally, _soak_rank, random_session, soak, soak_kills
 from ubep.testing import run_ranks
 
 
@@ -43,7 +43,16 @@ def test_the_soak_checker_counts_a_one_byte_flip():
     assert any("differs from the reference" in f for t in out for f in t.failures)
 
 
-@pytest.mark.parametrize("argv", [["--calls", "0"], ["--minutes", "-1"], ["--world", "0"]])
+def test_a_short_kill_soak_is_clean():
+    """`--kill-every`: ranks die inside calls, the survivors match the masked oracle."""
+    t = soak_kills(calls=24, minutes=None, world=4, seed=3, calls_per_session=12,
+                   kill_every=4)
+    assert t.ok, t.failures[:5]
+    assert t.calls >= 24 and t.sessions == 2 and t.kills == 4
+
+
+@pytest.mark.parametrize("argv", [["--calls", "0"], ["--minutes", "-1"], ["--world", "0"],
+                                  ["--kill-every", "0"], ["--kill-every", "2", "--world", "2"]])
 def test_bad_arguments_exit_2(argv, capsys):
     from ubep.cli import main
 

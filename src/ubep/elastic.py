@@ -99,15 +99,6 @@ class Membership:
         return topk_idx.to(torch.int64).masked_fill(hit, -1).contiguous(), hit
 
 
-def mask_routing(topk_idx: torch.Tensor, active: torch.Tensor,
-                 experts_per_rank: int) -> torch.Tensor:
-    """`topk_idx` with every slot whose expert's rank is inactive in `active` (`[world]`
-    bool) set to -1: what an elastic Buffer delivers, for an oracle (`ubep.reference`)."""
-    off = ~active.to(torch.bool).repeat_interleave(experts_per_rank)
-    idx = topk_idx.to(torch.int64)
-    return idx.masked_fill((idx >= 0) & off[idx.clamp(min=0)], -1)
-
-
 def check_drain_mask(mask, active: np.ndarray, rank: int) -> np.ndarray:
     """`set_active_ranks`'s `mask` as a numpy bool array, or a ValueError/TypeError naming
     the rule it breaks: a `[world]` bool tensor that only removes ranks (no inactive rank

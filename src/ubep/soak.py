@@ -492,7 +492,8 @@ def _print_progress(t: Tally) -> None:
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--calls", type=int, default=None, help="stop after this many dispatches")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long")
-    ap.add_argument("--world", type=int, default=2, help="ranks (processes), default 2")
+    ap.add_argument("--world", type=int, default=None,
+                    help="ranks (processes), default 2 (4 with --kill-every)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random configurations")
     ap.add_argument("--calls-per-buffer", type=int, default=50,
                     help="calls made on one Buffer before the next configuration (default 50)")
@@ -511,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
         if args.kill_every is not None:
             if args.kill_every < 1:
                 raise ValueError(f"--kill-every={args.kill_every} must be >= 1")
-            world = 4 if args.world == 2 else args.world
+            world = 4 if args.world is None else args.world
             if world < 3:
                 raise ValueError(f"--kill-every needs --world >= 3 (two ranks stay), "
                                  f"got {world}")
@@ -519,7 +520,8 @@ def run(args: argparse.Namespace) -> int:
                            calls_per_session=args.calls_per_buffer,
                            kill_every=args.kill_every, progress=progress)
         else:
-            t = soak(calls=args.calls, minutes=args.minutes, world=args.world, seed=args.seed,
+            t = soak(calls=args.calls, minutes=args.minutes,
+                     world=2 if args.world is None else args.world, seed=args.seed,
                      calls_per_session=args.calls_per_buffer, progress=progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
