@@ -82,7 +82,7 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
     import ubep
     from ubep.bench.systems import replay_calls
     from ubep.plan.hosts import HostLayout, rows_to_other_hosts
-    from ubep.runtime.torch_backend import all_to_all
+    from ubep.runtime.collectives import all_to_all
     from ubep.testing import alternate, make_routing, make_tokens
 
     torch.manual_seed(cfg.seed)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ubep.bench.config import AGRS_RAW, BOUND, BUFFER_SYSTEMS, MPI_RAW, RAW, BenchConfig
 from ubep.quant import per_token_cast_back
 from ubep.reference import ReferenceDispatch
-from ubep.runtime.torch_backend import all_to_all
+from ubep.runtime.collectives import all_to_all
 
 
 def page_aligned(nbytes: int) -> np.ndarray:

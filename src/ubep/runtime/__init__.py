@@ -33,10 +33,10 @@ class Backend(Protocol):
 
     #: elastic (`Buffer(elastic=True)`): this rank's `ubep.elastic.Membership`; None where
     #: the backend has no elastic mode or the Buffer is not elastic
-    membership = None
+    membership: object = None
     #: the backend's shared membership word and the bits of it applied (Buffer compares
     #: them before each call), or None where membership changes inside calls only
-    membership_word = None
+    membership_word: tuple | None = None
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  call: int) -> DispatchResult: ...

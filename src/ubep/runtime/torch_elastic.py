@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ubep.elastic import Membership
 from ubep.errors import PeerTimeoutError, RankRemovedError, StoreHostDiedError
+from ubep.runtime.collectives import all_to_all
 
 #: how often each rank's heartbeat thread bumps its counter in the store, seconds
 HEARTBEAT_S = 0.05
@@ -155,8 +156,6 @@ class TorchElastic:
             self.recover(e)
 
     def _run(self, output, input, output_splits, input_splits, async_op: bool = False):
-        from ubep.runtime.torch_backend import all_to_all
-
         try:
             if not self.members.any_inactive:
                 work = all_to_all(self.group, output, input, output_splits, input_splits,

@@ -53,7 +53,7 @@ def post(ex: Exchange, pg, sends: dict[int, torch.Tensor],
          recvs: dict[int, torch.Tensor]) -> Exchange:
     """Post `recvs` (peer group rank -> buffer) then `sends` (peer -> tensor) on the process
     group object `pg`, as `dist.irecv`/`dist.isend` do without their Python wrappers' checks
-    (tens of µs a call on a slow host, as `torch_backend.all_to_all` notes)."""
+    (tens of µs a call on a slow host, as `collectives.all_to_all` notes)."""
     try:
         for peer, buf in recvs.items():
             ex.recvs.append((peer, pg.recv([buf], peer, 0)))
