@@ -7,7 +7,7 @@ barrier, the pair's time the slower rank's). Results are checked equal first. No
 The default is the path `backend="auto"` runs on one host (shm, `direct="owned"`);
 `--path` picks another shm path, `--backend torch` the torch backend (gloo).
 
-    .venv/bin/python tests/runtime/bench_elastic_cost.py [--path owned|direct|staged|pool]
+    .venv/bin/python -m benchmarks bench_elastic_cost [--path owned|direct|staged|pool]
         [--backend shm|torch] [--rounds 40] [--batch 1]
 """
 
