@@ -62,6 +62,12 @@ class Tally:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.failures.extend(other.failures)
 
+    def add_outcomes(self, other: Tally) -> None:
+        """A rank's mismatches, hangs, errors and failures (each rank counts the same calls)."""
+        for k in ("mismatches", "hangs", "errors"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.failures.extend(other.failures)
+
 
 def random_session(rng: random.Random, world: int, calls: int) -> dict:
     """One Buffer configuration and its call count (plain values: shipped to the ranks)."""
@@ -368,7 +374,6 @@ def _elastic_rank(rank: int, world: int, session: dict, stop_at: float) -> dict:
 def soak_kills(*, calls: int | None, minutes: float | None, world: int, seed: int,
                calls_per_session: int, kill_every: int, progress=None) -> Tally:
     """`soak` with `--kill-every`: elastic sessions on fresh processes, one job each."""
-    from ubep.runtime.shm.segments import unlink_name
     from ubep.testing import RankFailure, run_ranks
 
     rng = random.Random(seed)
@@ -397,19 +402,23 @@ def soak_kills(*, calls: int | None, minutes: float | None, world: int, seed: in
                 continue
             t = Tally(**o)
             got.calls = max(got.calls, t.calls)
-            got.mismatches += t.mismatches
-            got.hangs += t.hangs
-            got.errors += t.errors
-            got.failures.extend(t.failures)
-        left_behind = _job_segments(job)
-        got.leaked += len(left_behind)
-        got.failures.extend(f"leaked segment /dev/shm/{n}" for n in left_behind)
-        for name in left_behind:
-            unlink_name(name)
+            got.add_outcomes(t)
+        _sweep_leaks(job, got)
         total.add(got)
         if progress is not None:
             progress(total)
     return total
+
+
+def _sweep_leaks(job: str, got: Tally) -> None:
+    """Count (as leaks and failures) and remove what `job` left in /dev/shm."""
+    from ubep.runtime.shm.segments import unlink_name
+
+    left_behind = _job_segments(job)
+    got.leaked += len(left_behind)
+    got.failures.extend(f"leaked segment /dev/shm/{n}" for n in left_behind)
+    for name in left_behind:
+        unlink_name(name)
 
 
 def _job_segments(job: str) -> list[str]:
@@ -425,7 +434,6 @@ def soak(*, calls: int | None = None, minutes: float | None = None, world: int =
          seed: int = 0, calls_per_session: int = 50, sessions_per_chunk: int = 8,
          progress=None) -> Tally:
     """Run randomized sessions until `calls` calls were made or `minutes` passed."""
-    from ubep.runtime.shm.segments import unlink_name
     from ubep.testing import RankFailure, run_ranks
 
     if calls is None and minutes is None:
@@ -468,15 +476,8 @@ def soak(*, calls: int | None = None, minutes: float | None = None, world: int =
             t = Tally(**o)
             if r == 0:
                 got.calls, got.sessions = t.calls, t.sessions
-            got.mismatches += t.mismatches
-            got.hangs += t.hangs
-            got.errors += t.errors
-            got.failures.extend(t.failures)
-        left_behind = _job_segments(job)
-        got.leaked += len(left_behind)
-        got.failures.extend(f"leaked segment /dev/shm/{n}" for n in left_behind)
-        for n in left_behind:
-            unlink_name(n)
+            got.add_outcomes(t)
+        _sweep_leaks(job, got)
         total.add(got)
         if progress is not None:
             progress(total)

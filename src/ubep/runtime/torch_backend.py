@@ -136,8 +136,9 @@ HOST_MOVES_ROWS = True
 #: `final_sums_at`: the same rounding as embedding_bag's, which the device path uses), by
 #: the kernels' code for them
 _CPU_COMBINE = {torch.bfloat16: KIND_BF16, torch.float16: KIND_F16, torch.float32: KIND_F32}
-#: partial sums travel in the output dtype for these; in fp32 for everything else
-_PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: partial sums travel in the output dtype for these; in fp32 for everything else (the
+#: hybrid backend's partials too)
+PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _bag_sum(rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
@@ -954,7 +955,7 @@ class TorchBackend(Backend):
                 weighted: bool, out: torch.Tensor | None = None) -> CombineResult:
         st: _TorchState = handle.state
         dtype, device = expert_out.dtype, expert_out.device
-        pdtype = dtype if dtype in _PARTIAL_DTYPES else torch.float32
+        pdtype = dtype if dtype in PARTIAL_DTYPES else torch.float32
         if st.res is not None and pdtype in _CPU_COMBINE and HOST_MOVES_ROWS:
             return self._combine_cpu(expert_out, st, weighted, out, pdtype)
         if st.bag_rows is None:     # a CPU dispatch's index arrays, for embedding_bag

@@ -58,13 +58,11 @@ from ubep.runtime.hosts import discover_hosts
 from ubep.runtime.hybrid.network import Exchange, network_error, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.runtime.shm.outputs import OutputPool
-from ubep.runtime.torch_backend import TorchBackend
+from ubep.runtime.torch_backend import PARTIAL_DTYPES, TorchBackend
 from ubep.stats import Stats
 
 __all__ = ["HybridBackend", "PARTIAL_DTYPES", "FLAT_BYTES", "SPLIT_BYTES"]
 
-#: combine partials travel in the output dtype for these, in fp32 for the rest (8-bit)
-PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the previous call's largest batch on one rank, as bf16 rows of `hidden` (whatever the
 #: dtype: every rank must decide alike), picks the mode: "flat" up to FLAT_BYTES (~9 rows of
 #: 7168), "joint" up to SPLIT_BYTES (~18 rows), "split" beyond, where moving the local rows
