@@ -226,3 +226,36 @@ def drain_trial(rank: int, world: int, kw: dict, removed: int, calls: int, seed:
         return dict(errors=errors, active=buf.active_ranks.tolist())
     finally:
         buf.close()
+
+
+def assert_survivors(out: list, victim: int, deadline_s: float, where: str) -> None:
+    """A killed trial's outcome: the victim died; every survivor raised nothing, agrees that
+    only the victim left, and never waited past the deadline."""
+    from ubep.testing import RankFailure
+
+    assert isinstance(out[victim], RankFailure) and out[victim].kind == "died", (where, out)
+    want = [r != victim for r in range(len(out))]
+    for r, o in enumerate(out):
+        if r == victim:
+            continue
+        assert not isinstance(o, RankFailure), (where, o)
+        assert o["errors"] == [], (where, r, o["errors"])
+        assert o["active"] == want, (where, r, o["active"])
+        assert o["slowest"] <= deadline_s, (where, r, o["slowest"])
+
+
+def assert_drained(out: list, removed: int, deadline_s: float) -> None:
+    """A planned drain's outcome: the removed rank's next call was refused in time; the
+    others raised nothing and agree on who is left."""
+    from ubep.testing import RankFailure
+
+    gone = out[removed]
+    assert not isinstance(gone, RankFailure), gone
+    assert gone["errors"] == [] and "removed by set_active_ranks" in gone["refused"]
+    assert gone["took"] <= deadline_s
+    want = [r != removed for r in range(len(out))]
+    for r, o in enumerate(out):
+        if r != removed:
+            assert not isinstance(o, RankFailure), o
+            assert o["errors"] == [], (r, o["errors"])
+            assert o["active"] == want, (r, o["active"])

@@ -18,9 +18,18 @@ import time
 from datetime import timedelta
 
 import pytest
-from elastic_cases import HIDDEN, TOKENS, TOP_K, drain_trial, elastic_trial, inputs
+from elastic_cases import (
+    HIDDEN,
+    TOKENS,
+    TOP_K,
+    assert_drained,
+    assert_survivors,
+    drain_trial,
+    elastic_trial,
+    inputs,
+)
 
-from ubep.testing import RankFailure, run_ranks
+from ubep.testing import run_ranks
 
 WORLD = 4
 DEADLINE_S = 10.0
@@ -41,28 +50,13 @@ def test_survivors_go_on_after_a_sigkill(trial, phase, victim, kill_at, delay):
                     delay, kill_at + 3, trial, DEADLINE_S, timeout_s=120,
                     return_exceptions=True, env={"UBEP_JOB_ID": f"elt{os.getpid()}t{trial}"})
     where = f"{phase} victim={victim} kill_at={kill_at} delay={delay * 1e3:.2f} ms"
-    assert isinstance(out[victim], RankFailure) and out[victim].kind == "died", (where, out)
-    want = [r != victim for r in range(WORLD)]
-    for r, o in enumerate(out):
-        if r == victim:
-            continue
-        assert not isinstance(o, RankFailure), (where, o)
-        assert o["errors"] == [], (where, r, o["errors"])
-        assert o["active"] == want, (where, r, o["active"])
-        assert o["slowest"] <= DEADLINE_S, (where, r, o["slowest"])
+    assert_survivors(out, victim, DEADLINE_S, where)
 
 
 def test_planned_drain():
     out = run_ranks(drain_trial, WORLD, dict(backend="torch"), 2, 5, 3, DEADLINE_S,
                     timeout_s=120, return_exceptions=True)
-    removed = out[2]
-    assert not isinstance(removed, RankFailure), removed
-    assert removed["errors"] == [] and "removed by set_active_ranks" in removed["refused"]
-    assert removed["took"] <= DEADLINE_S
-    for r in (0, 1, 3):
-        assert not isinstance(out[r], RankFailure), out[r]
-        assert out[r]["errors"] == [], (r, out[r]["errors"])
-        assert out[r]["active"] == [True, True, False, True]
+    assert_drained(out, 2, DEADLINE_S)
 
 
 def _store_host_rank(rank: int, world: int, port: int, conn) -> None:
