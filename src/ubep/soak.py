@@ -392,13 +392,8 @@ def soak_kills(*, calls: int | None, minutes: float | None, world: int, seed: in
         victims = {v for _, v, _, _ in s["kills"]}
         for r, o in enumerate(outs):
             if isinstance(o, RankFailure):
-                if r in victims and o.kind == "died":
-                    continue
-                if o.kind == "timeout":
-                    got.hangs += 1
-                else:
-                    got.errors += 1
-                got.failures.append(str(o)[:2000])
+                if not (r in victims and o.kind == "died"):
+                    _count_failure(got, o)
                 continue
             t = Tally(**o)
             got.calls = max(got.calls, t.calls)
@@ -408,6 +403,15 @@ def soak_kills(*, calls: int | None, minutes: float | None, world: int, seed: in
         if progress is not None:
             progress(total)
     return total
+
+
+def _count_failure(got: Tally, failure) -> None:
+    """A rank that failed (a `RankFailure`): a hang if it ran out of time, else an error."""
+    if failure.kind == "timeout":
+        got.hangs += 1
+    else:
+        got.errors += 1
+    got.failures.append(str(failure)[:2000])
 
 
 def _sweep_leaks(job: str, got: Tally) -> None:
@@ -467,11 +471,7 @@ def soak(*, calls: int | None = None, minutes: float | None = None, world: int =
         got = Tally()
         for r, o in enumerate(outs):
             if isinstance(o, RankFailure):
-                if o.kind == "timeout":
-                    got.hangs += 1
-                else:
-                    got.errors += 1
-                got.failures.append(str(o)[:2000])
+                _count_failure(got, o)
                 continue
             t = Tally(**o)
             if r == 0:
