@@ -16,9 +16,6 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-
-from benchmarks.probes import HostProbes, HostRecord, host_record
 from ubep.bench.cli import PEERS_BATCHES, PEERS_HIDDENS
 from ubep.bench.config import BOUND, BenchConfig
 from ubep.bench.run import BenchResult, mpi_unavailable_reason, run_bench
@@ -84,35 +81,10 @@ def figures(turns: BenchResult, inter: BenchResult) -> list[str]:
             add(f"{peer} / (its collectives + copy bound), batch {b}", "(competence)",
                 tuple(ix.get((peer, h, b, "total"), {}).get("x_raw_copy") for ix in runs),
                 None)
-    bound = [ix.get((BOUND, h, 1, "total"), {}) for ix in runs]
-    add("copy bound batch 1 p99 / median", "(floor)",
-        tuple(None if not r else r["p99_us"] / r["median_us"] for r in bound), None)
-    add("batch-1 dispatch bytes copied as the other core wrote them / from own cache",
-        "(floor)",
-        tuple(None if 2 not in r.xcopy else r.xcopy[2][1] / r.xcopy[2][2]
-              for r in (turns, inter)), None)
     for system in _SHM_SYSTEMS:
-        med = tuple(ix.get((system, h, 1, "total"), {}).get("median_us") for ix in runs)
-        p99 = tuple(ix.get((system, h, 1, "total"), {}).get("p99_us") for ix in runs)
-        add(f"{system} dispatch+combine, batch 1, median", "≤ 40 µs (≤ 80 µs interleaved)",
-            tuple(None if m is None else f"{m:.1f} µs" for m in med),
-            (lambda v: float(v.split()[0]) <= 40, lambda v: float(v.split()[0]) <= 80))
-        xb = tuple(ix.get((system, h, 1, "total"), {}).get("x_bound") for ix in runs)
-        add(f"{system} batch 1 / copy bound", "≤ 6×", xb, lambda v: v <= 6)
-        tails = tuple(None if m is None or p is None else p / m for m, p in zip(med, p99))
-        add(f"{system} batch 1 p99 / median", "≤ 3× (≤ 6× interleaved)", tails,
-            (lambda v: v <= 3, lambda v: v <= 6))
-        floor = tuple(ix.get((system, h, 1, "total"), {}).get("host_p99x") for ix in runs)
-        add(f"{system} batch 1 p99 / median, host floor", "(host)", floor, None)
-        clear = [ix.get((system, h, 1, "total"), {}) for ix in runs]
-        add(f"{system} batch 1 p99 / median, calls clear of the timer windows",
-            "(host)", tuple(None if r.get("clear_p99_us") is None else
-                            f"{r['clear_p99_us'] / r['clear_median_us']:.2f}× "
-                            f"({100 * r['clear_share']:.0f}% of calls)" for r in clear), None)
-        lead = turns.leads.get((system, 2, h, 1))
-        add(f"{system} batch 1, a turn's first call / the timed calls (medians)", "(cold)",
-            (None if lead is None or med[0] is None else float(np.median(lead)) / med[0],
-             None), None)
+        add(f"{system} batch 1 / copy bound", "≤ 6×",
+            tuple(ix.get((system, h, 1, "total"), {}).get("x_bound") for ix in runs),
+            lambda v: v <= 6)
     for peer in ("torch", "mpi", "agrs"):
         for system in _SHM_SYSTEMS[:1]:          # the default path, what a user gets
             for b in (1, 16, 128):
@@ -173,21 +145,16 @@ system that differs is dropped and listed as unavailable) before its timed itera
 timed dispatch and combine starts right after a shared-memory barrier of both ranks; an
 iteration's time is the max over ranks; Python's cyclic GC is paused. Between dispatch and
 combine (untimed) the stand-in expert clones recv_x, as DeepEP's tests do, and combine takes
-the clone, weighted. Each run probes the host on both cores at its start and end
-(`benchmarks.probes`): gaps over 20 µs in a clock loop, the phases of the millisecond they
-bunch in (`benchmarks.timer_windows`), a fixed loop's speed.
+the clone, weighted.
 """
 
 
 _LIMITS = """\
-*Absolute µs and ratios.* This host is a 2-core VM that switches between a fast and a slow
-state (~1.8x apart) from one second to the next, and takes a core away tens to hundreds of
-times a second, mostly at fixed phases of each millisecond (the timer tick). A run's absolute
-µs say which state it met; ratios within a run hold, since every system takes its turns in
-the same states. The p99 of any batch-1 call here is one of the host's gaps: read it against
-the copy bound's own p99/median, the host floor (`benchmarks.host_floor`: back-to-back calls
-of that median replayed over the gaps both cores saw) and the calls clear of the timer
-windows.
+*Ratios, not microseconds.* This host is a shared 2-core VM whose speed changes from one
+second to the next and which takes a core away from a process tens of times a second, so
+absolute µs and batch-1 tails say more about the host than about the code. Every figure
+above is a ratio of medians taken in one run, where every system met the same host; the
+tables give the medians and p99s they come from.
 
 *Two copies per row (shm-ubep, shm-bsp).* The paper's mechanism writes each row into a window
 at its destination, then into the expert-major output; combine copies back, then reduces.
@@ -206,43 +173,6 @@ than the copy bound's cached bytes (the header's cross-core figure): coherence t
 transport between two processes pays. The torch backend against its collectives:
 docs/results/torch_backend.md.
 """
-
-
-def _xcopy_words(res: BenchResult) -> str:
-    """The cross-core copy probe of run 1 in a sentence ("" if not measured)."""
-    if 2 not in res.xcopy:
-        return ""
-    n, peer, own = res.xcopy[2]
-    return (f" Copying the {n // 1024} KiB a batch-1 dispatch moves takes {peer:.1f} µs when "
-            f"the other core has just written them, {own:.1f} µs from the copying core's own "
-            "cache (the copy bound's case; `ubep.bench.flags.HostSync.cross_core_copy_us`).")
-
-
-def _start_end(per_rank: list[tuple[float, float]]) -> tuple[str, str]:
-    """A probe's values per rank at the start and at the end of a run, as "a/b" each."""
-    starts, ends = zip(*per_rank)
-    return "/".join(f"{v:.0f}" for v in starts), "/".join(f"{v:.0f}" for v in ends)
-
-
-def _gaps_words(res: HostRecord) -> str:
-    """The host's gaps and speed probes of a run in sentences ("" if not measured)."""
-    out = ""
-    if 2 in res.gaps:
-        start, end = _start_end(res.gaps[2])
-        out += (" The host took a rank's core away for over 20 µs "
-                f"(`benchmarks.probes.clock_gaps`) {start} times a second at the start of run 1 "
-                f"and {end} at its end (ranks 0/1)")
-        w = res.windows.get(2)
-        out += "." if w is None else (
-            f"; {100 * w.share_of_gaps:.0f}% of the {w.gaps} gaps the probes saw started "
-            "in the same " + " and ".join(f"{(hi - lo) / 1e3:.0f} µs" for lo, hi in w.spans)
-            + f" of every {w.period_ns / 1e3:.0f} µs (`benchmarks.timer_windows`), "
-            f"{100 * w.share_of_time:.0f}% of the time.")
-    if 2 in res.speed:
-        start, end = _start_end(res.speed[2])
-        out += (f" A fixed loop ran at {start} iterations a µs at the start of run 1 and {end} "
-                "at its end (`benchmarks.probes.loop_speed`).")
-    return out
 
 
 #: where the README's headline table sits (rewritten by `results` with every run)
@@ -288,9 +218,8 @@ def _headline(res: BenchResult) -> BenchResult:
                                           and r["batch"] in DOC_BATCHES])
 
 
-def render(turns: BenchResult, inter: BenchResult, command: str,
-           host: HostRecord | None = None) -> str:
-    """docs/results.md from the two runs (`host`: run 1's host probes, `host_record`)."""
+def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
+    """docs/results.md from the two runs."""
     from ubep.bench.report import markdown
 
     m = turns.machine
@@ -303,8 +232,7 @@ def render(turns: BenchResult, inter: BenchResult, command: str,
         f"{m.get('python')}, torch {m.get('torch')}"
         + (f", {' '.join(m['mpi'].split())}" if m.get("mpi") else "")
         + (f"; {m['native']}" if m.get("native") else "") + ". Flag round trip "
-        f"{turns.rtt_us.get(2, 0):.2f} µs." + _xcopy_words(turns)
-        + _gaps_words(host or HostRecord())
+        f"{turns.rtt_us.get(2, 0):.2f} µs."
         + f" Run 1 took {turns.elapsed_s:.0f} s, run 2 {inter.elapsed_s:.0f} s.", "",
         "P=2 ranks, bf16, top-8, 16 experts, uniform routing, batch = tokens per rank. Every "
         "figure is a median (or p99), or a ratio of two medians, of ONE run: absolute µs move "
@@ -313,9 +241,6 @@ def render(turns: BenchResult, inter: BenchResult, command: str,
         "interleaves every iteration, so each call starts on caches another system evicted. "
         "The tables' notes say when the host was busy.", "",
         "## Figures against the targets (hidden 7168)", "", *figures(turns, inter), "",
-        "Host floor: the p99/median the host's probed gaps alone give a call of that median "
-        "that never varies; calls clear of the timer windows: the host's tail apart from the "
-        "code's; a turn's first call follows another system's turn (cold caches). "
         "× raw+copy: a system's median over (its collectives + copy bound) medians of the "
         "same run: for `torch` the raw collectives (what its packing, reordering and "
         "reduction add to the collectives it cannot avoid), for `agrs` and `mpi` their own.",
@@ -345,12 +270,11 @@ def results_main(args) -> int:
     runs_dir = Path(args.runs_dir or Path("results/results") / time.strftime("%Y%m%d-%H%M%S"))
     out = Path(args.out)
     turns_cfg, inter_cfg = configs(args.iters, args.warmup)
-    done, hosts = [], []
+    done = []
     for name, cfg in (("turns", turns_cfg), ("interleaved", inter_cfg)):
         with console.status(f"benchmarking ({name}) ..") as status:
-            res = run_bench(cfg, timeout_s=args.timeout, probe=HostProbes(),
+            res = run_bench(cfg, timeout_s=args.timeout,
                             progress=lambda msg, n=name: status.update(f"{n}: {msg}"))
-        hosts.append(host_record(res))
         print_report(res, console)
         save(res, runs_dir / name)
         done.append(res)
@@ -361,7 +285,7 @@ def results_main(args) -> int:
     command = "flock /tmp/ubep-bench.lock .venv/bin/python -m benchmarks results" + "".join(
         f" --{k} {v}" for k, v, d in (("iters", args.iters, ITERS), ("warmup", args.warmup, 10))
         if v != d) + f" --out {args.out}"
-    out.write_text(render(*done, command=command, host=hosts[0]))
+    out.write_text(render(*done, command=command))
     readme = Path(args.readme)
     if readme.exists() and update_readme(readme, headline_table(*done)):
         console.print(f"updated the headline table in {readme}")

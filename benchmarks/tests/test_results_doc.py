@@ -3,7 +3,6 @@ one run."""
 
 import numpy as np
 
-from benchmarks.host_floor import tail_ratio
 from benchmarks.probes import GapLog, HostRecord, host_record
 from benchmarks.results import (
     README_END,
@@ -50,30 +49,15 @@ def _result(scale: float, block: int) -> tuple[BenchResult, HostRecord]:
 
 
 def test_figures_are_ratios_of_one_run():
-    (turns, host), (inter, _) = _result(1.0, 20), _result(2.0, 1)
+    (turns, _), (inter, _) = _result(1.0, 20), _result(2.0, 1)
     lines = figures(turns, inter)
     row = {line.split(" | ")[0].lstrip("| "): line for line in lines}
     # torch / (raw + bound) = 900 / 510 in both runs, whatever the run's scale
     assert row["torch / (raw collectives + copy bound), batch 1"].count("1.76×") == 2
-    assert "| 30.0 µs | 60.0 µs | yes |" in row["shm-direct dispatch+combine, batch 1, median"]
-    assert "| 50.0 µs | 100.0 µs | no |" in row[
-        "shm-ubep dispatch+combine, batch 1, median"]
     assert row["agrs / shm-owned, batch 128"].count("33.33×") == 2
     assert "| 3.00× | 3.00× | yes |" in row["shm-direct batch 1 / copy bound"]
-    assert [line for line in lines if "as the other core wrote them" in line][0].count(
-        "2.00×") == 2
-    md = render(turns, inter, command="ubep results", host=host)
-    assert "    ubep results" in md and "112 KiB a batch-1 dispatch moves takes 6.0 µs" in md
-    assert "150/150 times a second at the start of run 1 and 40/40 at its end" in md
-    assert ("100% of the 200 gaps the probes saw started in the same 50 µs of every 1000 µs"
-            in md)
-    clear = row["shm-direct batch 1 p99 / median, calls clear of the timer windows"]
-    assert clear.count("1.00× (67% of calls)") == 2
-    assert "| 1.98× | 1.98× | yes |" in row["shm-direct batch 1 p99 / median"]  # all calls
-    # the host's floor: 30 µs calls (60 interleaved) replayed over the gap probes
-    floor = row["shm-direct batch 1 p99 / median, host floor"]
-    probes = host.gap_probes[2]
-    assert f"| {tail_ratio(30.0, probes):.2f}× | {tail_ratio(60.0, probes):.2f}× | - |" in floor
+    md = render(turns, inter, command="ubep results")
+    assert not any("µs" in line.split(" | ")[2] for line in lines[2:])   # ratios only
     assert "    ubep results" in md and "## Run 2: every iteration interleaved" in md
     assert "| 1 | raw collectives |" in md and "× raw+copy" in md
 
