@@ -129,7 +129,9 @@ def test_bad_arguments_raise_and_the_checks_still_answer():
         NATIVE.direct_combine(0, 1, 0, 0, 0, 0, 0, [1, 2], 0, 0, 1, 1, True, 0, None, True, 0.0,
                               None, False, idx)
     with pytest.raises(TypeError, match="four classes"):
-        NATIVE.set_result_types(1, 2, 3, 4)
+        NATIVE.set_result_types(1, 2, 3, 4, ())
+    with pytest.raises(TypeError, match="layout.NAMES"):
+        NATIVE.set_result_types(int, int, int, int, ("x",))
     assert NATIVE.dispatch_inputs_ready(x, idx, w, *LIMITS) is True
     assert NATIVE.combine_inputs_ready(torch.zeros(3, H), 3, H) is True
     assert validate.fast_checks() == (NATIVE.dispatch_inputs_ready,
@@ -161,19 +163,6 @@ def test_without_the_extension_the_python_checks_run_and_agree_with_the_oracle()
     outs = run_ranks(_round_trips, 2, cases, timeout_s=120, env={"UBEP_NATIVE": "0"})
     for k, case in enumerate([*cases, cases[0]]):
         check_case(case, [o[k] for o in outs])
-
-
-def test_the_cpp_entries_read_the_words_where_the_kernels_write_them():
-    """direct.cpp's ST_/D_/C_ enums list the words of kernels/entries.py in the same order."""
-    from ubep.runtime.shm.kernels import entries
-
-    cpp = (Path(validate.__file__).parent / "native" / "direct.cpp").read_text()
-    for enum, last in (("St", "ST_LEN"), ("D", "D_LEN"), ("C", "C_LEN")):
-        body = re.search(rf"enum {enum} : int64_t \{{([^}}]*)\}}", cpp).group(1)
-        names = [n.strip() for n in body.split(",") if n.strip()]
-        assert names[-1] == last and getattr(entries, last) == len(names) - 1, enum
-        for value, name in enumerate(names[:-1]):
-            assert getattr(entries, name) == value, name
 
 
 #: the shm paths with compiled entries, as Buffer options: the direct paths, and the
@@ -352,37 +341,6 @@ def test_the_staged_door_lends_pool_sized_outputs_from_the_pool():
     for _, counts, blocks, min_bytes in outs:
         assert 33 * 4096 * 2 >= min_bytes                  # outputs the pool lends
         assert counts == (2, 0, 2, 0) and blocks > 0       # taken, outputs from the pool
-
-
-def test_the_door_reads_its_words_where_directpath_puts_them():
-    """door.cpp's DR_* enum names `DirectPath.door`'s tuple in `DOOR_FIELDS`' order."""
-    from ubep.runtime.shm.direct import DOOR_FIELDS
-
-    cpp = (Path(validate.__file__).parent / "native" / "door.cpp").read_text()
-    body = re.search(r"enum Dr : Py_ssize_t \{([^}]*)\}", cpp).group(1)
-    names = [n.strip() for n in body.split(",") if n.strip()]
-    assert names[-1] == "DR_LEN"
-    assert tuple(n[3:].lower() for n in names[:-1]) == DOOR_FIELDS
-
-
-def test_the_staged_door_reads_its_words_where_singlepath_puts_them():
-    """staged.cpp's SD_* enum names `SinglePath.door`'s tuple in `DOOR_FIELDS`' order, its
-    S_* enum the block words of `kernels/single_entries.py`, its CAST_* `kernels/single`'s."""
-    from ubep.runtime.shm import single
-    from ubep.runtime.shm.kernels import single as KS
-    from ubep.runtime.shm.kernels import single_entries as SE
-
-    cpp = (Path(validate.__file__).parent / "native" / "staged.cpp").read_text()
-    body = re.search(r"enum Sd : Py_ssize_t \{([^}]*)\}", cpp).group(1)
-    names = [n.strip() for n in body.split(",") if n.strip()]
-    assert names[-1] == "SD_LEN"
-    assert tuple(n[3:].lower() for n in names[:-1]) == single.DOOR_FIELDS
-    body = re.search(r"enum S : int64_t \{([^}]*)\}", cpp).group(1)
-    names = [n.strip() for n in body.split(",") if n.strip()]
-    assert names[-1] == "S_LEN" and SE.S_LEN == len(names) - 1
-    for value, name in enumerate(names[:-1]):
-        assert getattr(SE, name) == value, name
-    assert "CAST_NONE = 0, CAST_16 = 1;" in cpp and (KS.CAST_NONE, KS.CAST_16) == (0, 1)
 
 
 def _door(rank, world, path, cases):

@@ -23,31 +23,6 @@ pytestmark = pytest.mark.skipif(
     reason="ubep.native not built (python -m ubep.native build)")
 
 
-def _enum(cpp: str, name: str) -> list[tuple[str, str | None]]:
-    body = re.search(rf"enum {name} : \w+ \{{([^}}]*)\}}", cpp).group(1)
-    items = [n.strip() for n in body.split(",") if n.strip()]
-    return [(i.split("=")[0].strip(), i.split("=")[1].strip() if "=" in i else None)
-            for i in items]
-
-
-def test_the_torch_path_reads_its_words_where_python_puts_them():
-    """torch_path.cpp's K_/B_ enums are torch_entries' words; TD_/TC_ its door tuples'."""
-    from ubep.runtime import torch_entries as te
-
-    cpp = (Path(validate.__file__).parent / "native" / "torch_path.cpp").read_text()
-    for enum in ("K", "B"):
-        value = -1
-        for name, expr in _enum(cpp, enum):
-            value = eval(expr, vars(te)) if expr else value + 1     # "K_ERR = K_OFFSETS + 8"
-            assert getattr(te, name) == value, name
-        assert name == f"{enum}_LEN"
-    for enum, fields in (("Td", te.DISPATCH_DOOR), ("Tc", te.COMBINE_DOOR),
-                         ("Tr", te.BUFFER_DOOR)):
-        names = [n for n, _ in _enum(cpp, enum)]
-        assert names[-1].endswith("_LEN")
-        assert tuple(n[3:].lower() for n in names[:-1]) == fields
-
-
 def _both(**kw):
     """A torch Buffer on the compiled path and one on the Python path (made under
     `UBEP_NATIVE=0`), same arguments; the first's door entries and phase-2 hand-over counted
@@ -64,6 +39,7 @@ def _both(**kw):
     nat.dispatch_count = nat._door_dispatch = Counted(nat._door_dispatch)
     nat.combine_count = nat._door_combine = Counted(nat._door_combine)
     nat.rest_count = nat._backend._native_rest = Counted(nat._backend._native_rest)
+    nat._door = nat._backend.door(nat._lock, nat._limits, nat._words)    # (holds `rest`)
     return nat, py
 
 

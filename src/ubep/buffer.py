@@ -13,8 +13,9 @@ import torch.distributed as dist
 from ubep import ops, quant
 from ubep.elastic import check_drain_mask
 from ubep.errors import BrokenBufferError, RankRemovedError, UbepError
-from ubep.handle import CombineResult, DispatchHandle, DispatchResult
+from ubep.handle import DispatchHandle, DispatchResult
 from ubep.native import load_native
+from ubep.native.layout import BW_CALLS, BW_LEN, BW_USABLE
 from ubep.options import (
     BACKENDS,
     MODES,
@@ -199,10 +200,13 @@ class Buffer:
         self.num_local_experts = num_experts // world_size
         self.last_stats: Stats | None = None
         self._id = next(_buffer_ids)
-        self._calls = 0
         self._lock = threading.Lock()
         self._closed = False
         self._broken: BaseException | None = None
+        #: the state this Buffer shares with its compiled door (`ubep.native.layout`'s BW_*
+        #: words): whether it takes calls, its dispatches so far
+        self._words = np.zeros(BW_LEN, np.int64)
+        self._words[BW_USABLE] = 1
         c = self.config     # `dispatch_inputs_ready`'s limits, in its argument order
         self._limits = (c.hidden, c.num_experts, c.max_tokens_per_rank, c.max_top_k)
         # the inputs' fast checks, compiled when `ubep.native` is built (same answers)
@@ -215,7 +219,8 @@ class Buffer:
         # (`ubep.native`'s doors: shm's direct path with one worker, torch's CPU path); None:
         # the Python layers below
         native = load_native()
-        self._door = self._backend.door(self._lock, self._limits) if native is not None else None
+        self._door = (self._backend.door(self._lock, self._limits, self._words)
+                      if native is not None else None)
         if self._door is not None:
             self._door_dispatch, self._door_combine = (
                 getattr(native, name) for name in self._backend.DOOR_ENTRIES)
@@ -242,6 +247,7 @@ class Buffer:
             if self._closed:
                 return
             self._closed = True
+            self._words[BW_USABLE] = 0
             self._door = None
             self._word = None           # (a view of shared memory the backend unmaps)
             self._backend.close()
@@ -298,7 +304,12 @@ class Buffer:
         # were told to abort) leaves this rank out of step with its peers: refuse reuse.
         before_sending = isinstance(e, (ValueError, TypeError)) and self._backend.in_step
         if isinstance(e, UbepError) or not before_sending:
-            self._broken = e
+            self._break(e)
+
+    def _break(self, e: BaseException) -> None:
+        """Refuse every later call, naming `e` (`_check_usable`)."""
+        self._broken = e
+        self._words[BW_USABLE] = 0
 
     # -- the two operations ----------------------------------------------------------
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -335,8 +346,13 @@ class Buffer:
             self._sync_members()            # elastic: a rank another rank found dead
         if handle is None and not _is_compiling():
             if self._door is not None:      # the whole call compiled, or NotImplemented
-                res = self._door_dispatch(self._door, self, x, topk_idx, topk_weights)
+                try:
+                    res = self._door_dispatch(self._door, x, topk_idx, topk_weights)
+                except BaseException as e:
+                    self._failed(e)
+                    raise
                 if res is not NotImplemented:
+                    self.last_stats = res.stats
                     tpe = res.__dict__.get("_tpe")     # `expert_load`'s: not the rows
                     self._loads.append(res.tokens_per_expert if tpe is None else tpe)
                     if len(self._loads) >= _LOAD_FOLD:
@@ -388,12 +404,12 @@ class Buffer:
         with self._lock:
             if self._closed or self._broken is not None:
                 self._check_usable("dispatch")
-            self._calls += 1
+            self._words[BW_CALLS] = call = int(self._words[BW_CALLS]) + 1
             routing = idx
             if self._members is not None and self._members.any_inactive:
                 idx = self._members.mask(idx)[0]    # nothing goes to an inactive rank
             try:                # inline (a helper call per op costs more than the try)
-                res = self._backend.dispatch(x, idx, w, self._calls)
+                res = self._backend.dispatch(x, idx, w, call)
             except BaseException as e:
                 self._failed(e)
                 raise
@@ -435,11 +451,16 @@ class Buffer:
         if self._word is not None and self._word[0] != self._applied[0]:
             self._sync_members()            # elastic: a rank another rank found dead
         if self._door is not None and not _is_compiling():
-            y = self._door_combine(self._door, self, expert_out, handle, weighted, out)
-            if y is not NotImplemented:
+            try:
+                r = self._door_combine(self._door, expert_out, handle, weighted, out)
+            except BaseException as e:
+                self._failed(e)
+                raise
+            if r is not NotImplemented:
                 if self._members is not None and self._members.any_inactive:
                     self._door = None       # a rank died in this call (the door assumes none)
-                return y
+                self.last_stats = r.stats
+                return r.y
         if (type(handle) is DispatchHandle and out is None and handle.buffer_id == self._id
                 and not _is_compiling() and self._combine_ready(expert_out, handle.num_recv,
                                                                 handle.hidden)):
@@ -453,16 +474,6 @@ class Buffer:
                 y = ops.combine(self, expert_out, handle, weighted)
                 return y if out is None else out.copy_(y)
         return self.combine_eager(expert_out, handle, weighted, out)
-
-    def _door_wait(self, which: str, *args) -> DispatchResult | CombineResult:
-        """A call the door (`ubep.native`) began that must wait: on in Python from where the
-        compiled entry stopped (the path's `dispatch_resume` or `combine_resume`, `which`), as
-        `_dispatch_checked` and `_combine_checked` go on (the door holds the lock)."""
-        try:
-            return self._backend.resume(which, *args)
-        except BaseException as e:
-            self._failed(e)
-            raise
 
     def combine_eager(self, expert_out: torch.Tensor, handle: DispatchHandle,
                       weighted: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -524,7 +535,7 @@ class Buffer:
             try:
                 self._backend.sync_membership()
             except RankRemovedError as e:
-                self._broken = e
+                self._break(e)
                 raise
             if self._members.any_inactive:
                 self._door = None   # the compiled door assumes every rank active

@@ -38,7 +38,7 @@ import torch
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / f for f in ("module.cpp", "checks.cpp", "direct.cpp", "door.cpp",
                                     "staged.cpp", "torch_path.cpp"))
-HEADERS = (_HERE / "native.h",)
+HEADERS = (_HERE / "native.h", _HERE / "layout.py")      # the layout: `ubep_layout.h`
 NAME = "ubep_native"
 
 
@@ -67,8 +67,11 @@ def build(verbose: bool = False) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         import numpy
 
+        from ubep.native.layout import header
+
+        (folder / "ubep_layout.h").write_text(header())
         load(NAME, [str(s) for s in SOURCES], extra_cflags=["-O2"], build_directory=str(folder),
-             extra_include_paths=[numpy.get_include()], verbose=verbose)
+             extra_include_paths=[numpy.get_include(), str(folder)], verbose=verbose)
         if not lib.exists():        # torch names the library NAME.so
             lib = folder / f"{NAME}.so"
     _load.cache_clear()
@@ -90,6 +93,13 @@ def _load() -> ModuleType | None:
             spec = importlib.util.spec_from_file_location(NAME, lib)
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
+            from ubep.handle import CombineResult, DispatchHandle, DispatchResult
+            from ubep.native.layout import NAMES
+            from ubep.stats import DeferredStats
+
+            # the classes its results are made of, and the names it uses on Python objects
+            mod.set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats,
+                                 NAMES)
             return mod
     return None
 

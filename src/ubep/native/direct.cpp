@@ -14,7 +14,8 @@
 
 namespace {
 
-using ubep_native::key;
+using namespace ubep_layout;
+using ubep_native::names;
 using ubep_native::now_us;
 using ubep_native::Obj;
 using ubep_native::ref;
@@ -23,21 +24,7 @@ using ubep_native::instance;
 using ubep_native::results;
 using ubep_native::tuple_steal;
 
-// ST_* words of the path's kept state and D_* / C_* of one call's block: the order of
-// ubep.runtime.shm.kernels.entries (tests/test_native.py checks both sides agree)
-enum St : int64_t {
-  ST_BASES, ST_WORLD, ST_DLAY, ST_DLAY_N, ST_RANK, ST_EXPERTS, ST_EL, ST_COUNTS, ST_TAILS,
-  ST_GOT, ST_SPINS, ST_POS, ST_HIDDEN, ST_READY, ST_DONE_T, ST_Y, ST_DONE_MINE, ST_DONE_FIRST,
-  ST_LUT, ST_BEGIN, ST_ROWS, ST_COMBINE, ST_LEN
-};
-enum D : int64_t {
-  D_EPOCH, D_CODE, D_IDX, D_W, D_T, D_K, D_ROFF, D_POS, D_TPE, D_INTS, D_WTS, D_X, D_RB, D_DST,
-  D_LEFT, D_N, D_MISSING, D_LEN
-};
-enum C : int64_t {
-  C_EPOCH, C_CODE, C_OFFSET, C_COPY_SRC, C_COPY_N, C_SRC, C_N, C_IDX, C_W, C_T, C_K,
-  C_WEIGHTED, C_POS, C_RB, C_ES, C_ECODE, C_Y, C_OUT, C_LEFT, C_WAITING, C_LEN
-};
+// ST_* words of the path's kept state and D_* / C_* of one call's block: `layout`'s
 
 using Kernel = void (*)(int64_t*, int64_t*);
 
@@ -104,6 +91,7 @@ PyObject* tuple_steal(std::initializer_list<PyObject*> items) {
 // `DeferredStats.of` make them (the instance dict filled directly); tests/test_native.py
 // checks both make the same objects.
 Results results;
+PyObject* names[N_LEN] = {};
 
 // an instance of `type` made by object.__new__ whose dict maps the names to the values
 // (new references, stolen); nullptr with the error set if any value is nullptr
@@ -136,10 +124,11 @@ PyObject* instance(PyObject* type, std::initializer_list<std::pair<PyObject*, Py
 
 // DeferredStats.of(build, *args)
 PyObject* deferred_stats(PyObject* build, PyObject* args) {
-  static PyObject* k_pending = key("_pending");
   Py_INCREF(build);
-  return instance(results.stats, {{k_pending, tuple_steal({build, args})}});
+  return instance(results.stats, {{names[N_PENDING], tuple_steal({build, args})}});
 }
+
+int64_t* state_words(PyObject* arr) { return static_cast<int64_t*>(np_data(arr)); }
 
 
 PyObject* np_words(int64_t n) {
@@ -167,11 +156,9 @@ bool is_handle(PyObject* o) {
 
 int combine_handle(PyObject* handle, PyObject* rows, PyObject* weighted_arg,
                    int64_t buffer_id, int64_t* hv, int& weighted) {
-  static PyObject *k_buffer_id = key("buffer_id"), *k_num_recv = key("num_recv"),
-                  *k_hidden = key("hidden"), *k_num_tokens = key("num_tokens");
   if (!is_handle(handle)) return 0;
-  if (!get_int(handle, k_buffer_id, hv[0]) || !get_int(handle, k_num_recv, hv[1])
-      || !get_int(handle, k_hidden, hv[2]) || !get_int(handle, k_num_tokens, hv[3]))
+  if (!get_int(handle, names[N_BUFFER_ID], hv[0]) || !get_int(handle, names[N_NUM_RECV], hv[1])
+      || !get_int(handle, names[N_HIDDEN], hv[2]) || !get_int(handle, names[N_NUM_TOKENS], hv[3]))
     return -1;
   if (hv[0] != buffer_id || !passes(combine_ready, &rows, hv + 1)) return 0;
   weighted = PyObject_IsTrue(weighted_arg);
@@ -193,14 +180,29 @@ bool init_direct() {
   return true;
 }
 
-// set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats)
+// set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats, NAMES)
 PyObject* set_result_types(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  if (!arity(nargs, 4)) return nullptr;
+  if (!arity(nargs, 5)) return nullptr;
   for (int i = 0; i < 4; ++i)
     if (!PyType_Check(a[i])) {
-      PyErr_SetString(PyExc_TypeError, "set_result_types takes four classes");
+      PyErr_SetString(PyExc_TypeError, "set_result_types takes four classes and the names");
       return nullptr;
     }
+  if (!PyTuple_Check(a[4]) || PyTuple_GET_SIZE(a[4]) != N_LEN) {
+    PyErr_Format(PyExc_TypeError, "names must be layout.NAMES, a tuple of %d strings",
+                 static_cast<int>(N_LEN));
+    return nullptr;
+  }
+  for (int i = 0; i < N_LEN; ++i) {
+    PyObject* n = PyTuple_GET_ITEM(a[4], i);
+    if (!PyUnicode_Check(n)) {
+      PyErr_SetString(PyExc_TypeError, "names must be strings");
+      return nullptr;
+    }
+    Py_INCREF(n);
+    PyUnicode_InternInPlace(&n);
+    Py_XSETREF(names[i], n);
+  }
   PyObject** slots[4] = {&results.handle, &results.dispatch, &results.combine, &results.stats};
   for (int i = 0; i < 4; ++i) {
     Py_INCREF(a[i]);
@@ -287,27 +289,20 @@ PyObject* dispatch_call(int64_t* st, PyObject* x_obj, PyObject* idx_obj, PyObjec
     if (!state) return nullptr;
     if (c[D_LEFT] == 0 && c[D_N] >= 0 && c[D_MISSING] == 0 && build != Py_None
         && results.dispatch) {
-      static PyObject *k_buffer_id = key("buffer_id"), *k_call = key("call"),
-                      *k_num_tokens = key("num_tokens"), *k_num_recv = key("num_recv"),
-                      *k_hidden = key("hidden"), *k_topk_idx = key("topk_idx"),
-                      *k_topk_weights = key("topk_weights"), *k_origins = key("_origins"),
-                      *k_state = key("state"), *k_recv_x = key("recv_x"),
-                      *k_weights = key("_weights"), *k_tpe = key("_tpe"),
-                      *k_handle = key("handle"), *k_stats = key("stats");
       const int64_t n = c[D_N];
       PyObject* handle = instance(results.handle, {
-          {k_buffer_id, PyLong_FromLongLong(buffer_id)}, {k_call, PyLong_FromLongLong(call)},
-          {k_num_tokens, PyLong_FromLongLong(t_n)}, {k_num_recv, PyLong_FromLongLong(n)},
-          {k_hidden, PyLong_FromLongLong(st[ST_HIDDEN])}, {k_topk_idx, ref(idx_obj)},
-          {k_topk_weights, ref(w_obj)}, {k_origins, origins.share()},
-          {k_state, state.release()}});
+          {names[N_BUFFER_ID], PyLong_FromLongLong(buffer_id)}, {names[N_CALL], PyLong_FromLongLong(call)},
+          {names[N_NUM_TOKENS], PyLong_FromLongLong(t_n)}, {names[N_NUM_RECV], PyLong_FromLongLong(n)},
+          {names[N_HIDDEN], PyLong_FromLongLong(st[ST_HIDDEN])}, {names[N_TOPK_IDX], ref(idx_obj)},
+          {names[N_TOPK_WEIGHTS], ref(w_obj)}, {names[N_ORIGINS], origins.share()},
+          {names[N_STATE], state.release()}});
       if (!handle) return nullptr;
       PyObject* stats = deferred_stats(build, tuple_steal({
           times(t0, t1, now_us()), ref(Py_None), ref(idx_obj), PyLong_FromLongLong(n),
           PyLong_FromLongLong(c[D_RB]), PyLong_FromLongLong(c[D_EPOCH])}));
       return instance(results.dispatch, {
-          {k_recv_x, recv_x.release()}, {k_weights, wts.release()}, {k_tpe, tpe.release()},
-          {k_handle, handle}, {k_stats, stats}});
+          {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], wts.release()}, {names[N_TPE], tpe.release()},
+          {names[N_HANDLE], handle}, {names[N_STATS], stats}});
     }
     return tuple_steal({PyLong_FromLongLong(c[D_LEFT]), PyLong_FromLongLong(c[D_N]),
                         PyLong_FromLongLong(c[D_MISSING]), tpe.release(), origins.release(),
@@ -393,12 +388,11 @@ PyObject* combine_call(int64_t* st, const int64_t* v, PyObject* origins_obj, PyO
     run(st, ST_COMBINE, c);
     double t1 = now_us();
     if (c[C_LEFT] == 0 && c[C_WAITING] == 0 && build != Py_None && results.combine) {
-      static PyObject *k_y = key("y"), *k_stats = key("stats");
       PyObject* stats = deferred_stats(build, tuple_steal({
           times(t0, t1, now_us()), ref(Py_None), ref(copied), ref(topk_idx),
           PyLong_FromLongLong(c[C_RB]),
           PyLong_FromLongLong(c[C_EPOCH])}));
-      return instance(results.combine, {{k_y, out_obj.release()}, {k_stats, stats}});
+      return instance(results.combine, {{names[N_Y], out_obj.release()}, {names[N_STATS], stats}});
     }
     return tuple_steal({PyLong_FromLongLong(c[C_LEFT]), PyLong_FromLongLong(c[C_WAITING]),
                         out_obj.release(), PyFloat_FromDouble(t1)});

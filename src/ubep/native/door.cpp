@@ -8,27 +8,21 @@
 // The Python code stays the definition: this file takes the call only when the Python path
 // would take its straight line (nothing to refuse, a free lent area, views and codes already
 // made), else it answers NotImplemented before changing anything and the Python path runs as
-// before. A call that must wait goes on in Python (`Buffer._door_wait`), the lock still held.
+// before. A call that must wait goes on in Python (the door's `resume`: the backend's), the
+// lock still held. State moves through the Buffer's and the path's words (BW_*, DW_*).
 #include "native.h"
 
 #include <torch/csrc/DynamicTypes.h>
 
 namespace {
 
-using ubep_native::key;
+using namespace ubep_layout;
+using ubep_native::names;
 using ubep_native::now_us;
 using ubep_native::Obj;
 using ubep_native::ref;
 
-// the door's words, in the order `ubep.runtime.shm.direct.DOOR_FIELDS` names them
-// (tests/test_native.py checks both sides agree)
-enum Dr : Py_ssize_t {
-  DR_PATH, DR_LOCK, DR_CDATA, DR_USES, DR_VIEWS, DR_CODES, DR_ELEMS, DR_DBUILD, DR_CBUILD,
-  DR_ST, DR_OWNED, DR_BUFFER_ID, DR_RECV_OFF, DR_AREA, DR_BASE, DR_COMB, DR_HIDDEN,
-  DR_EXPERTS, DR_MAX_TOKENS, DR_MAX_TOP_K, DR_LEN
-};
-constexpr Py_ssize_t DR_INTS = DR_ST;      // words from here on are ints
-
+// the door's words: `layout.DIRECT_DOOR` (DR_*)
 using Door = ubep_native::DoorWords<DR_LEN, DR_INTS>;
 
 // `DirectPath._free_area`: the first lent area whose storage only the path itself
@@ -51,27 +45,24 @@ int64_t free_area(const Door& d) {
 
 namespace ubep_native {
 
-// door_dispatch(door, buf, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented
+// door_dispatch(door, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented
 PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_calls = key("_calls"), *k_epoch = key("_epoch"),
-                  *k_last_call = key("_last_call"), *k_last_dtype = key("_last_dtype");
-  if (!arity(nargs, 5)) return nullptr;
+  if (!arity(nargs, 4)) return nullptr;
   Door d;
   if (!d.parse(a[0], "DirectPath.door")) return nullptr;
-  PyObject* buf = a[1];
   const int64_t* lim = d.v + DR_HIDDEN;
-  if (!passes(dispatch_ready, a + 2, lim)) return not_taken();
+  if (!passes(dispatch_ready, a + 1, lim)) return not_taken();
   Locked locked(d.o[DR_LOCK]);
   if (!locked.ok()) return nullptr;
-  const int ok = usable(buf);
-  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
+  int64_t *bw = state_words(d.o[DR_BUFFER_WORDS]), *pw = state_words(d.o[DR_PATH_WORDS]);
+  if (!bw[BW_USABLE]) return not_taken();     // closed or broken: Python names why
   const bool owned = d.v[DR_OWNED] != 0;
   int64_t area = 0;
   if (owned) {
     area = free_area(d);
     if (area <= 0) return area < 0 ? nullptr : not_taken();
   }
-  const at::Tensor& x = THPVariable_Unpack(a[2]);
+  const at::Tensor& x = THPVariable_Unpack(a[1]);
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
   PyObject* code = lookup(d.o[DR_CODES], dtype);
   PyObject* view_key = Py_BuildValue("(LO)", static_cast<long long>(area), dtype);
@@ -83,62 +74,50 @@ PyObject* door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   const int64_t code_v = PyLong_AsLongLong(code);
   if (code_v == -1 && PyErr_Occurred()) return nullptr;
   // the call: from here on its state moves (as `_dispatch_checked` and the path move it)
-  PyObject* path = d.o[DR_PATH];
-  int64_t call, epoch;
-  if (!get_int(buf, k_calls, call) || !set_int(buf, k_calls, ++call)) return nullptr;
+  const int64_t call = ++bw[BW_CALLS];
   const double t0 = now_us();
-  if (!get_int(path, k_epoch, epoch) || !set_int(path, k_epoch, ++epoch)) return failed(buf);
+  const int64_t epoch = ++pw[DW_EPOCH];
   const int64_t roff = d.v[DR_RECV_OFF] + area * d.v[DR_AREA];
   PyObject* r = dispatch_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(d.v[DR_ST])),
-                              a[2], a[3], a[4], epoch, code_v, roff, owned, view, call,
+                              a[1], a[2], a[3], epoch, code_v, roff, owned, view, call,
                               d.v[DR_BUFFER_ID], t0, d.o[DR_DBUILD]);
-  if (!r) return failed(buf);
+  if (!r) return nullptr;
   if (PyTuple_Check(r)) {      // a wait: Python goes on from where the entry stopped
-    PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOLdLLL)",
-                                        "dispatch_resume", r, a[2], a[3], a[4],
-                                        static_cast<long long>(call), t0,
-                                        static_cast<long long>(epoch),
-                                        static_cast<long long>(area),
-                                        static_cast<long long>(roff));
+    PyObject* res = PyObject_CallFunction(d.o[DR_RESUME], "sOOOOLdLLL",
+                                          "dispatch_resume", r, a[1], a[2], a[3],
+                                          static_cast<long long>(call), t0,
+                                          static_cast<long long>(epoch),
+                                          static_cast<long long>(area),
+                                          static_cast<long long>(roff));
     Py_DECREF(r);
-    if (!res) return nullptr;          // recorded by the Python side
-    r = res;
-  } else if (!set_int(path, k_last_call, call)
-             || PyObject_SetAttr(path, k_last_dtype, dtype) < 0) {
-    Py_DECREF(r);
-    return failed(buf);
+    return res;
   }
-  return finish(buf, r);
+  pw[DW_LAST_CALL] = call;
+  pw[DW_LAST_CODE] = code_v;
+  return r;
 }
 
 
-// door_combine(door, buf, expert_out, handle, weighted, out) -> y or NotImplemented (`out`:
-// None, or the caller's `[T, hidden]` tensor the sums land in, which is y)
+// door_combine(door, expert_out, handle, weighted, out) -> CombineResult or NotImplemented
+// (`out`: None, or the caller's `[T, hidden]` tensor the sums land in, which is y)
 PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_call = key("call"), *k_last_call = key("_last_call"),
-                  *k_lent_comb = key("_lent_comb"), *k_c_epoch = key("_c_epoch"),
-                  *k_state = key("state"), *k_topk_idx = key("topk_idx");
-  if (!arity(nargs, 6)) return nullptr;
+  if (!arity(nargs, 5)) return nullptr;
   Door d;
   if (!d.parse(a[0], "DirectPath.door")) return nullptr;
-  PyObject *buf = a[1], *rows = a[2], *handle = a[3], *out = a[5];
+  PyObject *rows = a[1], *handle = a[2], *out = a[4];
   int64_t hv[4];               // buffer_id, num_recv, hidden, num_tokens
   int weighted;
-  const int go = combine_handle(handle, rows, a[4], d.v[DR_BUFFER_ID], hv, weighted);
+  const int go = combine_handle(handle, rows, a[3], d.v[DR_BUFFER_ID], hv, weighted);
   if (go <= 0) return go < 0 ? nullptr : not_taken();
   Locked locked(d.o[DR_LOCK]);
   if (!locked.ok()) return nullptr;
-  const int ok = usable(buf);
-  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
-  PyObject* path = d.o[DR_PATH];
+  int64_t *bw = state_words(d.o[DR_BUFFER_WORDS]), *pw = state_words(d.o[DR_PATH_WORDS]);
+  if (!bw[BW_USABLE]) return not_taken();     // closed or broken: Python names why
   const bool owned = d.v[DR_OWNED] != 0;
   int64_t call;
-  if (!get_int(handle, k_call, call)) return nullptr;
-  if (!owned) {                // direct=True: the latest dispatch only (Python names the error)
-    int64_t last;
-    if (!get_int(path, k_last_call, last)) return nullptr;
-    if (call != last) return not_taken();
-  }
+  if (!get_int(handle, names[N_CALL], call)) return nullptr;
+  // direct=True: the latest dispatch only (Python names the error)
+  if (!owned && call != pw[DW_LAST_CALL]) return not_taken();
   const at::Tensor& e = THPVariable_Unpack(rows);
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
   PyObject* codes = lookup(d.o[DR_ELEMS], dtype);    // (code, ecode): bf16, fp16, fp32
@@ -151,9 +130,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   const int64_t comb = d.v[DR_COMB], recv_addr = d.v[DR_BASE] + d.v[DR_RECV_OFF];
   bool copied;
   if (owned) {
-    int64_t lent_comb;
-    if (!get_int(path, k_lent_comb, lent_comb)) return nullptr;
-    if (ptr == comb && n_recv && call != lent_comb) return not_taken();
+    if (ptr == comb && n_recv && call != pw[DW_LENT_COMB]) return not_taken();
     // the lent areas: areas 1.. of my receive region (`DirectPath._lent_lo/_lent_hi`)
     const int64_t lo = recv_addr + d.v[DR_AREA];
     const int64_t hi = recv_addr + d.v[DR_AREA] * PyList_GET_SIZE(d.o[DR_CDATA]);
@@ -162,7 +139,7 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   } else {
     copied = n_recv > 0 && ptr != recv_addr && ptr != comb;
   }
-  PyObject* state = PyObject_GetAttr(handle, k_state);
+  PyObject* state = PyObject_GetAttr(handle, names[N_STATE]);
   if (!state) return nullptr;
   Obj state_ref(state);
   if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) < 7) return not_taken();
@@ -174,15 +151,13 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!origins_ok(origins)) return not_taken();
   const int64_t t_n = hv[3];
   if (!out_ready(out, rows, t_n, comb, d.v[DR_AREA])) return not_taken();   // not in my comb
-  PyObject* topk_idx = PyObject_GetAttr(handle, k_topk_idx);
+  PyObject* topk_idx = PyObject_GetAttr(handle, names[N_TOPK_IDX]);
   if (!topk_idx) return nullptr;
   Obj topk_ref(topk_idx);
   // the call: from here on its state moves (as the path moves it)
   const double t0 = now_us();
-  if (owned && !set_int(path, k_lent_comb, 0)) return failed(buf);
-  int64_t epoch;
-  if (!get_int(path, k_c_epoch, epoch) || !set_int(path, k_c_epoch, ++epoch))
-    return failed(buf);
+  if (owned) pw[DW_LENT_COMB] = 0;
+  const int64_t epoch = ++pw[DW_C_EPOCH];
   v[0] = d.v[DR_ST];
   v[1] = epoch;
   v[4] = (copied || !n_recv ? comb : ptr) - d.v[DR_BASE];
@@ -198,19 +173,16 @@ PyObject* door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   PyObject* r = combine_call(reinterpret_cast<int64_t*>(static_cast<intptr_t>(v[0])), v,
                              origins, out, e.scalar_type(), t0,
                              d.o[DR_CBUILD], copied_obj, topk_idx);
-  if (!r) return failed(buf);
-  if (PyTuple_Check(r)) {      // a wait: Python goes on from where the entry stopped
-    PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOdLLLOO)",
+  if (!r || !PyTuple_Check(r)) return r;
+  // a wait: Python goes on from where the entry stopped
+  PyObject* res = PyObject_CallFunction(d.o[DR_RESUME], "sOOOOdLLLOO",
                                         "combine_resume", r, rows, handle,
                                         weighted ? Py_True : Py_False, t0,
                                         static_cast<long long>(epoch),
                                         static_cast<long long>(v[4]),
                                         static_cast<long long>(ptr), copied_obj, out);
-    Py_DECREF(r);
-    if (!res) return nullptr;          // recorded by the Python side
-    r = res;
-  }
-  return finish(buf, r, true);
+  Py_DECREF(r);
+  return res;
 }
 
 }  // namespace ubep_native

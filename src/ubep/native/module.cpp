@@ -15,20 +15,21 @@ PyMethodDef methods[] = {
     {"direct_combine", (PyCFunction)(void (*)())ubep_native::direct_combine, METH_FASTCALL,
      "the shm direct path's one-worker combine (see ubep.runtime.shm.direct)"},
     {"set_result_types", (PyCFunction)(void (*)())ubep_native::set_result_types, METH_FASTCALL,
-     "set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats): the "
-     "classes the direct entries make their results of"},
+     "set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats, NAMES): "
+     "the classes the entries make their results of, and the names they use on Python "
+     "objects (ubep.native.layout.NAMES); ubep.native calls it when it loads the extension"},
     {"door_dispatch", (PyCFunction)(void (*)())ubep_native::door_dispatch, METH_FASTCALL,
-     "door_dispatch(door, buffer, x, topk_idx, topk_weights): Buffer.dispatch's common call "
+     "door_dispatch(door, x, topk_idx, topk_weights): Buffer.dispatch's common call "
      "on the shm direct path, or NotImplemented (see native/door.cpp)"},
     {"door_combine", (PyCFunction)(void (*)())ubep_native::door_combine, METH_FASTCALL,
-     "door_combine(door, buffer, expert_out, handle, weighted): Buffer.combine's common call "
+     "door_combine(door, expert_out, handle, weighted, out): Buffer.combine's common call "
      "on the shm direct path, or NotImplemented (see native/door.cpp)"},
     {"staged_door_dispatch", (PyCFunction)(void (*)())ubep_native::staged_door_dispatch,
-     METH_FASTCALL, "staged_door_dispatch(door, buffer, x, topk_idx, topk_weights): "
+     METH_FASTCALL, "staged_door_dispatch(door, x, topk_idx, topk_weights): "
      "Buffer.dispatch's common call on the shm one-worker staged path, or NotImplemented "
      "(see native/staged.cpp)"},
     {"staged_door_combine", (PyCFunction)(void (*)())ubep_native::staged_door_combine,
-     METH_FASTCALL, "staged_door_combine(door, buffer, expert_out, handle, weighted, out): "
+     METH_FASTCALL, "staged_door_combine(door, expert_out, handle, weighted, out): "
      "Buffer.combine's common call on the shm one-worker staged path, or NotImplemented"},
     {"torch_group", (PyCFunction)(void (*)())ubep_native::torch_group, METH_FASTCALL,
      "torch_group(group): the C++ ProcessGroup of a torch.distributed group, as a capsule"},
@@ -37,10 +38,10 @@ PyMethodDef methods[] = {
     {"torch_combine", (PyCFunction)(void (*)())ubep_native::torch_combine, METH_FASTCALL,
      "the torch backend's CPU combine (see native/torch_path.cpp)"},
     {"torch_door_dispatch", (PyCFunction)(void (*)())ubep_native::torch_door_dispatch,
-     METH_FASTCALL, "torch_door_dispatch(door, buffer, x, topk_idx, topk_weights): "
+     METH_FASTCALL, "torch_door_dispatch(door, x, topk_idx, topk_weights): "
      "Buffer.dispatch's common call on the torch backend, or NotImplemented"},
     {"torch_door_combine", (PyCFunction)(void (*)())ubep_native::torch_door_combine,
-     METH_FASTCALL, "torch_door_combine(door, buffer, expert_out, handle, weighted): "
+     METH_FASTCALL, "torch_door_combine(door, expert_out, handle, weighted, out): "
      "Buffer.combine's common call on the torch backend, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -9,7 +9,12 @@
 #include <initializer_list>
 #include <utility>
 
+// every layout shared with Python: generated from ubep/native/layout.py at build
+#include "ubep_layout.h"
+
 namespace ubep_native {
+
+using namespace ubep_layout;
 
 // `n` positional arguments, or a TypeError naming the count expected
 inline bool arity(Py_ssize_t got, Py_ssize_t want) {
@@ -34,8 +39,9 @@ inline double now_us() {
   return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
 }
 
-// an interned name; each caller keeps it in a static for the process
-inline PyObject* key(const char* name) { return PyUnicode_InternFromString(name); }
+// the names C++ uses on Python objects (`layout.NAMES`, by N_* index), given by
+// `set_result_types` when the extension loads; no C++ source spells one
+extern PyObject* names[N_LEN];
 
 // `o` with its count raised: a new reference to hand on
 inline PyObject* ref(PyObject* o) {
@@ -60,14 +66,19 @@ class Obj {
 };
 
 // -- the Buffer's side of a door (door.cpp, staged.cpp, torch_path.cpp): as `Buffer`'s Python
-// path does it
+// path does it. A door shares state with the Buffer and its path through int64 arrays both
+// hold (`layout`'s BW_* / DW_* / SW_* / TW_* words), never through their attributes; an error
+// it raises is recorded by `Buffer` (`_failed`), as the Python path's errors are.
 
 inline PyObject* not_taken() { Py_RETURN_NOTIMPLEMENTED; }
 
+// the words of a state array (a C-contiguous int64 numpy array the door tuple holds)
+int64_t* state_words(PyObject* arr);
+
 // A door tuple read once per call: its first `Objs` words objects (borrowed from the tuple),
-// the rest ints, in the order the path's DOOR_FIELDS names them. `parse` is false with a
+// the rest ints, in the order `layout`'s door tuple names them. `parse` is false with a
 // TypeError naming `maker` if `t` is not such a tuple.
-template <Py_ssize_t Len, Py_ssize_t Objs>
+template <int64_t Len, int64_t Objs>
 struct DoorWords {
   PyObject* o[Objs];
   int64_t v[Len];                          // v[Objs..] used
@@ -86,17 +97,17 @@ struct DoorWords {
 class Locked {
  public:
   explicit Locked(PyObject* lock) : lock_(lock) {
-    static PyObject* k_acquire = key("acquire");
-    PyObject* r = PyObject_CallMethodNoArgs(lock_, k_acquire);
+    static PyObject* acquire = PyUnicode_InternFromString("acquire");   // threading.Lock's
+    PyObject* r = PyObject_CallMethodNoArgs(lock_, acquire);
     ok_ = r != nullptr;
     Py_XDECREF(r);
   }
   ~Locked() {
-    static PyObject* k_release = key("release");
     if (!ok_) return;
     PyObject *t, *v, *tb;
     PyErr_Fetch(&t, &v, &tb);
-    PyObject* r = PyObject_CallMethodNoArgs(lock_, k_release);
+    static PyObject* release = PyUnicode_InternFromString("release");
+    PyObject* r = PyObject_CallMethodNoArgs(lock_, release);
     if (r) Py_DECREF(r); else PyErr_Clear();
     PyErr_Restore(t, v, tb);
   }
@@ -106,68 +117,14 @@ class Locked {
   bool ok_;
 };
 
-// an int attribute of `o`; false with the error set if it is missing or not an int
+// an int attribute of `o` (a result or handle, `name` from `names`); false with the error set
+// if it is missing or not an int
 inline bool get_int(PyObject* o, PyObject* name, int64_t& out) {
   PyObject* v = PyObject_GetAttr(o, name);
   if (!v) return false;
   out = PyLong_AsLongLong(v);
   Py_DECREF(v);
   return !(out == -1 && PyErr_Occurred());
-}
-
-inline bool set_int(PyObject* o, PyObject* name, int64_t v) {
-  PyObject* p = PyLong_FromLongLong(v);
-  if (!p) return false;
-  int rc = PyObject_SetAttr(o, name, p);
-  Py_DECREF(p);
-  return rc == 0;
-}
-
-// 1 if the Buffer takes calls (not closed, not broken), 0 if not, -1 on error
-inline int usable(PyObject* buf) {
-  static PyObject *k_closed = key("_closed"), *k_broken = key("_broken");
-  PyObject* closed = PyObject_GetAttr(buf, k_closed);
-  if (!closed) return -1;
-  int c = PyObject_IsTrue(closed);
-  Py_DECREF(closed);
-  if (c) return c < 0 ? -1 : 0;
-  PyObject* broken = PyObject_GetAttr(buf, k_broken);
-  if (!broken) return -1;
-  int ok = broken == Py_None;
-  Py_DECREF(broken);
-  return ok;
-}
-
-// a failed call: `buf._failed(error)` records it (as `Buffer`'s Python path does), the error
-// stays set for the caller
-inline PyObject* failed(PyObject* buf) {
-  static PyObject* k_failed = key("_failed");
-  PyObject *t, *v, *tb;
-  PyErr_Fetch(&t, &v, &tb);
-  PyErr_NormalizeException(&t, &v, &tb);
-  if (v) {
-    if (tb) PyException_SetTraceback(v, tb);
-    PyObject* r = PyObject_CallMethodOneArg(buf, k_failed, v);
-    if (r) Py_DECREF(r); else PyErr_Clear();
-  }
-  PyErr_Restore(t, v, tb);
-  return nullptr;
-}
-
-// a call's result `r` (a new reference, stolen) once `buf.last_stats = r.stats` (as `Buffer`'s
-// Python path sets it): `r` itself, or its `y` (`y`: a combine's answer); nullptr on error
-inline PyObject* finish(PyObject* buf, PyObject* r, bool y = false) {
-  static PyObject *k_stats = key("stats"), *k_last_stats = key("last_stats"), *k_y = key("y");
-  PyObject* stats = PyObject_GetAttr(r, k_stats);
-  const int rc = stats ? PyObject_SetAttr(buf, k_last_stats, stats) : -1;
-  Py_XDECREF(stats);
-  if (rc < 0 || !y) {
-    if (rc < 0) Py_CLEAR(r);
-    return r;
-  }
-  PyObject* out = PyObject_GetAttr(r, k_y);
-  Py_DECREF(r);
-  return out;
 }
 
 // a fast check's rule (`dispatch_ready` / `combine_ready`) as a door asks it: a torch error

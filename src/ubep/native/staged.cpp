@@ -7,8 +7,9 @@
 // the Python between them in one process (result arrays, outputs, result objects, entries
 // that unbox their arguments). The Python path stays the definition: a call this file does
 // not take whole (a wait, a peer's dtype to check, an sp abort) goes on in Python from where
-// it stopped (`SinglePath.dispatch_resume` / `combine_resume`, through `Buffer._door_wait`),
-// the lock still held. Outputs of 256 KiB and more come from the path's pool, as there.
+// it stopped (`SinglePath.dispatch_resume` / `combine_resume`, through the door's `resume`),
+// the lock still held. State moves through the Buffer's and the path's words (BW_*, SW_*).
+// Outputs of 256 KiB and more come from the path's pool, as there.
 #include "native.h"
 
 #include <numpy/arrayobject.h>
@@ -17,31 +18,15 @@ namespace {
 
 using ubep_native::deferred_stats;
 using ubep_native::instance;
-using ubep_native::key;
+using namespace ubep_layout;
+using ubep_native::names;
 using ubep_native::now_us;
 using ubep_native::Obj;
 using ubep_native::ref;
 using ubep_native::results;
 using ubep_native::tuple_steal;
 
-// the door's words, in the order `ubep.runtime.shm.single.DOOR_FIELDS` names them
-// (tests/test_native.py checks both sides agree)
-enum Sd : Py_ssize_t {
-  SD_PATH, SD_LOCK, SD_CODES, SD_ELEMS, SD_DBUILD, SD_CBUILD, SD_LEND, SD_STATE, SD_Y,
-  SD_BUFFER_ID,
-  SD_WORLD, SD_EL, SD_SPINS, SD_MIN_LENT, SD_BEGIN, SD_ROWS, SD_CBEGIN, SD_CPOLL, SD_HIDDEN,
-  SD_EXPERTS, SD_MAX_TOKENS, SD_MAX_TOP_K, SD_LEN
-};
-constexpr Py_ssize_t SD_INTS = SD_STATE;   // words from here on are ints
-
-// one call's block: `kernels/single_entries.py`'s S_* words (tests/test_native.py checks)
-enum S : int64_t {
-  S_STATE, S_EPOCH, S_ELEM, S_X, S_T, S_RB, S_IDX, S_K, S_W, S_TPE, S_N, S_OUT_X, S_WTS,
-  S_INTS, S_SPINS, S_ROWS, S_WEIGHTED, S_ES, S_ECODE, S_LUT, S_NLUT, S_Y, S_HIDDEN, S_CAST,
-  S_OUT, S_WORLD, S_EL, S_LEFT, S_SENDS, S_META, S_RECV, S_ROUTED, S_LEN
-};
-constexpr int64_t CAST_NONE = 0, CAST_16 = 1;   // `kernels/single.py`'s CAST_*
-
+// the door's words: `layout.STAGED_DOOR` (SD_*); one call's block: `layout`'s S_* words
 using Door = ubep_native::DoorWords<SD_LEN, SD_INTS>;
 
 // run the kernel at `entry` on block `c` without the GIL (the numba entries are nogil)
@@ -50,11 +35,6 @@ inline void run(int64_t entry, int64_t* c) {
   Py_BEGIN_ALLOW_THREADS
   k(c);
   Py_END_ALLOW_THREADS
-}
-
-// the path's next epoch, stored (`region.next_epoch`: the last one + 1)
-bool next_epoch(PyObject* path, PyObject* name, int64_t& epoch) {
-  return ubep_native::get_int(path, name, epoch) && ubep_native::set_int(path, name, ++epoch);
 }
 
 PyObject* pyint(int64_t v) { return PyLong_FromLongLong(v); }
@@ -86,40 +66,36 @@ bool init_staged() {
   return true;
 }
 
-// staged_door_dispatch(door, buf, x, topk_idx, topk_weights) -> DispatchResult or
-// NotImplemented
+// staged_door_dispatch(door, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented
 PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_calls = key("_calls"), *k_epoch = key("_d_epoch");
-  if (!arity(nargs, 5)) return nullptr;
+  if (!arity(nargs, 4)) return nullptr;
   Door d;
   if (!d.parse(a[0], "SinglePath.door")) return nullptr;
-  PyObject* buf = a[1];
-  if (!passes(dispatch_ready, a + 2, d.v + SD_HIDDEN)) return not_taken();
+  if (!passes(dispatch_ready, a + 1, d.v + SD_HIDDEN)) return not_taken();
   Locked locked(d.o[SD_LOCK]);
   if (!locked.ok()) return nullptr;
-  const int ok = usable(buf);
-  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
-  const at::Tensor& x = THPVariable_Unpack(a[2]);
-  const at::Tensor& idx = THPVariable_Unpack(a[3]);
-  const at::Tensor& w = THPVariable_Unpack(a[4]);
+  int64_t *bw = state_words(d.o[SD_BUFFER_WORDS]), *pw = state_words(d.o[SD_PATH_WORDS]);
+  if (!bw[BW_USABLE]) return not_taken();     // closed or broken: Python names why
+  const at::Tensor& x = THPVariable_Unpack(a[1]);
+  const at::Tensor& idx = THPVariable_Unpack(a[2]);
+  const at::Tensor& w = THPVariable_Unpack(a[3]);
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
   PyObject* code = lookup(d.o[SD_CODES], dtype);
   if (!code) return not_taken();
   const int64_t elem = PyLong_AsLongLong(code);
   if (elem == -1 && PyErr_Occurred()) return nullptr;
-  // the call: from here on its state moves (as `_dispatch_checked` and the path move it)
-  PyObject* path = d.o[SD_PATH];
-  int64_t call, epoch;
-  if (!get_int(buf, k_calls, call) || !set_int(buf, k_calls, ++call)) return nullptr;
+  // the call: from here on its state moves (as `_dispatch_checked` and the path move it;
+  // `region.next_epoch`: the last one + 1)
+  const int64_t call = ++bw[BW_CALLS];
   const double t0 = now_us();
-  if (!next_epoch(path, k_epoch, epoch)) return failed(buf);
+  const int64_t epoch = ++pw[SW_D_EPOCH];
   PyObject* r = nullptr;
   try {
     const int64_t t_n = x.size(0), hidden = x.size(1), k_n = idx.size(1);
     const int64_t rb = hidden * static_cast<int64_t>(x.element_size());
     npy_intp d_el = d.v[SD_EL];
     Obj tpe(PyArray_EMPTY(1, &d_el, NPY_INT64, 0));
-    if (!tpe) return failed(buf);
+    if (!tpe) return nullptr;
     int64_t c[S_LEN] = {};
     c[S_STATE] = d.v[SD_STATE];
     c[S_WORLD] = d.v[SD_WORLD];
@@ -141,12 +117,12 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
       r = tuple_steal({tpe.release(), pyint(c[S_LEFT])});
     } else {
       Obj recv_x = output(d, n, hidden, x, dtype);
-      if (!recv_x) return failed(buf);
+      if (!recv_x) return nullptr;
       const at::Tensor& recv = THPVariable_Unpack(recv_x.get());
       npy_intp d_ints[2] = {3, n}, d_n = n;
       Obj ints(PyArray_EMPTY(2, d_ints, NPY_INT64, 0)),
           wts(PyArray_EMPTY(1, &d_n, NPY_FLOAT32, 0));
-      if (!ints || !wts) return failed(buf);
+      if (!ints || !wts) return nullptr;
       c[S_N] = n;
       c[S_OUT_X] = reinterpret_cast<intptr_t>(recv.data_ptr());
       c[S_WTS] = array_addr(wts.get());
@@ -157,56 +133,48 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
         r = tuple_steal({tpe.release(), recv_x.release(), ints.release(), wts.release(),
                          PyFloat_FromDouble(t1)});
       } else {
-        static PyObject *k_buffer_id = key("buffer_id"), *k_call = key("call"),
-                        *k_num_tokens = key("num_tokens"), *k_num_recv = key("num_recv"),
-                        *k_hidden = key("hidden"), *k_topk_idx = key("topk_idx"),
-                        *k_topk_weights = key("topk_weights"), *k_origins = key("_origins"),
-                        *k_state = key("state"), *k_recv_x = key("recv_x"),
-                        *k_weights = key("_weights"), *k_tpe = key("_tpe"),
-                        *k_handle = key("handle"), *k_stats = key("stats");
         // `SinglePath._dispatch_end`'s handle and stats
         PyObject* state = tuple_steal({pyint(c[S_IDX]), pyint(c[S_W]), pyint(k_n),
                                        ints.share()});
         PyObject* handle = instance(results.handle, {
-            {k_buffer_id, pyint(d.v[SD_BUFFER_ID])}, {k_call, pyint(call)},
-            {k_num_tokens, pyint(t_n)}, {k_num_recv, pyint(n)}, {k_hidden, pyint(hidden)},
-            {k_topk_idx, ref(a[3])}, {k_topk_weights, ref(a[4])},
-            {k_origins, ints.share()}, {k_state, state}});
-        if (!handle) return failed(buf);
+            {names[N_BUFFER_ID], pyint(d.v[SD_BUFFER_ID])}, {names[N_CALL], pyint(call)},
+            {names[N_NUM_TOKENS], pyint(t_n)}, {names[N_NUM_RECV], pyint(n)}, {names[N_HIDDEN], pyint(hidden)},
+            {names[N_TOPK_IDX], ref(a[2])}, {names[N_TOPK_WEIGHTS], ref(a[3])},
+            {names[N_ORIGINS], ints.share()}, {names[N_STATE], state}});
+        if (!handle) return nullptr;
         PyObject* ts = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
                                     PyFloat_FromDouble(t1), PyFloat_FromDouble(now_us())});
         PyObject* stats = deferred_stats(d.o[SD_DBUILD], tuple_steal({
             ts, pyint(c[S_SENDS]), pyint(n), pyint(rb), pyint(epoch)}));
         r = instance(results.dispatch, {
-            {k_recv_x, recv_x.release()}, {k_weights, wts.release()}, {k_tpe, tpe.release()},
-            {k_handle, handle}, {k_stats, stats}});
-        return r ? finish(buf, r) : failed(buf);
+            {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], wts.release()}, {names[N_TPE], tpe.release()},
+            {names[N_HANDLE], handle}, {names[N_STATS], stats}});
+        return r;
       }
     }
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
-    return failed(buf);
+    return nullptr;
   }
-  if (!r) return failed(buf);
+  if (!r) return nullptr;
   // the rest in Python, from where the entry stopped
-  PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOLdL)", "dispatch_resume", r,
-                                      a[2], a[3], a[4], static_cast<long long>(call), t0,
-                                      static_cast<long long>(epoch));
+  PyObject* res = PyObject_CallFunction(d.o[SD_RESUME], "sOOOOLdL", "dispatch_resume", r,
+                                        a[1], a[2], a[3], static_cast<long long>(call), t0,
+                                        static_cast<long long>(epoch));
   Py_DECREF(r);
-  if (!res) return nullptr;            // recorded by the Python side
-  return finish(buf, res);
+  return res;
 }
 
-// staged_door_combine(door, buf, expert_out, handle, weighted, out) -> y or NotImplemented
+// staged_door_combine(door, expert_out, handle, weighted, out) -> CombineResult or
+// NotImplemented
 PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_state = key("state"), *k_epoch = key("_c_epoch");
-  if (!arity(nargs, 6)) return nullptr;
+  if (!arity(nargs, 5)) return nullptr;
   Door d;
   if (!d.parse(a[0], "SinglePath.door")) return nullptr;
-  PyObject *buf = a[1], *rows = a[2], *handle = a[3], *out_arg = a[5];
+  PyObject *rows = a[1], *handle = a[2], *out_arg = a[4];
   int64_t hv[4];               // buffer_id, num_recv, hidden, num_tokens
   int weighted;
-  const int go = combine_handle(handle, rows, a[4], d.v[SD_BUFFER_ID], hv, weighted);
+  const int go = combine_handle(handle, rows, a[3], d.v[SD_BUFFER_ID], hv, weighted);
   if (go <= 0) return go < 0 ? nullptr : not_taken();
   const at::Tensor& e = THPVariable_Unpack(rows);
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
@@ -217,7 +185,7 @@ PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   const int64_t t_n = hv[3], hidden = hv[2], n = hv[1];
   const int64_t es = static_cast<int64_t>(e.element_size());
   if (!out_ready(out_arg, rows, t_n)) return not_taken();
-  PyObject* state = PyObject_GetAttr(handle, k_state);
+  PyObject* state = PyObject_GetAttr(handle, names[N_STATE]);
   if (!state) return nullptr;
   Obj state_ref(state);
   if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 4) return not_taken();
@@ -229,20 +197,18 @@ PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     return not_taken();
   Locked locked(d.o[SD_LOCK]);
   if (!locked.ok()) return nullptr;
-  const int ok = usable(buf);
-  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
+  int64_t *bw = state_words(d.o[SD_BUFFER_WORDS]), *pw = state_words(d.o[SD_PATH_WORDS]);
+  if (!bw[BW_USABLE]) return not_taken();     // closed or broken: Python names why
   // the call: from here on its state moves (as the path moves it)
-  PyObject* path = d.o[SD_PATH];
   const double t0 = now_us();
-  int64_t epoch;
-  if (!next_epoch(path, k_epoch, epoch)) return failed(buf);
+  const int64_t epoch = ++pw[SW_C_EPOCH];
   PyObject* r = nullptr;
   try {
     Obj out_obj;
     at::Tensor out;
     if (out_arg == Py_None) {
       out_obj = output(d, t_n, hidden, e, dtype);
-      if (!out_obj) return failed(buf);
+      if (!out_obj) return nullptr;
       out = THPVariable_Unpack(out_obj.get());
     } else {
       out = THPVariable_Unpack(out_arg);
@@ -283,26 +249,24 @@ PyObject* staged_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
       if (c[S_LEFT] || c[S_META] || !results.combine) {   // a wait, or hellos to check
         r = tuple_steal({pyint(c[S_LEFT]), out_obj.release(), PyFloat_FromDouble(t1)});
       } else {
-        static PyObject *k_y = key("y"), *k_stats = key("stats");
         PyObject* ts = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
                                     PyFloat_FromDouble(now_us())});
         PyObject* stats = deferred_stats(d.o[SD_CBUILD], tuple_steal({
             ts, pyint(n), pyint(c[S_ROUTED]), pyint(hidden * es), pyint(epoch)}));
-        r = instance(results.combine, {{k_y, out_obj.release()}, {k_stats, stats}});
-        return r ? finish(buf, r, true) : failed(buf);
+        return instance(results.combine, {{names[N_Y], out_obj.release()},
+                                          {names[N_STATS], stats}});
       }
     }
   } catch (const std::exception& ex) {
     PyErr_SetString(PyExc_RuntimeError, ex.what());
-    return failed(buf);
+    return nullptr;
   }
-  if (!r) return failed(buf);
-  PyObject* res = PyObject_CallMethod(buf, "_door_wait", "(sOOOOdL)", "combine_resume", r,
-                                      rows, handle, weighted ? Py_True : Py_False, t0,
-                                      static_cast<long long>(epoch));
+  if (!r) return nullptr;
+  PyObject* res = PyObject_CallFunction(d.o[SD_RESUME], "sOOOOdL", "combine_resume", r,
+                                        rows, handle, weighted ? Py_True : Py_False, t0,
+                                        static_cast<long long>(epoch));
   Py_DECREF(r);
-  if (!res) return nullptr;            // recorded by the Python side
-  return finish(buf, res, true);
+  return res;
 }
 
 }  // namespace ubep_native

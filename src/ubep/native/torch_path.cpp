@@ -10,7 +10,9 @@
 // take a call only when the backend has made its words (`_dispatch_door` / `_combine_door`,
 // per row type and inline capacity) and the call fits the scratch, and otherwise decline
 // (NotImplemented) before anything moves; a dispatch whose phase 2 needs a larger receive
-// buffer hands back to Python after its first collective (`_native_rest` grows it).
+// buffer hands back to Python after its first collective (the door's `rest`,
+// `TorchBackend._native_rest`, grows it). The inline capacity every rank agrees on lives in
+// the backend's words (TW_INLINE).
 #include "native.h"
 
 #include <torch/csrc/DynamicTypes.h>
@@ -26,39 +28,15 @@
 
 namespace {
 
-using ubep_native::key;
+using namespace ubep_layout;
+using ubep_native::names;
 using ubep_native::now_us;
 using ubep_native::Obj;
 using ubep_native::ref;
 using ubep_native::tuple_steal;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-// `ubep.runtime.torch_entries`' K_* and B_* words (tests/test_native_torch.py: they agree)
-enum K : int64_t {
-  K_ROW_BYTES, K_PER_RANK, K_WORLD, K_ME, K_META_K, K_INLINE, K_HROWS, K_WS, K_WS_LEN, K_SEND,
-  K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_RECV_CAP,
-  K_HDR_IN, K_PACK, K_HEADERS, K_COUNTS, K_PHASE2, K_PLAN, K_ROWS, K_IDX, K_W, K_T, K_K, K_X,
-  K_X_BYTES, K_WORK_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN, K_GATHER_AT,
-  K_GATHER_LEN, K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_SUM_R2, K_SUM_S2,
-  K_NUM_REMOTE, K_REMOTE_BAGS, K_NUM_RECV, K_OFFSETS, K_ERR = K_OFFSETS + 8, K_LEN
-};
-enum B : int64_t {
-  B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS,
-  B_FINAL, B_KIND, B_OWN_AT, B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT,
-  B_ROWS_AT, B_OFFS_AT, B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS,
-  B_NUM_TOKENS, B_J0, B_J1, B_DST, B_Y, B_ERR, B_LEN
-};
-// the door tuples' words: `TorchBackend._dispatch_door` / `_combine_door`
-enum Td : Py_ssize_t {
-  TD_K, TD_WS, TD_GROUP, TD_SCRATCH, TD_HDR_SEND, TD_HDR_RECV, TD_BACKEND, TD_STATE, TD_BUILD,
-  TD_BUILD_ROWS, TD_COLL, TD_BUFFER_ID, TD_RANK, TD_BYTES, TD_POOL, TD_LEN
-};
-enum Tc : Py_ssize_t { TC_B, TC_GROUP, TC_SCRATCH, TC_BUILD, TC_RANK, TC_LEN };
-// the Buffer-level door's words: `TorchBackend.door`
-enum Tr : Py_ssize_t {
-  TR_BACKEND, TR_LOCK, TR_DOORS, TR_STATE_TYPE, TR_BUFFER_ID, TR_HIDDEN, TR_EXPERTS,
-  TR_MAX_TOKENS, TR_MAX_TOP_K, TR_LEN
-};
+// the blocks' words (K_*, B_*) and the door tuples' (TD_*, TC_*, TR_*): `layout`'s
 
 using Kernel = void (*)(int64_t*);
 
@@ -81,26 +59,20 @@ Group* group_of(PyObject* capsule) {
   return static_cast<Group*>(PyCapsule_GetPointer(capsule, "ubep.torch_group"));
 }
 
-// scratch buffer `name` (an interned key) of the backend's `_scratch` (flat uint8), or
+// scratch buffer `name` (`names[N_SEND]` ...) of the backend's `_scratch` (flat uint8), or
 // nullptr (none yet)
 const at::Tensor* scratch(PyObject* dict, PyObject* name) {
   PyObject* t = PyDict_GetItemWithError(dict, name);
   if (!t) PyErr_Clear();
   return t && THPVariable_Check(t) ? &THPVariable_Unpack(t) : nullptr;
 }
-// the scratch buffers' names in `_scratch` (interned once, at first use)
-enum Scratch { S_SEND, S_RECV, S_CSEND, S_COMBINE };
-PyObject* scratch_name(Scratch which) {
-  static PyObject* names[4] = {key("send"), key("recv"), key("csend"), key("combine")};
-  return names[which];
-}
 
 // whether a dispatch of `t_n` tokens fits the scratch (as `TorchBackend._cpu_shape` sizes
 // it): phase 1 in the receive buffer, phase 1 and every peer's phase 2 in the send buffer;
 // if so, their addresses and sizes into the block
 bool fits(int64_t* k, PyObject* dict, int64_t t_n) {
-  const at::Tensor* send = scratch(dict, scratch_name(S_SEND));
-  const at::Tensor* recv = scratch(dict, scratch_name(S_RECV));
+  const at::Tensor* send = scratch(dict, names[N_SEND]);
+  const at::Tensor* recv = scratch(dict, names[N_RECV]);
   if (!send || !recv) return false;
   const int64_t rb = k[K_ROW_BYTES], peers = k[K_WORLD] - 1, meta = 4 * (1 + 2 * k[K_META_K]);
   const int64_t rows =
@@ -254,13 +226,6 @@ PyObject* torch_group(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
 // `torch_dispatch` answers
 static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* idx_obj,
                                PyObject* w_obj, int64_t call) {
-  static PyObject *k_inline = key("_inline"), *k_buffer_id = key("buffer_id"),
-                  *k_call = key("call"), *k_num_tokens = key("num_tokens"),
-                  *k_num_recv = key("num_recv"), *k_hidden = key("hidden"),
-                  *k_topk_idx = key("topk_idx"), *k_topk_weights = key("topk_weights"),
-                  *k_origins = key("_origins"), *k_state = key("state"),
-                  *k_recv_x = key("recv_x"), *k_weights = key("_weights"), *k_tpe = key("_tpe"),
-                  *k_handle = key("handle"), *k_stats = key("stats");
   try {
     int64_t* k = words(d[TD_K]);
     Group* g = group_of(d[TD_GROUP]);
@@ -282,8 +247,8 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     // the first collective: phase 1's blocks (their headers, then `inline` tokens per peer),
     // or the headers alone (a count exchange)
     const int64_t inl = k[K_INLINE], rb = k[K_ROW_BYTES], n1 = k[K_RECV_BYTES];
-    at::Tensor recv = *scratch(d[TD_SCRATCH], scratch_name(S_RECV)),
-               send = *scratch(d[TD_SCRATCH], scratch_name(S_SEND));
+    at::Tensor recv = *scratch(d[TD_SCRATCH], names[N_RECV]),
+               send = *scratch(d[TD_SCRATCH], names[N_SEND]);
     if (inl) {
       std::vector<int64_t> split(world, k[K_BLK_BYTES]);
       split[me] = 0;
@@ -325,9 +290,7 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
       k[K_WORK_BYTES] = got;
     }
     const double t3 = now_us();
-    Obj next_inline(PyLong_FromLongLong(gmax <= k[K_CAP] ? gmax : 0));
-    if (!next_inline || PyObject_SetAttr(d[TD_BACKEND], k_inline, next_inline.get()) < 0)
-      return nullptr;
+    state_words(d[TD_WORDS])[TW_INLINE] = gmax <= k[K_CAP] ? gmax : 0;
     // the plan, into room for every pair the received tokens could name (res_offsets' end at
     // num_recv = most); then recv_x's rows, exactly
     const int64_t most = num_bags * k[K_PAIRS], n_me = k[K_N_ME], sends = k[K_SENDS];
@@ -383,11 +346,12 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
                                     static_cast<long long>(k[K_REMOTE_BAGS])));
     if (!state) return nullptr;
     PyObject* handle = instance(results.handle, {
-        {k_buffer_id, ref(d[TD_BUFFER_ID])}, {k_call, PyLong_FromLongLong(call)},
-        {k_num_tokens, PyLong_FromLongLong(t_n)}, {k_num_recv, PyLong_FromLongLong(num_recv)},
-        {k_hidden, PyLong_FromLongLong(hidden)}, {k_topk_idx, ref(idx_obj)},
-        {k_topk_weights, ref(w_obj)}, {k_origins, origins.release()},
-        {k_state, state.release()}});
+        {names[N_BUFFER_ID], ref(d[TD_BUFFER_ID])}, {names[N_CALL], PyLong_FromLongLong(call)},
+        {names[N_NUM_TOKENS], PyLong_FromLongLong(t_n)},
+        {names[N_NUM_RECV], PyLong_FromLongLong(num_recv)},
+        {names[N_HIDDEN], PyLong_FromLongLong(hidden)}, {names[N_TOPK_IDX], ref(idx_obj)},
+        {names[N_TOPK_WEIGHTS], ref(w_obj)}, {names[N_ORIGINS], origins.release()},
+        {names[N_STATE], state.release()}});
     if (!handle) return nullptr;
     const double t5 = now_us();
     PyObject* times = tuple_steal({PyFloat_FromDouble(t0), PyFloat_FromDouble(t1),
@@ -404,8 +368,8 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
           ref(d[TD_RANK]), times, ref(d[TD_BYTES]), ref(d[TD_COLL])}));
     }
     return instance(results.dispatch, {
-        {k_recv_x, recv_x.release()}, {k_weights, weights.release()}, {k_tpe, tpe.release()},
-        {k_handle, handle}, {k_stats, stats}});
+        {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], weights.release()}, {names[N_TPE], tpe.release()},
+        {names[N_HANDLE], handle}, {names[N_STATS], stats}});
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -417,20 +381,15 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
 // words `d` (TC_*) into `out_arg` (None: a new y), as `torch_combine` answers
 static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st, int weighted,
                               PyObject* out_arg) {
-  static PyObject *k_at = key("at"), *k_sizes = key("sizes"), *k_num_tokens = key("num_tokens"),
-                  *k_recv_per_rank = key("recv_per_rank"),
-                  *k_sent_per_rank = key("sent_per_rank"), *k_y = key("y"),
-                  *k_stats = key("stats"), *k_nret = key("num_remote_bags"),
-                  *k_own = key("num_own"), *k_back = key("num_back");
   try {
     int64_t* b = words(d[TC_B]);
     Group* g = group_of(d[TC_GROUP]);
     if (!g) return nullptr;
     const at::Tensor& e = THPVariable_Unpack(e_obj);
-    Obj at_words(PyObject_GetAttr(st, k_at)), sizes(PyObject_GetAttr(st, k_sizes));
-    Obj t_obj(PyObject_GetAttr(st, k_num_tokens));
-    Obj to_peers(PyObject_GetAttr(st, k_recv_per_rank));
-    Obj from_peers(PyObject_GetAttr(st, k_sent_per_rank));
+    Obj at_words(PyObject_GetAttr(st, names[N_AT])), sizes(PyObject_GetAttr(st, names[N_SIZES]));
+    Obj t_obj(PyObject_GetAttr(st, names[N_NUM_TOKENS]));
+    Obj to_peers(PyObject_GetAttr(st, names[N_RECV_PER_RANK]));
+    Obj from_peers(PyObject_GetAttr(st, names[N_SENT_PER_RANK]));
     if (!at_words || !sizes || !t_obj || !to_peers || !from_peers) return nullptr;
     if (!tuple_of(at_words.get(), 5, "state.at") || !tuple_of(sizes.get(), 3, "state.sizes"))
       return nullptr;
@@ -442,11 +401,12 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
     if (t_n == -1 && PyErr_Occurred()) return nullptr;
     if (!out_ready(out_arg, e_obj, t_n)) return not_taken();
     int64_t nret, own, back;   // partials: of received tokens, of mine, coming back
-    if (!get_int(st, k_nret, nret) || !get_int(st, k_own, own) || !get_int(st, k_back, back))
+    if (!get_int(st, names[N_NUM_REMOTE_BAGS], nret) || !get_int(st, names[N_NUM_OWN], own)
+        || !get_int(st, names[N_NUM_BACK], back))
       return nullptr;
     const int64_t hidden = b[B_HIDDEN], prow = hidden * static_cast<int64_t>(e.element_size());
-    const at::Tensor *csend = scratch(d[TC_SCRATCH], scratch_name(S_CSEND)),
-                     *cback = scratch(d[TC_SCRATCH], scratch_name(S_COMBINE));
+    const at::Tensor *csend = scratch(d[TC_SCRATCH], names[N_CSEND]),
+                     *cback = scratch(d[TC_SCRATCH], names[N_COMBINE]);
     if (!csend || !cback || (nret + own) * prow > csend->numel() || back * prow > cback->numel())
       return not_taken();      // the scratch must grow: the Python path does it
     b[B_SEND_AT] = reinterpret_cast<intptr_t>(csend->data_ptr());
@@ -510,7 +470,7 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
     PyObject* stats = deferred_stats(d[TC_BUILD], tuple_steal({
         ref(d[TC_RANK]), times, PyLong_FromLongLong(nret * prow),
         PyLong_FromLongLong(back * prow), ref(st), PyLong_FromLongLong(prow)}));
-    return instance(results.combine, {{k_y, y_obj.release()}, {k_stats, stats}});
+    return instance(results.combine, {{names[N_Y], y_obj.release()}, {names[N_STATS], stats}});
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -540,29 +500,24 @@ PyObject* torch_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   return combine_core(&PyTuple_GET_ITEM(a[0], 0), a[1], a[2], weighted, a[4]);
 }
 
-// torch_door_dispatch(door, buf, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented:
+// torch_door_dispatch(door, x, topk_idx, topk_weights) -> DispatchResult or NotImplemented:
 // `Buffer.dispatch`'s common call on the torch backend's compiled path, from the inputs' fast
 // check to the last stats (as door.cpp for the shm direct path): declined, before any state
 // moves, unless the inputs pass the fast check, the Buffer takes calls and the backend has
 // this shape's door words (its first call of a shape runs in Python and makes them)
 PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_inline = key("_inline"), *k_calls = key("_calls"),
-                  *k_rest = key("_native_rest");
-  if (!arity(nargs, 5) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
+  if (!arity(nargs, 4) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
   PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
-  PyObject* buf = a[1];
   int64_t lim[4];
   if (!ints(d + TR_HIDDEN, 4, lim)) return nullptr;
-  if (!passes(dispatch_ready, a + 2, lim)) return not_taken();
+  if (!passes(dispatch_ready, a + 1, lim)) return not_taken();
   Locked locked(d[TR_LOCK]);
   if (!locked.ok()) return nullptr;
-  const int ok = usable(buf);
-  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
-  PyObject* backend = d[TR_BACKEND];
-  const at::Tensor& x = THPVariable_Unpack(a[2]);
-  const at::Tensor& idx = THPVariable_Unpack(a[3]);
-  int64_t inl;
-  if (!get_int(backend, k_inline, inl)) return nullptr;
+  int64_t* bw = state_words(d[TR_BUFFER_WORDS]);
+  if (!bw[BW_USABLE]) return not_taken();     // closed or broken: Python names why
+  const at::Tensor& x = THPVariable_Unpack(a[1]);
+  const at::Tensor& idx = THPVariable_Unpack(a[2]);
+  const int64_t inl = state_words(d[TR_WORDS])[TW_INLINE];
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
   Obj k(Py_BuildValue("(LOL)", static_cast<long long>(x.size(1)), dtype,
                       static_cast<long long>(inl)));
@@ -574,34 +529,30 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
             idx.size(0)))
     return not_taken();        // the scratch must grow: the Python path does it
   // the call: from here on its state moves (as `Buffer._dispatch_checked` moves it)
-  int64_t call;
-  if (!get_int(buf, k_calls, call) || !set_int(buf, k_calls, ++call)) return nullptr;
-  PyObject* r = dispatch_core(&PyTuple_GET_ITEM(door, 0), a[2], a[3], a[4], call);
-  if (!r) return failed(buf);
-  if (PyTuple_Check(r)) {      // phase 2 needs more receive scratch: on in Python
-    Obj cl(PyLong_FromLongLong(call));
-    PyObject* args[6] = {backend, a[2], a[3], a[4], cl.get(), r};
-    PyObject* res = cl ? PyObject_VectorcallMethod(k_rest, args, 6, nullptr) : nullptr;
-    Py_DECREF(r);
-    if (!res) return failed(buf);
-    r = res;
-  }
-  return finish(buf, r);
+  const int64_t call = ++bw[BW_CALLS];
+  PyObject* r = dispatch_core(&PyTuple_GET_ITEM(door, 0), a[1], a[2], a[3], call);
+  if (!r || !PyTuple_Check(r)) return r;
+  // phase 2 needs more receive scratch: on in Python (`rest`)
+  Obj cl(PyLong_FromLongLong(call));
+  PyObject* args[5] = {a[1], a[2], a[3], cl.get(), r};
+  PyObject* res = cl ? PyObject_Vectorcall(d[TR_REST], args, 5, nullptr) : nullptr;
+  Py_DECREF(r);
+  return res;
 }
 
-// torch_door_combine(door, buf, expert_out, handle, weighted, out) -> y or NotImplemented: the
+// torch_door_combine(door, expert_out, handle, weighted, out) -> CombineResult or
+// NotImplemented: the
 // common combine (this Buffer's handle of a compiled-layout CPU dispatch, bf16 or fp32 rows,
 // `out` None or as `out_ready` takes it) as `torch_door_dispatch` takes the common dispatch
 PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
-  static PyObject *k_state = key("state"), *k_res = key("res"), *k_combine = key("combine");
-  if (!arity(nargs, 6) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
+  if (!arity(nargs, 5) || !tuple_of(a[0], TR_LEN, "door")) return nullptr;
   PyObject* const* d = &PyTuple_GET_ITEM(a[0], 0);
-  PyObject *buf = a[1], *rows = a[2], *handle = a[3];
+  PyObject *rows = a[1], *handle = a[2];
   const int64_t own_id = PyLong_AsLongLong(d[TR_BUFFER_ID]);
   if (own_id == -1 && PyErr_Occurred()) return nullptr;
   int64_t hv[4];                // buffer_id, num_recv, hidden, num_tokens
   int weighted;
-  const int go = combine_handle(handle, rows, a[4], own_id, hv, weighted);
+  const int go = combine_handle(handle, rows, a[3], own_id, hv, weighted);
   if (go <= 0) return go < 0 ? nullptr : not_taken();
   const at::Tensor& e = THPVariable_Unpack(rows);
   if (e.scalar_type() != at::kBFloat16 && e.scalar_type() != at::kHalf
@@ -609,24 +560,21 @@ PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
     return not_taken();
   Locked locked(d[TR_LOCK]);
   if (!locked.ok()) return nullptr;
-  const int ok = usable(buf);
-  if (ok <= 0) return ok < 0 ? nullptr : not_taken();
-  Obj st(PyObject_GetAttr(handle, k_state));
+  if (!state_words(d[TR_BUFFER_WORDS])[BW_USABLE]) return not_taken();   // Python names why
+  Obj st(PyObject_GetAttr(handle, names[N_STATE]));
   if (!st) return nullptr;
   if (reinterpret_cast<PyObject*>(Py_TYPE(st.get())) != d[TR_STATE_TYPE]) return not_taken();
-  Obj res(PyObject_GetAttr(st.get(), k_res));
+  Obj res(PyObject_GetAttr(st.get(), names[N_RES]));
   if (!res) return nullptr;
   if (res.get() == Py_None) return not_taken();       // a device dispatch's state
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(e.scalar_type()));
-  Obj k(Py_BuildValue("(OOL)", k_combine, dtype, static_cast<long long>(hv[2])));
+  Obj k(Py_BuildValue("(OL)", dtype, static_cast<long long>(hv[2])));
   if (!k) return nullptr;
   PyObject* door = lookup(d[TR_DOORS], k.get());        // (`TorchBackend._combine_door`)
   if (!door || !PyTuple_CheckExact(door) || PyTuple_GET_SIZE(door) != TC_LEN) return not_taken();
   Obj door_ref(ref(door));
-  PyObject* r = combine_core(&PyTuple_GET_ITEM(door, 0), rows, st.get(), weighted, a[5]);
-  if (!r) return failed(buf);
-  if (r == Py_NotImplemented) return r;      // the scratch must grow: the Python path
-  return finish(buf, r, true);
+  // (NotImplemented: the scratch must grow, which the Python path does)
+  return combine_core(&PyTuple_GET_ITEM(door, 0), rows, st.get(), weighted, a[4]);
 }
 
 }  // namespace ubep_native

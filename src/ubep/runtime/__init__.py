@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
@@ -46,11 +47,13 @@ class Backend(Protocol):
         """`out`: where y goes (checked by `Buffer`); a backend sums straight into it
         where it can, and returns it as `y`."""
 
-    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+    def door(self, lock, limits: tuple[int, int, int, int],
+             buffer_words: np.ndarray) -> tuple | None:
         """What `ubep.native`'s door reads to take a `Buffer`'s common call whole (the
-        `DOOR_ENTRIES` functions), with `lock` the Buffer's and `limits` its fast checks'
-        (hidden, num_experts, max_tokens_per_rank, max_top_k); None: no door, every call
-        goes through `dispatch` and `combine`."""
+        `DOOR_ENTRIES` functions), with `lock` the Buffer's, `limits` its fast checks'
+        (hidden, num_experts, max_tokens_per_rank, max_top_k) and `buffer_words` the state
+        it shares with its door (`ubep.native.layout`'s BW_* words); None: no door, every
+        call goes through `dispatch` and `combine`."""
         return None
 
     def resume(self, which: str, *args) -> DispatchResult | CombineResult:

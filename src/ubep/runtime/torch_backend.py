@@ -94,11 +94,11 @@ from ubep.elastic import Membership, note_combine
 from ubep.handle import (
     CombineResult,
     DispatchHandle,
-    DispatchResult,
     new_combine_result,
     new_dispatch_result,
     new_handle,
 )
+from ubep.native import layout as L
 from ubep.native import load_native
 from ubep.options import BufferConfig
 from ubep.runtime import Backend
@@ -293,8 +293,9 @@ class TorchBackend(Backend):
         self._owned: list[tuple[np.ndarray, int]] = []
         #: the compiled path's twin of `_owned`: uint8 tensors (`torch_path.cpp`)
         self._owned_t: list[torch.Tensor] = []
-        #: tokens per peer that ride in dispatch's first collective; every rank computes the
-        #: same value from the same headers (starts at what max_tokens_per_rank could need)
+        #: the state this backend shares with its compiled door (`ubep.native.layout`'s TW_*
+        #: words; `_inline` reads and writes it)
+        self._tw = np.zeros(L.TW_LEN, np.int64)
         self._inline = config.max_tokens_per_rank
         self._global_max = 0
         #: the CPU path's per-shape constants and scratch views (`_cpu_shape`,
@@ -316,8 +317,6 @@ class TorchBackend(Backend):
                 native = None
         if native is not None:
             self._native = native
-            native.set_result_types(DispatchHandle, DispatchResult, CombineResult,
-                                    DeferredStats)
         #: how long the compiled path polls a collective before blocking in its wait (`wait`)
         self._poll_ns = int(POLL_S * 1e9) if self._pg.name() in HOST_BACKENDS else 0
         #: elastic (`Buffer(elastic=True)`, `torch_elastic.py`): the membership, the recovery,
@@ -331,19 +330,35 @@ class TorchBackend(Backend):
             self._alt = ({}, {}, {})
             self.dispatch, self.combine = self._elastic_dispatch, self._elastic_combine
 
+    @property
+    def _inline(self) -> int:
+        """Tokens per peer that ride in dispatch's first collective; every rank computes the
+        same value from the same headers (starts at what max_tokens_per_rank could need)."""
+        return int(self._tw[L.TW_INLINE])
+
+    @_inline.setter
+    def _inline(self, v: int) -> None:
+        self._tw[L.TW_INLINE] = v
+
     #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
     DOOR_ENTRIES = ("torch_door_dispatch", "torch_door_combine")
 
-    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+    def door(self, lock, limits: tuple[int, int, int, int],
+             buffer_words: np.ndarray) -> tuple | None:
         """What `ubep.native`'s torch door (`torch_door_dispatch` / `torch_door_combine`)
-        reads to take a `Buffer`'s common call whole (`torch_path.cpp`'s TR_* words): this
-        backend, `lock` the Buffer's, the compiled path's words (`_doors`: the first call of
-        a row type and inline capacity runs through the backend and makes them), the handle
-        state's class, and `limits` the fast checks' (hidden, num_experts,
+        reads to take a `Buffer`'s common call whole (`layout.TORCH_DOOR`): this backend's
+        state words, the Buffer's (`buffer_words`) and `lock`, the compiled path's words
+        (`_doors`: the first call of a row type and inline capacity runs through the backend
+        and makes them), the handle state's class, where a dispatch whose phase 2 needs more
+        scratch goes on (`_native_rest`), and `limits` the fast checks' (hidden, num_experts,
         max_tokens_per_rank, max_top_k). None without `ubep.native`."""
         if self._native is None:
             return None
-        return (self, lock, self._doors, _TorchState, self.buffer_id, *limits)
+        words = {"words": self._tw, "buffer_words": buffer_words, "lock": lock,
+                 "doors": self._doors, "state_type": _TorchState, "rest": self._native_rest,
+                 "buffer_id": self.buffer_id, "hidden": limits[0], "experts": limits[1],
+                 "max_tokens": limits[2], "max_top_k": limits[3]}
+        return tuple(words[f] for f in L.TORCH_DOOR)
 
     @property
     def last_global_max(self) -> int:
@@ -727,7 +742,7 @@ class TorchBackend(Backend):
 
     def _dispatch_door(self, shape: tuple) -> tuple:
         """What `ubep.native.torch_dispatch` reads for calls of `shape`'s row type and inline
-        capacity (`torch_path.cpp`'s TD_* words, `torch_entries.DISPATCH_DOOR`): its block
+        capacity (`torch_path.cpp`'s TD_* words, `layout.TORCH_DISPATCH_DOOR`): its block
         (`torch_entries`' K_* words: sizes, the shape's workspace (for any batch; kept alive
         here when the shape is dropped), the poll, the kernels' addresses), the group, the
         scratch (`_scratch`, read on every call: the call is declined when its batch does not
@@ -741,21 +756,24 @@ class TorchBackend(Backend):
          _, _, wsv, _) = shape
         header = torch.from_numpy(wsv[4])
         hdr_recv = torch.empty_like(header)
-        k = np.zeros(te.K_LEN, dtype=np.int64)
-        words = {te.K_ROW_BYTES: row_bytes, te.K_PER_RANK: c.experts_per_rank,
-                 te.K_WORLD: c.world_size, te.K_ME: c.rank, te.K_META_K: meta_k,
-                 te.K_INLINE: C, te.K_HROWS: hrows, te.K_WS: ws.ctypes.data,
-                 te.K_WS_LEN: len(ws), te.K_RECV_BYTES: n1, te.K_BLK_BYTES: blk * row_bytes,
-                 te.K_PAIRS: min(meta_k, c.experts_per_rank), te.K_CAP: cap,
-                 te.K_POLL_NS: self._poll_ns, te.K_HDR_IN: hdr_recv.data_ptr(),
-                 te.K_PACK: te.pack_c.address, te.K_HEADERS: te.headers_c.address,
-                 te.K_COUNTS: te.counts_c.address, te.K_PHASE2: te.phase2_c.address,
-                 te.K_PLAN: te.plan_c.address, te.K_ROWS: te.rows_c.address}
+        k = np.zeros(L.K_LEN, dtype=np.int64)
+        words = {L.K_ROW_BYTES: row_bytes, L.K_PER_RANK: c.experts_per_rank,
+                 L.K_WORLD: c.world_size, L.K_ME: c.rank, L.K_META_K: meta_k,
+                 L.K_INLINE: C, L.K_HROWS: hrows, L.K_WS: ws.ctypes.data,
+                 L.K_WS_LEN: len(ws), L.K_RECV_BYTES: n1, L.K_BLK_BYTES: blk * row_bytes,
+                 L.K_PAIRS: min(meta_k, c.experts_per_rank), L.K_CAP: cap,
+                 L.K_POLL_NS: self._poll_ns, L.K_HDR_IN: hdr_recv.data_ptr(),
+                 L.K_PACK: te.pack_c.address, L.K_HEADERS: te.headers_c.address,
+                 L.K_COUNTS: te.counts_c.address, L.K_PHASE2: te.phase2_c.address,
+                 L.K_PLAN: te.plan_c.address, L.K_ROWS: te.rows_c.address}
         for word, v in words.items():
             k[word] = v
-        return (k, ws, self._group_cap, self._scratch, header, hdr_recv, self, _TorchState.cpu,
-                _cpu_dispatch_stats, _rows_dispatch_stats, coll1, self.buffer_id,
-                self.config.rank, bytes1, self._owned_t)
+        words = {"k": k, "ws": ws, "group": self._group_cap, "scratch": self._scratch,
+                 "hdr_send": header, "hdr_recv": hdr_recv, "words": self._tw,
+                 "state": _TorchState.cpu, "build": _cpu_dispatch_stats,
+                 "build_rows": _rows_dispatch_stats, "coll": coll1, "buffer_id": self.buffer_id,
+                 "rank": self.config.rank, "bytes": bytes1, "pool": self._owned_t}
+        return tuple(words[f] for f in L.TORCH_DISPATCH_DOOR)
 
     #: one attempt of a call (an elastic Buffer's calls may make several)
     _dispatch_once = dispatch
@@ -778,9 +796,7 @@ class TorchBackend(Backend):
             if type(r) is tuple:
                 return self._native_rest(x, topk_idx, topk_weights, call, r)
             if r is not NotImplemented:
-                from ubep.runtime.torch_entries import K_GMAX  # (loaded with the door)
-
-                self._global_max = int(door[0][K_GMAX])     # its headers' largest count
+                self._global_max = int(door[0][L.K_GMAX])     # its headers' largest count
                 return r
         shape = self._shapes.get(key)
         if shape is None or num_tokens > shape[-1]:     # (grows the send scratch)
@@ -831,7 +847,6 @@ class TorchBackend(Backend):
         timestamps; the plan's words in its door's block and workspace): on in Python
         (`_dispatch_rest`, which grows the scratch). The inline capacity is still the one
         the call began with (this call sets the next one)."""
-        from ubep.runtime import torch_entries as te
 
         key = (x.shape[1], x.dtype, self._inline)
         door = self._doors[key]
@@ -844,7 +859,7 @@ class TorchBackend(Backend):
         shape = (*shape[:17], door[1], door[1].ctypes.data, len(door[1]),
                  ws_views(door[1], self.config.world_size, 1, 1, shape[1])[:5], shape[-1])
         global_max, num_bags, t0, t1, t2 = r
-        num_back, sends, first, n_me = door[0][te.K_NUM_BACK:te.K_N_ME + 1].tolist()
+        num_back, sends, first, n_me = door[0][L.K_NUM_BACK:L.K_N_ME + 1].tolist()
         return self._dispatch_rest(shape, x, topk_idx, topk_weights, call, t0, t1, t2,
                                    global_max, num_bags, None, 0, num_back, sends, first, n_me)
 
@@ -1016,7 +1031,7 @@ class TorchBackend(Backend):
         rows, (num_rows, hidden) = src.data_ptr(), src.shape
         itemsize = src.element_size()
         back, own, nret = st.num_back, st.num_own, st.num_remote_bags
-        key = ("combine", pdtype, hidden)
+        key = (pdtype, hidden)       # (a dispatch shape's key has three words)
         door = self._doors.get(key)
         if door is None and self._native is not None and expert_out.is_cpu:
             door = self._doors[key] = self._combine_door(pdtype, hidden)
@@ -1088,18 +1103,20 @@ class TorchBackend(Backend):
 
     def _combine_door(self, pdtype: torch.dtype, hidden: int) -> tuple:
         """What `ubep.native.torch_combine` reads for combines of `pdtype` partials
-        (`torch_path.cpp`'s TC_* words, `torch_entries.COMBINE_DOOR`): its block (B_* words:
+        (`torch_path.cpp`'s TC_* words, `layout.TORCH_COMBINE_DOOR`): its block (B_* words:
         sizes, the poll, the kernels' addresses), the group, the scratch (`_scratch`, read on
         every call: a call whose partials do not fit is declined, and the Python path grows
         it), how to make the stats."""
         from ubep.runtime import torch_entries as te
 
-        b = np.zeros(te.B_LEN, dtype=np.int64)
-        b[te.B_HIDDEN], b[te.B_INLINE_BYTES], b[te.B_POLL_NS] = hidden, _INLINE_BYTES, \
+        b = np.zeros(L.B_LEN, dtype=np.int64)
+        b[L.B_HIDDEN], b[L.B_INLINE_BYTES], b[L.B_POLL_NS] = hidden, _INLINE_BYTES, \
             self._poll_ns
-        b[te.B_BAGS], b[te.B_FINAL] = te.bags_c.address, te.final_c.address
-        b[te.B_KIND] = _CPU_COMBINE[pdtype]
-        return (b, self._group_cap, self._scratch, _native_combine_stats, self.config.rank)
+        b[L.B_BAGS], b[L.B_FINAL] = te.bags_c.address, te.final_c.address
+        b[L.B_KIND] = _CPU_COMBINE[pdtype]
+        words = {"b": b, "group": self._group_cap, "scratch": self._scratch,
+                 "build": _native_combine_stats, "rank": self.config.rank}
+        return tuple(words[f] for f in L.TORCH_COMBINE_DOOR)
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""

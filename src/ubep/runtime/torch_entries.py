@@ -13,6 +13,72 @@ from __future__ import annotations
 
 from numba import carray, cfunc, types
 
+from ubep.native.layout import (  # the blocks' words (C++ reads them too)
+    B_BACK,
+    B_BACK_AT,
+    B_DST,
+    B_ERR,
+    B_FIN_OFFS_AT,
+    B_FIN_ROWS_AT,
+    B_HIDDEN,
+    B_J0,
+    B_J1,
+    B_KIND,
+    B_NUM_BAGS,
+    B_NUM_PAIRS,
+    B_NUM_ROWS,
+    B_NUM_TOKENS,
+    B_OFFS_AT,
+    B_OWN,
+    B_OWN_AT,
+    B_ROWS,
+    B_ROWS_AT,
+    B_SENDS,
+    B_W_AT,
+    B_WEIGHTED,
+    B_Y,
+    K_BLK_BYTES,
+    K_ERR,
+    K_FIRST,
+    K_GATHER_AT,
+    K_GATHER_LEN,
+    K_GMAX,
+    K_HDR_IN,
+    K_HROWS,
+    K_IDX,
+    K_INLINE,
+    K_K,
+    K_ME,
+    K_META_K,
+    K_N_ME,
+    K_NUM_BACK,
+    K_NUM_BAGS,
+    K_NUM_RECV,
+    K_NUM_REMOTE,
+    K_OFFSETS,
+    K_OUT,
+    K_OUT_BYTES,
+    K_PER_RANK,
+    K_RECV,
+    K_RECV_BYTES,
+    K_REMOTE_BAGS,
+    K_RES,
+    K_RES_LEN,
+    K_ROW_BYTES,
+    K_SEND,
+    K_SEND_BYTES,
+    K_SENDS,
+    K_SUM_R2,
+    K_SUM_S2,
+    K_T,
+    K_W,
+    K_WORK_BYTES,
+    K_WORLD,
+    K_WS,
+    K_WS_LEN,
+    K_X,
+    K_X_BYTES,
+)
 from ubep.runtime.shm.atomics import i64_ptr
 from ubep.runtime.torch_layout import (
     bag_sums_at,
@@ -24,33 +90,6 @@ from ubep.runtime.torch_layout import (
     read_headers_at,
     recv_plan_at,
 )
-
-# a dispatch shape's block: constants (the backend fills them once), one call's inputs, outputs
-(K_ROW_BYTES, K_PER_RANK, K_WORLD, K_ME, K_META_K, K_INLINE, K_HROWS, K_WS, K_WS_LEN, K_SEND,
- K_SEND_BYTES, K_RECV, K_RECV_BYTES, K_BLK_BYTES, K_PAIRS, K_CAP, K_POLL_NS, K_RECV_CAP,
- K_HDR_IN, K_PACK, K_HEADERS, K_COUNTS, K_PHASE2, K_PLAN, K_ROWS, K_IDX, K_W, K_T, K_K, K_X,
- K_X_BYTES, K_WORK_BYTES, K_OUT, K_OUT_BYTES, K_RES, K_RES_LEN, K_GATHER_AT, K_GATHER_LEN,
- K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_SUM_R2, K_SUM_S2, K_NUM_REMOTE,
- K_REMOTE_BAGS, K_NUM_RECV, K_OFFSETS) = range(50)
-K_ERR = K_OFFSETS + 8          # after res_offsets' 8 words
-K_LEN = K_ERR + 1
-
-# a combine's block: the scratch's addresses (each call), constants, one call's inputs
-# (`B_KIND`: the partials' dtype, a `torch_layout.KIND_*` code)
-(B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS, B_FINAL, B_KIND, B_OWN_AT,
- B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT,
- B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1,
- B_DST, B_Y, B_ERR) = range(29)
-B_LEN = 29
-
-#: the words of the tuples the backend hands `torch_dispatch` / `torch_combine` (in
-#: `torch_path.cpp`'s TD_* / TC_* order; tests/test_native_torch.py checks the two agree)
-DISPATCH_DOOR = ("k", "ws", "group", "scratch", "hdr_send", "hdr_recv", "backend", "state",
-                 "build", "build_rows", "coll", "buffer_id", "rank", "bytes", "pool")
-COMBINE_DOOR = ("b", "group", "scratch", "build", "rank")
-#: `TorchBackend.door`'s tuple (TR_*): the Buffer-level door's words
-BUFFER_DOOR = ("backend", "lock", "doors", "state_type", "buffer_id", "hidden", "experts",
-               "max_tokens", "max_top_k")
 
 _SIG = types.void(types.CPointer(types.int64))
 

@@ -316,12 +316,14 @@ class ShmBackend(Backend):
         """`ubep_native`'s entries for `door`'s tuple (`Buffer` calls them): the path's."""
         return self._path.DOOR_ENTRIES
 
-    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+    def door(self, lock, limits: tuple[int, int, int, int],
+             buffer_words: np.ndarray) -> tuple | None:
         """The path's words for `ubep.native`'s door (`DirectPath.door`, `SinglePath.door`),
-        or None: the pool path has none, and only a path whose calls this layer adds nothing
-        to."""
+        its calls that must wait going on in `resume`; None: the pool path has none, and
+        only a path whose calls this layer adds nothing to."""
         door = getattr(self._path, "door", None)
-        return None if door is None or self._refuse_sp else door(lock, limits)
+        return (None if door is None or self._refuse_sp
+                else door(lock, limits, buffer_words, self.resume))
 
     def resume(self, which: str, *args) -> DispatchResult | CombineResult:
         """A door's call that must wait: `DirectPath.dispatch_resume` or `combine_resume`

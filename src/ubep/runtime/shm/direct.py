@@ -59,7 +59,17 @@ from ubep.handle import (
     new_handle,
     rerouted,
 )
+from ubep.native import layout as L
 from ubep.native import load_native
+from ubep.native.layout import (
+    DIRECT_DOOR,
+    DW_C_EPOCH,
+    DW_EPOCH,
+    DW_LAST_CALL,
+    DW_LAST_CODE,
+    DW_LEN,
+    DW_LENT_COMB,
+)
 from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.elements import cast_rows, combine_elem
@@ -81,6 +91,7 @@ from ubep.stats import DeferredStats, Interval, Stats
 from ubep.validate import MOVABLE_DTYPES, byte_span
 
 _CODES = DTYPE_CODES
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _NO_16 = np.zeros((0, 0), np.uint16)        # reduce_direct: "do not round here"
 #: combine dtypes whose fp32 sums the kernels round into the output (the rest: fp32 sums in
 #: place, fp8 cast after); the compiled entry takes these and fp32
@@ -89,13 +100,6 @@ _ROUNDED = (torch.bfloat16, torch.float16)
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: strong references to a torch storage (by its `_cdata`): `_free_area`'s test, ~0.1 µs
 _use_count = torch._C._storage_Use_Count
-
-
-#: the words of `DirectPath.door`'s tuple, in `native/door.cpp`'s `DR_*` order: objects first,
-#: then ints (tests/test_native.py checks the two agree)
-DOOR_FIELDS = ("path", "lock", "cdata", "uses", "views", "codes", "elems", "dbuild", "cbuild",
-               "st", "owned", "buffer_id", "recv_off", "area", "base", "comb", "hidden",
-               "experts", "max_tokens", "max_top_k")
 
 
 @functools.cache
@@ -155,40 +159,41 @@ class DirectPath:
         #: direct="owned": recv_x copied out, `pos` in each handle, any handle combinable
         self.owned = c.direct == "owned"
         self._lend = OutputPool()       # owned recv_x and combine outputs: no page faults
-        self._lent_comb = 0             # the dispatch whose combine buffer was lent (owned)
+        #: the state this path shares with its compiled door (`ubep.native.layout`'s DW_*
+        #: words): the epochs, the latest dispatch and its rows' dtype, the dispatch whose
+        #: combine buffer was lent (owned)
+        self._w = np.zeros(DW_LEN, np.int64)
+        self._w[DW_LAST_CODE] = _CODES[torch.bfloat16]
         # one worker, direct=True: kept scratch (only the latest dispatch can be combined)
         self._pos = np.zeros(c.max_tokens_per_rank * c.max_top_k, np.int64)
         self._pos_addr = self._pos.ctypes.data
         self._done_t = np.zeros(c.max_tokens_per_rank, np.uint8)
         self._ready = np.full(w, -1, np.int64)
-        self._epoch = 0
-        self._c_epoch = 0
         #: elastic: ranks whose rows the latest combine dropped (died before publishing), and
         #: those the latest pool dispatch dropped (died with rows of theirs still missing)
         self.dropped: list[int] = []
         self._pool_dropped: list[int] = []
         self._drop_lock = threading.Lock()
-        self._last_call = 0
-        self._last_dtype = torch.bfloat16
         # one worker: the compiled call path when built (`ubep.native`), else None
         self._native = load_native() if ctx.workers == 1 else None
         if self._native is not None:
             self._st = self._native_state()
             self._st_addr = self._st.ctypes.data
-            self._native.set_result_types(DispatchHandle, DispatchResult, CombineResult,
-                                          DeferredStats)
 
     #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
     DOOR_ENTRIES = ("door_dispatch", "door_combine")
 
-    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+    def door(self, lock, limits: tuple[int, int, int, int], buffer_words: np.ndarray,
+             resume) -> tuple | None:
         """What `ubep.native`'s door (`door_dispatch`, `door_combine`) reads to take a
-        `Buffer`'s common call whole: this path's kept objects and constants (`DOOR_FIELDS`),
-        `lock` the Buffer's and `limits` its fast checks' (hidden, num_experts,
-        max_tokens_per_rank, max_top_k). None without the compiled entries."""
+        `Buffer`'s common call whole (`layout.DIRECT_DOOR`): this path's state words and kept
+        objects and constants, the Buffer's `lock`, its state words and `limits` its fast
+        checks' (hidden, num_experts, max_tokens_per_rank, max_top_k), and `resume`, where a
+        call that must wait goes on. None without the compiled entries."""
         if self._native is None:
             return None
-        words = {"path": self, "lock": lock, "cdata": self._area_cdata,
+        words = {"path_words": self._w, "buffer_words": buffer_words, "lock": lock,
+                 "resume": resume, "cdata": self._area_cdata,
                  "uses": self._area_uses, "views": self._area_views, "codes": _CODES,
                  "elems": {d: _elem(d)[:2] for d in _OUT_KIND},
                  "dbuild": self._dispatch_stats, "cbuild": self._combine_stats,
@@ -196,26 +201,26 @@ class DirectPath:
                  "recv_off": self._recv_off, "area": self._area, "base": self.ctx.base,
                  "comb": self._comb_addr, "hidden": limits[0], "experts": limits[1],
                  "max_tokens": limits[2], "max_top_k": limits[3]}
-        return tuple(words[f] for f in DOOR_FIELDS)
+        return tuple(words[f] for f in DIRECT_DOOR)
 
     def _native_state(self) -> np.ndarray:
         """The kept state `ubep.native`'s entries read (`kernels/entries.py`'s `ST_*` words):
         the addresses of this path's arrays (kept alive by it) and the kernels'."""
         from ubep.runtime.shm.kernels import entries as EN
 
-        b, st = self.ctx, np.zeros(EN.ST_LEN, np.int64)
+        b, st = self.ctx, np.zeros(L.ST_LEN, np.int64)
         self._lut0 = np.zeros(1, np.float32)
-        words = {EN.ST_BASES: b.bases.ctypes.data, EN.ST_WORLD: b.world,
-                 EN.ST_DLAY: self.dlay.ctypes.data, EN.ST_DLAY_N: len(self.dlay),
-                 EN.ST_RANK: b.rank, EN.ST_EXPERTS: self.num_experts, EN.ST_EL: self.el,
-                 EN.ST_COUNTS: self._counts.ctypes.data, EN.ST_TAILS: self._tails.ctypes.data,
-                 EN.ST_GOT: self._got.ctypes.data, EN.ST_SPINS: INLINE_SPINS,
-                 EN.ST_POS: self._pos_addr, EN.ST_HIDDEN: self.hidden,
-                 EN.ST_READY: self._ready.ctypes.data, EN.ST_DONE_T: self._done_t.ctypes.data,
-                 EN.ST_Y: self._y_addr, EN.ST_DONE_MINE: self._done_mine.ctypes.data,
-                 EN.ST_DONE_FIRST: self._done_first, EN.ST_LUT: self._lut0.ctypes.data,
-                 EN.ST_BEGIN: EN.dispatch_begin_c.address, EN.ST_ROWS: EN.dispatch_rows_c.address,
-                 EN.ST_COMBINE: EN.combine_begin_c.address}
+        words = {L.ST_BASES: b.bases.ctypes.data, L.ST_WORLD: b.world,
+                 L.ST_DLAY: self.dlay.ctypes.data, L.ST_DLAY_N: len(self.dlay),
+                 L.ST_RANK: b.rank, L.ST_EXPERTS: self.num_experts, L.ST_EL: self.el,
+                 L.ST_COUNTS: self._counts.ctypes.data, L.ST_TAILS: self._tails.ctypes.data,
+                 L.ST_GOT: self._got.ctypes.data, L.ST_SPINS: INLINE_SPINS,
+                 L.ST_POS: self._pos_addr, L.ST_HIDDEN: self.hidden,
+                 L.ST_READY: self._ready.ctypes.data, L.ST_DONE_T: self._done_t.ctypes.data,
+                 L.ST_Y: self._y_addr, L.ST_DONE_MINE: self._done_mine.ctypes.data,
+                 L.ST_DONE_FIRST: self._done_first, L.ST_LUT: self._lut0.ctypes.data,
+                 L.ST_BEGIN: EN.dispatch_begin_c.address, L.ST_ROWS: EN.dispatch_rows_c.address,
+                 L.ST_COMBINE: EN.combine_begin_c.address}
         for k, v in words.items():
             st[k] = v
         return st
@@ -248,15 +253,15 @@ class DirectPath:
         expert outputs written here are read in place by combine. Valid until the next
         dispatch (direct=True) or the next combine or get_combine_buffer (direct="owned": one
         combine area serves every handle)."""
-        dtype = dtype or self._last_dtype
-        if handle.call != self._last_call and not self.owned:
+        dtype = dtype or _DTYPES[int(self._w[DW_LAST_CODE])]
+        if handle.call != self._w[DW_LAST_CALL] and not self.owned:
             raise ValueError("get_combine_buffer: the handle is not from this Buffer's latest "
                              "dispatch; with direct=True only the latest one can be combined")
         if dtype not in MOVABLE_DTYPES or not dtype.is_floating_point:
             raise TypeError(f"dtype {dtype} cannot be combined; use a floating dtype of at "
                             f"most 4 bytes")
         if self.owned:
-            self._lent_comb = handle.call
+            self._w[DW_LENT_COMB] = handle.call
         return self._view("comb", handle.num_recv, dtype)
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -264,7 +269,7 @@ class DirectPath:
                  call: int, t0: float) -> DispatchResult:
         area = self._free_area() if self.owned else 0   # owned: a free lent area, else scratch
         roff = self._recv_off + area * self._area
-        self._epoch = epoch = self._epoch + 1
+        self._w[DW_EPOCH] = epoch = int(self._w[DW_EPOCH]) + 1
         if self._native is not None and (area or not self.owned):
             # one C++ entry for the whole call (`ubep.native`); rows land where `recv_x` lies
             # (a lent area, or the recv area with direct=True). Straight-line while nothing
@@ -277,7 +282,7 @@ class DirectPath:
                                              _CODES[dtype], roff, self.owned, view, call,
                                              self.ctx.buffer_id, t0, self._dispatch_stats)
             if type(r) is not tuple:    # the DispatchResult: every row arrived
-                self._last_call, self._last_dtype = call, dtype
+                self._w[DW_LAST_CALL], self._w[DW_LAST_CODE] = call, _CODES[dtype]
                 return r
             return self.dispatch_resume(r, x, topk_idx, topk_weights, call, t0, epoch, area,
                                         roff)
@@ -393,7 +398,7 @@ class DirectPath:
 
     def _dispatch_result(self, x, topk_idx, topk_weights, call, epoch, ts, ivs, n_recv, tpe,
                          ints, wts, state, recv_x) -> DispatchResult:
-        self._last_call, self._last_dtype = call, x.dtype
+        self._w[DW_LAST_CALL], self._w[DW_LAST_CODE] = call, _CODES[x.dtype]
         t2 = now_us()
         handle = new_handle(self.ctx.buffer_id, call, topk_idx.shape[0], n_recv, x.shape[1],
                             topk_idx, topk_weights, ints, state)
@@ -533,8 +538,8 @@ class DirectPath:
     def skip_epochs(self, n: int) -> None:
         """`set_active_ranks`: advance both epochs by `n` (even), so a removed rank that
         still calls never matches the remaining ranks' counts or outputs."""
-        self._epoch += n
-        self._c_epoch += n
+        self._w[DW_EPOCH] += n
+        self._w[DW_C_EPOCH] += n
 
     def with_routing(self, handle: DispatchHandle, idx: torch.Tensor) -> DispatchHandle:
         """A copy of `handle` whose combine uses routing `idx` (masked)."""
@@ -579,7 +584,7 @@ class DirectPath:
                     "out lies in this Buffer's combine buffer (get_combine_buffer's memory), "
                     "where combine puts the rows peers read while it sums: pass an out of "
                     "your own (or combine without out)")
-        if handle.call != self._last_call and not self.owned:
+        if handle.call != self._w[DW_LAST_CALL] and not self.owned:
             raise ValueError("handle is not from this Buffer's latest dispatch; with "
                              "direct=True only the latest dispatch can be combined (its rows "
                              "live in the Buffer until the next one); direct='owned' combines "
@@ -591,13 +596,13 @@ class DirectPath:
         n_recv = handle.num_recv
         ptr = expert_out.data_ptr()
         if self.owned:      # the combine area holds what was written last
-            if ptr == self._comb_addr and n_recv and handle.call != self._lent_comb:
+            if ptr == self._comb_addr and n_recv and handle.call != self._w[DW_LENT_COMB]:
                 raise ValueError(
                     "expert_out is the combine buffer of another dispatch (or one a later "
                     "combine overwrote): with direct='owned' get_combine_buffer's tensor is "
                     "valid until the next combine or get_combine_buffer")
         # refused above before anything moved (a retry keeps this rank in step); from here on
-        self._c_epoch = epoch = self._c_epoch + 1
+        self._w[DW_C_EPOCH] = epoch = int(self._w[DW_C_EPOCH]) + 1
         self.dropped = []
         if b.members is not None and b.members.members.any_inactive:
             self._proxy_done()
@@ -605,7 +610,7 @@ class DirectPath:
             # a tensor in a lent area (a recv_x the caller holds) is read where it lies
             lent = self._lent_lo <= ptr and ptr + n_recv * rb <= self._lent_hi
             copied = n_recv > 0 and ptr != self._comb_addr and not lent
-            self._lent_comb = 0
+            self._w[DW_LENT_COMB] = 0
         else:
             copied = n_recv > 0 and ptr not in (self._recv_addr, self._comb_addr)
         offset = (self._comb_addr if copied or not n_recv else ptr) - b.base

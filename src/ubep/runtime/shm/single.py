@@ -31,6 +31,7 @@ from ubep.handle import (
     rerouted,
 )
 from ubep.native import load_native
+from ubep.native.layout import CAST_16, CAST_NONE, STAGED_DOOR, SW_C_EPOCH, SW_D_EPOCH, SW_LEN
 from ubep.options import BufferConfig
 from ubep.plan import WorkerMapper
 from ubep.plan.blocks import BlockFormat
@@ -50,12 +51,6 @@ from ubep.runtime.shm.region import L_DROWS, L_EL, L_KMAX, META_BYTES, next_epoc
 from ubep.runtime.shm.waits import INLINE_SPINS, SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 
-#: the words of `SinglePath.door`'s tuple, in `native/staged.cpp`'s `SD_*` order: objects
-#: first, then ints (tests/test_native.py checks both sides agree)
-DOOR_FIELDS = ("path", "lock", "codes", "elems", "dbuild", "cbuild", "lend", "state", "y",
-               "buffer_id", "world", "el", "spins", "min_lent", "begin", "rows", "cbegin",
-               "cpoll", "hidden", "experts", "max_tokens", "max_top_k")
-
 
 class SinglePath:
     """Dispatch and combine of a rank with one worker."""
@@ -66,8 +61,9 @@ class SinglePath:
         w, el = ctx.world, c.experts_per_rank
         self._mapper = mapper                  # the planner's per-worker mapper, one worker
         self._bsp = c.mode == "bsp"
-        self._d_epoch = 0
-        self._c_epoch = 0
+        #: the state this path shares with its compiled door (`ubep.native.layout`'s SW_*
+        #: words): its dispatch and combine epochs
+        self._w = np.zeros(SW_LEN, np.int64)
         #: elastic: ranks whose rows the latest combine dropped (`inactive.py`)
         self.dropped: list[int] = []
         # scratch, kept: the path allocates nothing it can reuse
@@ -103,19 +99,21 @@ class SinglePath:
     #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
     DOOR_ENTRIES = ("staged_door_dispatch", "staged_door_combine")
 
-    def door(self, lock, limits: tuple[int, int, int, int]) -> tuple | None:
+    def door(self, lock, limits: tuple[int, int, int, int], buffer_words: np.ndarray,
+             resume) -> tuple | None:
         """What `ubep.native`'s staged door (`native/staged.cpp`) reads to take a `Buffer`'s
-        common call whole: this path's kept objects and constants (`DOOR_FIELDS`), `lock`
-        the Buffer's and `limits` its fast checks' (hidden, num_experts, max_tokens_per_rank,
-        max_top_k). None where `ubep.native` is not built."""
+        common call whole (`layout.STAGED_DOOR`): this path's state words and kept objects
+        and constants, the Buffer's `lock`, its state words and `limits` its fast checks'
+        (hidden, num_experts, max_tokens_per_rank, max_top_k), and `resume`, where a call
+        that must wait goes on. None where `ubep.native` is not built."""
         native = load_native()
         if native is None:
             return None
         from ubep.runtime.shm.kernels import single_entries as SE
 
-        native.set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats)
         ctx, c = self.ctx, self.ctx.config
-        words = {"path": self, "lock": lock, "codes": dict(DTYPE_CODES),
+        words = {"path_words": self._w, "buffer_words": buffer_words, "lock": lock,
+                 "resume": resume, "codes": dict(DTYPE_CODES),
                  "elems": {d: _combine_elem(d) for d in (torch.bfloat16, torch.float16,
                                                           torch.float32)},
                  "dbuild": functools.partial(_dispatch_stats, c, ctx.fmt, ctx.rank),
@@ -128,7 +126,7 @@ class SinglePath:
                  "cbegin": SE.combine_begin_c.address, "cpoll": SE.combine_poll_c.address,
                  "hidden": limits[0], "experts": limits[1], "max_tokens": limits[2],
                  "max_top_k": limits[3]}
-        return tuple(words[f] for f in DOOR_FIELDS)
+        return tuple(words[f] for f in STAGED_DOOR)
 
     def dispatch_resume(self, r: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
                         topk_weights: torch.Tensor, call: int, t0: float,
@@ -159,7 +157,7 @@ class SinglePath:
                  call: int, t0: float) -> DispatchResult:
         """Send and a first look at the counts in one kernel entry, then the outputs, then
         the rows."""
-        self._d_epoch = epoch = next_epoch(self._d_epoch)
+        self._w[SW_D_EPOCH] = epoch = next_epoch(int(self._w[SW_D_EPOCH]))
         tpe = np.empty(self.ctx.config.experts_per_rank, np.int64)
         if self.ctx.members is not None and self.ctx.members.members.any_inactive:
             proxy_counts(self.ctx, epoch, DTYPE_CODES[x.dtype])
@@ -242,7 +240,7 @@ class SinglePath:
         sums land in the output itself, 16-bit ones are rounded into it; by address."""
         dtype = expert_out.dtype
         num_tokens, hidden = handle.num_tokens, handle.hidden
-        self._c_epoch = epoch = next_epoch(self._c_epoch)
+        self._w[SW_C_EPOCH] = epoch = next_epoch(int(self._w[SW_C_EPOCH]))
         self.dropped = []
         if self.ctx.members is not None and self.ctx.members.members.any_inactive:
             proxy_hellos(self.ctx, epoch, DTYPE_CODES[dtype])
@@ -269,11 +267,11 @@ class SinglePath:
         idx_addr, w_addr, top_k, _ = handle.state
         elem, ecode, lut_addr, n_lut = _combine_elem(dtype)
         es = expert_out.element_size()
-        cast, out_addr, y_addr = KS.CAST_NONE, 0, self._y_addr
+        cast, out_addr, y_addr = CAST_NONE, 0, self._y_addr
         if dtype is torch.float32:                     # sum in place, no cast
             y_addr = out.data_ptr()
         elif out is not None:                          # 16-bit: the poll rounds into it
-            cast, out_addr = KS.CAST_16, out.data_ptr()
+            cast, out_addr = CAST_16, out.data_ptr()
         return KS.combine_poll_at(self._state_addr, epoch, idx_addr, w_addr, handle.num_tokens,
                                   top_k, bool(weighted), handle.hidden * es, es, ecode, lut_addr,
                                   n_lut, y_addr, handle.hidden, spins, elem, cast, out_addr,
@@ -335,8 +333,8 @@ class SinglePath:
 
     def skip_epochs(self, n: int) -> None:
         """`set_active_ranks`: advance both epochs by `n` (even; see `DirectPath`)."""
-        self._d_epoch += n
-        self._c_epoch += n
+        self._w[SW_D_EPOCH] += n
+        self._w[SW_C_EPOCH] += n
 
     def _combine_missing(self, handle: DispatchHandle, done: np.ndarray) -> list[int]:
         """The ranks a combine still waits for (rows of unfinished tokens, hellos)."""

@@ -12,6 +12,62 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, cfunc, types
 
+from ubep.native.layout import (  # the blocks' words (C++ reads them too)
+    C_CODE,
+    C_COPY_N,
+    C_COPY_SRC,
+    C_ECODE,
+    C_EPOCH,
+    C_ES,
+    C_IDX,
+    C_K,
+    C_LEFT,
+    C_N,
+    C_OFFSET,
+    C_OUT,
+    C_POS,
+    C_RB,
+    C_SRC,
+    C_T,
+    C_W,
+    C_WAITING,
+    C_WEIGHTED,
+    C_Y,
+    D_CODE,
+    D_DST,
+    D_EPOCH,
+    D_IDX,
+    D_INTS,
+    D_K,
+    D_LEFT,
+    D_MISSING,
+    D_N,
+    D_POS,
+    D_RB,
+    D_ROFF,
+    D_T,
+    D_TPE,
+    D_W,
+    D_WTS,
+    D_X,
+    ST_BASES,
+    ST_COUNTS,
+    ST_DLAY,
+    ST_DLAY_N,
+    ST_DONE_FIRST,
+    ST_DONE_MINE,
+    ST_DONE_T,
+    ST_EL,
+    ST_EXPERTS,
+    ST_GOT,
+    ST_HIDDEN,
+    ST_LUT,
+    ST_RANK,
+    ST_READY,
+    ST_SPINS,
+    ST_TAILS,
+    ST_WORLD,
+)
 from ubep.runtime.shm.atomics import f32_ptr, i64_ptr, void_ptr
 from ubep.runtime.shm.kernels import jit
 from ubep.runtime.shm.kernels.direct import (
@@ -19,21 +75,6 @@ from ubep.runtime.shm.kernels.direct import (
     dispatch_begin_at,
     dispatch_rows_at,
 )
-
-# the path's kept state (an int64 array made once per DirectPath; `ubep.native` reads ST_*)
-(ST_BASES, ST_WORLD, ST_DLAY, ST_DLAY_N, ST_RANK, ST_EXPERTS, ST_EL, ST_COUNTS, ST_TAILS,
- ST_GOT, ST_SPINS, ST_POS, ST_HIDDEN, ST_READY, ST_DONE_T, ST_Y, ST_DONE_MINE, ST_DONE_FIRST,
- ST_LUT, ST_BEGIN, ST_ROWS, ST_COMBINE) = range(22)
-ST_LEN = 22
-
-# dispatch's block: inputs, then outputs (begin: LEFT, N; rows: N, MISSING)
-(D_EPOCH, D_CODE, D_IDX, D_W, D_T, D_K, D_ROFF, D_POS, D_TPE, D_INTS, D_WTS, D_X, D_RB, D_DST,
- D_LEFT, D_N, D_MISSING) = range(17)
-D_LEN = 17
-# combine's block: inputs, then outputs (LEFT: tokens missing or -(r + 1); WAITING)
-(C_EPOCH, C_CODE, C_OFFSET, C_COPY_SRC, C_COPY_N, C_SRC, C_N, C_IDX, C_W, C_T, C_K, C_WEIGHTED,
- C_POS, C_RB, C_ES, C_ECODE, C_Y, C_OUT, C_LEFT, C_WAITING) = range(20)
-C_LEN = 20
 
 _SIG = types.void(types.CPointer(types.int64), types.CPointer(types.int64))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray
 
+from ubep.native.layout import CAST_16
 from ubep.plan.fastplan import count_experts, map_worker
 from ubep.runtime.shm.atomics import f32_ptr, i64_ptr, u8_ptr, u16_ptr
 from ubep.runtime.shm.kernels import jit
@@ -119,7 +120,6 @@ def combine_poll_single(base, lay, epoch, idx, weights, weighted, rb, es, elem, 
 RES_SENDS, RES_META, RES_RECV, RES_ROUTED = 0, 1, 2, 3
 #: combine_poll_at: how the fp32 sums reach the output (in place; rounded to the rows' 16-bit
 #: format, bf16 or fp16; by the caller)
-CAST_NONE, CAST_16 = 0, 1
 # The path's kept state is one int64 array (`state_words` long) that the kernels take by
 # address: first what stays the same for the Buffer's life (`K_*`: addresses of the region
 # layout, the regions, the kept flags and notes, the planner's mapper arrays; rank, mode),

@@ -11,6 +11,40 @@ from __future__ import annotations
 
 from numba import carray, cfunc, types
 
+from ubep.native.layout import (  # the blocks' words (C++ reads them too)
+    S_CAST,
+    S_ECODE,
+    S_EL,
+    S_ELEM,
+    S_EPOCH,
+    S_ES,
+    S_HIDDEN,
+    S_IDX,
+    S_INTS,
+    S_K,
+    S_LEFT,
+    S_LUT,
+    S_META,
+    S_N,
+    S_NLUT,
+    S_OUT,
+    S_OUT_X,
+    S_RB,
+    S_RECV,
+    S_ROUTED,
+    S_ROWS,
+    S_SENDS,
+    S_SPINS,
+    S_STATE,
+    S_T,
+    S_TPE,
+    S_W,
+    S_WEIGHTED,
+    S_WORLD,
+    S_WTS,
+    S_X,
+    S_Y,
+)
 from ubep.runtime.shm.atomics import f32_ptr, i64_ptr
 from ubep.runtime.shm.kernels import jit
 from ubep.runtime.shm.kernels.single import (
@@ -24,12 +58,6 @@ from ubep.runtime.shm.kernels.single import (
     recv_rows_at,
     state_views,
 )
-
-# one call's block: the state's address and the call's inputs, then the outputs
-(S_STATE, S_EPOCH, S_ELEM, S_X, S_T, S_RB, S_IDX, S_K, S_W, S_TPE, S_N, S_OUT_X, S_WTS,
- S_INTS, S_SPINS, S_ROWS, S_WEIGHTED, S_ES, S_ECODE, S_LUT, S_NLUT, S_Y, S_HIDDEN, S_CAST,
- S_OUT, S_WORLD, S_EL, S_LEFT, S_SENDS, S_META, S_RECV, S_ROUTED) = range(32)
-S_LEN = 32
 
 _SIG = types.void(types.CPointer(types.int64))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ubep.native.layout import CAST_16
 from ubep.plan.fastplan import (
     BALANCED,
     HIERARCHICAL,
@@ -51,7 +52,6 @@ from ubep.runtime.shm.kernels.local import (
 )
 from ubep.runtime.shm.kernels.sentinel import sp_check_routing
 from ubep.runtime.shm.kernels.single import (
-    CAST_16,
     RES_RECV,
     combine_begin_at,
     combine_poll_at,
