@@ -22,7 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 # it ubep runs its Python checks; here it must build (UBEP_REQUIRE_NATIVE makes tests say so).
 NATIVE := $(VENV)/.native
 
-$(NATIVE): $(STAMP) $(wildcard src/ubep/native/*.cpp src/ubep/native/*.h)
+$(NATIVE): $(STAMP) $(wildcard src/ubep/native/*.cpp src/ubep/native/*.h) src/ubep/native/layout.py
 	$(BIN)/python -m ubep.native build
 	touch $(NATIVE)
 

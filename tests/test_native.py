@@ -6,9 +6,7 @@ Python path takes over the wait), and the library runs the same without them
 from __future__ import annotations
 
 import os
-import re
 import time
-from pathlib import Path
 
 import pytest
 import torch

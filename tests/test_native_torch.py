@@ -7,13 +7,10 @@ reaches the caller as an error, not a hang, and breaks the Buffer."""
 from __future__ import annotations
 
 import os
-import re
-from pathlib import Path
 
 import pytest
 import torch
 
-from ubep import validate
 from ubep.native import load_native
 from ubep.testing import Counted, check_case, expert_fn, run_case, run_ranks, runtime_cases
 
