@@ -28,6 +28,7 @@ def _rank(rank: int, world: int, kind: str, spins: list[int], batch: int, calls:
     import ubep.runtime.shm.direct as direct
     import ubep.runtime.shm.single as single
     from ubep.bench.flags import HostSync
+    from ubep.native.layout import STAGED_DOOR
     from ubep.testing import make_routing, make_tokens
 
     idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
@@ -44,7 +45,7 @@ def _rank(rank: int, world: int, kind: str, spins: list[int], batch: int, calls:
             held = None
             doors = {}                  # staged: its door reads the spins from its words
             if kind == "staged" and buf._door is not None:
-                at = single.DOOR_FIELDS.index("spins")
+                at = STAGED_DOOR.index("spins")
                 doors = {s: (*buf._door[:at], s, *buf._door[at + 1:]) for s in spins}
             for i in range(calls + 200):
                 s = spins[(i // 20) % len(spins)]
