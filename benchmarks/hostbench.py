@@ -86,9 +86,9 @@ from ubep.runtime.shm.atomics import (
     store_fence,
     store_release,
 )
+from ubep.runtime.shm.direct.kernels import SUM_CHUNK
 from ubep.runtime.shm.kernels import jit
 from ubep.runtime.shm.kernels.combine import ELEM_BF16, sum_slots
-from ubep.runtime.shm.kernels.direct import SUM_CHUNK
 from ubep.runtime.shm.kernels.records import (
     FMT_TFF,
     blocks_ready,

@@ -57,7 +57,7 @@ def _entries(path, x, idx, w):
     (rows to a free lent area or the recv area; combined where they lie)."""
     import torch
 
-    from ubep.runtime.shm.direct import _elem
+    from ubep.runtime.shm.direct.path import _elem
 
     code, ecode, _ = _elem(x.dtype)
     area = 1 if path.owned else 0

@@ -25,8 +25,8 @@ import torch
 def _rank(rank: int, world: int, kind: str, spins: list[int], batch: int, calls: int) -> list:
     os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})
     import ubep
-    import ubep.runtime.shm.direct as direct
-    import ubep.runtime.shm.single as single
+    import ubep.runtime.shm.direct.path as direct
+    import ubep.runtime.shm.staged.path as single
     from ubep.bench.flags import HostSync
     from ubep.native.layout import STAGED_DOOR
     from ubep.testing import make_routing, make_tokens

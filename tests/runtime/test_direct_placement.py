@@ -1,4 +1,4 @@
-"""The direct path's placement (`kernels.direct.place_rows`) against the oracle, in one process.
+"""The direct path's placement (`direct.kernels.place_rows`) against the oracle, in one process.
 
 From the all-ranks count matrix every sender computes where each of its rows lands in its
 destination's expert-major output; that must be exactly the row the reference puts it in,
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ubep import reference
-from ubep.runtime.shm.kernels.direct import place_rows
+from ubep.runtime.shm.direct.kernels import place_rows
 from ubep.testing import ROUTINGS, make_routing
 
 

@@ -330,7 +330,7 @@ def test_direct_rows_copied_by_memcpy_then_fenced():
 
     from numba import njit
 
-    from ubep.runtime.shm.kernels.direct import copy_rows_for_peers
+    from ubep.runtime.shm.direct.kernels import copy_rows_for_peers
 
     fresh = njit(nogil=True)(copy_rows_for_peers.py_func)   # uncached: inspectable
     rb, n = 24, 5

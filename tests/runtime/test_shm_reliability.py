@@ -64,8 +64,9 @@ def test_a_late_peer_is_a_timeout_naming_rank_phase_and_peer():
 def _dies_mid_dispatch(rank, world, job):
     import ubep
     from ubep.plan.fastplan import count_experts
-    from ubep.runtime.shm.kernels import single, slots
+    from ubep.runtime.shm.kernels import slots
     from ubep.runtime.shm.region import L_EL, L_WORLD
+    from ubep.runtime.shm.staged import kernels as single
 
     x, idx, w = _inputs(rank, num_tokens=8, top_k=4)
     with _buffer(timeout_s=20.0, workers=1) as buf:
@@ -163,8 +164,8 @@ def _corrupt_dc(rank, world, phase):
     import torch.distributed as dist
 
     import ubep
-    from ubep.runtime.shm.kernels import single
     from ubep.runtime.shm.region import L_CBATCH_OFF, L_DBATCH_OFF, L_MW, L_WORLD
+    from ubep.runtime.shm.staged import kernels as single
 
     with _buffer(sync="dc", timeout_s=DC_DEADLINE_S, workers=1) as buf:
         x, idx, w = _inputs(rank, num_tokens=6)

@@ -3,10 +3,10 @@
 What it holds: the input fast checks `Buffer.dispatch`/`Buffer.combine` run on every eager
 call (`checks.cpp`; the rules are `ubep.validate`'s), and the shm direct path's one-worker
 dispatch and combine as one C++ entry each (`direct.cpp`), which call the path's numba
-kernels by address (`ubep.runtime.shm.kernels.entries`), and the door (`door.cpp`): `Buffer`'s
+kernels by address (`ubep.runtime.shm.direct.entries`), and the door (`door.cpp`): `Buffer`'s
 common call on that path, from the input check to the stats, in one C++ call, which declines
 (NotImplemented) whatever the Python layers would not take straight; the same door for the
-one-worker staged path (`staged.cpp`, kernels `ubep.runtime.shm.kernels.single_entries`);
+one-worker staged path (`staged.cpp`, kernels `ubep.runtime.shm.staged.entries`);
 and the torch backend's
 CPU dispatch and combine (`torch_path.cpp`): its kernels (`ubep.runtime.torch_entries`) and its
 collectives (`c10d::ProcessGroup::all_to_all_single` on the caller's group) with no Python

@@ -2,7 +2,7 @@
 // glue around its numba kernels (result arrays, the recv_x view, the combine output, the
 // result objects, two or three kernel entries) was ~25 µs of a ~48 µs batch-1
 // dispatch+combine in one process; here the kernels run as numba cfuncs called by address
-// (`kernels/entries.py`), with no Python in between. The protocol is entirely theirs: this
+// (`runtime/shm/direct/entries.py`), with no Python in between. The protocol is entirely theirs: this
 // file only allocates, passes pointers and makes the results.
 //
 // Each entry returns early, with what it made so far, when a wait is needed (counts or rows

@@ -15,7 +15,7 @@ changed layout never loads a stale build. The Python side imports the names from
 
 from __future__ import annotations
 
-# -- int64 blocks of the shm direct path's compiled entries (`kernels/entries.py`) ------------
+# -- int64 blocks of the shm direct path's compiled entries (`shm/direct/entries.py`) --------
 # the path's kept state: one array made once per DirectPath
 (ST_BASES, ST_WORLD, ST_DLAY, ST_DLAY_N, ST_RANK, ST_EXPERTS, ST_EL, ST_COUNTS, ST_TAILS,
  ST_GOT, ST_SPINS, ST_POS, ST_HIDDEN, ST_READY, ST_DONE_T, ST_Y, ST_DONE_MINE, ST_DONE_FIRST,
@@ -30,13 +30,13 @@ D_LEN = 17
  C_POS, C_RB, C_ES, C_ECODE, C_Y, C_OUT, C_LEFT, C_WAITING) = range(20)
 C_LEN = 20
 
-# -- the one-worker staged path's call block (`kernels/single_entries.py`) -------------------
+# -- the one-worker staged path's call block (`shm/staged/entries.py`) ------------------------
 # the state's address and the call's inputs, then the outputs
 (S_STATE, S_EPOCH, S_ELEM, S_X, S_T, S_RB, S_IDX, S_K, S_W, S_TPE, S_N, S_OUT_X, S_WTS,
  S_INTS, S_SPINS, S_ROWS, S_WEIGHTED, S_ES, S_ECODE, S_LUT, S_NLUT, S_Y, S_HIDDEN, S_CAST,
  S_OUT, S_WORLD, S_EL, S_LEFT, S_SENDS, S_META, S_RECV, S_ROUTED) = range(32)
 S_LEN = 32
-# how the staged combine leaves its fp32 sums (`kernels/single.py`): as they are, or rounded
+# how the staged combine leaves its fp32 sums (`shm/staged/kernels.py`): as they are, or rounded
 # token by token to 16 bits
 CAST_NONE, CAST_16 = 0, 1
 

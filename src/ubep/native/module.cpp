@@ -11,9 +11,9 @@ PyMethodDef methods[] = {
     {"combine_inputs_ready", (PyCFunction)(void (*)())ubep_native::combine_inputs_ready,
      METH_FASTCALL, "combine_inputs_ready(expert_out, num_recv, hidden) -> bool"},
     {"direct_dispatch", (PyCFunction)(void (*)())ubep_native::direct_dispatch, METH_FASTCALL,
-     "the shm direct path's one-worker dispatch (see ubep.runtime.shm.direct)"},
+     "the shm direct path's one-worker dispatch (see ubep.runtime.shm.direct.path)"},
     {"direct_combine", (PyCFunction)(void (*)())ubep_native::direct_combine, METH_FASTCALL,
-     "the shm direct path's one-worker combine (see ubep.runtime.shm.direct)"},
+     "the shm direct path's one-worker combine (see ubep.runtime.shm.direct.path)"},
     {"set_result_types", (PyCFunction)(void (*)())ubep_native::set_result_types, METH_FASTCALL,
      "set_result_types(DispatchHandle, DispatchResult, CombineResult, DeferredStats, NAMES): "
      "the classes the entries make their results of, and the names they use on Python "

@@ -1,7 +1,7 @@
 // The door of the one-worker staged path (`SinglePath`: mode "ubep" or "bsp", direct=False):
 // `Buffer.dispatch` / `Buffer.combine`'s common call in one C++ call each, as door.cpp does
 // for the direct path: the inputs' fast check, the Buffer's lock and state, the path's
-// kernels (numba cfuncs by address, `kernels/single_entries.py`) and the results.
+// kernels (numba cfuncs by address, `runtime/shm/staged/entries.py`) and the results.
 //
 // Why: with its kernels at ~10 µs, a batch-1 dispatch+combine of this path spent ~20 µs in
 // the Python between them in one process (result arrays, outputs, result objects, entries

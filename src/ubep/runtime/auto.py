@@ -8,7 +8,7 @@ docs/results.md); otherwise the torch backend works over any process group. All 
 on the answer because they decide from the same gathered facts.
 
 On shm, when the caller left `mode` and `direct` to it, auto runs `direct="owned"`: one copy
-per row with results the caller owns (`runtime/shm/direct.py`; docs/design.md §2.5; its
+per row with results the caller owns (`runtime/shm/direct/`; docs/design.md §2.5; its
 time beside the paper's two-copy path's is in docs/results.md). It needs room for the
 direct areas, else the two-copy path runs.
 """

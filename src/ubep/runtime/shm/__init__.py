@@ -2,11 +2,16 @@
 
 Follow a call from `backend.ShmBackend` (bootstrap, then one path per Buffer):
 
-* `single.py`: one worker per rank, the call in the calling thread;
-* `pool.py`: `workers` >= 2 threads, in the paper's roles (mode "ubep") or the baseline's
-  barrier-separated phases (mode "bsp"); `call.py` holds a call's shared state and how
-  its workers run, `workers.py` the threads;
-* `direct.py`: `direct=True`, each row copied once, straight to its final place.
+* `direct/`: `direct="owned"` (the default) and `direct=True`, each row copied once,
+  straight to its final place;
+* `staged/`: rows staged through the peers' windows, one worker per rank, the call in the
+  calling thread;
+* `pool/`: staged, `workers` >= 2 threads, in the paper's roles (mode "ubep") or the
+  baseline's barrier-separated phases (mode "bsp"); `call.py` holds a call's shared state
+  and how its workers run, `workers.py` the threads (the direct path uses them too).
+
+Each path's folder holds its class (`path.py`), its own kernels (`kernels.py`) and, where
+`ubep.native` has a door for it, the kernels as C entry points (`entries.py`).
 
 Shared pieces: `context.py` (what every path reads about the mapped regions), `region.py`
 (the layout of a rank's region), `segments.py` (create, attach, release shared memory),

@@ -31,14 +31,14 @@ from ubep.plan.blocks import BlockFormat, sentinel_refusal
 from ubep.runtime import Backend, bootstrap
 from ubep.runtime.shm import segments
 from ubep.runtime.shm.context import ShmContext
-from ubep.runtime.shm.direct import DirectPath
+from ubep.runtime.shm.direct.path import DirectPath
 from ubep.runtime.shm.kernels.sentinel import arm_sentinels
 from ubep.runtime.shm.kernels.warmup import warm_up, warm_up_direct, warm_up_elastic
 from ubep.runtime.shm.membership import ShmMembership
-from ubep.runtime.shm.pool import PoolPath
+from ubep.runtime.shm.pool.path import PoolPath
 from ubep.runtime.shm.protocol import SentinelAbort, ShmProtocolError
 from ubep.runtime.shm.region import MAX_ELASTIC_RANKS, region_layout, segment_layouts
-from ubep.runtime.shm.single import SinglePath
+from ubep.runtime.shm.staged.path import SinglePath
 from ubep.runtime.shm.waits import now_us
 from ubep.runtime.shm.workers import WorkerPool
 

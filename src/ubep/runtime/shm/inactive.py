@@ -1,6 +1,6 @@
 """What the two-copy paths do for a rank that became inactive (`Buffer(elastic=True)`).
 
-The one-worker and pool paths (`single.py`, `pool.py`) wait, in their own region, for a count
+The one-worker and pool paths (`staged/`, `pool/`) wait, in their own region, for a count
 slot (dispatch) and a hello (combine) from every source, then for each source's rows. For an
 inactive source:
 

@@ -11,7 +11,7 @@ its `ubep.elastic.Membership`.
 Agreement needs no extra message: every call waits for a message of the same call from every
 active rank (dispatch's counts, combine's hellos or done words), so a rank that died before a
 call is found by every survivor in that call's first wait, before any row moves that
-depends on it; the paths (`direct.py`, `single.py`, `pool.py`) skip it from then on.
+depends on it; the paths (`direct/`, `staged/`, `pool/`) skip it from then on.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def region_layout(*, world: int, experts_per_rank: int, max_workers: int, hidden
 #
 # Counts exist twice (epoch parity); the rest once: nobody writes rows, metas or a ready word
 # of call e+1 before every rank has published its counts of e+1, which it does only after
-# finishing call e's combine (see `direct.py`).
+# finishing call e's combine (see `direct/path.py`).
 
 (D_COUNTS_OFF, D_CW, D_READY_OFF, D_META_OFF, D_RECV_OFF, D_COMB_OFF, D_MAXR, D_AREA,
  D_END, D_DONE_OFF, D_NRECV) = range(11)

@@ -5,9 +5,8 @@
 * `dispatch`, `combine`: rows to their destination window and back, reordering and summing;
 * `local`: synchronization among the workers of one rank (barrier, publish);
 * `sentinel`: sp's reserved marker pattern (arm the windows, refuse inputs that hold it);
-* `single`: the one-worker path's fused entries (a call in as few kernel entries as possible);
-* `direct`: the direct (one-copy) variant;
-* `warmup`: compile them all before a Buffer's first call.
+* `warmup`: compile them all (and the paths' own, `direct/kernels.py`, `staged/kernels.py`)
+  before a Buffer's first call.
 
 Every kernel is `@jit` = `@njit(nogil=True, cache=True)`, so worker threads run them in
 parallel. Shared words are addressed by raw address (`bases[d]` + offset, see `region.py`).
@@ -22,8 +21,8 @@ Rules:
   what is still missing; the Python side (`waits.py`) backs off, checks deadline and
   liveness, and re-enters;
 * Numba's disk cache checks only a kernel's own source file: a module whose kernels call
-  another module's (`single`, `warmup`) must be edited too when those change what they
-  write where, or a stale cached copy keeps the old layout.
+  another module's (`staged/kernels.py`, `warmup`) must be edited too when those change
+  what they write where, or a stale cached copy keeps the old layout.
 """
 
 from numba import njit

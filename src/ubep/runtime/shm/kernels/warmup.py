@@ -17,13 +17,7 @@ from ubep.plan.fastplan import (
     count_experts,
     worker_sends,
 )
-from ubep.runtime.shm.kernels.combine import (
-    ELEM_F32,
-    reduce_tokens_into,
-    send_back,
-    send_back_list,
-)
-from ubep.runtime.shm.kernels.direct import (
+from ubep.runtime.shm.direct.kernels import (
     combine_begin,
     copy_rows_for_peers,
     dispatch_begin,
@@ -41,8 +35,14 @@ from ubep.runtime.shm.kernels.direct import (
     rows_for,
     send_rows_direct,
 )
-from ubep.runtime.shm.kernels.direct import combine_begin_at as direct_combine_begin_at
-from ubep.runtime.shm.kernels.direct import dispatch_begin_at as direct_dispatch_begin_at
+from ubep.runtime.shm.direct.kernels import combine_begin_at as direct_combine_begin_at
+from ubep.runtime.shm.direct.kernels import dispatch_begin_at as direct_dispatch_begin_at
+from ubep.runtime.shm.kernels.combine import (
+    ELEM_F32,
+    reduce_tokens_into,
+    send_back,
+    send_back_list,
+)
 from ubep.runtime.shm.kernels.dispatch import offsets, offsets_range, recv_rows, send_rows
 from ubep.runtime.shm.kernels.local import (
     barrier_arrive,
@@ -51,19 +51,6 @@ from ubep.runtime.shm.kernels.local import (
     publish,
 )
 from ubep.runtime.shm.kernels.sentinel import sp_check_routing
-from ubep.runtime.shm.kernels.single import (
-    RES_RECV,
-    combine_begin_at,
-    combine_poll_at,
-    combine_poll_single,
-    combine_send_single,
-    dispatch_begin_at,
-    dispatch_counts_at,
-    dispatch_send_single,
-    recv_rows_at,
-    state_array,
-    state_views,
-)
 from ubep.runtime.shm.kernels.slots import (
     check_meta,
     poll_counts,
@@ -82,6 +69,19 @@ from ubep.runtime.shm.region import (
     L_KMAX,
     L_SIZE,
     direct_layout,
+)
+from ubep.runtime.shm.staged.kernels import (
+    RES_RECV,
+    combine_begin_at,
+    combine_poll_at,
+    combine_poll_single,
+    combine_send_single,
+    dispatch_begin_at,
+    dispatch_counts_at,
+    dispatch_send_single,
+    recv_rows_at,
+    state_array,
+    state_views,
 )
 
 

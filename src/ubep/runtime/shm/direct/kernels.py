@@ -351,7 +351,7 @@ def copy_rows_for_peers(dst_addr, src_addr, rb, src_rank, me, n):
 
 
 # -- one worker, routing and outputs by address ---------------------------------------------------
-# As the one-worker path of the two-copy protocol (`kernels/single.py`): per-call tensors reach
+# As the one-worker path of the two-copy protocol (`staged/kernels.py`): per-call tensors reach
 # the kernels as raw addresses (`data_ptr()`, a fraction of a microsecond where a numpy view of a
 # tensor costs a microsecond or more); the caller keeps them alive for the call.
 @jit

@@ -4,7 +4,7 @@
 the one-worker path (`SinglePath`: mode "ubep" or "bsp", `direct=False`) whole: they call
 these by address (numba `cfunc`s) with one int64 block `c` per call (`S_*` words: the
 inputs the C++ side writes, then the outputs it reads back). They run the kernels the Python
-path calls (`kernels/single.py`), so the protocol lives in one place.
+path calls (`kernels.py`), so the protocol lives in one place.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ubep.native.layout import (  # the blocks' words (C++ reads them too)
 )
 from ubep.runtime.shm.atomics import f32_ptr, i64_ptr
 from ubep.runtime.shm.kernels import jit
-from ubep.runtime.shm.kernels.single import (
+from ubep.runtime.shm.staged.kernels import (
     RES_META,
     RES_RECV,
     RES_ROUTED,

@@ -72,8 +72,8 @@ from ubep.native.layout import (
 )
 from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
+from ubep.runtime.shm.direct.path import kernels as DK
 from ubep.runtime.shm.elements import cast_rows, combine_elem
-from ubep.runtime.shm.kernels import direct as DK
 from ubep.runtime.shm.kernels.local import poll_words_at_least
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.shm.protocol import DTYPE_CODES, ShmProtocolError
@@ -204,9 +204,9 @@ class DirectPath:
         return tuple(words[f] for f in DIRECT_DOOR)
 
     def _native_state(self) -> np.ndarray:
-        """The kept state `ubep.native`'s entries read (`kernels/entries.py`'s `ST_*` words):
+        """The kept state `ubep.native`'s entries read (`entries.py`, `layout`'s `ST_*` words):
         the addresses of this path's arrays (kept alive by it) and the kernels'."""
-        from ubep.runtime.shm.kernels import entries as EN
+        from ubep.runtime.shm.direct.path import entries as EN
 
         b, st = self.ctx, np.zeros(L.ST_LEN, np.int64)
         self._lut0 = np.zeros(1, np.float32)

@@ -63,7 +63,7 @@ from ubep.runtime.shm.region import (
     STATUS_OK,
     next_epoch,
 )
-from ubep.runtime.shm.single import missing_sources
+from ubep.runtime.shm.staged.path import missing_sources
 from ubep.runtime.shm.waits import now_us
 from ubep.stats import Interval, Stats
 

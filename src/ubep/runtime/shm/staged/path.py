@@ -10,7 +10,7 @@ Tensors reach the kernels by address (`data_ptr()`, a fraction of a microsecond 
 numpy view costs microseconds); the handle keeps them alive. Scratch arrays are made once
 and reused; stats become objects only when read (`DeferredStats`). With `ubep.native` built,
 `Buffer`'s common call skips this file: its door (`native/staged.cpp`) runs the same kernels
-(`kernels/single_entries.py`) and comes back here only to wait or to name an error
+(`entries.py`) and comes back here only to wait or to name an error
 (`dispatch_resume`, `combine_resume`).
 """
 
@@ -44,10 +44,10 @@ from ubep.runtime.shm.inactive import (
     proxy_hellos,
     tokens_on,
 )
-from ubep.runtime.shm.kernels import single as KS
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.shm.protocol import DTYPE_CODES, check_peers_meta, dc_detail, sentinel_error
 from ubep.runtime.shm.region import L_DROWS, L_EL, L_KMAX, META_BYTES, next_epoch
+from ubep.runtime.shm.staged import kernels as KS
 from ubep.runtime.shm.waits import INLINE_SPINS, SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats, Interval, Stats
 
@@ -109,7 +109,7 @@ class SinglePath:
         native = load_native()
         if native is None:
             return None
-        from ubep.runtime.shm.kernels import single_entries as SE
+        from ubep.runtime.shm.staged import entries as SE
 
         ctx, c = self.ctx, self.ctx.config
         words = {"path_words": self._w, "buffer_words": buffer_words, "lock": lock,

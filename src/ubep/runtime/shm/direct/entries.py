@@ -4,7 +4,7 @@
 no Python in between: each takes the path's kept state `st` (`ST_*` words: addresses and sizes
 of its arrays, constants) and one call's block `c` (`DISPATCH_*` / `COMBINE_*` words, the C++
 side fills the inputs and reads the outputs back). They run the same kernels the Python path
-calls (`kernels/direct.py`), so the protocol lives in one place.
+calls (`kernels.py`), so the protocol lives in one place.
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ from ubep.native.layout import (  # the blocks' words (C++ reads them too)
     ST_WORLD,
 )
 from ubep.runtime.shm.atomics import f32_ptr, i64_ptr, void_ptr
-from ubep.runtime.shm.kernels import jit
-from ubep.runtime.shm.kernels.direct import (
+from ubep.runtime.shm.direct.kernels import (
     combine_begin_at,
     dispatch_begin_at,
     dispatch_rows_at,
 )
+from ubep.runtime.shm.kernels import jit
 
 _SIG = types.void(types.CPointer(types.int64), types.CPointer(types.int64))
 
