@@ -218,7 +218,7 @@ def _late_or_dead(rank, world, direct, how, job):
     import time
 
     import ubep
-    from ubep.runtime.shm.direct.path import kernels as direct_kernels
+    from ubep.runtime.shm.direct import kernels as direct_kernels
     from ubep.testing import make_routing, make_tokens
 
     idx, w = make_routing(8, 4, 4, seed=rank)    # top-4 of 4: every token reaches every rank

@@ -72,7 +72,7 @@ from ubep.native.layout import (
 )
 from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
-from ubep.runtime.shm.direct.path import kernels as DK
+from ubep.runtime.shm.direct import kernels as DK
 from ubep.runtime.shm.elements import cast_rows, combine_elem
 from ubep.runtime.shm.kernels.local import poll_words_at_least
 from ubep.runtime.shm.outputs import OutputPool
@@ -206,7 +206,7 @@ class DirectPath:
     def _native_state(self) -> np.ndarray:
         """The kept state `ubep.native`'s entries read (`entries.py`, `layout`'s `ST_*` words):
         the addresses of this path's arrays (kept alive by it) and the kernels'."""
-        from ubep.runtime.shm.direct.path import entries as EN
+        from ubep.runtime.shm.direct import entries as EN
 
         b, st = self.ctx, np.zeros(L.ST_LEN, np.int64)
         self._lut0 = np.zeros(1, np.float32)
