@@ -138,13 +138,18 @@ class HybridElastic:
     def _recover(self, cause: BaseException) -> None:
         """Leave the hybrid path, agree on the survivors, and replay the previous call for
         them if this rank had completed the call they failed; calls go flat from now on."""
+        import os, sys
+        _t = time.perf_counter()
+        print(f"[{os.getpid()} r{self.rank}] recover: {type(cause).__name__}: {str(cause)[:200]}", file=sys.stderr, flush=True)
         self.leave()
+        print(f"[r{self.rank}] left {time.perf_counter()-_t:.3f}", file=sys.stderr, flush=True)
         self.el.check_removed()
         try:
             self.el.recover(cause)
         except Redo:
             pass
         self.degraded = True
+        print(f"[r{self.rank}] agreed {time.perf_counter()-_t:.3f} served={self.el.served} active={self.membership.active}", file=sys.stderr, flush=True)
         if self.el.served and self._prev is not None:
             kind, args, _ = self._prev
             done = self.el.completed        # a replay is not a call of this rank's
@@ -164,13 +169,14 @@ class HybridElastic:
         self._left = True
         self._leave_host()
         pg = self.net_group
-        for peer in range(self.world):
+        for peer in range(self.world):      # a dead peer's pair fails at once: try each
             if peer == self.rank:
                 continue
             try:
                 pg.recv([self._break_buf], peer, _BREAK_TAG).wait(timedelta(milliseconds=1))
-            except RuntimeError:
-                return                      # timed out (every pair closed) or broken already
+            except RuntimeError as e:
+                if "timed out" in str(e).lower():
+                    return                  # gloo closed every pair of the group
 
     def set_active_ranks(self, mask: np.ndarray) -> None:
         """A planned drain: the remaining ranks agree through the store (`TorchElastic`),
