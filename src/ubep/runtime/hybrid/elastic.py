@@ -126,30 +126,30 @@ class HybridElastic:
             res = self.flat.combine(_onto(expert_out, handle, rep[1], self.config), rep[1].handle,
                                     weighted, out)
             note_combine(handle, self.membership, self.membership.inactive)
-            return res
-        if self._last_intact is not None and handle.call <= self._last_intact:
+        elif self._last_intact is not None and handle.call <= self._last_intact:
             return self._bridge(expert_out, handle, weighted, out)
-        return self.flat.combine(expert_out, handle, weighted, out)
+        else:
+            res = self.flat.combine(expert_out, handle, weighted, out)
+        return CombineResult(y=res.y, stats=_survivors_stats(res.stats))
 
     def _flat_dispatch(self, x, topk_idx, topk_weights, call) -> DispatchResult:
-        return self.flat.dispatch(x, self.membership.mask(topk_idx)[0], topk_weights, call)
+        res = self.flat.dispatch(x, self.membership.mask(topk_idx)[0], topk_weights, call)
+        out = object.__new__(DispatchResult)        # the same fields, the stats renamed
+        out.__dict__.update(res.__dict__)
+        out.__dict__["stats"] = _survivors_stats(res.stats)
+        return out
 
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, cause: BaseException) -> None:
         """Leave the hybrid path, agree on the survivors, and replay the previous call for
         them if this rank had completed the call they failed; calls go flat from now on."""
-        import os, sys
-        _t = time.perf_counter()
-        print(f"[{os.getpid()} r{self.rank}] recover: {type(cause).__name__}: {str(cause)[:200]}", file=sys.stderr, flush=True)
         self.leave()
-        print(f"[r{self.rank}] left {time.perf_counter()-_t:.3f}", file=sys.stderr, flush=True)
         self.el.check_removed()
         try:
             self.el.recover(cause)
         except Redo:
             pass
         self.degraded = True
-        print(f"[r{self.rank}] agreed {time.perf_counter()-_t:.3f} served={self.el.served} active={self.membership.active}", file=sys.stderr, flush=True)
         if self.el.served and self._prev is not None:
             kind, args, _ = self._prev
             done = self.el.completed        # a replay is not a call of this rank's
@@ -243,6 +243,15 @@ class HybridElastic:
             sel = slot == k
             acc.index_add_(0, tok[sel], back[sel])
         return acc.to(expert_out.dtype), send.numel(), recv.numel()
+
+
+def _survivors_stats(st: Stats | None) -> Stats | None:
+    """A survivors' call's stats (the torch backend's) under this backend's name."""
+    if st is None:
+        return None
+    plain = {f.name: getattr(st, f.name) for f in dataclasses.fields(Stats)}
+    extra = {**plain.pop("extra"), "mode": "flat", "elastic": "survivors"}
+    return Stats(**{**plain, "backend": "hybrid", "extra": extra})
 
 
 def _row_keys(src: np.ndarray, tok: np.ndarray, slot: np.ndarray, c: BufferConfig) -> np.ndarray:
