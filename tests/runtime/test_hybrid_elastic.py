@@ -63,3 +63,76 @@ def test_planned_drain():
                     ranks_per_host=2, timeout_s=120, return_exceptions=True)
     assert_drained(out, 2, DEADLINE_S)
     assert out.leaks == {}, out.leaks
+
+
+def _store_host_rank(rank: int, world: int, port: int, conn) -> None:
+    """A rank of a job whose store rank 0 hosts, hosts told apart by `UBEP_SHM_DOMAIN`
+    ((0, 1), (2, 3)); rank 0 dies in its second call; the others report what they raised."""
+    import os
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from elastic_cases import HIDDEN, TOP_K, inputs
+
+    import ubep
+
+    os.environ["UBEP_SHM_DOMAIN"] = f"h{rank // 2}"
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                              wait_for_workers=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        buf = ubep.Buffer(num_experts=2 * world, hidden=HIDDEN, max_tokens_per_rank=LARGE,
+                          max_top_k=TOP_K, backend="hybrid", elastic=True, timeout_s=DEADLINE_S)
+        for i in range(3):
+            if rank == 0 and i == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            ins = inputs(world, 2 * world, i, tokens=LARGE)
+            t0 = time.monotonic()
+            try:
+                res = buf.dispatch(*ins[rank])
+                buf.combine(res.recv_x, res.handle)
+            except ubep.StoreHostDiedError as e:
+                conn.send(("StoreHostDiedError", str(e), time.monotonic() - t0))
+                break
+        else:
+            conn.send(("no error",))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send((type(e).__name__, str(e)))
+    finally:
+        conn.close()
+        os._exit(0)     # no teardown: the store is gone
+
+
+def test_store_host_death_is_named():
+    """Rank 0 hosts the store (as `init_process_group` with env:// does) and dies: the
+    survivors raise `StoreHostDiedError` within their deadline; no segment is left."""
+    import multiprocessing as mp
+    import os
+    import socket
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(WORLD)]
+    procs = [ctx.Process(target=_store_host_rank, args=(r, WORLD, port, pipes[r][1]))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for r in range(1, WORLD):
+            assert pipes[r][0].poll(120), f"rank {r} did not answer"
+            got[r] = pipes[r][0].recv()
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for r, g in got.items():
+        assert g[0] == "StoreHostDiedError", (r, g)
+        assert "hosts it (rank 0" in g[1] and g[2] <= DEADLINE_S, (r, g)
+    assert not [n for n in os.listdir("/dev/shm") if "ubep" in n.lower()]
