@@ -106,7 +106,8 @@ class Buffer:
             area) of world x max_tokens_per_rank x min(max_top_k, E/P) rows of hidden x 4
             bytes.
         elastic: a rank found dead (shm: its liveness lock; torch: a failed or overdue
-            collective) leaves `active_ranks` on every other rank instead of failing the
+            collective; hybrid: either, then the survivors go on flat over the network)
+            leaves `active_ranks` on every other rank instead of failing the
             call: the call completes without it, raises nothing, and no later call waits for
             it. Slots routed to an inactive rank's experts are not delivered
             (`DispatchResult.masked`) and combine does not sum them; traffic between the

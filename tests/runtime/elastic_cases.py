@@ -24,12 +24,12 @@ TOKENS = 6
 TOP_K = 3
 
 
-def inputs(world: int, experts: int, i: int, seed: int = 0):
-    """Every rank's `(x, topk_idx, topk_weights)` of call `i` (bf16 rows)."""
+def inputs(world: int, experts: int, i: int, seed: int = 0, tokens: int = TOKENS):
+    """Every rank's `(x, topk_idx, topk_weights)` of call `i` (bf16 rows, `tokens` each)."""
     out = []
     for r in range(world):
-        idx, w = make_routing(TOKENS, TOP_K, experts, seed=seed * 7919 + i * 31 + r)
-        out.append((make_tokens(r, TOKENS, HIDDEN, torch.bfloat16, seed=seed + i), idx, w))
+        idx, w = make_routing(tokens, TOP_K, experts, seed=seed * 7919 + i * 31 + r)
+        out.append((make_tokens(r, tokens, HIDDEN, torch.bfloat16, seed=seed + i), idx, w))
     return out
 
 
@@ -127,18 +127,20 @@ def kill_later(delay_s: float) -> threading.Timer:
 
 
 def elastic_trial(rank: int, world: int, kw: dict, victim: int, kill_at: int, phase: str,
-                  delay_s: float, calls: int, seed: int, deadline_s: float) -> dict:
-    """One elastic job: `calls` dispatch+combine pairs; `victim` SIGKILLs itself `delay_s`
-    into call `kill_at`'s `phase`. A survivor checks every call and reports what it saw."""
+                  delay_s: float, calls: int, seed: int, deadline_s: float,
+                  tokens: int = TOKENS) -> dict:
+    """One elastic job: `calls` dispatch+combine pairs of `tokens` per rank; `victim` SIGKILLs
+    itself `delay_s` into call `kill_at`'s `phase`. A survivor checks every call and reports
+    what it saw (and the backend that ran)."""
     import ubep
 
     experts = 2 * world
-    buf = ubep.Buffer(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=TOKENS,
+    buf = ubep.Buffer(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=tokens,
                       max_top_k=TOP_K, timeout_s=deadline_s, elastic=True, **kw)
     errors, slowest, seen = [], 0.0, []
     try:
         for i in range(calls):
-            ins = inputs(world, experts, i, seed)
+            ins = inputs(world, experts, i, seed, tokens)
             if rank == victim and i == kill_at and phase == "dispatch":
                 kill_later(delay_s)
             before = buf.active_ranks
@@ -168,7 +170,7 @@ def elastic_trial(rank: int, world: int, kw: dict, victim: int, kill_at: int, ph
             if why:
                 errors.append(f"call {i}: {why}")
         return dict(errors=errors, active=buf.active_ranks.tolist(), slowest=slowest,
-                    load=buf.expert_load().tolist(), seen=seen)
+                    load=buf.expert_load().tolist(), seen=seen, backend=buf.config.backend)
     finally:
         buf.close()
 

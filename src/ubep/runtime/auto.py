@@ -98,9 +98,6 @@ def _across_hosts(c: BufferConfig, facts: list, hosts: tuple,
     lay = HostLayout.of(hosts, c.num_experts)
     span = (f"the group's {c.world_size} ranks span {len(hosts)} shared-memory domains "
             f"(hosts {[list(h) for h in hosts]})")
-    if c.elastic:
-        return "torch", f"{span}; elastic=True: the hybrid backend has no elastic mode yet", \
-            c.direct
     for h, ranks in enumerate(lay.hosts):
         part = dataclasses.replace(
             c, world_size=len(ranks), num_experts=lay.host_experts(h), direct="owned",

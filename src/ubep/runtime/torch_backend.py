@@ -340,6 +340,12 @@ class TorchBackend(Backend):
     def _inline(self, v: int) -> None:
         self._tw[L.TW_INLINE] = v
 
+    @property
+    def recovery(self) -> TorchElastic | None:
+        """Elastic: this Buffer's `TorchElastic` (heartbeat, agreement, members' group), which
+        the hybrid backend's elastic mode shares; None without elastic."""
+        return self._el
+
     #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
     DOOR_ENTRIES = ("torch_door_dispatch", "torch_door_combine")
 

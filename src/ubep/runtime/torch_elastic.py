@@ -210,13 +210,20 @@ class TorchElastic:
                 self.recover()
         work.wait()
 
-    def _flag_up(self) -> bool:
-        """Whether a recovery started (raises `RankRemovedError` if the others removed this
-        rank with `set_active_ranks`)."""
+    def check_removed(self) -> None:
+        """Raise `RankRemovedError` if the other ranks removed this one (`set_active_ranks`)."""
         try:
             if self.store.check([f"{self._prefix}/removed/{self.rank}"]):
                 self.members.remove([self.rank], "removed by set_active_ranks")
                 raise RankRemovedError(self.rank, "removed by set_active_ranks")
+        except dist.DistNetworkError as e:
+            raise _dead_store(e) from e
+
+    def _flag_up(self) -> bool:
+        """Whether a recovery started (raises `RankRemovedError` if the others removed this
+        rank with `set_active_ranks`)."""
+        self.check_removed()
+        try:
             return self.store.check([f"{self._prefix}/g{self.gen}/started"])
         except dist.DistNetworkError as e:
             raise _dead_store(e) from e

@@ -55,6 +55,7 @@ from ubep.options import BufferConfig
 from ubep.plan.hosts import HostLayout, merge_order, rows_to_other_hosts, split_routing
 from ubep.runtime import Backend
 from ubep.runtime.hosts import discover_hosts
+from ubep.runtime.hybrid.elastic import HybridElastic
 from ubep.runtime.hybrid.network import Exchange, network_error, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.runtime.shm.outputs import OutputPool
@@ -110,10 +111,6 @@ class HybridBackend(Backend):
         from ubep.runtime.shm.backend import ShmBackend
 
         c = config
-        if c.elastic:
-            raise ValueError("elastic=True is not supported by the 'hybrid' backend yet: a "
-                             "rank lost across hosts is a PeerDiedError (use backend='torch' "
-                             "or 'shm' for elastic expert parallelism)")
         self.config = c
         self.buffer_id = buffer_id
         self.rank, self.world = c.rank, c.world_size
@@ -143,7 +140,8 @@ class HybridBackend(Backend):
             c, rank=int(lay.local_index[self.rank]), world_size=len(self.host_ranks),
             num_experts=lay.host_experts(self.host), max_tokens_per_rank=most,
             backend="shm", requested_backend="shm", direct="owned", mode="ubep",
-            topology=None, hosts=(), backend_reason="the hybrid backend's shared-memory part")
+            topology=None, hosts=(), backend_reason="the hybrid backend's shared-memory part",
+            elastic=False)
         self._shm = ShmBackend(shm_cfg, self._host_group, buffer_id)
         try:
             self._origins = OriginTables(self._host_group, rank=shm_cfg.rank,
@@ -157,10 +155,30 @@ class HybridBackend(Backend):
         self._scratch: dict[object, torch.Tensor] = {}
         self._calls = 0
         self._shm_calls = 0
+        #: elastic (`elastic.py`): the calls wrapped, the network on a group of its own
+        self._elastic = None
+        if c.elastic:
+            try:
+                self._elastic = HybridElastic(c, group, buffer_id)
+            except BaseException:
+                self._origins.close()
+                self._shm.close()
+                raise
+            self._pg = self._elastic.net_group
+            self.membership = self._elastic.membership
+            self.dispatch, self.combine = self._elastic.wrap(self.dispatch, self.combine,
+                                                             self._shm.leave)
         #: small batches: the flat exchange, the torch backend's, on the same group
-        self._flat = TorchBackend(dataclasses.replace(c, backend="torch", hosts=()), group,
-                                  buffer_id)
+        self._flat = TorchBackend(dataclasses.replace(c, backend="torch", hosts=(),
+                                                      elastic=False),
+                                  group if self._elastic is None else self._pg, buffer_id)
         self._mode = "joint"        # the first call's (then the last call's batch picks)
+
+    def set_active_ranks(self, mask: np.ndarray) -> None:
+        """Elastic: remove the ranks `mask` drops (`HybridElastic.set_active_ranks`)."""
+        if self._elastic is None:
+            Backend.set_active_ranks(self, mask)
+        self._elastic.set_active_ranks(mask)
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -517,6 +535,8 @@ class HybridBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._elastic is not None:
+            self._elastic.close()
         self._origins.close()
         self._shm.close()
         self._pool.close()

@@ -349,6 +349,13 @@ class ShmBackend(Backend):
         return self._path.combine_buffer(handle, dtype)
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def leave(self) -> None:
+        """Make the peers find this rank gone (its liveness lock released) without unmapping
+        anything: their waits on it fail within a liveness probe. For a caller that abandons
+        the exchange on purpose (the elastic hybrid backend's recovery); no call may follow."""
+        if self._res.own is not None:
+            self._res.own.unlock()
+
     def close(self) -> None:
         """Stop workers, unmap and release every segment, drop kept output memory
         (idempotent)."""

@@ -153,6 +153,12 @@ class Segment:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         return False
 
+    def unlock(self) -> None:
+        """Release the owner's liveness lock, mapping kept: peers' `owner_alive` then reads
+        False, as if this process had died (a rank that leaves the exchange on purpose)."""
+        if self.owner and self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
     def close(self) -> None:
         """Unmap and close (fails with BufferError while numpy views of `buf` are alive)."""
         if not self.buf.closed:
