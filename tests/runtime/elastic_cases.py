@@ -261,3 +261,23 @@ def assert_drained(out: list, removed: int, deadline_s: float) -> None:
             assert not isinstance(o, RankFailure), o
             assert o["errors"] == [], (r, o["errors"])
             assert o["active"] == want, (r, o["active"])
+
+
+def calls_until_store_host_dies(buf, rank: int, world: int, conn, tokens: int = TOKENS) -> None:
+    """Three calls on elastic `buf`; rank 0 (the store's host) SIGKILLs itself before the
+    second. Each survivor sends on `conn` what it met: `("StoreHostDiedError", message,
+    seconds the call took)`, or `("no error",)`."""
+    import ubep
+
+    for i in range(3):
+        if rank == 0 and i == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ins = inputs(world, 2 * world, i, tokens=tokens)
+        t0 = time.monotonic()
+        try:
+            res = buf.dispatch(*ins[rank])
+            buf.combine(res.recv_x, res.handle)
+        except ubep.StoreHostDiedError as e:
+            conn.send(("StoreHostDiedError", str(e), time.monotonic() - t0))
+            return
+    conn.send(("no error",))

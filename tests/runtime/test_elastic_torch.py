@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
-import time
 from datetime import timedelta
 
 import pytest
@@ -24,9 +22,9 @@ from elastic_cases import (
     TOP_K,
     assert_drained,
     assert_survivors,
+    calls_until_store_host_dies,
     drain_trial,
     elastic_trial,
-    inputs,
 )
 
 from ubep.testing import run_ranks
@@ -73,19 +71,7 @@ def _store_host_rank(rank: int, world: int, port: int, conn) -> None:
                                 timeout=timedelta(seconds=60))
         buf = ubep.Buffer(num_experts=2 * world, hidden=HIDDEN, max_tokens_per_rank=TOKENS,
                           max_top_k=TOP_K, backend="torch", elastic=True, timeout_s=DEADLINE_S)
-        for i in range(3):
-            if rank == 0 and i == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            ins = inputs(world, 2 * world, i)
-            t0 = time.monotonic()
-            try:
-                res = buf.dispatch(*ins[rank])
-                buf.combine(res.recv_x, res.handle)
-            except ubep.StoreHostDiedError as e:
-                conn.send(("StoreHostDiedError", str(e), time.monotonic() - t0))
-                break
-        else:
-            conn.send(("no error",))
+        calls_until_store_host_dies(buf, rank, world, conn)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         conn.send((type(e).__name__, str(e)))
     finally:

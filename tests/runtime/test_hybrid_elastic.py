@@ -16,7 +16,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from elastic_cases import assert_drained, assert_survivors, drain_trial, elastic_trial
+from elastic_cases import (
+    assert_drained,
+    assert_survivors,
+    calls_until_store_host_dies,
+    drain_trial,
+    elastic_trial,
+)
 
 from ubep.testing import hosts_available, run_hosts
 
@@ -69,12 +75,10 @@ def _store_host_rank(rank: int, world: int, port: int, conn) -> None:
     """A rank of a job whose store rank 0 hosts, hosts told apart by `UBEP_SHM_DOMAIN`
     ((0, 1), (2, 3)); rank 0 dies in its second call; the others report what they raised."""
     import os
-    import signal
-    import time
     from datetime import timedelta
 
     import torch.distributed as dist
-    from elastic_cases import HIDDEN, TOP_K, inputs
+    from elastic_cases import HIDDEN, TOP_K
 
     import ubep
 
@@ -86,19 +90,7 @@ def _store_host_rank(rank: int, world: int, port: int, conn) -> None:
                                 timeout=timedelta(seconds=60))
         buf = ubep.Buffer(num_experts=2 * world, hidden=HIDDEN, max_tokens_per_rank=SMALL,
                           max_top_k=TOP_K, backend="hybrid", elastic=True, timeout_s=DEADLINE_S)
-        for i in range(3):
-            if rank == 0 and i == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            ins = inputs(world, 2 * world, i, tokens=SMALL)
-            t0 = time.monotonic()
-            try:
-                res = buf.dispatch(*ins[rank])
-                buf.combine(res.recv_x, res.handle)
-            except ubep.StoreHostDiedError as e:
-                conn.send(("StoreHostDiedError", str(e), time.monotonic() - t0))
-                break
-        else:
-            conn.send(("no error",))
+        calls_until_store_host_dies(buf, rank, world, conn, tokens=SMALL)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         conn.send((type(e).__name__, str(e)))
     finally:
