@@ -56,7 +56,7 @@ lint: $(STAMP)
 # runs them.
 test: $(WARM)
 	$(BIN)/ruff check src tests benchmarks
-	UBEP_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q tests benchmarks/tests -m "not host_timing"
+	UBEP_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q --durations=15 tests benchmarks/tests -m "not host_timing"
 	UBEP_NATIVE=0 $(BIN)/python -m pytest -q tests/runtime/test_shm_direct.py \
 		tests/runtime/test_shm_owned.py tests/runtime/test_direct_lifetimes.py \
 		tests/test_combine_out.py tests/test_torch_backend.py
