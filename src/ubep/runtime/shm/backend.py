@@ -25,13 +25,16 @@ import torch
 from ubep import tuning
 from ubep.elastic import Membership, expand, note_combine, without_sources
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
+from ubep.native import load_native
 from ubep.options import BufferConfig
 from ubep.plan import Topology, WorkerMapper
 from ubep.plan.blocks import BlockFormat, sentinel_refusal
 from ubep.runtime import Backend, bootstrap
 from ubep.runtime.shm import segments
 from ubep.runtime.shm.context import ShmContext
+from ubep.runtime.shm.direct.native import DirectNativePath
 from ubep.runtime.shm.direct.path import DirectPath
+from ubep.runtime.shm.direct.pool import DirectPoolPath
 from ubep.runtime.shm.kernels.sentinel import arm_sentinels
 from ubep.runtime.shm.kernels.warmup import warm_up, warm_up_direct, warm_up_elastic
 from ubep.runtime.shm.membership import ShmMembership
@@ -146,7 +149,10 @@ class ShmBackend(Backend):
         self.topology = Topology.resolve(c.topology, self.world)
         mapper = WorkerMapper.of(self.topology, self.rank, c.num_experts, c.schedule)
         if c.direct:
-            self._path = DirectPath(self.ctx)
+            native = load_native() if self.workers == 1 else None
+            self._path = (DirectPoolPath(self.ctx) if self.workers > 1
+                          else DirectPath(self.ctx) if native is None
+                          else DirectNativePath(self.ctx, native))
         elif self.workers == 1:
             self._path = SinglePath(self.ctx, mapper)
         else:

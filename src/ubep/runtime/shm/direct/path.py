@@ -45,7 +45,6 @@ count ahead of a peer that still reads).
 from __future__ import annotations
 
 import functools
-import threading
 
 import numpy as np
 import torch
@@ -59,10 +58,7 @@ from ubep.handle import (
     new_handle,
     rerouted,
 )
-from ubep.native import layout as L
-from ubep.native import load_native
 from ubep.native.layout import (
-    DIRECT_DOOR,
     DW_C_EPOCH,
     DW_EPOCH,
     DW_LAST_CALL,
@@ -70,7 +66,6 @@ from ubep.native.layout import (
     DW_LEN,
     DW_LENT_COMB,
 )
-from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.direct import kernels as DK
 from ubep.runtime.shm.elements import cast_rows, combine_elem
@@ -117,7 +112,6 @@ class DirectPath:
 
     def __init__(self, ctx: ShmContext):
         self.ctx = backend = ctx
-        self.runner = CallRunner(ctx) if ctx.workers > 1 else None
         dlay = ctx.dlay
         region = ctx.region
         self.dlay = dlay
@@ -172,71 +166,13 @@ class DirectPath:
         #: elastic: ranks whose rows the latest combine dropped (died before publishing), and
         #: those the latest pool dispatch dropped (died with rows of theirs still missing)
         self.dropped: list[int] = []
-        self._pool_dropped: list[int] = []
-        self._drop_lock = threading.Lock()
-        # one worker: the compiled call path when built (`ubep.native`), else None
-        self._native = load_native() if ctx.workers == 1 else None
-        if self._native is not None:
-            self._st = self._native_state()
-            self._st_addr = self._st.ctypes.data
-
-    #: `ubep_native`'s entries for `door`'s tuple (`Buffer` calls them)
-    DOOR_ENTRIES = ("door_dispatch", "door_combine")
-
-    def door(self, lock, limits: tuple[int, int, int, int], buffer_words: np.ndarray,
-             resume) -> tuple | None:
-        """What `ubep.native`'s door (`door_dispatch`, `door_combine`) reads to take a
-        `Buffer`'s common call whole (`layout.DIRECT_DOOR`): this path's state words and kept
-        objects and constants, the Buffer's `lock`, its state words and `limits` its fast
-        checks' (hidden, num_experts, max_tokens_per_rank, max_top_k), and `resume`, where a
-        call that must wait goes on. None without the compiled entries."""
-        if self._native is None:
-            return None
-        words = {"path_words": self._w, "buffer_words": buffer_words, "lock": lock,
-                 "resume": resume, "cdata": self._area_cdata,
-                 "uses": self._area_uses, "views": self._area_views, "codes": _CODES,
-                 "elems": {d: _elem(d)[:2] for d in _OUT_KIND},
-                 "dbuild": self._dispatch_stats, "cbuild": self._combine_stats,
-                 "st": self._st_addr, "owned": int(self.owned), "buffer_id": self.ctx.buffer_id,
-                 "recv_off": self._recv_off, "area": self._area, "base": self.ctx.base,
-                 "comb": self._comb_addr, "hidden": limits[0], "experts": limits[1],
-                 "max_tokens": limits[2], "max_top_k": limits[3]}
-        return tuple(words[f] for f in DIRECT_DOOR)
-
-    def _native_state(self) -> np.ndarray:
-        """The kept state `ubep.native`'s entries read (`entries.py`, `layout`'s `ST_*` words):
-        the addresses of this path's arrays (kept alive by it) and the kernels'."""
-        from ubep.runtime.shm.direct import entries as EN
-
-        b, st = self.ctx, np.zeros(L.ST_LEN, np.int64)
-        self._lut0 = np.zeros(1, np.float32)
-        words = {L.ST_BASES: b.bases.ctypes.data, L.ST_WORLD: b.world,
-                 L.ST_DLAY: self.dlay.ctypes.data, L.ST_DLAY_N: len(self.dlay),
-                 L.ST_RANK: b.rank, L.ST_EXPERTS: self.num_experts, L.ST_EL: self.el,
-                 L.ST_COUNTS: self._counts.ctypes.data, L.ST_TAILS: self._tails.ctypes.data,
-                 L.ST_GOT: self._got.ctypes.data, L.ST_SPINS: INLINE_SPINS,
-                 L.ST_POS: self._pos_addr, L.ST_HIDDEN: self.hidden,
-                 L.ST_READY: self._ready.ctypes.data, L.ST_DONE_T: self._done_t.ctypes.data,
-                 L.ST_Y: self._y_addr, L.ST_DONE_MINE: self._done_mine.ctypes.data,
-                 L.ST_DONE_FIRST: self._done_first, L.ST_LUT: self._lut0.ctypes.data,
-                 L.ST_BEGIN: EN.dispatch_begin_c.address, L.ST_ROWS: EN.dispatch_rows_c.address,
-                 L.ST_COMBINE: EN.combine_begin_c.address}
-        for k, v in words.items():
-            st[k] = v
-        return st
+        #: the compiled entries (`ubep.native`; `DirectNativePath`), None here
+        self._native = None
 
     def release_outputs(self) -> None:
         """Drop the output pool's kept blocks (`ShmBackend.close`)."""
         self._lend.close()
 
-    def _wait(self, cl: Call | None, poll, phase: str, peers_of,
-              deadline: float | None = None, on_inactive=None) -> None:
-        """A bounded wait of the calling thread (`cl` None) or of a pool worker of `cl`
-        (`on_inactive`: see `waits.wait`)."""
-        if cl is None:
-            self.ctx.wait(poll, phase, peers_of, deadline=deadline, on_inactive=on_inactive)
-        else:
-            self.runner.wait(cl, poll, phase, peers_of, on_inactive=on_inactive)
 
     # -- views of my areas -------------------------------------------------------------------
     def _view(self, area: str, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -270,44 +206,19 @@ class DirectPath:
         area = self._free_area() if self.owned else 0   # owned: a free lent area, else scratch
         roff = self._recv_off + area * self._area
         self._w[DW_EPOCH] = epoch = int(self._w[DW_EPOCH]) + 1
-        if self._native is not None and (area or not self.owned):
-            # one C++ entry for the whole call (`ubep.native`); rows land where `recv_x` lies
-            # (a lent area, or the recv area with direct=True). Straight-line while nothing
-            # waits: every Python call here costs ~1 µs of a ~30 µs dispatch+combine
-            dtype = x.dtype
-            view = self._area_views.get((area, dtype))
-            if view is None:
-                view = self._area_view(area, roff, self.hidden, dtype)
-            r = self._native.direct_dispatch(self._st_addr, x, topk_idx, topk_weights, epoch,
-                                             _CODES[dtype], roff, self.owned, view, call,
-                                             self.ctx.buffer_id, t0, self._dispatch_stats)
-            if type(r) is not tuple:    # the DispatchResult: every row arrived
-                self._w[DW_LAST_CALL], self._w[DW_LAST_CODE] = call, _CODES[dtype]
-                return r
-            return self.dispatch_resume(r, x, topk_idx, topk_weights, call, t0, epoch, area,
-                                        roff)
         return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff, None,
                                  False)
 
-    def dispatch_resume(self, r: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
-                        topk_weights: torch.Tensor, call: int, t0: float, epoch: int, area: int,
-                        roff: int) -> DispatchResult:
-        """The rest of a dispatch whose compiled entry (`direct_dispatch`, here or in
-        `ubep.native`'s door) stopped at a wait and returned `r`: the Python path's bounded
-        waits from where it stopped."""
-        left, n_recv, missing, tpe, ints, wts, state, recv_x, t1 = r
-        if not left:
-            return self._dispatch_end(x, topk_idx, topk_weights, call, epoch,
-                                      deadline_after(t0, self._timeout_s), (t0, t1), roff,
-                                      n_recv, missing, tpe, ints, wts, state, recv_x)
-        return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff,
-                                 state[5], True)
+    def _in_place(self, area: int) -> bool:
+        """Whether a dispatch's rows land where its `recv_x` lies (a lent area, or the recv
+        area with direct=True), not copied out of the scratch area."""
+        return bool(area) or not self.owned
 
     def _dispatch_py(self, x, topk_idx, topk_weights, call, t0, epoch, area, roff, keep,
                      begun) -> DispatchResult:
-        """`dispatch` in Python: the pool path, and the one-worker path without `ubep.native`
-        or once its entry published my counts but found some missing (`begun`; `keep`: the
-        `pos` it made for an owned handle)."""
+        """`dispatch` in Python: the whole call, or (`begun`) from where the compiled entry
+        stopped once it published my counts but found some missing (`keep`: the `pos` it made
+        for an owned handle)."""
         b = self.ctx
         code = _CODES[x.dtype]
         deadline = deadline_after(t0, self._timeout_s)
@@ -345,19 +256,15 @@ class DirectPath:
             dst = recv_x.data_ptr() if n_recv else 0
         else:
             recv_x, dst = self._view("recv", n_recv, x.dtype), 0
-        if b.workers > 1:
-            idx, w = topk_idx.numpy(), topk_weights.numpy()
-            pos = np.empty(idx.shape, np.int64)
-            n_recv, ivs = self._dispatch_pool(x, idx, w, pos, tpe, ints, wts, rb, code, epoch,
-                                              dst, roff, deadline)
-            if recv_x is None:
-                recv_x = self._lend_area(area, roff, n_recv, x.shape[1], x.dtype)
-            res = self._dispatch_result(x, topk_idx, topk_weights, call, epoch, (t0, t1), ivs,
-                                        n_recv, tpe, ints, wts, (idx, w, pos, epoch, ints[0]),
-                                        recv_x)
-            if self._pool_dropped:
-                res.__dict__["_dropped"] = self._pool_dropped
-            return res
+        return self._dispatch_rows(x, topk_idx, topk_weights, call, t0, t1, epoch, area, roff,
+                                   keep, tpe, ints, wts, rb, code, deadline, recv_x, dst)
+
+    def _dispatch_rows(self, x, topk_idx, topk_weights, call, t0, t1, epoch, area, roff, keep,
+                       tpe, ints, wts, rb, code, deadline, recv_x, dst) -> DispatchResult:
+        """My rows sent, then the rows I receive awaited (every rank's counts in)."""
+        b = self.ctx
+        counts, tails, dlay, bases = self._counts, self._tails, self.dlay, b.bases
+        t_n, k_n = topk_idx.shape
         idx_addr, w_addr = topk_idx.data_ptr(), topk_weights.data_ptr()
         if self.owned:                  # `pos` goes with the handle: any handle combinable
             n_recv, missing, pos_addr = DK.dispatch_rows_own(
@@ -442,39 +349,6 @@ class DirectPath:
             self._area_views[area, dtype] = v
             self._area_uses[area] += _use_count(self._area_cdata[area]) - before
         return v
-
-    def _dispatch_pool(self, x, idx, w, pos, tpe, ints, wts, rb, code, epoch, dst, roff,
-                       deadline):
-        """`workers` > 1: the workers send a token range each, then wait for a row range."""
-        b = self.ctx
-        bad = [s for s in range(b.world) if self._tails[s, 0] != code]
-        if bad:
-            raise self._dtype_error(x.dtype, bad[0])
-        n_recv = int(DK.place_rows(self._counts, b.rank, self.el, idx, pos, tpe, ints[0]))
-        ints[1, :n_recv] = -1                        # no row decoded yet (`recv_meta`)
-        n = b.workers
-        cl = self.runner.start(Call(epoch=epoch, deadline=deadline, n=n))
-        xa = x.data_ptr()
-        t_n = idx.shape[0]
-        dropped: list[int] = []
-
-        def work(j: int) -> None:
-            a = now_us()
-            DK.send_rows_direct(b.bases, self.dlay, epoch, xa, rb, idx, w, pos, self.el,
-                                j * t_n // n, (j + 1) * t_n // n, b.rank, dst, ints[1],
-                                ints[2], wts, self._tails)
-            m = now_us()
-            lo, hi = j * n_recv // n, (j + 1) * n_recv // n
-            self._wait(cl, lambda s: DK.recv_meta(b.base, self.dlay, epoch, lo, hi, ints[1],
-                                               ints[2], wts, dst, roff, rb, s),
-                    "dispatch/rows", lambda: self._missing_sources(epoch, ints[0], lo, hi),
-                    on_inactive=lambda: self._drop_rows(ints, n_recv, dropped))
-            cl.iv[j].append(("send", a, m, "busy"))
-            cl.iv[j].append(("wait_rows", m, now_us(), "wait"))
-
-        self.runner.run(cl, work)
-        self._pool_dropped = dropped
-        return n_recv, cl.iv
 
     def _dtype_error(self, dtype: torch.dtype, rank: int) -> Exception:
         return _protocol_error(
@@ -614,77 +488,24 @@ class DirectPath:
         else:
             copied = n_recv > 0 and ptr not in (self._recv_addr, self._comb_addr)
         offset = (self._comb_addr if copied or not n_recv else ptr) - b.base
-        t_n = handle.num_tokens
         weighted = bool(weighted)
-        begun = None
-        if self._native is not None and dtype in _OUT_KIND:
-            # one C++ entry (`ubep.native`), straight-line while nothing waits (as dispatch)
-            idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
-            r = self._native.direct_combine(
-                self._st_addr, epoch, code, ecode, offset, ptr, n_recv if copied else 0, ints,
-                idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
-                self._combine_out(dest, t_n, rb, dtype), _OUT_KIND[dtype], t0,
-                self._combine_stats if dest is None else None, copied, handle.topk_idx)
-            if type(r) is not tuple:    # the CombineResult: all summed, every rank done
-                return r
-            begun = left, waiting, out, t1 = r
-            if not (left or waiting):   # into a caller's `out`
-                stats = DeferredStats.of(self._combine_stats, (t0, t1, now_us()), None, copied,
-                                         handle.topk_idx, rb, epoch)
-                return new_combine_result(out if dest is None or out is dest
-                                          else dest.copy_(out), stats)
-        return self._combine_rest(handle, expert_out, dest, epoch, code, ecode, lut, es, rb,
-                                  offset, ptr, n_recv, copied, weighted, t0, begun)
+        return self._combine_from(handle, expert_out, dest, epoch, code, ecode, lut, es, rb,
+                                  offset, ptr, n_recv, copied, weighted, t0)
 
-    def combine_resume(self, r: tuple, expert_out: torch.Tensor, handle: DispatchHandle,
-                       weighted: bool, t0: float, epoch: int, offset: int, ptr: int,
-                       copied: bool, dest: torch.Tensor | None = None) -> CombineResult:
-        """The rest of a combine whose compiled entry, called by `ubep.native`'s door,
-        stopped at a wait and returned `r` (`dest`: the caller's contiguous `out`, which the
-        entry sums into): the Python path's waits from there."""
-        self.dropped = []
-        dtype = expert_out.dtype
-        code, ecode, lut = _elem(dtype)
-        es = dtype.itemsize
-        return self._combine_rest(handle, expert_out, dest, epoch, code, ecode, lut, es,
-                                  self.hidden * es, offset, ptr, handle.num_recv, copied,
-                                  weighted, t0, r)
+    def _combine_from(self, handle, expert_out, dest, epoch, code, ecode, lut, es, rb, offset,
+                      ptr, n_recv, copied, weighted, t0) -> CombineResult:
+        """`combine` once it has told where my expert outputs lie."""
+        return self._combine_rest(handle, expert_out, dest, epoch, code, ecode, lut, es, rb,
+                                  offset, ptr, n_recv, copied, weighted, t0, None)
 
     def _combine_rest(self, handle, expert_out, dest, epoch, code, ecode, lut, es, rb, offset,
                       ptr, n_recv, copied, weighted, t0, begun) -> CombineResult:
         """`combine` from its first kernel entry on (`begun`: what the compiled entry returned
         when it ran that entry already)."""
-        b = self.ctx
-        dtype, t_n = expert_out.dtype, handle.num_tokens
         deadline = deadline_after(t0, self._timeout_s)
-        if b.workers == 1:
-            out, t1, waiting = self._combine_one(handle, expert_out, dest, epoch, code, ecode,
-                                                 lut, es, rb, offset, ptr,
-                                                 n_recv if copied else 0, weighted, deadline,
-                                                 begun)
-            ivs = None
-        else:
-            idx, w, pos, _, src_rank = handle.state
-            if dtype in _ROUNDED:                 # rounded in the kernel, token by token
-                y, out16 = self._y[:t_n], np.empty((t_n, self.hidden), np.uint16)
-            else:
-                y, out16 = np.empty((t_n, self.hidden), np.float32), _NO_16
-            done = np.zeros(t_n, np.uint8)
-            ready = self._ready
-            if copied:          # only the rows peers read; mine are summed where they lie
-                DK.copy_rows_for_peers(self._comb_addr, ptr, rb, src_rank, b.rank, n_recv)
-            DK.publish_ready(b.base, self.dlay, epoch, code, offset)
-            ready[:] = -1
-            t1 = now_us()
-            ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
-                                     y, out16, ptr if copied else 0, deadline, handle)
-            if dtype in _ROUNDED:
-                out = torch.from_numpy(out16).view(dtype)
-            elif dtype == torch.float32:
-                out = torch.from_numpy(y)
-            else:
-                out = cast_rows(y, dtype)
-            waiting = -1
+        out, t1, waiting, ivs = self._sums(handle, expert_out, dest, epoch, code, ecode, lut,
+                                           es, rb, offset, ptr, n_recv, copied, weighted,
+                                           deadline, begun)
         if waiting:
             self._done_reading(epoch, deadline, waiting)
         if dest is not None and out is not dest:
@@ -693,6 +514,15 @@ class DirectPath:
         stats = DeferredStats.of(self._combine_stats, (t0, t1, t2), ivs, copied,
                                  handle.topk_idx, rb, epoch)
         return new_combine_result(out, stats)
+
+    def _sums(self, handle, expert_out, dest, epoch, code, ecode, lut, es, rb, offset, ptr,
+              n_recv, copied, weighted, deadline, begun) -> tuple:
+        """My tokens summed as their rows' ranks publish: (out, t1, ranks not done reading
+        mine (-1: not told yet), the workers' intervals or None)."""
+        out, t1, waiting = self._combine_one(handle, expert_out, dest, epoch, code, ecode, lut,
+                                             es, rb, offset, ptr, n_recv if copied else 0,
+                                             weighted, deadline, begun)
+        return out, t1, waiting, None
 
     def _combine_one(self, handle: DispatchHandle, expert_out: torch.Tensor,
                      dest: torch.Tensor | None, epoch: int, code: int, ecode: int,
@@ -760,7 +590,11 @@ class DirectPath:
             return dest
         if self.owned and t_n * rb >= self._lend.min_bytes:
             return self._lend.empty(t_n, self.hidden, dtype)
-        return None if self._native is not None else torch.empty(t_n, self.hidden, dtype=dtype)
+        return self._new_out(t_n, dtype)
+
+    def _new_out(self, t_n: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A new output for `_combine_out` (None: the compiled entry makes it)."""
+        return torch.empty(t_n, self.hidden, dtype=dtype)
 
     def _done_reading(self, epoch: int, deadline: float, left: int = -1) -> None:
         """Tell every rank I read all I needed of combine `epoch`; wait until every rank has
@@ -781,54 +615,6 @@ class DirectPath:
         """Ranks whose outputs tokens [lo, hi) still wait for (for the timeout message)."""
         return sorted({int(e) // self.el for t in range(lo, hi) if not done[t]
                        for e in idx[t] if e >= 0 and ready[int(e) // self.el] < 0})
-
-    def _reduce(self, b, cl, epoch, cur, w, weighted, pos, rb, expert_out, ready, done, y, out16,
-                own, lo, hi, deadline, handle) -> None:
-        """Sum tokens [lo, hi) as their ranks publish; bounded wait naming the ranks. `cur`:
-        `[routing as numpy, as a tensor]`, shared by the workers (elastic: without dead
-        ranks once found)."""
-        code, ecode, lut = _elem(expert_out.dtype)
-        es = expert_out.element_size()
-        bad = [-1]                  # a rank that published another dtype
-
-        def poll(s: int) -> int:
-            r = DK.reduce_direct(b.bases, self.dlay, epoch, cur[0], w, weighted, pos, self.el,
-                                 rb, es, code, ecode, lut, lo, hi, ready, done, y, out16,
-                                 b.rank, own, s)
-            if r < 0:
-                bad[0] = -r - 1
-                return 0
-            return r
-
-        def drop() -> None:
-            with self._drop_lock:
-                before = cur[1]
-                self._drop_ready(handle, cur, self.dropped)
-                if cur[1] is not before:
-                    cur[0] = cur[1].numpy()
-
-        self._wait(cl, poll, "combine/rows",
-                   lambda: self._reduce_missing(cur[0], ready, done, lo, hi), deadline=deadline,
-                   on_inactive=drop)
-        if bad[0] >= 0:
-            raise self._combine_dtype_error(expert_out.dtype, bad[0])
-
-    def _combine_pool(self, epoch, idx, w, weighted, pos, rb, expert_out, ready, done, y, out16,
-                      own, deadline, handle):
-        b = self.ctx
-        n = b.workers
-        cl = self.runner.start(Call(epoch=epoch, deadline=deadline, n=n))
-        t_n = idx.shape[0]
-        cur = [idx, handle.topk_idx]
-
-        def work(j: int) -> None:
-            a = now_us()
-            self._reduce(b, cl, epoch, cur, w, weighted, pos, rb, expert_out, ready, done, y,
-                         out16, own, j * t_n // n, (j + 1) * t_n // n, deadline, handle)
-            cl.iv[j].append(("reduce", a, now_us(), "busy"))
-
-        self.runner.run(cl, work)
-        return cl.iv
 
     def _combine_dtype_error(self, dtype: torch.dtype, rank: int) -> Exception:
         return _protocol_error(
