@@ -57,9 +57,9 @@ def _entries(path, x, idx, w):
     (rows to a free lent area or the recv area; combined where they lie)."""
     import torch
 
-    from ubep.runtime.shm.direct.path import _elem
+    from ubep.runtime.shm.direct.path import combine_codes
 
-    code, ecode, _ = _elem(x.dtype)
+    code, ecode, _ = combine_codes(x.dtype)
     area = 1 if path.owned else 0
     roff = path._recv_off + area * path._area
     view = path._area_view(area, roff, x.shape[1], x.dtype)

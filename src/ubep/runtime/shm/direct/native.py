@@ -17,7 +17,8 @@ from ubep.handle import CombineResult, DispatchHandle, DispatchResult, new_combi
 from ubep.native import layout as L
 from ubep.native.layout import DIRECT_DOOR, DW_LAST_CALL, DW_LAST_CODE
 from ubep.runtime.shm.context import ShmContext
-from ubep.runtime.shm.direct.path import _CODES, _OUT_KIND, DirectPath, _elem
+from ubep.runtime.shm.direct.path import OUT_KIND, DirectPath, combine_codes
+from ubep.runtime.shm.protocol import DTYPE_CODES as _CODES
 from ubep.runtime.shm.waits import INLINE_SPINS, deadline_after, now_us
 from ubep.stats import DeferredStats
 
@@ -44,7 +45,7 @@ class DirectNativePath(DirectPath):
         words = {"path_words": self._w, "buffer_words": buffer_words, "lock": lock,
                  "resume": resume, "cdata": self._area_cdata,
                  "uses": self._area_uses, "views": self._area_views, "codes": _CODES,
-                 "elems": {d: _elem(d)[:2] for d in _OUT_KIND},
+                 "elems": {d: combine_codes(d)[:2] for d in OUT_KIND},
                  "dbuild": self._dispatch_stats, "cbuild": self._combine_stats,
                  "st": self._st_addr, "owned": int(self.owned), "buffer_id": self.ctx.buffer_id,
                  "recv_off": self._recv_off, "area": self._area, "base": self.ctx.base,
@@ -118,13 +119,13 @@ class DirectNativePath(DirectPath):
         waits (as dispatch); the rest as `DirectPath` goes on."""
         begun = None
         dtype, t_n = expert_out.dtype, handle.num_tokens
-        if dtype in _OUT_KIND:
+        if dtype in OUT_KIND:
             # one C++ entry (`ubep.native`), straight-line while nothing waits (as dispatch)
             idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
             r = self._native.direct_combine(
                 self._st_addr, epoch, code, ecode, offset, ptr, n_recv if copied else 0, ints,
                 idx_addr, w_addr, t_n, k_n, weighted, pos_addr,
-                self._combine_out(dest, t_n, rb, dtype), _OUT_KIND[dtype], t0,
+                self._combine_out(dest, t_n, rb, dtype), OUT_KIND[dtype], t0,
                 self._combine_stats if dest is None else None, copied, handle.topk_idx)
             if type(r) is not tuple:    # the CombineResult: all summed, every rank done
                 return r
@@ -146,7 +147,7 @@ class DirectNativePath(DirectPath):
         entry sums into): the Python path's waits from there."""
         self.dropped = []
         dtype = expert_out.dtype
-        code, ecode, lut = _elem(dtype)
+        code, ecode, lut = combine_codes(dtype)
         es = dtype.itemsize
         return self._combine_rest(handle, expert_out, dest, epoch, code, ecode, lut, es,
                                   self.hidden * es, offset, ptr, handle.num_recv, copied,

@@ -87,18 +87,18 @@ from ubep.validate import MOVABLE_DTYPES, byte_span
 
 _CODES = DTYPE_CODES
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
-_NO_16 = np.zeros((0, 0), np.uint16)        # reduce_direct: "do not round here"
+NO_16 = np.zeros((0, 0), np.uint16)        # reduce_direct: "do not round here"
 #: combine dtypes whose fp32 sums the kernels round into the output (the rest: fp32 sums in
 #: place, fp8 cast after); the compiled entry takes these and fp32
-_ROUNDED = (torch.bfloat16, torch.float16)
+ROUNDED = (torch.bfloat16, torch.float16)
 #: `ubep.native.direct_combine`'s output kinds: fp32 sums in place, else rounded to these
-_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: strong references to a torch storage (by its `_cdata`): `_free_area`'s test, ~0.1 µs
 _use_count = torch._C._storage_Use_Count
 
 
 @functools.cache
-def _elem(dtype: torch.dtype) -> tuple[int, int, np.ndarray]:
+def combine_codes(dtype: torch.dtype) -> tuple[int, int, np.ndarray]:
     """(dtype code, element code, fp32 lookup table) of combine rows of `dtype`."""
     return (_CODES[dtype], *combine_elem(dtype))
 
@@ -464,7 +464,7 @@ class DirectPath:
                              "live in the Buffer until the next one); direct='owned' combines "
                              "any handle")
         dtype = expert_out.dtype
-        code, ecode, lut = _elem(dtype)
+        code, ecode, lut = combine_codes(dtype)
         es = dtype.itemsize
         rb = self.hidden * es
         n_recv = handle.num_recv
@@ -539,7 +539,7 @@ class DirectPath:
         idx_addr, w_addr, k_n, _, pos_addr, _, ints = handle.state
         t_n, hidden = handle.num_tokens, self.hidden
         own = ptr if copy_n else 0      # copied: my own rows are summed from expert_out itself
-        rounded = dtype in _ROUNDED
+        rounded = dtype in ROUNDED
         sums = rounded or dtype is torch.float32    # into the output itself
         if begun is not None:           # the compiled entry ran the kernel entry below
             left, waiting, out, t1 = begun

@@ -16,7 +16,7 @@ from ubep.handle import DispatchResult
 from ubep.runtime.shm.call import Call, CallRunner
 from ubep.runtime.shm.context import ShmContext
 from ubep.runtime.shm.direct import kernels as DK
-from ubep.runtime.shm.direct.path import _NO_16, _ROUNDED, DirectPath, _elem
+from ubep.runtime.shm.direct.path import NO_16, ROUNDED, DirectPath, combine_codes
 from ubep.runtime.shm.elements import cast_rows
 from ubep.runtime.shm.waits import now_us
 
@@ -89,10 +89,10 @@ class DirectPoolPath(DirectPath):
         b = self.ctx
         dtype, t_n = expert_out.dtype, handle.num_tokens
         idx, w, pos, _, src_rank = handle.state
-        if dtype in _ROUNDED:                 # rounded in the kernel, token by token
+        if dtype in ROUNDED:                 # rounded in the kernel, token by token
             y, out16 = self._y[:t_n], np.empty((t_n, self.hidden), np.uint16)
         else:
-            y, out16 = np.empty((t_n, self.hidden), np.float32), _NO_16
+            y, out16 = np.empty((t_n, self.hidden), np.float32), NO_16
         done = np.zeros(t_n, np.uint8)
         ready = self._ready
         if copied:          # only the rows peers read; mine are summed where they lie
@@ -102,7 +102,7 @@ class DirectPoolPath(DirectPath):
         t1 = now_us()
         ivs = self._combine_pool(epoch, idx, w, weighted, pos, rb, expert_out, ready, done,
                                  y, out16, ptr if copied else 0, deadline, handle)
-        if dtype in _ROUNDED:
+        if dtype in ROUNDED:
             out = torch.from_numpy(out16).view(dtype)
         elif dtype == torch.float32:
             out = torch.from_numpy(y)
@@ -116,7 +116,7 @@ class DirectPoolPath(DirectPath):
         """Sum tokens [lo, hi) as their ranks publish; bounded wait naming the ranks. `cur`:
         `[routing as numpy, as a tensor]`, shared by the workers (elastic: without dead
         ranks once found)."""
-        code, ecode, lut = _elem(expert_out.dtype)
+        code, ecode, lut = combine_codes(expert_out.dtype)
         es = expert_out.element_size()
         bad = [-1]                  # a rank that published another dtype
 
