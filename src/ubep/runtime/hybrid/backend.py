@@ -52,14 +52,14 @@ import torch.distributed as dist
 from ubep.errors import PeerDiedError, PeerTimeoutError
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
-from ubep.plan.hosts import HostLayout, merge_order, rows_to_other_hosts, split_routing
+from ubep.plan.hosts import HostLayout, merge_order, split_routing
 from ubep.runtime import Backend
 from ubep.runtime.hosts import discover_hosts
 from ubep.runtime.hybrid.network import Exchange, network_error, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.torch_backend import PARTIAL_DTYPES, TorchBackend
-from ubep.stats import Stats
+from ubep.stats import DeferredStats, Stats
 
 __all__ = ["HybridBackend", "PARTIAL_DTYPES", "FLAT_BYTES", "SPLIT_BYTES"]
 
@@ -130,6 +130,8 @@ class HybridBackend(Backend):
         self._entries = {h: int(lay.entry[self.rank, h]) for h in range(lay.num_hosts)
                          if h != self.host}
         self._sources = lay.sources(self.rank)
+        #: `[W]` bool: the ranks on other hosts (a flat call's network peers)
+        self._far = lay.host_of_rank != self.host
         tmax, kmax = c.max_tokens_per_rank, c.max_top_k
         #: the largest dispatch message (rows of 4-byte elements, kmax slots)
         self._msg_cap = _HEADER + tmax * (4 * c.hidden + 4 * (1 + 2 * kmax))
@@ -453,7 +455,8 @@ class HybridBackend(Backend):
 
     # -- flat mode ---------------------------------------------------------------------------
     def _flat_dispatch(self, x, topk_idx, topk_weights, call) -> DispatchResult:
-        """The torch backend's dispatch, its stats in this backend's terms."""
+        """The torch backend's dispatch (its compiled path), its stats in this backend's
+        terms, made when first read: a batch-1 call costs what the torch backend's does."""
         try:
             res = self._flat.dispatch(x, topk_idx, topk_weights, call)
         except (ValueError, TypeError):
@@ -464,14 +467,8 @@ class HybridBackend(Backend):
                                 self.config.timeout_s) from e
         # the largest count any rank sent one peer: every rank's headers say the same
         self._mode = self._mode_for(self._flat.last_global_max)
-        st = _plain(res.stats)
-        row_bytes = rows_to_other_hosts(self.layout, self.rank, topk_idx.numpy(), per="rank") * (
-            x.shape[1] * x.element_size())
-        far = [p for p in range(self.world) if self.layout.host_of_rank[p] != self.host]
-        wire = sum(send[p] for _, send, _ in st.extra.get("collectives", ()) for p in far)
-        extra = {**st.extra, "mode": "flat", "network_meta_bytes": max(wire - row_bytes, 0)}
-        stats = dataclasses.replace(st, backend="hybrid", extra=extra,
-                                    bytes_sent_network=row_bytes)
+        stats = DeferredStats.of(_flat_dispatch_stats, res.stats, res.handle, self._far,
+                                 x.shape[1] * x.element_size())
         return _with_stats(res, stats)
 
     def _flat_combine(self, expert_out, handle, weighted, out) -> CombineResult:
@@ -483,23 +480,12 @@ class HybridBackend(Backend):
             self.in_step = False
             raise network_error(self.rank, "combine/flat", self._others(), e,
                                 self.config.timeout_s) from e
-        st = _plain(res.stats)
-        rows = self._far_rows_back(handle)
-        stats = dataclasses.replace(st, backend="hybrid", extra={**st.extra, "mode": "flat"},
-                                    bytes_sent_network=rows * expert_out.shape[1]
-                                    * _partial_dtype(expert_out.dtype).itemsize)
-        return CombineResult(y=res.y, stats=stats)
+        prow = expert_out.shape[1] * _partial_dtype(expert_out.dtype).itemsize
+        return CombineResult(y=res.y, stats=DeferredStats.of(_flat_combine_stats, res.stats,
+                                                             handle, self._far, prow))
 
     def _others(self) -> list[int]:
         return [r for r in range(self.world) if r != self.rank]
-
-    def _far_rows_back(self, handle: DispatchHandle) -> int:
-        """Partial rows a flat combine puts on the network: one per (token, rank) of the
-        received rows whose source lives on another host."""
-        src = handle.recv_src_rank.numpy()
-        tok = handle.recv_src_token.numpy()
-        far = self.layout.host_of_rank[src] != self.host
-        return len(np.unique(src[far] * (1 << 32) + tok[far]))
 
     def _shm_combine(self, rows: torch.Tensor, part: _Part, weighted: bool,
                      phase: str) -> torch.Tensor:
@@ -525,6 +511,33 @@ class HybridBackend(Backend):
 
 def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in PARTIAL_DTYPES else torch.float32
+
+
+def _far_rows(per_rank, far: np.ndarray) -> int:
+    """Rows of a flat call's per-rank counts `per_rank` that cross the network."""
+    return int(sum(n for n, f in zip(per_rank, far.tolist()) if f))
+
+
+def _flat_dispatch_stats(st: Stats, handle: DispatchHandle, far: np.ndarray,
+                         row_bytes: int) -> Stats:
+    """A flat dispatch's stats: the torch backend's `st`, with its network row bytes, one row
+    per (token, rank on another host holding one of its experts), and the rest of what
+    crossed the network as metadata."""
+    st = _plain(st)
+    row = _far_rows(handle.state.sent_per_rank, far) * row_bytes
+    wire = sum(s[p] for _, s, _ in st.extra.get("collectives", ()) for p in np.flatnonzero(far))
+    extra = {**st.extra, "mode": "flat", "network_meta_bytes": max(int(wire) - row, 0)}
+    return dataclasses.replace(st, backend="hybrid", extra=extra, bytes_sent_network=row)
+
+
+def _flat_combine_stats(st: Stats, handle: DispatchHandle, far: np.ndarray,
+                        prow_bytes: int) -> Stats:
+    """A flat combine's stats: the torch backend's `st`, with its network row bytes, one
+    partial row per (token, rank) received from another host."""
+    st = _plain(st)
+    rows = _far_rows(handle.state.recv_per_rank, far)
+    return dataclasses.replace(st, backend="hybrid", extra={**st.extra, "mode": "flat"},
+                               bytes_sent_network=rows * prow_bytes)
 
 
 def _plain(st: Stats) -> Stats:
