@@ -9,9 +9,10 @@ ranks pick the next call's mode alike (`backend.HybridBackend`).
 
 Ordering: a rank writes its table and count before the shm dispatch that needs them; a
 receiver reads them after that dispatch returned, having acquired the writer's count words
-or rows (the shm path's release/acquire), so it sees them. Reuse: two slots by call parity;
-a rank writes call n+2's slot only after the shm exchanges of call n+1, which need every
-rank of the host to have finished call n.
+or rows (the shm path's release/acquire), so it sees them. Reuse: a call's forwarded rows
+may come in several chunks (one shm dispatch each), each with a table of its own: slot
+`parity * chunks + chunk`; a rank writes call n+2's slots only after the shm exchanges of
+call n+1, which need every rank of the host to have finished call n.
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ from ubep.runtime.shm import segments
 
 
 class OriginTables:
-    """Each rank's two slots `[count, (src << 32) | token ...]`, mapped by its host."""
+    """Each rank's `2 * chunks` slots `[count, (src << 32) | token ...]`, mapped by its
+    host (the count in slots 0 and 1, by call parity)."""
 
     def __init__(self, group, *, rank: int, world: int, capacity: int, buffer_id: int,
-                 timeout_s: float):
+                 timeout_s: float, chunks: int = 1):
         self.capacity = max(1, capacity)
+        self.chunks = max(2, 2 * chunks)
         self.rank = rank
         self._own: segments.Segment | None = None
         self._peers: list[segments.Segment] = []
         self._views: list[np.ndarray] = []
-        size = 2 * 8 * (1 + self.capacity)
+        size = self.chunks * 8 * (1 + self.capacity)
         name = segments.segment_name(os.environ.get("UBEP_JOB_ID", "job") + "o", buffer_id,
                                      rank)
         try:
@@ -45,7 +48,7 @@ class OriginTables:
                 seg = self._own if r == rank else segments.attach(n)
                 if r != rank:
                     self._peers.append(seg)
-                self._views.append(np.frombuffer(seg.buf, np.int64).reshape(2, -1))
+                self._views.append(np.frombuffer(seg.buf, np.int64).reshape(self.chunks, -1))
             bootstrap.exchange(True, group, rank=rank, world=world, timeout_s=timeout_s,
                                phase="Buffer()/origin tables attached")
         finally:
@@ -59,13 +62,13 @@ class OriginTables:
         """The largest token count the host's ranks published for parity `parity`."""
         return max(int(v[parity, 0]) for v in self._views)
 
-    def write(self, parity: int, src: np.ndarray, token: np.ndarray) -> None:
-        """This rank's table of parity `parity`: virtual token v came from (src[v], token[v])."""
-        self._views[self.rank][parity, 1:1 + len(src)] = (src << 32) | token
+    def write(self, slot: int, src: np.ndarray, token: np.ndarray) -> None:
+        """This rank's table in `slot`: virtual token v came from (src[v], token[v])."""
+        self._views[self.rank][slot, 1:1 + len(src)] = (src << 32) | token
 
-    def read(self, entry: int, parity: int, vtoken: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, entry: int, slot: int, vtoken: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source rank, source token) of virtual tokens `vtoken` of `entry` (host index)."""
-        packed = self._views[entry][parity, 1 + vtoken]
+        packed = self._views[entry][slot, 1 + vtoken]
         return packed >> 32, packed & 0xFFFFFFFF
 
     def close(self) -> None:
