@@ -55,6 +55,7 @@ from ubep.options import BufferConfig
 from ubep.plan.hosts import HostLayout, merge_order, split_routing
 from ubep.runtime import Backend
 from ubep.runtime.hosts import discover_hosts
+from ubep.runtime.hybrid.modes import ModePicker, bucket
 from ubep.runtime.hybrid.network import Exchange, network_error, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.runtime.shm.outputs import OutputPool
@@ -76,7 +77,9 @@ SPLIT_BYTES = 256 << 10
 #: arrived while the next ones travel; combine sends each chunk's partials as soon as they
 #: are summed (a pipeline, as DeepEP's normal kernels forward while RDMA chunks arrive)
 CHUNKS = 4
-_HEADER = 16                # bytes before a dispatch message's rows: row count, sender's batch
+#: bytes before a dispatch message's rows: row count, the sender's batch, its flat and
+#: hierarchical costs (`modes.ModePicker.shared`)
+_HEADER = 32
 _clock = time.perf_counter
 
 
@@ -106,6 +109,7 @@ class _HybridState:
     joint: bool
     tokens: tuple[np.ndarray, ...]      # per host: my tokens sent there (ascending)
     recv_rows: tuple[dict[int, int], ...]   # per chunk, per source rank: rows received
+    cost: tuple[int, float]             # the call's batch bucket, dispatch seconds so far
 
 
 class HybridBackend(Backend):
@@ -138,9 +142,7 @@ class HybridBackend(Backend):
         self._sources = lay.sources(self.rank)
         #: `[W]` bool: the ranks on other hosts (a flat call's network peers)
         self._far = lay.host_of_rank != self.host
-        tmax, kmax = c.max_tokens_per_rank, c.max_top_k
-        #: the largest dispatch message (rows of 4-byte elements, kmax slots)
-        self._msg_cap = _HEADER + tmax * (4 * c.hidden + 4 * (1 + 2 * kmax))
+        tmax = c.max_tokens_per_rank
         # a rank's shm dispatch carries at most its own tokens and its sources' (joint mode)
         most = (1 + max(len(lay.sources(int(r))) for r in self.host_ranks)) * tmax
         members = [int(r) if group is None else dist.get_global_rank(group, int(r))
@@ -170,6 +172,9 @@ class HybridBackend(Backend):
                                   buffer_id)
         self._mode = "joint"        # the first call's (then the last call's batch picks)
         self._chunks = 1            # split mode's chunks per peer (picked with the mode)
+        #: flat or hierarchical above FLAT_BYTES: from the costs the ranks measured
+        self._picker = ModePicker()
+        self._flat_t: tuple[int, float] = (0, 0.0)     # a flat dispatch's (bucket, µs)
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -258,6 +263,7 @@ class HybridBackend(Backend):
         parity, joint = self._calls & 1, self._mode == "joint"
         chunks = 1 if joint else self._chunks
         split = split_routing(self.layout, self.rank, topk_idx.numpy())
+        head = (T, *self._picker.shared())
         inbox = self._inbox(chunks)
         nets, sends = [], {}
         for k in range(chunks):     # every chunk posted now: gloo sends them in order
@@ -265,7 +271,7 @@ class HybridBackend(Backend):
             for h, e in self._entries.items():
                 n = len(split.tokens[h])
                 lo, hi = n * k // chunks, n * (k + 1) // chunks
-                out[e] = self._pack((e, k), x, topk_weights, split.tokens[h][lo:hi],
+                out[e] = self._pack((e, k), head, x, topk_weights, split.tokens[h][lo:hi],
                                     split.remote_idx[h][lo:hi], rb, mb)
                 sends[e] = sends.get(e, 0) + out[e].numel()
             nets.append(self._post("dispatch/network", out, inbox[k], k))
@@ -283,17 +289,23 @@ class HybridBackend(Backend):
             slot = parity * CHUNKS + k
             xf, idxf, wf, rows, heard = self._unpack(inbox[k], own, x.dtype, rb, mb, K, slot)
             t_wait += t_net - t_local
-            if k == 0:      # the largest batch I know of (mine, my sources'), before the
-                self._origins.write_count(parity, max(T, heard))    # dispatch that shows it
+            if k == 0:      # the largest batch and costs I know of (mine, my sources'),
+                # before the dispatch that shows them
+                self._origins.write_words(parity, tuple(map(max, head, heard)))
             results.append((self._shm_dispatch(xf, idxf, wf, "dispatch/shm forwarded"), slot))
             recv_rows.append(rows)
             t_local = _clock()
         t_fwd = t_local
-        # every remote rank told one rank of this host its batch: the host's ranks' largest
-        # is every rank's largest, so the next call's mode is the same everywhere
-        self._mode = self._mode_for(self._origins.max_count(parity))
+        # every remote rank told one rank of this host its batch and costs: the host's
+        # ranks' largest is every rank's largest, so the next call's mode is the same
+        # everywhere
+        most, flat_us, hier_us = self._origins.max_words(parity)
+        nbytes = most * c.hidden * 2
+        flat = self._picker.after_hier(bucket(most), nbytes <= FLAT_BYTES, flat_us, hier_us,
+                                       call)
+        self._mode = "flat" if flat else self._mode_for(most)
         merged = self._merge(x, topk_idx, topk_weights, call, results, joint,
-                             split.tokens, tuple(recv_rows))
+                             split.tokens, tuple(recv_rows), (bucket(most), _clock() - t0))
         t_end = _clock()
         us = 1e6
         phases = {"pack": (t_posted - t0) * us, "network wait": t_wait * us,
@@ -318,15 +330,14 @@ class HybridBackend(Backend):
                                  {s: _HEADER * chunks + m * (rb + mb) for s, m in got.items()})})
         return DispatchResult(*merged, stats=stats)
 
-    def _pack(self, key: tuple, x: torch.Tensor, w: torch.Tensor, toks: np.ndarray,
-              ridx: np.ndarray, rb: int, mb: int) -> torch.Tensor:
-        """One dispatch message (`key`: peer, chunk): the row count, the sender's batch, the
-        rows, then their routing (in kept scratch: the send is waited for before the call
-        returns)."""
+    def _pack(self, key: tuple, head: tuple, x: torch.Tensor, w: torch.Tensor,
+              toks: np.ndarray, ridx: np.ndarray, rb: int, mb: int) -> torch.Tensor:
+        """One dispatch message (`key`: peer, chunk): the row count, `head` (the sender's
+        batch and costs), the rows, then their routing (in kept scratch: the send is waited
+        for before the call returns)."""
         n = len(toks)
         out = self._kept(("send", *key), _HEADER + n * (rb + mb))
-        out[:_HEADER].view(torch.int64)[0] = n
-        out[:_HEADER].view(torch.int64)[1] = x.shape[0]
+        out[:_HEADER].numpy().view(np.int64)[:] = (n, *head)
         if n:
             rows = out[_HEADER:_HEADER + n * rb].view(n, rb)
             torch.index_select(_words(x), 0, torch.from_numpy(toks), out=_words(rows))
@@ -344,10 +355,11 @@ class HybridBackend(Backend):
         Virtual token v: this rank's own tokens first when `own` = (x, host routing,
         weights) rides along (joint mode), then the rows received, sources in rank order.
         Their origins go in my table `slot`. The rows of a single source, alone, are
-        dispatched where they arrived. Also returns the largest batch the sources reported."""
+        dispatched where they arrived. Also returns the largest batch and costs the sources
+        reported."""
         heads = {s: buf[:_HEADER].view(torch.int64).tolist() for s, buf in inbox.items()}
         counts = {s: h[0] for s, h in heads.items()}
-        heard = max((h[1] for h in heads.values()), default=0)
+        heard = tuple(max((h[i] for h in heads.values()), default=0) for i in (1, 2, 3))
         t_own = 0 if own is None else own[0].shape[0]
         n = t_own + sum(counts.values())
         hidden = self.config.hidden
@@ -398,7 +410,7 @@ class HybridBackend(Backend):
         return src, tok
 
     def _merge(self, x, topk_idx, topk_weights, call, results: list, joint: bool,
-               tokens: tuple, recv_rows: tuple) -> tuple:
+               tokens: tuple, recv_rows: tuple, cost: tuple[int, float]) -> tuple:
         """The shm results laid out expert-major by (source rank, source token): the
         `DispatchResult` fields up to `handle`, in order."""
         c, W = self.config, self.world
@@ -426,7 +438,7 @@ class HybridBackend(Backend):
             parts.append(_Part(res.handle, torch.from_numpy(p)))
         src_rank, src_token, src_slot = (torch.from_numpy(o) for o in origins)
         tpe = sum(res.tokens_per_expert for res, _ in results)
-        state = _HybridState(tuple(parts), joint, tokens, recv_rows)
+        state = _HybridState(tuple(parts), joint, tokens, recv_rows, cost)
         handle = DispatchHandle(buffer_id=self.buffer_id, call=call, num_tokens=x.shape[0],
                                 num_recv=n, hidden=c.hidden, topk_idx=topk_idx,
                                 topk_weights=topk_weights, recv_src_rank=src_rank,
@@ -498,6 +510,7 @@ class HybridBackend(Backend):
                     acc.index_add_(0, torch.from_numpy(toks[lo:hi]), part)
         y = (self._pool.empty(T, c.hidden, expert_out.dtype) if out is None else out).copy_(acc)
         t_end = _clock()
+        self._picker.record(st.cost[0], False, (st.cost[1] + t_end - t0) * 1e6)
         us = 1e6
         phases = {"shm forwarded": (t_posted - t0) * us, "shm local": (t_local - t_posted) * us,
                   "network wait": (t_net - t_local) * us, "sum": (t_end - t_net) * us}
@@ -521,6 +534,7 @@ class HybridBackend(Backend):
     def _flat_dispatch(self, x, topk_idx, topk_weights, call) -> DispatchResult:
         """The torch backend's dispatch (its compiled path), its stats in this backend's
         terms, made when first read: a batch-1 call costs what the torch backend's does."""
+        t0 = _clock()
         try:
             res = self._flat.dispatch(x, topk_idx, topk_weights, call)
         except (ValueError, TypeError):
@@ -530,12 +544,17 @@ class HybridBackend(Backend):
             raise network_error(self.rank, "dispatch/flat", self._others(), e,
                                 self.config.timeout_s) from e
         # the largest count any rank sent one peer: every rank's headers say the same
-        self._mode = self._mode_for(self._flat.last_global_max)
+        most = self._flat.last_global_max
+        small = most * self.config.hidden * 2 <= FLAT_BYTES
+        flat = self._picker.after_flat(bucket(most), small, call)
+        self._mode = "flat" if flat else self._mode_for(most)
+        self._flat_t = (self._picker.bucket, _clock() - t0)
         stats = DeferredStats.of(_flat_dispatch_stats, res.stats, res.handle, self._far,
                                  x.shape[1] * x.element_size())
         return _with_stats(res, stats)
 
     def _flat_combine(self, expert_out, handle, weighted, out) -> CombineResult:
+        t0 = _clock()
         try:
             res = self._flat.combine(expert_out, handle, weighted, out)
         except (ValueError, TypeError):
@@ -544,6 +563,8 @@ class HybridBackend(Backend):
             self.in_step = False
             raise network_error(self.rank, "combine/flat", self._others(), e,
                                 self.config.timeout_s) from e
+        key, took = self._flat_t
+        self._picker.record(key, True, (took + _clock() - t0) * 1e6)
         prow = expert_out.shape[1] * _partial_dtype(expert_out.dtype).itemsize
         return CombineResult(y=res.y, stats=DeferredStats.of(_flat_combine_stats, res.stats,
                                                              handle, self._far, prow))

@@ -1,0 +1,96 @@
+"""Which exchange the hybrid backend's next call runs, from costs the ranks measured.
+
+Two families: "flat" (the torch backend's exchange, straight to the expert ranks) and the
+hierarchical ones ("joint", "split": once per host, then forwarded through shared memory).
+Small batches always run flat (`FLAT_BYTES` in `backend.py`). Above it, which is cheaper
+depends on the link and the cores: on a slow link the hierarchical exchange's fewer bytes
+win, on a fast one its extra copies lose. So each rank times its calls (dispatch plus
+combine) per mode and batch bucket, and the ranks decide together:
+
+* every rank must pick the same mode, so decisions use only what every rank knows alike:
+  the largest batch of any rank (hierarchical calls; the bucket), the largest count any
+  rank sent one peer (flat calls: the torch backend's headers), the call number, and the
+  costs carried in hierarchical calls' headers (the largest of any rank: a call takes its
+  slowest rank's time);
+* a bucket's flat cost is unknown until a flat call was tried there: a hierarchical call
+  whose bucket has no flat cost is followed by one flat call (a probe), which is followed
+  by a hierarchical call again, which carries the probe's cost to every rank;
+* every `REPROBE` calls the mode not chosen runs once, so the choice follows the load;
+* a flat call leaves flat when the largest per-peer count changes bucket (the batch
+  changed: a hierarchical call finds the new bucket).
+"""
+
+from __future__ import annotations
+
+#: calls between re-measurements of the mode not chosen
+REPROBE = 32
+#: weight of a new sample in a cost's moving average
+ALPHA = 0.3
+
+
+def bucket(n: int) -> int:
+    """The bucket of a count: its bit length (1, 2-3, 4-7, ...)."""
+    return int(n).bit_length()
+
+
+class ModePicker:
+    """The agreed choice between flat and hierarchical calls, and this rank's costs."""
+
+    def __init__(self) -> None:
+        #: this rank's moving averages, µs per dispatch + combine: {(bucket, flat?): us}
+        self._cost: dict[tuple[int, bool], float] = {}
+        #: the bucket of the largest batch the current choice was made for (agreed)
+        self.bucket = 0
+        #: why the current run of flat calls runs (agreed): "small" batches, a "probe" (one
+        #: call), "chosen" as the cheaper; None in hierarchical calls
+        self._run: str | None = "small"
+        #: in a chosen run: the per-peer count's bucket of its first call (agreed)
+        self._flat_key: int | None = None
+
+    def shared(self) -> tuple[int, int]:
+        """(flat µs, hierarchical µs) this rank measured in the current bucket (0: not yet),
+        what its hierarchical call's header carries."""
+        return (int(self._cost.get((self.bucket, True), 0)),
+                int(self._cost.get((self.bucket, False), 0)))
+
+    def record(self, key_bucket: int, flat: bool, us: float) -> None:
+        """One call's dispatch + combine time on this rank."""
+        key = (key_bucket, flat)
+        old = self._cost.get(key)
+        self._cost[key] = us if old is None else old + ALPHA * (us - old)
+
+    def after_hier(self, batch_bucket: int, small: bool, flat_us: int, hier_us: int,
+                   call: int) -> bool:
+        """After a hierarchical call whose largest batch fell in `batch_bucket` (`small`:
+        at most the flat threshold) and whose ranks' largest costs for the bucket the call
+        was chosen in were `flat_us`, `hier_us` (0: unknown): is the next call flat?"""
+        same = batch_bucket == self.bucket
+        self.bucket, self._flat_key = batch_bucket, None
+        self._run = "small" if small else None
+        if small:
+            return True
+        if not same:            # costs of another bucket: measure this one first
+            return False
+        if not flat_us or (call + 1) % REPROBE == 0 and flat_us >= hier_us:
+            self._run = "probe"     # one flat call, then back
+            return True
+        if flat_us < hier_us:
+            self._run = "chosen"
+            return True
+        return False
+
+    def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
+        """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
+        at most the flat threshold): is the next call flat?"""
+        if small:
+            self._run = "small"
+            return True
+        if self._run != "chosen":   # a probe done, or the batch grew: a hierarchical call
+            self._run = None
+            return False
+        if self._flat_key is None:
+            self._flat_key = peer_bucket
+        if peer_bucket != self._flat_key or (call + 1) % REPROBE == 0:
+            self._run = None
+            return False
+        return True

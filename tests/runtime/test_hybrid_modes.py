@@ -1,0 +1,46 @@
+"""The hybrid backend's choice between flat and hierarchical calls (`runtime.hybrid.modes`):
+a pure function of what every rank knows alike, so every rank picks the same mode."""
+
+from __future__ import annotations
+
+from ubep.runtime.hybrid.modes import REPROBE, ModePicker
+
+
+def _steady(picker: ModePicker, costs: dict[bool, float], calls: int, start: int = 1):
+    """Run `calls` calls of one large batch (bucket 8, per-peer bucket 7) where a flat call
+    costs costs[True] and a hierarchical one costs[False]; the modes run, in order."""
+    modes, flat = [], False
+    for call in range(start, start + calls):
+        modes.append(flat)
+        picker.record(picker.bucket, flat, costs[flat])
+        if flat:
+            flat = picker.after_flat(7, False, call)
+        else:
+            flat = picker.after_hier(8, False, *picker.shared(), call)
+    return modes
+
+
+def test_probes_flat_once_then_keeps_the_cheaper():
+    """A new bucket: two hierarchical calls (the second carries its cost), one flat probe,
+    one hierarchical call carrying the probe's cost, then the cheaper mode; the other mode
+    runs once every REPROBE calls."""
+    fast_flat = _steady(ModePicker(), {True: 10.0, False: 30.0}, 2 * REPROBE)
+    assert fast_flat[:5] == [False, False, True, False, True]
+    assert sum(not f for f in fast_flat[5:]) <= 3          # re-measurements only
+    slow_flat = _steady(ModePicker(), {True: 30.0, False: 10.0}, 2 * REPROBE)
+    assert slow_flat[:5] == [False, False, True, False, False]
+    assert 1 <= sum(slow_flat[5:]) <= 2
+
+
+def test_small_batches_stay_flat_and_growth_goes_hierarchical():
+    p = ModePicker()
+    assert p.after_flat(1, True, 1)
+    assert not p.after_flat(9, False, 2)        # grew past the threshold: measure it
+    assert p.after_hier(3, True, 0, 0, 3)       # back to small
+
+
+def test_a_chosen_flat_run_leaves_when_the_batch_changes():
+    p = ModePicker()
+    _steady(p, {True: 10.0, False: 30.0}, 6)
+    assert p.after_flat(7, False, 7)
+    assert not p.after_flat(9, False, 8)        # per-peer count in another bucket
