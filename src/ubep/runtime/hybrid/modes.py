@@ -24,8 +24,9 @@ from __future__ import annotations
 
 #: calls between re-measurements of the mode not chosen
 REPROBE = 32
-#: weight of a new sample in a cost's moving average
-ALPHA = 0.3
+#: a cost is the least of its latest SAMPLES calls: robust to a busy host's spikes and to
+#: a bucket's first call (its buffers grow then)
+SAMPLES = 3
 
 
 def bucket(n: int) -> int:
@@ -37,8 +38,8 @@ class ModePicker:
     """The agreed choice between flat and hierarchical calls, and this rank's costs."""
 
     def __init__(self) -> None:
-        #: this rank's moving averages, µs per dispatch + combine: {(bucket, flat?): us}
-        self._cost: dict[tuple[int, bool], float] = {}
+        #: this rank's latest costs, µs per dispatch + combine: {(bucket, flat?): [us, ...]}
+        self._cost: dict[tuple[int, bool], list[float]] = {}
         #: the bucket of the largest batch the current choice was made for (agreed)
         self.bucket = 0
         #: why the current run of flat calls runs (agreed): "small" batches, a "probe" (one
@@ -50,14 +51,14 @@ class ModePicker:
     def shared(self) -> tuple[int, int]:
         """(flat µs, hierarchical µs) this rank measured in the current bucket (0: not yet),
         what its hierarchical call's header carries."""
-        return (int(self._cost.get((self.bucket, True), 0)),
-                int(self._cost.get((self.bucket, False), 0)))
+        return (int(min(self._cost.get((self.bucket, True), [0]))),
+                int(min(self._cost.get((self.bucket, False), [0]))))
 
     def record(self, key_bucket: int, flat: bool, us: float) -> None:
         """One call's dispatch + combine time on this rank."""
-        key = (key_bucket, flat)
-        old = self._cost.get(key)
-        self._cost[key] = us if old is None else old + ALPHA * (us - old)
+        last = self._cost.setdefault((key_bucket, flat), [])
+        last.append(max(us, 1.0))
+        del last[:-SAMPLES]
 
     def after_hier(self, batch_bucket: int, small: bool, flat_us: int, hier_us: int,
                    call: int) -> bool:
