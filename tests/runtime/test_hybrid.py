@@ -76,7 +76,7 @@ def test_hybrid_matches_oracle(hosts):
     # past 2 * SPLIT_BYTES: the next call's forwarded rows come in several chunks
     huge = Case(num_experts=4 * world, hidden=37, top_k=3, tokens=(7600, 0, 7200, 7)[:world],
                 seed=13)
-    cases = [*runtime_cases(world), mid, mid, to_one, big, big, huge, huge, huge,
+    cases = [*runtime_cases(world), mid, mid, to_one, big, big, huge, huge, huge, huge,
              runtime_cases(world)[2]]
     res = run_ranks(_run, world, hosts, cases, timeout_s=240)
     for r, (seen, why, _) in enumerate(res):

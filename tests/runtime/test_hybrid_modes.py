@@ -21,15 +21,15 @@ def _steady(picker: ModePicker, costs: dict[bool, float], calls: int, start: int
 
 
 def test_probes_flat_once_then_keeps_the_cheaper():
-    """A new bucket: two hierarchical calls (the second carries its cost), one flat probe,
-    one hierarchical call carrying the probe's cost, then the cheaper mode; the other mode
-    runs once every REPROBE calls."""
+    """A new bucket: two hierarchical calls (the second carries its cost), two flat calls
+    (a probe), one hierarchical call carrying the probe's cost, then the cheaper mode; the
+    other mode runs once every REPROBE calls."""
     fast_flat = _steady(ModePicker(), {True: 10.0, False: 30.0}, 2 * REPROBE)
-    assert fast_flat[:5] == [False, False, True, False, True]
-    assert sum(not f for f in fast_flat[5:]) <= 3          # re-measurements only
+    assert fast_flat[:6] == [False, False, True, True, False, True]
+    assert sum(not f for f in fast_flat[6:]) <= 3          # re-measurements only
     slow_flat = _steady(ModePicker(), {True: 30.0, False: 10.0}, 2 * REPROBE)
-    assert slow_flat[:5] == [False, False, True, False, False]
-    assert 1 <= sum(slow_flat[5:]) <= 2
+    assert slow_flat[:6] == [False, False, True, True, False, False]
+    assert 1 <= sum(slow_flat[6:]) <= 2
 
 
 def test_small_batches_stay_flat_and_growth_goes_hierarchical():

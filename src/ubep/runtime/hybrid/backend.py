@@ -4,32 +4,38 @@ The two-level exchange production EP libraries run between nodes (DeepEP's norma
 RDMA once per node, then NVLink), with a host's shared memory as the near tier and
 `torch.distributed` on the user's group (gloo, MPI) as the far one. Follow a call:
 
-dispatch: split the routing by host (`plan.hosts.split_routing`) -> post one message to each
-    other host's entry rank (`network.py`): the tokens with an expert there, each once, with
-    their routing restricted to that host -> *while those travel*, this rank's tokens for
-    its own host's experts move through shared memory (the shm backend's one-copy
-    `direct="owned"` path, on the host's ranks) -> the rows this rank received as an entry
-    are forwarded to their expert ranks through shared memory, their origins in
-    `origins.py`'s tables -> both arrivals are laid out expert-major by (source rank, source
-    token), as every backend returns them (one gather of the received rows).
-combine: the forwarded rows' expert outputs are summed per (token, host) through shared
-    memory and go back, one partial row per token and host; while they travel, this rank's
-    own tokens' rows on this host are summed the same way -> the token's rank adds the
-    partials in fp32 in host order and rounds once.
+dispatch: split the routing by host (`plan.hosts.split_routing`) -> post the messages to
+    each other host's entry rank (`network.py`): the tokens with an expert there, each once,
+    with their routing restricted to that host, in up to `CHUNKS` messages -> *while those
+    travel*, this rank's tokens for its own host's experts move through shared memory (the
+    shm backend's one-copy `direct="owned"` path, on the host's ranks) -> each chunk this
+    rank received as an entry is forwarded to its expert ranks through shared memory as
+    soon as it arrived (the later chunks still travelling), their origins in `origins.py`'s
+    tables -> all arrivals are laid out expert-major by (source rank, source token), as
+    every backend returns them (one gather of the received rows).
+combine: chunk by chunk, the forwarded rows' expert outputs are summed per (token, host)
+    through shared memory and go back at once, one partial row per token and host; while
+    they travel, this rank's own tokens' rows on this host are summed the same way -> the
+    token's rank adds the partials in fp32 in host order and rounds once.
 
 Modes, as DeepEP has a low-latency and a normal mode, picked per call alike on every rank
-from the previous call's largest batch of any rank (every rank learns it: dispatch messages
-carry their sender's batch, the host's ranks publish what they heard beside the origin
-tables; in flat mode the torch backend's count exchange carries it):
+from what every rank knows alike: the previous call's largest batch of any rank (dispatch
+messages carry their sender's batch, the host's ranks publish what they heard beside the
+origin tables; in flat mode the torch backend's count exchange carries the largest count
+one rank sent one peer) and, above `FLAT_BYTES`, the dispatch + combine times the ranks
+measured in each mode (carried the same way; `modes.py` decides):
 
+* "flat": the call goes straight to the expert ranks over the group as the torch backend
+  sends it (two phases instead of four), each token once per rank -- always at small
+  batches (at most `FLAT_BYTES`: bytes are cheap and every phase is a round of waiting),
+  and above where it measured cheaper (a fast link, where the hierarchical exchange's
+  extra copies cost more than its fewer bytes save);
 * "split": two shared-memory exchanges per step, so the near tier works while the far one
-  moves bytes (the largest batch had more than `SPLIT_BYTES` of bf16 rows);
+  moves bytes, the far one in chunks (the largest batch had more than `SPLIT_BYTES` of
+  bf16 rows; a chunk per `SPLIT_BYTES`, up to `CHUNKS`);
 * "joint": the rank's own tokens ride in the forwarded exchange (one exchange per step,
   after the network): at medium batches there is little to hide and each exchange is a
-  rendezvous of the host's ranks;
-* "flat": at small batches (at most `FLAT_BYTES`) bytes are cheap and every phase is a
-  round of waiting, so the call goes straight to the expert ranks over the group as the
-  torch backend sends it (two phases instead of four), each token once per rank.
+  rendezvous of the host's ranks.
 
 Rounding contract: a host's partial is the fp32 sum of the token's slots on that host in
 slot order, rounded to the output dtype (fp32 for 8-bit outputs) -- what crosses the network,

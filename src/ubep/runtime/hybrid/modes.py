@@ -12,9 +12,10 @@ combine) per mode and batch bucket, and the ranks decide together:
   rank sent one peer (flat calls: the torch backend's headers), the call number, and the
   costs carried in hierarchical calls' headers (the largest of any rank: a call takes its
   slowest rank's time);
-* a bucket's flat cost is unknown until a flat call was tried there: a hierarchical call
-  whose bucket has no flat cost is followed by one flat call (a probe), which is followed
-  by a hierarchical call again, which carries the probe's cost to every rank;
+* a bucket's flat cost is unknown until flat calls were tried there: a hierarchical call
+  whose bucket has no flat cost is followed by two flat calls (a probe: the first grows
+  the flat exchange's buffers, the second measures it), then by a hierarchical call
+  again, which carries the probe's cost to every rank;
 * every `REPROBE` calls the mode not chosen runs once, so the choice follows the load;
 * a flat call leaves flat when the largest per-peer count changes bucket (the batch
   changed: a hierarchical call finds the new bucket).
@@ -42,9 +43,10 @@ class ModePicker:
         self._cost: dict[tuple[int, bool], list[float]] = {}
         #: the bucket of the largest batch the current choice was made for (agreed)
         self.bucket = 0
-        #: why the current run of flat calls runs (agreed): "small" batches, a "probe" (one
-        #: call), "chosen" as the cheaper; None in hierarchical calls
+        #: why the current run of flat calls runs (agreed): "small" batches, a "probe"
+        #: (`_left` more calls), "chosen" as the cheaper; None in hierarchical calls
         self._run: str | None = "small"
+        self._left = 0
         #: in a chosen run: the per-peer count's bucket of its first call (agreed)
         self._flat_key: int | None = None
 
@@ -73,7 +75,7 @@ class ModePicker:
         if not same:            # costs of another bucket: measure this one first
             return False
         if not flat_us or (call + 1) % REPROBE == 0 and flat_us >= hier_us:
-            self._run = "probe"     # one flat call, then back
+            self._run, self._left = "probe", 1 if flat_us else 2     # then back
             return True
         if flat_us < hier_us:
             self._run = "chosen"
@@ -85,6 +87,9 @@ class ModePicker:
         at most the flat threshold): is the next call flat?"""
         if small:
             self._run = "small"
+            return True
+        if self._run == "probe" and self._left > 1:
+            self._left -= 1
             return True
         if self._run != "chosen":   # a probe done, or the batch grew: a hierarchical call
             self._run = None
