@@ -3,7 +3,7 @@ a pure function of what every rank knows alike, so every rank picks the same mod
 
 from __future__ import annotations
 
-from ubep.runtime.hybrid.modes import REPROBE, ModePicker
+from ubep.runtime.hybrid.modes import REPROBE, SAMPLES, ModePicker
 
 
 def _steady(picker: ModePicker, costs: dict[bool, float], calls: int, start: int = 1):
@@ -21,15 +21,17 @@ def _steady(picker: ModePicker, costs: dict[bool, float], calls: int, start: int
 
 
 def test_probes_flat_once_then_keeps_the_cheaper():
-    """A new bucket: two hierarchical calls (the second carries its cost), two flat calls
-    (a probe), one hierarchical call carrying the probe's cost, then the cheaper mode; the
-    other mode runs once every REPROBE calls."""
-    fast_flat = _steady(ModePicker(), {True: 10.0, False: 30.0}, 2 * REPROBE)
-    assert fast_flat[:6] == [False, False, True, True, False, True]
-    assert sum(not f for f in fast_flat[6:]) <= 3          # re-measurements only
-    slow_flat = _steady(ModePicker(), {True: 30.0, False: 10.0}, 2 * REPROBE)
-    assert slow_flat[:6] == [False, False, True, True, False, False]
-    assert 1 <= sum(slow_flat[6:]) <= 2
+    """A new bucket: SAMPLES + 1 hierarchical calls (the last carries their cost), as many
+    flat ones (a probe), one hierarchical call carrying the probe's cost, then the cheaper
+    mode; the other mode runs once every REPROBE calls."""
+    n = SAMPLES + 1
+    explore = [False] * n + [True] * n + [False]
+    fast_flat = _steady(ModePicker(), {True: 10.0, False: 30.0}, 3 * REPROBE)
+    assert fast_flat[:2 * n + 2] == [*explore, True]
+    assert sum(not f for f in fast_flat[2 * n + 2:]) <= 3  # re-measurements only
+    slow_flat = _steady(ModePicker(), {True: 30.0, False: 10.0}, 3 * REPROBE)
+    assert slow_flat[:2 * n + 2] == [*explore, False]
+    assert 1 <= sum(slow_flat[2 * n + 2:]) <= 3
 
 
 def test_small_batches_stay_flat_and_growth_goes_hierarchical():
@@ -41,6 +43,6 @@ def test_small_batches_stay_flat_and_growth_goes_hierarchical():
 
 def test_a_chosen_flat_run_leaves_when_the_batch_changes():
     p = ModePicker()
-    _steady(p, {True: 10.0, False: 30.0}, 6)
-    assert p.after_flat(7, False, 7)
-    assert not p.after_flat(9, False, 8)        # per-peer count in another bucket
+    _steady(p, {True: 10.0, False: 30.0}, 2 * SAMPLES + 4)
+    assert p.after_flat(7, False, 2 * SAMPLES + 5)
+    assert not p.after_flat(9, False, 2 * SAMPLES + 6)     # per-peer count: another bucket

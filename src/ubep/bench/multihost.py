@@ -29,7 +29,7 @@ import numpy as np
 
 LINES = ("ubep", "torch", "ubep raw", "torch raw")
 #: untimed calls of each Buffer per batch before the timed turns
-WARM_CALLS = 8
+WARM_CALLS = 12
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,8 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
                 buf.combine(res.recv_x, res.handle)
                 return res.stats, buf.last_stats
 
-            # warm: the hybrid backend settles on a mode for this batch within 7 calls
-            # (a new batch bucket: two hierarchical calls, two flat ones, one more)
+            # warm: the hybrid backend settles on a mode for this batch within 10 calls
+            # (a new batch bucket: 4 hierarchical calls, 4 flat ones, one more)
             for _ in range(WARM_CALLS):
                 ud, uc = call(ub)
                 td, tc = call(tb)

@@ -12,10 +12,10 @@ combine) per mode and batch bucket, and the ranks decide together:
   rank sent one peer (flat calls: the torch backend's headers), the call number, and the
   costs carried in hierarchical calls' headers (the largest of any rank: a call takes its
   slowest rank's time);
-* a bucket's flat cost is unknown until flat calls were tried there: a hierarchical call
-  whose bucket has no flat cost is followed by two flat calls (a probe: the first grows
-  the flat exchange's buffers, the second measures it), then by a hierarchical call
-  again, which carries the probe's cost to every rank;
+* a bucket's costs are known after `SAMPLES` + 1 calls in each mode (its first call
+  grows buffers): a new bucket runs that many hierarchical calls, then as many flat ones
+  (a probe), then a hierarchical call again, which carries the probe's cost to every
+  rank;
 * every `REPROBE` calls the mode not chosen runs once, so the choice follows the load;
 * a flat call leaves flat when the largest per-peer count changes bucket (the batch
   changed: a hierarchical call finds the new bucket).
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 #: calls between re-measurements of the mode not chosen
 REPROBE = 32
-#: a cost is the least of its latest SAMPLES calls: robust to a busy host's spikes and to
-#: a bucket's first call (its buffers grow then)
+#: a cost is the least of its latest SAMPLES calls: robust to a busy host's spikes (and
+#: a bucket's first call in a mode, which grows buffers, is not among them)
 SAMPLES = 3
 
 
@@ -47,6 +47,8 @@ class ModePicker:
         #: (`_left` more calls), "chosen" as the cheaper; None in hierarchical calls
         self._run: str | None = "small"
         self._left = 0
+        #: hierarchical calls in a row in the current bucket (agreed)
+        self._hier_calls = 0
         #: in a chosen run: the per-peer count's bucket of its first call (agreed)
         self._flat_key: int | None = None
 
@@ -68,14 +70,15 @@ class ModePicker:
         at most the flat threshold) and whose ranks' largest costs for the bucket the call
         was chosen in were `flat_us`, `hier_us` (0: unknown): is the next call flat?"""
         same = batch_bucket == self.bucket
+        self._hier_calls = self._hier_calls + 1 if same else 1
         self.bucket, self._flat_key = batch_bucket, None
         self._run = "small" if small else None
         if small:
             return True
-        if not same:            # costs of another bucket: measure this one first
+        if self._hier_calls <= SAMPLES:     # this bucket's costs: measure them first
             return False
         if not flat_us or (call + 1) % REPROBE == 0 and flat_us >= hier_us:
-            self._run, self._left = "probe", 1 if flat_us else 2     # then back
+            self._run, self._left = "probe", 1 if flat_us else SAMPLES + 1     # then back
             return True
         if flat_us < hier_us:
             self._run = "chosen"
