@@ -13,9 +13,9 @@ line alike), after `WARM_CALLS` untimed calls of each Buffer:
   same bytes to the same peers; in its flat mode, at small batches, the collectives it ran).
 
 A call's time is the slowest rank's; the table gives medians and p90 over the calls, the
-bytes each rank put on the network between hosts (rows only, in the mode of the last
-untimed call), torch over ubep, and the hybrid backend's mode (before the timed calls, and
-after them where it changed meanwhile).
+bytes each rank put on the network between hosts (rows only, in the hybrid backend's mode
+after the timed calls), torch over ubep, and that mode (with the one before the timed
+calls where it changed meanwhile).
 """
 
 from __future__ import annotations
@@ -126,13 +126,14 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
             ways = {"ubep": lambda: call(ub), "torch": lambda: call(tb), "ubep raw": ubep_raw,
                     "torch raw": torch_raw}
             times = alternate(ways, cfg.rounds, block=cfg.block)
-            after = call(ub)[0].extra["mode"]      # the mode the timed calls ended in
+            before = ud.extra["mode"]
+            ud = call(ub)[0]        # the mode the timed calls ended in, its network bytes
             lay = HostLayout.of(ub.config.hosts, e)
             torch_net = rows_to_other_hosts(lay, rank, idx.numpy(), per="rank") * (
                 cfg.hidden * x.element_size())
             out[b] = {"times": times, "ubep_net": ud.bytes_sent_network,
-                      "ubep_mode": ud.extra["mode"] + ("" if after == ud.extra["mode"]
-                                                       else f"->{after}"),
+                      "ubep_mode": ("" if before == ud.extra["mode"] else f"{before}->")
+                      + ud.extra["mode"],
                       "ubep_meta": ud.extra["network_meta_bytes"], "torch_net": torch_net}
     finally:
         ub.close()
