@@ -555,9 +555,10 @@ class HybridBackend(Backend):
         flat = self._picker.after_flat(bucket(most), small, call)
         self._mode = "flat" if flat else self._mode_for(most)
         self._flat_t = (self._picker.bucket, _clock() - t0)
-        stats = DeferredStats.of(_flat_dispatch_stats, res.stats, res.handle, self._far,
-                                 x.shape[1] * x.element_size())
-        return _with_stats(res, stats)
+        d = res.__dict__        # (a result made for this call: its stats replaced in place)
+        d["stats"] = DeferredStats.of(_flat_dispatch_stats, d["stats"], d["handle"], self._far,
+                                      x.shape[1] * x.element_size())
+        return res
 
     def _flat_combine(self, expert_out, handle, weighted, out) -> CombineResult:
         t0 = _clock()
@@ -572,8 +573,9 @@ class HybridBackend(Backend):
         key, took = self._flat_t
         self._picker.record(key, True, (took + _clock() - t0) * 1e6)
         prow = expert_out.shape[1] * _partial_dtype(expert_out.dtype).itemsize
-        return CombineResult(y=res.y, stats=DeferredStats.of(_flat_combine_stats, res.stats,
-                                                             handle, self._far, prow))
+        d = res.__dict__
+        d["stats"] = DeferredStats.of(_flat_combine_stats, d["stats"], handle, self._far, prow)
+        return res
 
     def _others(self) -> list[int]:
         return [r for r in range(self.world) if r != self.rank]
@@ -634,14 +636,6 @@ def _flat_combine_stats(st: Stats, handle: DispatchHandle, far: np.ndarray,
 def _plain(st: Stats) -> Stats:
     """A plain `Stats` of `st` (which may build its fields on first read)."""
     return Stats(**{f.name: getattr(st, f.name) for f in dataclasses.fields(Stats)})
-
-
-def _with_stats(res: DispatchResult, stats: Stats) -> DispatchResult:
-    """`res` with `stats` (the other fields as they are, made on first read or not)."""
-    out = object.__new__(DispatchResult)
-    out.__dict__.update(res.__dict__)
-    out.__dict__["stats"] = stats
-    return out
 
 
 def _messages(sends: dict[int, int], recvs: dict[int, int]) -> list[tuple[int, int, int]]:
