@@ -25,8 +25,8 @@ from __future__ import annotations
 
 #: calls between re-measurements of the mode not chosen
 REPROBE = 32
-#: a cost is the least of its latest SAMPLES calls: robust to a busy host's spikes (and
-#: a bucket's first call in a mode, which grows buffers, is not among them)
+#: a cost is the median of its latest SAMPLES calls: a typical call's, robust to a busy
+#: host's spikes (a bucket's first call in a mode, which grows buffers, is not among them)
 SAMPLES = 3
 
 
@@ -55,8 +55,8 @@ class ModePicker:
     def shared(self) -> tuple[int, int]:
         """(flat µs, hierarchical µs) this rank measured in the current bucket (0: not yet),
         what its hierarchical call's header carries."""
-        return (int(min(self._cost.get((self.bucket, True), [0]))),
-                int(min(self._cost.get((self.bucket, False), [0]))))
+        return (_median(self._cost.get((self.bucket, True), [0])),
+                _median(self._cost.get((self.bucket, False), [0])))
 
     def record(self, key_bucket: int, flat: bool, us: float) -> None:
         """One call's dispatch + combine time on this rank."""
@@ -103,3 +103,8 @@ class ModePicker:
             self._run = None
             return False
         return True
+
+
+def _median(values: list[float]) -> int:
+    """The middle of `values` (the upper one of an even count), in whole µs."""
+    return int(sorted(values)[len(values) // 2])
