@@ -72,10 +72,10 @@ __all__ = ["HybridBackend", "PARTIAL_DTYPES", "FLAT_BYTES", "SPLIT_BYTES"]
 
 #: the previous call's largest batch on one rank, as bf16 rows of `hidden` (whatever the
 #: dtype: every rank must decide alike), picks the mode: "flat" up to FLAT_BYTES (~9 rows of
-#: 7168), "joint" up to SPLIT_BYTES (~18 rows), "split" beyond, where moving the local rows
-#: during the network transfer saves more than one more rendezvous of the host's ranks costs
-#: (docs/results/multihost.md: at batch 8, 2 emulated hosts x 2 ranks, the joint exchange
-#: took 1.7x the flat one's time)
+#: 7168; at batch 8, 2 emulated hosts x 2 ranks, the joint exchange took 1.7x the flat
+#: one's time); above, flat where the ranks measured it cheaper (`modes.py`), else "joint"
+#: up to SPLIT_BYTES (~18 rows), "split" beyond, where moving the local rows during the
+#: network transfer saves more than one more rendezvous of the host's ranks costs
 FLAT_BYTES = 128 << 10
 SPLIT_BYTES = 256 << 10
 #: split mode: the rows between hosts travel in up to CHUNKS messages per peer (one per
