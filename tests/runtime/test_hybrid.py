@@ -89,6 +89,22 @@ def test_hybrid_matches_oracle(hosts):
     assert max(res[0][2][i]["chunks"] for i in range(len(cases))) > 1
 
 
+def test_hybrid_measured_modes_agree():
+    """A steady large batch for more than REPROBE calls: the ranks measure both families
+    (flat and hierarchical), pick one from their costs and re-measure the other; on every
+    call every rank ran the same mode (`check_hybrid`) and moved the oracle's rows."""
+    from ubep.runtime.hybrid.modes import REPROBE
+
+    hosts = ((0, 1), (2, 3))
+    case = Case(num_experts=16, hidden=37, top_k=2, tokens=(2000, 40, 1900, 3), seed=21)
+    cases = [dataclasses.replace(case, seed=21 + i) for i in range(REPROBE + 8)]
+    res = run_ranks(_run, 4, hosts, cases, timeout_s=240)
+    for i, c in enumerate(cases):
+        check_hybrid(c, hosts, [res[r][2][i] for r in range(4)])
+    modes = {res[0][2][i]["mode"] for i in range(len(cases))}
+    assert "flat" in modes and modes & {"joint", "split"}, modes
+
+
 def _kill(rank, world, hosts, victim, phase, deadline_s, batch=8):
     import signal
     import threading

@@ -46,3 +46,13 @@ def test_a_chosen_flat_run_leaves_when_the_batch_changes():
     _steady(p, {True: 10.0, False: 30.0}, 2 * SAMPLES + 4)
     assert p.after_flat(7, False, 2 * SAMPLES + 5)
     assert not p.after_flat(9, False, 2 * SAMPLES + 6)     # per-peer count: another bucket
+
+
+def test_a_probe_ends_even_where_the_per_peer_count_is_small():
+    """A batch just past the threshold whose per-peer counts are below it: the flat probe
+    still hands back to a hierarchical call, which carries its cost."""
+    p = ModePicker()
+    decided = [p.after_hier(5, False, 0, 100, call) for call in range(1, SAMPLES + 2)]
+    assert decided == [False] * SAMPLES + [True]
+    probe = [p.after_flat(3, True, SAMPLES + 1 + i) for i in range(1, SAMPLES + 2)]
+    assert probe == [True] * SAMPLES + [False]

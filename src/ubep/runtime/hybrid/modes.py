@@ -88,21 +88,24 @@ class ModePicker:
     def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
         """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
         at most the flat threshold): is the next call flat?"""
+        if self._run == "probe":        # its calls, then a hierarchical one to share them
+            self._left -= 1
+            if self._left > 0:
+                return True
+            self._run = None
+            return False
+        if self._run == "chosen":
+            if self._flat_key is None:
+                self._flat_key = peer_bucket
+            if peer_bucket == self._flat_key and (call + 1) % REPROBE:
+                return True
+            self._run = None            # the batch changed, or time to re-measure
+            return False
         if small:
             self._run = "small"
             return True
-        if self._run == "probe" and self._left > 1:
-            self._left -= 1
-            return True
-        if self._run != "chosen":   # a probe done, or the batch grew: a hierarchical call
-            self._run = None
-            return False
-        if self._flat_key is None:
-            self._flat_key = peer_bucket
-        if peer_bucket != self._flat_key or (call + 1) % REPROBE == 0:
-            self._run = None
-            return False
-        return True
+        self._run = None                # the batch grew past the threshold: measure it
+        return False
 
 
 def _median(values: list[float]) -> int:
