@@ -115,7 +115,7 @@ class _HybridState:
     joint: bool
     tokens: tuple[np.ndarray, ...]      # per host: my tokens sent there (ascending)
     recv_rows: tuple[dict[int, int], ...]   # per chunk, per source rank: rows received
-    cost: tuple[int, float]             # the call's batch bucket, dispatch seconds so far
+    cost: list                          # [the call's batch bucket, dispatch seconds]
 
 
 class HybridBackend(Backend):
@@ -288,7 +288,7 @@ class HybridBackend(Backend):
         t_local = _clock()
         own = (x, local_idx, topk_weights) if joint else None
         results = [] if joint else [(local, None)]
-        recv_rows, t_wait, t_net = [], 0.0, t_local
+        recv_rows, t_wait, t_net, t_shm_local = [], 0.0, t_local, t_local - t_posted
         for k in range(chunks):
             self._finish(nets[k], deadline)
             t_net = _clock()
@@ -310,13 +310,18 @@ class HybridBackend(Backend):
         flat = self._picker.after_hier(bucket(most), nbytes <= FLAT_BYTES, flat_us, hier_us,
                                        call)
         self._mode = "flat" if flat else self._mode_for(most)
+        cost = [bucket(most), 0.0]
         merged = self._merge(x, topk_idx, topk_weights, call, results, joint,
-                             split.tokens, tuple(recv_rows), (bucket(most), _clock() - t0))
+                             split.tokens, tuple(recv_rows), cost)
         t_end = _clock()
+        cost[1] = t_end - t0
         us = 1e6
-        phases = {"pack": (t_posted - t0) * us, "network wait": t_wait * us,
-                  "shm": (t_fwd - t_posted - t_wait) * us, "merge": (t_end - t_fwd) * us}
+        phases = {"pack": (t_posted - t0) * us, "shm local": t_shm_local * us,
+                  "network wait": t_wait * us,
+                  "shm forwarded": (t_fwd - t_posted - t_wait - t_shm_local) * us,
+                  "merge": (t_end - t_fwd) * us}
         phases["network"] = phases["network wait"]
+        phases["shm"] = phases["shm local"] + phases["shm forwarded"]
         rows_out = sum(len(split.tokens[h]) for h in self._entries)
         got = {}
         for rows in recv_rows:
@@ -416,7 +421,7 @@ class HybridBackend(Backend):
         return src, tok
 
     def _merge(self, x, topk_idx, topk_weights, call, results: list, joint: bool,
-               tokens: tuple, recv_rows: tuple, cost: tuple[int, float]) -> tuple:
+               tokens: tuple, recv_rows: tuple, cost: list) -> tuple:
         """The shm results laid out expert-major by (source rank, source token): the
         `DispatchResult` fields up to `handle`, in order."""
         c, W = self.config, self.world
