@@ -92,6 +92,11 @@ def test_merge_order_sorts_by_key():
     out = np.empty(5, np.int64)
     out[pos] = np.concatenate([a, b])
     assert out.tolist() == [1, 3, 5, 7, 9]
+    c = np.array([0, 8])                # a third exchange (a chunk of forwarded rows)
+    pos = merge_order(a, b, c)
+    out = np.empty(7, np.int64)
+    out[pos] = np.concatenate([a, b, c])
+    assert out.tolist() == [0, 1, 3, 5, 7, 8, 9]
 
 
 @pytest.mark.parametrize("hosts, experts, rule", [

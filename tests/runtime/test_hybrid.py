@@ -53,6 +53,7 @@ def _run(rank, world, hosts, cases):
         for case in cases:
             out = run_case(buf, case, rank)
             out["mode"] = buf.last_stats.extra["mode"]
+            out["chunks"] = buf.last_stats.extra.get("chunks", 1)
             outs.append(out)
         return buf.config.hosts, buf.config.backend_reason, outs
 
@@ -61,7 +62,8 @@ def _run(rank, world, hosts, cases):
                          ids=["2x2", "uneven", "interleaved"])
 def test_hybrid_matches_oracle(hosts):
     """Every runtime case, then large batches (the split mode: own rows through shared
-    memory while the network moves the rest) and small again (back to the joint mode)."""
+    memory while the network moves the rest, in chunks past 2 * SPLIT_BYTES) and small
+    again (back to the joint mode)."""
     world = sum(len(h) for h in hosts)
     # batches past FLAT_BYTES and SPLIT_BYTES of bf16 rows on one rank: joint, then split
     mid = Case(num_experts=4 * world, hidden=37, top_k=3, tokens=(900, 0, 1000, 20)[:world],
@@ -71,7 +73,11 @@ def test_hybrid_matches_oracle(hosts):
     # a flat call's largest count to one peer picks the next mode: all tokens to one rank
     # make it the batch (then split), uniform routing runs there after
     to_one = dataclasses.replace(big, routing="one_expert", top_k=1)
-    cases = [*runtime_cases(world), mid, mid, to_one, big, big, runtime_cases(world)[2]]
+    # past 2 * SPLIT_BYTES: the next call's forwarded rows come in several chunks
+    huge = Case(num_experts=4 * world, hidden=37, top_k=3, tokens=(7600, 0, 7200, 7)[:world],
+                seed=13)
+    cases = [*runtime_cases(world), mid, mid, to_one, big, big, huge, huge, huge, huge,
+             runtime_cases(world)[2]]
     res = run_ranks(_run, world, hosts, cases, timeout_s=240)
     for r, (seen, why, _) in enumerate(res):
         assert seen == hosts, (r, seen)
@@ -80,6 +86,23 @@ def test_hybrid_matches_oracle(hosts):
         check_hybrid(case, hosts, [res[r][2][i] for r in range(world)])
     modes = [res[0][2][i]["mode"] for i in range(len(cases))]
     assert {"flat", "joint", "split"} <= set(modes), modes
+    assert max(res[0][2][i]["chunks"] for i in range(len(cases))) > 1
+
+
+def test_hybrid_measured_modes_agree():
+    """A steady large batch for more than REPROBE calls: the ranks measure both families
+    (flat and hierarchical), pick one from their costs and re-measure the other; on every
+    call every rank ran the same mode (`check_hybrid`) and moved the oracle's rows."""
+    from ubep.runtime.hybrid.modes import REPROBE
+
+    hosts = ((0, 1), (2, 3))
+    case = Case(num_experts=16, hidden=37, top_k=2, tokens=(2000, 40, 1900, 3), seed=21)
+    cases = [dataclasses.replace(case, seed=21 + i) for i in range(REPROBE + 8)]
+    res = run_ranks(_run, 4, hosts, cases, timeout_s=240)
+    for i, c in enumerate(cases):
+        check_hybrid(c, hosts, [res[r][2][i] for r in range(4)])
+    modes = {res[0][2][i]["mode"] for i in range(len(cases))}
+    assert "flat" in modes and modes & {"joint", "split"}, modes
 
 
 def _kill(rank, world, hosts, victim, phase, deadline_s, batch=8):

@@ -3,7 +3,7 @@
 Each host is a network namespace with its own /dev/shm (`ubep.testing.run_hosts`), the
 link between hosts optionally rate-limited (`--link-rate 1gbit`). Per batch, every rank
 times in turns of `block` calls (`ubep.testing.alternate`, so the host's drift hits every
-line alike):
+line alike), after `WARM_CALLS` untimed calls of each Buffer:
 
 * `ubep`: the default Buffer (`backend="auto"`, which picks "hybrid" across hosts);
 * `torch`: `Buffer(backend="torch")`, one `all_to_all_single` per exchange over the group;
@@ -13,7 +13,9 @@ line alike):
   same bytes to the same peers; in its flat mode, at small batches, the collectives it ran).
 
 A call's time is the slowest rank's; the table gives medians and p90 over the calls, the
-bytes each rank put on the network between hosts (rows only) and torch over ubep.
+bytes each rank put on the network between hosts (rows only, in the hybrid backend's mode
+after the timed calls), torch over ubep, and that mode (with the one before the timed
+calls where it changed meanwhile).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 import numpy as np
 
 LINES = ("ubep", "torch", "ubep raw", "torch raw")
+#: untimed calls of each Buffer per batch before the timed turns
+WARM_CALLS = 12
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,9 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
                 buf.combine(res.recv_x, res.handle)
                 return res.stats, buf.last_stats
 
-            for _ in range(2):
+            # warm: the hybrid backend settles on a mode for this batch within 10 calls
+            # (a new batch bucket: 4 hierarchical calls, 4 flat ones, one more)
+            for _ in range(WARM_CALLS):
                 ud, uc = call(ub)
                 td, tc = call(tb)
             raw_t = [_replay_collectives(replay_calls(st), all_to_all) for st in (td, tc)]
@@ -120,11 +126,14 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
             ways = {"ubep": lambda: call(ub), "torch": lambda: call(tb), "ubep raw": ubep_raw,
                     "torch raw": torch_raw}
             times = alternate(ways, cfg.rounds, block=cfg.block)
+            before = ud.extra["mode"]
+            ud = call(ub)[0]        # the mode the timed calls ended in, its network bytes
             lay = HostLayout.of(ub.config.hosts, e)
             torch_net = rows_to_other_hosts(lay, rank, idx.numpy(), per="rank") * (
                 cfg.hidden * x.element_size())
             out[b] = {"times": times, "ubep_net": ud.bytes_sent_network,
-                      "ubep_mode": ud.extra["mode"],
+                      "ubep_mode": ("" if before == ud.extra["mode"] else f"{before}->")
+                      + ud.extra["mode"],
                       "ubep_meta": ud.extra["network_meta_bytes"], "torch_net": torch_net}
     finally:
         ub.close()

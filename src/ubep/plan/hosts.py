@@ -189,15 +189,15 @@ def rows_to_other_hosts(layout: HostLayout, rank: int, topk_idx: np.ndarray, *,
     return int(distinct.sum() + (dest[:, :1] >= 0).sum())
 
 
-def merge_order(keys_local: np.ndarray, keys_forwarded: np.ndarray) -> np.ndarray:
+def merge_order(*keys: np.ndarray) -> np.ndarray:
     """Where each received row goes in the final expert-major layout.
 
-    `keys_*`: `[n]` int64 sort keys (expert, source rank, token) of the rows of the local
-    and of the forwarded exchange, each in its own arrival order. Returns `[n_l + n_f]`
-    int64: the final position of row i of `concat(local, forwarded)`.
+    `keys`: one `[n_i]` int64 array of sort keys (expert, source rank, token) per exchange
+    (the local one, then the forwarded ones), each in its own arrival order. Returns
+    `[sum n_i]` int64: the final position of row i of their concatenation.
     """
-    keys = np.concatenate([keys_local, keys_forwarded])
-    order = np.argsort(keys, kind="stable")
+    cat = np.concatenate(keys) if keys else np.zeros(0, np.int64)
+    order = np.argsort(cat, kind="stable")
     pos = np.empty_like(order)
     pos[order] = np.arange(len(order))
     return pos

@@ -4,32 +4,38 @@ The two-level exchange production EP libraries run between nodes (DeepEP's norma
 RDMA once per node, then NVLink), with a host's shared memory as the near tier and
 `torch.distributed` on the user's group (gloo, MPI) as the far one. Follow a call:
 
-dispatch: split the routing by host (`plan.hosts.split_routing`) -> post one message to each
-    other host's entry rank (`network.py`): the tokens with an expert there, each once, with
-    their routing restricted to that host -> *while those travel*, this rank's tokens for
-    its own host's experts move through shared memory (the shm backend's one-copy
-    `direct="owned"` path, on the host's ranks) -> the rows this rank received as an entry
-    are forwarded to their expert ranks through shared memory, their origins in
-    `origins.py`'s tables -> both arrivals are laid out expert-major by (source rank, source
-    token), as every backend returns them (one gather of the received rows).
-combine: the forwarded rows' expert outputs are summed per (token, host) through shared
-    memory and go back, one partial row per token and host; while they travel, this rank's
-    own tokens' rows on this host are summed the same way -> the token's rank adds the
-    partials in fp32 in host order and rounds once.
+dispatch: split the routing by host (`plan.hosts.split_routing`) -> post the messages to
+    each other host's entry rank (`network.py`): the tokens with an expert there, each once,
+    with their routing restricted to that host, in up to `CHUNKS` messages -> *while those
+    travel*, this rank's tokens for its own host's experts move through shared memory (the
+    shm backend's one-copy `direct="owned"` path, on the host's ranks) -> each chunk this
+    rank received as an entry is forwarded to its expert ranks through shared memory as
+    soon as it arrived (the later chunks still travelling), their origins in `origins.py`'s
+    tables -> all arrivals are laid out expert-major by (source rank, source token), as
+    every backend returns them (one gather of the received rows).
+combine: chunk by chunk, the forwarded rows' expert outputs are summed per (token, host)
+    through shared memory and go back at once, one partial row per token and host; while
+    they travel, this rank's own tokens' rows on this host are summed the same way -> the
+    token's rank adds the partials in fp32 in host order and rounds once.
 
 Modes, as DeepEP has a low-latency and a normal mode, picked per call alike on every rank
-from the previous call's largest batch of any rank (every rank learns it: dispatch messages
-carry their sender's batch, the host's ranks publish what they heard beside the origin
-tables; in flat mode the torch backend's count exchange carries it):
+from what every rank knows alike: the previous call's largest batch of any rank (dispatch
+messages carry their sender's batch, the host's ranks publish what they heard beside the
+origin tables; in flat mode the torch backend's count exchange carries the largest count
+one rank sent one peer) and, above `FLAT_BYTES`, the dispatch + combine times the ranks
+measured in each mode (carried the same way; `modes.py` decides):
 
+* "flat": the call goes straight to the expert ranks over the group as the torch backend
+  sends it (two phases instead of four), each token once per rank -- always at small
+  batches (at most `FLAT_BYTES`: bytes are cheap and every phase is a round of waiting),
+  and above where it measured cheaper (a fast link, where the hierarchical exchange's
+  extra copies cost more than its fewer bytes save);
 * "split": two shared-memory exchanges per step, so the near tier works while the far one
-  moves bytes (the largest batch had more than `SPLIT_BYTES` of bf16 rows);
+  moves bytes, the far one in chunks (the largest batch had more than `SPLIT_BYTES` of
+  bf16 rows; a chunk per `SPLIT_BYTES`, up to `CHUNKS`);
 * "joint": the rank's own tokens ride in the forwarded exchange (one exchange per step,
   after the network): at medium batches there is little to hide and each exchange is a
-  rendezvous of the host's ranks;
-* "flat": at small batches (at most `FLAT_BYTES`) bytes are cheap and every phase is a
-  round of waiting, so the call goes straight to the expert ranks over the group as the
-  torch backend sends it (two phases instead of four), each token once per rank.
+  rendezvous of the host's ranks.
 
 Rounding contract: a host's partial is the fp32 sum of the token's slots on that host in
 slot order, rounded to the output dtype (fp32 for 8-bit outputs) -- what crosses the network,
@@ -52,27 +58,35 @@ import torch.distributed as dist
 from ubep.errors import PeerDiedError, PeerTimeoutError
 from ubep.handle import CombineResult, DispatchHandle, DispatchResult
 from ubep.options import BufferConfig
-from ubep.plan.hosts import HostLayout, merge_order, rows_to_other_hosts, split_routing
+from ubep.plan.hosts import HostLayout, merge_order, split_routing
 from ubep.runtime import Backend
 from ubep.runtime.hosts import discover_hosts
 from ubep.runtime.hybrid.elastic import HybridElastic
+from ubep.runtime.hybrid.modes import ModePicker, bucket
 from ubep.runtime.hybrid.network import Exchange, network_error, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.torch_backend import PARTIAL_DTYPES, TorchBackend
-from ubep.stats import Stats
+from ubep.stats import DeferredStats, Stats
 
 __all__ = ["HybridBackend", "PARTIAL_DTYPES", "FLAT_BYTES", "SPLIT_BYTES"]
 
 #: the previous call's largest batch on one rank, as bf16 rows of `hidden` (whatever the
 #: dtype: every rank must decide alike), picks the mode: "flat" up to FLAT_BYTES (~9 rows of
-#: 7168), "joint" up to SPLIT_BYTES (~18 rows), "split" beyond, where moving the local rows
-#: during the network transfer saves more than one more rendezvous of the host's ranks costs
-#: (docs/results/multihost.md: at batch 8, 2 emulated hosts x 2 ranks, the joint exchange
-#: took 1.7x the flat one's time)
+#: 7168; at batch 8, 2 emulated hosts x 2 ranks, the joint exchange took 1.7x the flat
+#: one's time); above, flat where the ranks measured it cheaper (`modes.py`), else "joint"
+#: up to SPLIT_BYTES (~18 rows), "split" beyond, where moving the local rows during the
+#: network transfer saves more than one more rendezvous of the host's ranks costs
 FLAT_BYTES = 128 << 10
 SPLIT_BYTES = 256 << 10
-_HEADER = 16                # bytes before a dispatch message's rows: row count, sender's batch
+#: split mode: the rows between hosts travel in up to CHUNKS messages per peer (one per
+#: SPLIT_BYTES of the largest batch), each forwarded through shared memory as soon as it
+#: arrived while the next ones travel; combine sends each chunk's partials as soon as they
+#: are summed (a pipeline, as DeepEP's normal kernels forward while RDMA chunks arrive)
+CHUNKS = 4
+#: bytes before a dispatch message's rows: row count, the sender's batch, its flat and
+#: hierarchical costs (`modes.ModePicker.shared`)
+_HEADER = 32
 _clock = time.perf_counter
 
 
@@ -98,9 +112,11 @@ class _Part:
 class _HybridState:
     """A dispatch's handle state: combine's map back."""
 
-    parts: tuple[_Part, ...]            # split: (local, forwarded); joint: (both,)
+    parts: tuple[_Part, ...]            # split: (local, forwarded chunks...); joint: (both,)
+    joint: bool
     tokens: tuple[np.ndarray, ...]      # per host: my tokens sent there (ascending)
-    recv_rows: dict[int, int]           # per source rank: rows received from it as entry
+    recv_rows: tuple[dict[int, int], ...]   # per chunk, per source rank: rows received
+    cost: list                          # [the call's batch bucket, dispatch seconds]
 
 
 class HybridBackend(Backend):
@@ -127,10 +143,9 @@ class HybridBackend(Backend):
         self._entries = {h: int(lay.entry[self.rank, h]) for h in range(lay.num_hosts)
                          if h != self.host}
         self._sources = lay.sources(self.rank)
-        tmax, kmax = c.max_tokens_per_rank, c.max_top_k
-        #: the largest dispatch message (rows of 4-byte elements, kmax slots)
-        self._msg_cap = _HEADER + tmax * (4 * c.hidden + 4 * (1 + 2 * kmax))
-        self._inbox = {s: torch.empty(self._msg_cap, dtype=torch.uint8) for s in self._sources}
+        #: `[W]` bool: the ranks on other hosts (a flat call's network peers)
+        self._far = lay.host_of_rank != self.host
+        tmax = c.max_tokens_per_rank
         # a rank's shm dispatch carries at most its own tokens and its sources' (joint mode)
         most = (1 + max(len(lay.sources(int(r))) for r in self.host_ranks)) * tmax
         members = [int(r) if group is None else dist.get_global_rank(group, int(r))
@@ -146,7 +161,8 @@ class HybridBackend(Backend):
         try:
             self._origins = OriginTables(self._host_group, rank=shm_cfg.rank,
                                          world=shm_cfg.world_size, capacity=most,
-                                         buffer_id=buffer_id, timeout_s=c.timeout_s)
+                                         buffer_id=buffer_id, timeout_s=c.timeout_s,
+                                         chunks=CHUNKS)
         except BaseException:
             self._shm.close()
             raise
@@ -173,6 +189,10 @@ class HybridBackend(Backend):
                                                       elastic=False),
                                   group if self._elastic is None else self._pg, buffer_id)
         self._mode = "joint"        # the first call's (then the last call's batch picks)
+        self._chunks = 1            # split mode's chunks per peer (picked with the mode)
+        #: flat or hierarchical above FLAT_BYTES: from the costs the ranks measured
+        self._picker = ModePicker()
+        self._flat_t: tuple[int, float] = (0, 0.0)     # a flat dispatch's (bucket, µs)
 
     def set_active_ranks(self, mask: np.ndarray) -> None:
         """Elastic: remove the ranks `mask` drops (`HybridElastic.set_active_ranks`)."""
@@ -186,10 +206,18 @@ class HybridBackend(Backend):
         return self.layout.hosts
 
     # -- pieces ------------------------------------------------------------------------------
-    def _post(self, phase: str, sends: dict, recvs: dict) -> Exchange:
+    def _post(self, phase: str, sends: dict, recvs: dict, tag: int = 0) -> Exchange:
         try:
             return post(Exchange(self.rank, phase, self.config.timeout_s), self._pg, sends,
-                        recvs)
+                        recvs, tag)
+        except BaseException:
+            self.in_step = False
+            raise
+
+    def _post_into(self, ex: Exchange, sends: dict, recvs: dict, tag: int) -> None:
+        """Post more messages into the exchange `ex` (finished together)."""
+        try:
+            post(ex, self._pg, sends, recvs, tag)
         except BaseException:
             self.in_step = False
             raise
@@ -224,9 +252,19 @@ class HybridBackend(Backend):
         return buf[:nbytes]
 
     def _mode_for(self, batch: int) -> str:
-        """The next call's mode after a call whose largest batch on one rank was `batch`."""
+        """The next call's mode after a call whose largest batch on one rank was `batch`
+        (and, for "split", its chunks per peer in `_chunks`)."""
         nbytes = batch * self.config.hidden * 2
+        self._chunks = min(CHUNKS, max(1, nbytes // SPLIT_BYTES))
         return "flat" if nbytes <= FLAT_BYTES else "joint" if nbytes <= SPLIT_BYTES else "split"
+
+    def _inbox(self, chunks: int) -> list[dict[int, torch.Tensor]]:
+        """Per chunk, per source: a receive buffer for the largest chunk it could send."""
+        c = self.config
+        rows = -(-c.max_tokens_per_rank // chunks)
+        cap = _HEADER + rows * (4 * c.hidden + 4 * (1 + 2 * c.max_top_k))
+        return [{s: self._kept(("inbox", s, k), cap) for s in self._sources}
+                for k in range(chunks)]
 
     def _shm_dispatch(self, x, idx, w, phase: str) -> DispatchResult:
         self._shm_calls += 1
@@ -247,59 +285,88 @@ class HybridBackend(Backend):
         mb = 4 * (1 + 2 * K)        # per row sent: token, K host expert ids, K weights
         self._calls += 1
         parity, joint = self._calls & 1, self._mode == "joint"
+        chunks = 1 if joint else self._chunks
         split = split_routing(self.layout, self.rank, topk_idx.numpy())
-        sends = {e: self._pack(e, x, topk_weights, split.tokens[h], split.remote_idx[h], rb, mb)
-                 for h, e in self._entries.items()}
-        net = self._post("dispatch/network", sends, self._inbox)
+        head = (T, *self._picker.shared())
+        inbox = self._inbox(chunks)
+        nets, sends = [], {}
+        for k in range(chunks):     # every chunk posted now: gloo sends them in order
+            out = {}
+            for h, e in self._entries.items():
+                n = len(split.tokens[h])
+                lo, hi = n * k // chunks, n * (k + 1) // chunks
+                out[e] = self._pack((e, k), head, x, topk_weights, split.tokens[h][lo:hi],
+                                    split.remote_idx[h][lo:hi], rb, mb)
+                sends[e] = sends.get(e, 0) + out[e].numel()
+            nets.append(self._post("dispatch/network", out, inbox[k], k))
         t_posted = _clock()
         local_idx = torch.from_numpy(split.local_idx)
         if not joint:       # my tokens for this host's experts move while the rows travel
             local = self._shm_dispatch(x, local_idx, topk_weights, "dispatch/shm local")
         t_local = _clock()
-        self._finish(net, deadline)
-        t_net = _clock()
         own = (x, local_idx, topk_weights) if joint else None
-        xf, idxf, wf, recv_rows, heard = self._unpack(own, x.dtype, rb, mb, K, parity)
-        # the largest batch I know of (mine, my sources'), before the dispatch that shows it
-        self._origins.write_count(parity, max(T, heard))
-        fwd = self._shm_dispatch(xf, idxf, wf, "dispatch/shm forwarded")
-        t_fwd = _clock()
-        # every remote rank told one rank of this host its batch: the host's ranks' largest
-        # is every rank's largest, so the next call's mode is the same everywhere
-        self._mode = self._mode_for(self._origins.max_count(parity))
-        results = [(fwd, True)] if joint else [(local, False), (fwd, True)]
-        merged = self._merge(x, topk_idx, topk_weights, call, results, parity,
-                             split.tokens, recv_rows)
+        results = [] if joint else [(local, None)]
+        recv_rows, t_wait, t_net, t_shm_local = [], 0.0, t_local, t_local - t_posted
+        for k in range(chunks):
+            self._finish(nets[k], deadline)
+            t_net = _clock()
+            slot = parity * CHUNKS + k
+            xf, idxf, wf, rows, heard = self._unpack(inbox[k], own, x.dtype, rb, mb, K, slot)
+            t_wait += t_net - t_local
+            if k == 0:      # the largest batch and costs I know of (mine, my sources'),
+                # before the dispatch that shows them
+                self._origins.write_words(parity, tuple(map(max, head, heard)))
+            results.append((self._shm_dispatch(xf, idxf, wf, "dispatch/shm forwarded"), slot))
+            recv_rows.append(rows)
+            t_local = _clock()
+        t_fwd = t_local
+        # every remote rank told one rank of this host its batch and costs: the host's
+        # ranks' largest is every rank's largest, so the next call's mode is the same
+        # everywhere
+        most, flat_us, hier_us = self._origins.max_words(parity)
+        nbytes = most * c.hidden * 2
+        flat = self._picker.after_hier(bucket(most), nbytes <= FLAT_BYTES, flat_us, hier_us,
+                                       call)
+        self._mode = "flat" if flat else self._mode_for(most)
+        cost = [bucket(most), 0.0]
+        merged = self._merge(x, topk_idx, topk_weights, call, results, joint,
+                             split.tokens, tuple(recv_rows), cost)
         t_end = _clock()
+        cost[1] = t_end - t0
         us = 1e6
-        phases = {"pack": (t_posted - t0) * us, "shm local": (t_local - t_posted) * us,
-                  "network wait": (t_net - t_local) * us, "shm forwarded": (t_fwd - t_net) * us,
+        phases = {"pack": (t_posted - t0) * us, "shm local": t_shm_local * us,
+                  "network wait": t_wait * us,
+                  "shm forwarded": (t_fwd - t_posted - t_wait - t_shm_local) * us,
                   "merge": (t_end - t_fwd) * us}
         phases["network"] = phases["network wait"]
         phases["shm"] = phases["shm local"] + phases["shm forwarded"]
         rows_out = sum(len(split.tokens[h]) for h in self._entries)
+        got = {}
+        for rows in recv_rows:
+            for src, m in rows.items():
+                got[src] = got.get(src, 0) + m
         stats = Stats(op="dispatch", backend="hybrid", mode="ubep", sync=c.sync,
                       schedule="static", rank=self.rank, total_us=(t_end - t0) * us,
-                      phases_us=phases, bytes_sent=sum(s.numel() for s in sends.values()),
-                      bytes_recv=sum(recv_rows.values()) * (rb + mb) + _HEADER * len(recv_rows),
+                      phases_us=phases, bytes_sent=sum(sends.values()),
+                      bytes_recv=sum(got.values()) * (rb + mb) + _HEADER * len(got) * chunks,
                       bytes_sent_network=rows_out * rb,
-                      extra={"network_meta_bytes": rows_out * mb + _HEADER * len(sends),
-                             "mode": "joint" if joint else "split",
+                      extra={"network_meta_bytes": rows_out * mb + _HEADER * len(sends) * chunks,
+                             "mode": "joint" if joint else "split", "chunks": chunks,
                              "rows_sent_per_host": [len(t) for t in split.tokens],
-                             "rows_forwarded": int(sum(recv_rows.values())),
+                             "rows_forwarded": int(sum(got.values())),
                              "messages": _messages(
-                                 {p: t.numel() for p, t in sends.items()},
-                                 {s: _HEADER + m * (rb + mb) for s, m in recv_rows.items()})})
+                                 sends,
+                                 {s: _HEADER * chunks + m * (rb + mb) for s, m in got.items()})})
         return DispatchResult(*merged, stats=stats)
 
-    def _pack(self, peer: int, x: torch.Tensor, w: torch.Tensor, toks: np.ndarray,
-              ridx: np.ndarray, rb: int, mb: int) -> torch.Tensor:
-        """One dispatch message to `peer`: the row count, the rows, then their routing (in
-        kept scratch: the send is waited for before the call returns)."""
+    def _pack(self, key: tuple, head: tuple, x: torch.Tensor, w: torch.Tensor,
+              toks: np.ndarray, ridx: np.ndarray, rb: int, mb: int) -> torch.Tensor:
+        """One dispatch message (`key`: peer, chunk): the row count, `head` (the sender's
+        batch and costs), the rows, then their routing (in kept scratch: the send is waited
+        for before the call returns)."""
         n = len(toks)
-        out = self._kept(("send", peer), _HEADER + n * (rb + mb))
-        out[:_HEADER].view(torch.int64)[0] = n
-        out[:_HEADER].view(torch.int64)[1] = x.shape[0]
+        out = self._kept(("send", *key), _HEADER + n * (rb + mb))
+        out[:_HEADER].numpy().view(np.int64)[:] = (n, *head)
         if n:
             rows = out[_HEADER:_HEADER + n * rb].view(n, rb)
             torch.index_select(_words(x), 0, torch.from_numpy(toks), out=_words(rows))
@@ -310,23 +377,24 @@ class HybridBackend(Backend):
             meta[:, 1 + k:] = w.numpy()[toks].view(np.int32)
         return out
 
-    def _unpack(self, own: tuple | None, dtype: torch.dtype, rb: int, mb: int, K: int,
-                parity: int):
+    def _unpack(self, inbox: dict, own: tuple | None, dtype: torch.dtype, rb: int, mb: int,
+                K: int, slot: int):
         """The forwarded dispatch's inputs and the rows received from each source.
 
         Virtual token v: this rank's own tokens first when `own` = (x, host routing,
         weights) rides along (joint mode), then the rows received, sources in rank order.
-        Their origins go in my table. The rows of a single source, alone, are dispatched
-        where they arrived. Also returns the largest batch the sources reported."""
-        heads = {s: buf[:_HEADER].view(torch.int64).tolist() for s, buf in self._inbox.items()}
+        Their origins go in my table `slot`. The rows of a single source, alone, are
+        dispatched where they arrived. Also returns the largest batch and costs the sources
+        reported."""
+        heads = {s: buf[:_HEADER].view(torch.int64).tolist() for s, buf in inbox.items()}
         counts = {s: h[0] for s, h in heads.items()}
-        heard = max((h[1] for h in heads.values()), default=0)
+        heard = tuple(max((h[i] for h in heads.values()), default=0) for i in (1, 2, 3))
         t_own = 0 if own is None else own[0].shape[0]
         n = t_own + sum(counts.values())
         hidden = self.config.hidden
         full = [s for s, m in counts.items() if m]
         if own is None and len(full) == 1:
-            xf = self._inbox[full[0]][_HEADER:_HEADER + n * rb].view(dtype).view(n, hidden)
+            xf = inbox[full[0]][_HEADER:_HEADER + n * rb].view(dtype).view(n, hidden)
         else:
             xf = self._kept("xf", n * rb).view(dtype).view(n, hidden)
         idxf = torch.empty(n, K, dtype=torch.int64)
@@ -334,7 +402,7 @@ class HybridBackend(Backend):
         src = np.empty(n, np.int64)
         tok = np.empty(n, np.int64)
         idn, wfn = idxf.numpy(), wf.numpy()
-        copy = xf.data_ptr() != self._inbox[full[0]].data_ptr() + _HEADER if full else True
+        copy = xf.data_ptr() != inbox[full[0]].data_ptr() + _HEADER if full else True
         if t_own:
             _words(xf)[:t_own] = _words(own[0])
             idxf[:t_own] = own[1]
@@ -343,7 +411,7 @@ class HybridBackend(Backend):
             tok[:t_own] = np.arange(t_own)
         at = t_own
         for s in full:
-            m, buf = counts[s], self._inbox[s]
+            m, buf = counts[s], inbox[s]
             if copy:
                 _words(xf)[at:at + m] = _words(buf[_HEADER:_HEADER + m * rb].view(m, rb))
             meta = buf[_HEADER + m * rb:_HEADER + m * (rb + mb)].numpy().view(np.int32)
@@ -353,36 +421,37 @@ class HybridBackend(Backend):
             src[at:at + m] = s
             tok[at:at + m] = meta[:, 0]
             at += m
-        self._origins.write(parity, src, tok)
+        self._origins.write(slot, src, tok)
         return xf, idxf, wf, counts, heard
 
-    def _origins_of(self, res: DispatchResult, from_table: bool,
-                    parity: int) -> tuple[np.ndarray, np.ndarray]:
-        """(global source rank, source token) of each row of an shm dispatch's result."""
+    def _origins_of(self, res: DispatchResult,
+                    slot: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(global source rank, source token) of each row of an shm dispatch's result (its
+        origins in table `slot`; None: the rows came from this host's ranks)."""
         sender = res.recv_src_rank.numpy()
         vtok = res.recv_src_token.numpy()
-        if not from_table:
+        if slot is None:
             return self.host_ranks[sender], vtok
         src, tok = np.empty_like(vtok), np.empty_like(vtok)
         for e in np.unique(sender):
             rows = sender == e
-            src[rows], tok[rows] = self._origins.read(int(e), parity, vtok[rows])
+            src[rows], tok[rows] = self._origins.read(int(e), slot, vtok[rows])
         return src, tok
 
-    def _merge(self, x, topk_idx, topk_weights, call, results: list, parity: int,
-               tokens: tuple, recv_rows: dict) -> tuple:
+    def _merge(self, x, topk_idx, topk_weights, call, results: list, joint: bool,
+               tokens: tuple, recv_rows: tuple, cost: list) -> tuple:
         """The shm results laid out expert-major by (source rank, source token): the
         `DispatchResult` fields up to `handle`, in order."""
         c, W = self.config, self.world
         epr = c.experts_per_rank
         tmax = c.max_tokens_per_rank
         keys, origins_of = [], []
-        for res, from_table in results:
-            src, tok = self._origins_of(res, from_table, parity)
+        for res, slot in results:
+            src, tok = self._origins_of(res, slot)
             expert = np.repeat(np.arange(epr), res.tokens_per_expert.numpy())
             keys.append((expert * W + src) * tmax + tok)
             origins_of.append((src, tok))
-        pos = merge_order(*keys) if len(keys) == 2 else merge_order(keys[0], keys[0][:0])
+        pos = merge_order(*keys)
         n = len(pos)
         recv_x = self._pool.empty(n, c.hidden, x.dtype)
         out = _words(recv_x).numpy()
@@ -398,7 +467,7 @@ class HybridBackend(Backend):
             parts.append(_Part(res.handle, torch.from_numpy(p)))
         src_rank, src_token, src_slot = (torch.from_numpy(o) for o in origins)
         tpe = sum(res.tokens_per_expert for res, _ in results)
-        state = _HybridState(tuple(parts), tokens, recv_rows)
+        state = _HybridState(tuple(parts), joint, tokens, recv_rows, cost)
         handle = DispatchHandle(buffer_id=self.buffer_id, call=call, num_tokens=x.shape[0],
                                 num_recv=n, hidden=c.hidden, topk_idx=topk_idx,
                                 topk_weights=topk_weights, recv_src_rank=src_rank,
@@ -419,21 +488,36 @@ class HybridBackend(Backend):
         T = handle.num_tokens
         pdtype = _partial_dtype(expert_out.dtype)
         rows = expert_out if expert_out.dtype == pdtype else expert_out.to(pdtype)
-        joint = len(st.parts) == 1
-        # what comes back: one partial row per token I sent to each other host
+        joint, chunks = st.joint, len(st.recv_rows)
+        # what comes back: one partial row per token I sent to each other host, per chunk
         size = pdtype.itemsize * c.hidden
-        inbox = {e: self._kept(("partials", e), len(st.tokens[h]) * size).view(pdtype).view(
-                    -1, c.hidden) for h, e in self._entries.items()}
-        # the forwarded rows first: their partials are what the network waits for
-        fwd = st.parts[-1]
-        yf = self._shm_combine(rows, fwd, weighted, "combine/shm forwarded")
-        sends, at = {}, T if joint else 0
-        for s, m in st.recv_rows.items():
-            sends[s] = yf[at:at + m]
-            at += m
-        net = self._post("combine/network", sends, inbox)
+        inbox = []
+        for k in range(chunks):
+            got = {}
+            for h, e in self._entries.items():
+                n = len(st.tokens[h])
+                m = n * (k + 1) // chunks - n * k // chunks
+                got[e] = self._kept(("partials", e, k), m * size).view(pdtype).view(
+                    -1, c.hidden)
+            inbox.append(got)
+        # the forwarded rows first, chunk by chunk: their partials are what the network
+        # waits for, each chunk's sent while the next is summed
+        net = self._post("combine/network", {}, inbox[0], 0)
+        for k in range(1, chunks):
+            self._post_into(net, {}, inbox[k], k)
+        sends, kept = {}, []
+        for k in range(chunks):
+            yf = self._shm_combine(rows, st.parts[len(st.parts) - chunks + k], weighted,
+                                   "combine/shm forwarded")
+            kept.append(yf)
+            msgs, at = {}, T if joint else 0
+            for s, m in st.recv_rows[k].items():
+                msgs[s] = yf[at:at + m]
+                sends[s] = sends.get(s, 0) + m
+                at += m
+            self._post_into(net, msgs, {}, k)
         t_posted = _clock()
-        yl = (yf[:T] if joint else
+        yl = (kept[0][:T] if joint else
               self._shm_combine(rows, st.parts[0], weighted, "combine/shm local"))
         t_local = _clock()
         self._finish(net, deadline)
@@ -445,33 +529,41 @@ class HybridBackend(Backend):
             if h == self.host:
                 acc += yl
             elif len(toks):
-                part = inbox[self._entries[h]]
-                if part.dtype != torch.float32:     # index_add_ takes its own dtype only
-                    part = self._kept("part32", part.numel() * 4).view(torch.float32).view(
-                        part.shape).copy_(part)
-                acc.index_add_(0, torch.from_numpy(toks), part)
+                n = len(toks)
+                for k in range(chunks):
+                    part = inbox[k][self._entries[h]]
+                    if part.dtype != torch.float32:     # index_add_ takes its own dtype only
+                        part = self._kept("part32", part.numel() * 4).view(
+                            torch.float32).view(part.shape).copy_(part)
+                    lo, hi = n * k // chunks, n * (k + 1) // chunks
+                    acc.index_add_(0, torch.from_numpy(toks[lo:hi]), part)
         y = (self._pool.empty(T, c.hidden, expert_out.dtype) if out is None else out).copy_(acc)
         t_end = _clock()
+        self._picker.record(st.cost[0], False, (st.cost[1] + t_end - t0) * 1e6)
         us = 1e6
         phases = {"shm forwarded": (t_posted - t0) * us, "shm local": (t_local - t_posted) * us,
                   "network wait": (t_net - t_local) * us, "sum": (t_end - t_net) * us}
         phases["network"] = phases["network wait"]
         phases["shm"] = phases["shm forwarded"] + phases["shm local"]
-        nbytes = sum(len(s) for s in sends.values()) * size
+        nbytes = sum(sends.values()) * size
         stats = Stats(op="combine", backend="hybrid", mode="ubep", sync=c.sync,
                       schedule="static", rank=self.rank, total_us=(t_end - t0) * us,
                       phases_us=phases, bytes_sent=nbytes,
-                      bytes_recv=sum(len(b) for b in inbox.values()) * size,
+                      bytes_recv=sum(len(t) for t in st.tokens) * size,
                       bytes_sent_network=nbytes,
                       extra={"partial_dtype": str(pdtype).removeprefix("torch."),
-                             "mode": "joint" if joint else "split",
-                             "messages": _messages({p: len(t) * size for p, t in sends.items()},
-                                                   {p: len(t) * size for p, t in inbox.items()})})
+                             "mode": "joint" if joint else "split", "chunks": chunks,
+                             "messages": _messages(
+                                 {p: m * size for p, m in sends.items()},
+                                 {e: len(st.tokens[h]) * size
+                                  for h, e in self._entries.items()})})
         return CombineResult(y=y, stats=stats)
 
     # -- flat mode ---------------------------------------------------------------------------
     def _flat_dispatch(self, x, topk_idx, topk_weights, call) -> DispatchResult:
-        """The torch backend's dispatch, its stats in this backend's terms."""
+        """The torch backend's dispatch (its compiled path), its stats in this backend's
+        terms, made when first read: a batch-1 call costs what the torch backend's does."""
+        t0 = _clock()
         try:
             res = self._flat.dispatch(x, topk_idx, topk_weights, call)
         except (ValueError, TypeError):
@@ -481,18 +573,18 @@ class HybridBackend(Backend):
             raise network_error(self.rank, "dispatch/flat", self._others(), e,
                                 self.config.timeout_s) from e
         # the largest count any rank sent one peer: every rank's headers say the same
-        self._mode = self._mode_for(self._flat.last_global_max)
-        st = _plain(res.stats)
-        row_bytes = rows_to_other_hosts(self.layout, self.rank, topk_idx.numpy(), per="rank") * (
-            x.shape[1] * x.element_size())
-        far = [p for p in range(self.world) if self.layout.host_of_rank[p] != self.host]
-        wire = sum(send[p] for _, send, _ in st.extra.get("collectives", ()) for p in far)
-        extra = {**st.extra, "mode": "flat", "network_meta_bytes": max(wire - row_bytes, 0)}
-        stats = dataclasses.replace(st, backend="hybrid", extra=extra,
-                                    bytes_sent_network=row_bytes)
-        return _with_stats(res, stats)
+        most = self._flat.last_global_max
+        small = most * self.config.hidden * 2 <= FLAT_BYTES
+        flat = self._picker.after_flat(bucket(most), small, call)
+        self._mode = "flat" if flat else self._mode_for(most)
+        self._flat_t = (self._picker.bucket, _clock() - t0)
+        d = res.__dict__        # (a result made for this call: its stats replaced in place)
+        d["stats"] = DeferredStats.of(_flat_dispatch_stats, d["stats"], d["handle"], self._far,
+                                      x.shape[1] * x.element_size())
+        return res
 
     def _flat_combine(self, expert_out, handle, weighted, out) -> CombineResult:
+        t0 = _clock()
         try:
             res = self._flat.combine(expert_out, handle, weighted, out)
         except (ValueError, TypeError):
@@ -501,23 +593,15 @@ class HybridBackend(Backend):
             self.in_step = False
             raise network_error(self.rank, "combine/flat", self._others(), e,
                                 self.config.timeout_s) from e
-        st = _plain(res.stats)
-        rows = self._far_rows_back(handle)
-        stats = dataclasses.replace(st, backend="hybrid", extra={**st.extra, "mode": "flat"},
-                                    bytes_sent_network=rows * expert_out.shape[1]
-                                    * _partial_dtype(expert_out.dtype).itemsize)
-        return CombineResult(y=res.y, stats=stats)
+        key, took = self._flat_t
+        self._picker.record(key, True, (took + _clock() - t0) * 1e6)
+        prow = expert_out.shape[1] * _partial_dtype(expert_out.dtype).itemsize
+        d = res.__dict__
+        d["stats"] = DeferredStats.of(_flat_combine_stats, d["stats"], handle, self._far, prow)
+        return res
 
     def _others(self) -> list[int]:
         return [r for r in range(self.world) if r != self.rank]
-
-    def _far_rows_back(self, handle: DispatchHandle) -> int:
-        """Partial rows a flat combine puts on the network: one per (token, rank) of the
-        received rows whose source lives on another host."""
-        src = handle.recv_src_rank.numpy()
-        tok = handle.recv_src_token.numpy()
-        far = self.layout.host_of_rank[src] != self.host
-        return len(np.unique(src[far] * (1 << 32) + tok[far]))
 
     def _shm_combine(self, rows: torch.Tensor, part: _Part, weighted: bool,
                      phase: str) -> torch.Tensor:
@@ -547,17 +631,36 @@ def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in PARTIAL_DTYPES else torch.float32
 
 
+def _far_rows(per_rank, far: np.ndarray) -> int:
+    """Rows of a flat call's per-rank counts `per_rank` that cross the network."""
+    return int(sum(n for n, f in zip(per_rank, far.tolist()) if f))
+
+
+def _flat_dispatch_stats(st: Stats, handle: DispatchHandle, far: np.ndarray,
+                         row_bytes: int) -> Stats:
+    """A flat dispatch's stats: the torch backend's `st`, with its network row bytes, one row
+    per (token, rank on another host holding one of its experts), and the rest of what
+    crossed the network as metadata."""
+    st = _plain(st)
+    row = _far_rows(handle.state.sent_per_rank, far) * row_bytes
+    wire = sum(s[p] for _, s, _ in st.extra.get("collectives", ()) for p in np.flatnonzero(far))
+    extra = {**st.extra, "mode": "flat", "network_meta_bytes": max(int(wire) - row, 0)}
+    return dataclasses.replace(st, backend="hybrid", extra=extra, bytes_sent_network=row)
+
+
+def _flat_combine_stats(st: Stats, handle: DispatchHandle, far: np.ndarray,
+                        prow_bytes: int) -> Stats:
+    """A flat combine's stats: the torch backend's `st`, with its network row bytes, one
+    partial row per (token, rank) received from another host."""
+    st = _plain(st)
+    rows = _far_rows(handle.state.recv_per_rank, far)
+    return dataclasses.replace(st, backend="hybrid", extra={**st.extra, "mode": "flat"},
+                               bytes_sent_network=rows * prow_bytes)
+
+
 def _plain(st: Stats) -> Stats:
     """A plain `Stats` of `st` (which may build its fields on first read)."""
     return Stats(**{f.name: getattr(st, f.name) for f in dataclasses.fields(Stats)})
-
-
-def _with_stats(res: DispatchResult, stats: Stats) -> DispatchResult:
-    """`res` with `stats` (the other fields as they are, made on first read or not)."""
-    out = object.__new__(DispatchResult)
-    out.__dict__.update(res.__dict__)
-    out.__dict__["stats"] = stats
-    return out
 
 
 def _messages(sends: dict[int, int], recvs: dict[int, int]) -> list[tuple[int, int, int]]:

@@ -50,15 +50,16 @@ class Exchange:
 
 
 def post(ex: Exchange, pg, sends: dict[int, torch.Tensor],
-         recvs: dict[int, torch.Tensor]) -> Exchange:
+         recvs: dict[int, torch.Tensor], tag: int = 0) -> Exchange:
     """Post `recvs` (peer group rank -> buffer) then `sends` (peer -> tensor) on the process
-    group object `pg`, as `dist.irecv`/`dist.isend` do without their Python wrappers' checks
-    (tens of µs a call on a slow host, as `collectives.all_to_all` notes)."""
+    group object `pg` with `tag` (a call's chunks travel under tags 0, 1, ...), as
+    `dist.irecv`/`dist.isend` do without their Python wrappers' checks (tens of µs a call
+    on a slow host, as `collectives.all_to_all` notes)."""
     try:
         for peer, buf in recvs.items():
-            ex.recvs.append((peer, pg.recv([buf], peer, 0)))
+            ex.recvs.append((peer, pg.recv([buf], peer, tag)))
         for peer, buf in sends.items():
-            ex.sends.append((peer, pg.send([buf], peer, 0)))
+            ex.sends.append((peer, pg.send([buf], peer, tag)))
     except RuntimeError as e:
         raise network_error(ex.rank, ex.phase, next(iter(recvs or sends), -1), e,
                             ex.timeout_s) from e

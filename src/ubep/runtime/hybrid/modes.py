@@ -1,0 +1,113 @@
+"""Which exchange the hybrid backend's next call runs, from costs the ranks measured.
+
+Two families: "flat" (the torch backend's exchange, straight to the expert ranks) and the
+hierarchical ones ("joint", "split": once per host, then forwarded through shared memory).
+Small batches always run flat (`FLAT_BYTES` in `backend.py`). Above it, which is cheaper
+depends on the link and the cores: on a slow link the hierarchical exchange's fewer bytes
+win, on a fast one its extra copies lose. So each rank times its calls (dispatch plus
+combine) per mode and batch bucket, and the ranks decide together:
+
+* every rank must pick the same mode, so decisions use only what every rank knows alike:
+  the largest batch of any rank (hierarchical calls; the bucket), the largest count any
+  rank sent one peer (flat calls: the torch backend's headers), the call number, and the
+  costs carried in hierarchical calls' headers (the largest of any rank: a call takes its
+  slowest rank's time);
+* a bucket's costs are known after `SAMPLES` + 1 calls in each mode (its first call
+  grows buffers): a new bucket runs that many hierarchical calls, then as many flat ones
+  (a probe), then a hierarchical call again, which carries the probe's cost to every
+  rank;
+* every `REPROBE` calls the mode not chosen runs once, so the choice follows the load;
+* a flat call leaves flat when the largest per-peer count changes bucket (the batch
+  changed: a hierarchical call finds the new bucket).
+"""
+
+from __future__ import annotations
+
+#: calls between re-measurements of the mode not chosen
+REPROBE = 32
+#: a cost is the median of its latest SAMPLES calls: a typical call's, robust to a busy
+#: host's spikes (a bucket's first call in a mode, which grows buffers, is not among them)
+SAMPLES = 3
+
+
+def bucket(n: int) -> int:
+    """The bucket of a count: its bit length (1, 2-3, 4-7, ...)."""
+    return int(n).bit_length()
+
+
+class ModePicker:
+    """The agreed choice between flat and hierarchical calls, and this rank's costs."""
+
+    def __init__(self) -> None:
+        #: this rank's latest costs, µs per dispatch + combine: {(bucket, flat?): [us, ...]}
+        self._cost: dict[tuple[int, bool], list[float]] = {}
+        #: the bucket of the largest batch the current choice was made for (agreed)
+        self.bucket = 0
+        #: why the current run of flat calls runs (agreed): "small" batches, a "probe"
+        #: (`_left` more calls), "chosen" as the cheaper; None in hierarchical calls
+        self._run: str | None = "small"
+        self._left = 0
+        #: hierarchical calls in a row in the current bucket (agreed)
+        self._hier_calls = 0
+        #: in a chosen run: the per-peer count's bucket of its first call (agreed)
+        self._flat_key: int | None = None
+
+    def shared(self) -> tuple[int, int]:
+        """(flat µs, hierarchical µs) this rank measured in the current bucket (0: not yet),
+        what its hierarchical call's header carries."""
+        return (_median(self._cost.get((self.bucket, True), [0])),
+                _median(self._cost.get((self.bucket, False), [0])))
+
+    def record(self, key_bucket: int, flat: bool, us: float) -> None:
+        """One call's dispatch + combine time on this rank."""
+        last = self._cost.setdefault((key_bucket, flat), [])
+        last.append(max(us, 1.0))
+        del last[:-SAMPLES]
+
+    def after_hier(self, batch_bucket: int, small: bool, flat_us: int, hier_us: int,
+                   call: int) -> bool:
+        """After a hierarchical call whose largest batch fell in `batch_bucket` (`small`:
+        at most the flat threshold) and whose ranks' largest costs for the bucket the call
+        was chosen in were `flat_us`, `hier_us` (0: unknown): is the next call flat?"""
+        same = batch_bucket == self.bucket
+        self._hier_calls = self._hier_calls + 1 if same else 1
+        self.bucket, self._flat_key = batch_bucket, None
+        self._run = "small" if small else None
+        if small:
+            return True
+        if self._hier_calls <= SAMPLES:     # this bucket's costs: measure them first
+            return False
+        if not flat_us or (call + 1) % REPROBE == 0 and flat_us >= hier_us:
+            self._run, self._left = "probe", 1 if flat_us else SAMPLES + 1     # then back
+            return True
+        if flat_us < hier_us:
+            self._run = "chosen"
+            return True
+        return False
+
+    def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
+        """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
+        at most the flat threshold): is the next call flat?"""
+        if self._run == "probe":        # its calls, then a hierarchical one to share them
+            self._left -= 1
+            if self._left > 0:
+                return True
+            self._run = None
+            return False
+        if self._run == "chosen":
+            if self._flat_key is None:
+                self._flat_key = peer_bucket
+            if peer_bucket == self._flat_key and (call + 1) % REPROBE:
+                return True
+            self._run = None            # the batch changed, or time to re-measure
+            return False
+        if small:
+            self._run = "small"
+            return True
+        self._run = None                # the batch grew past the threshold: measure it
+        return False
+
+
+def _median(values: list[float]) -> int:
+    """The middle of `values` (the upper one of an even count), in whole µs."""
+    return int(sorted(values)[len(values) // 2])

@@ -1,0 +1,58 @@
+"""The hybrid backend's choice between flat and hierarchical calls (`runtime.hybrid.modes`):
+a pure function of what every rank knows alike, so every rank picks the same mode."""
+
+from __future__ import annotations
+
+from ubep.runtime.hybrid.modes import REPROBE, SAMPLES, ModePicker
+
+
+def _steady(picker: ModePicker, costs: dict[bool, float], calls: int, start: int = 1):
+    """Run `calls` calls of one large batch (bucket 8, per-peer bucket 7) where a flat call
+    costs costs[True] and a hierarchical one costs[False]; the modes run, in order."""
+    modes, flat = [], False
+    for call in range(start, start + calls):
+        modes.append(flat)
+        picker.record(picker.bucket, flat, costs[flat])
+        if flat:
+            flat = picker.after_flat(7, False, call)
+        else:
+            flat = picker.after_hier(8, False, *picker.shared(), call)
+    return modes
+
+
+def test_probes_flat_once_then_keeps_the_cheaper():
+    """A new bucket: SAMPLES + 1 hierarchical calls (the last carries their cost), as many
+    flat ones (a probe), one hierarchical call carrying the probe's cost, then the cheaper
+    mode; the other mode runs once every REPROBE calls."""
+    n = SAMPLES + 1
+    explore = [False] * n + [True] * n + [False]
+    fast_flat = _steady(ModePicker(), {True: 10.0, False: 30.0}, 3 * REPROBE)
+    assert fast_flat[:2 * n + 2] == [*explore, True]
+    assert sum(not f for f in fast_flat[2 * n + 2:]) <= 3  # re-measurements only
+    slow_flat = _steady(ModePicker(), {True: 30.0, False: 10.0}, 3 * REPROBE)
+    assert slow_flat[:2 * n + 2] == [*explore, False]
+    assert 1 <= sum(slow_flat[2 * n + 2:]) <= 3
+
+
+def test_small_batches_stay_flat_and_growth_goes_hierarchical():
+    p = ModePicker()
+    assert p.after_flat(1, True, 1)
+    assert not p.after_flat(9, False, 2)        # grew past the threshold: measure it
+    assert p.after_hier(3, True, 0, 0, 3)       # back to small
+
+
+def test_a_chosen_flat_run_leaves_when_the_batch_changes():
+    p = ModePicker()
+    _steady(p, {True: 10.0, False: 30.0}, 2 * SAMPLES + 4)
+    assert p.after_flat(7, False, 2 * SAMPLES + 5)
+    assert not p.after_flat(9, False, 2 * SAMPLES + 6)     # per-peer count: another bucket
+
+
+def test_a_probe_ends_even_where_the_per_peer_count_is_small():
+    """A batch just past the threshold whose per-peer counts are below it: the flat probe
+    still hands back to a hierarchical call, which carries its cost."""
+    p = ModePicker()
+    decided = [p.after_hier(5, False, 0, 100, call) for call in range(1, SAMPLES + 2)]
+    assert decided == [False] * SAMPLES + [True]
+    probe = [p.after_flat(3, True, SAMPLES + 1 + i) for i in range(1, SAMPLES + 2)]
+    assert probe == [True] * SAMPLES + [False]
