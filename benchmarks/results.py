@@ -251,7 +251,10 @@ def render(turns: BenchResult, inter: BenchResult, command: str) -> str:
         + ", ".join(str(b) for b in DOC_BATCHES)
         + f"; the other batches are in the plots, hidden {PEERS_HIDDENS[0]} and every batch "
         "in the run's `bench.md`.", "", markdown(_headline(turns), phases=False),
-        "## Run 2: every iteration interleaved", "", markdown(_headline(inter), phases=False),
+        "## Run 2: every iteration interleaved", "",
+        "The same systems and batches, each call started on caches another system evicted: "
+        "its ratios are the second column of the table above, its medians in the plot (every "
+        "system and batch in the run's `bench.md`).", "",
         "![the same, interleaved every iteration](figures/bench_peers_interleaved.png)", "",
         "## Method", "", _MEASURED, _LIMITS,
         "Other results: docs/results/ (`e2e.md` MoE decoding, `simulator.md` the paper's "
