@@ -86,6 +86,9 @@ def _auto_buffer(rank, world):
 
 
 def _lose_rank(rank, world, victim):
+    # after a barrier: every pair of the group is connected (a rank killed while its peers
+    # still build gloo's mesh can leave one of them waiting for a pair until its timeout)
+    dist.barrier()
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     return rank
