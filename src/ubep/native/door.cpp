@@ -4,7 +4,7 @@
 //
 // Why: a call that follows other work (an attention layer, another system) starts on cold
 // caches, and there each Python statement costs ~0.5-2 µs; the layers between `Buffer.dispatch`
-// and the entry were about half of such a call in one process (docs/results.md, "The door").
+// and the entry were about half of such a call in one process (benchmarks/scripts/bench_shm_door.py).
 // The Python code stays the definition: this file takes the call only when the Python path
 // would take its straight line (nothing to refuse, a free lent area, views and codes already
 // made), else it answers NotImplemented before changing anything and the Python path runs as

@@ -3,7 +3,7 @@
 // (`c10d::ProcessGroup::all_to_all_single` on the caller's group, polled as the Python path's
 // `wait` polls them) and the results; and a door that takes `Buffer`'s common call whole, as
 // door.cpp does for the shm direct path. Why: at batch 1 the Python around the collectives
-// cost more than the collectives' own host work (docs/results.md, "The torch path, compiled");
+// cost more than the collectives' own host work (benchmarks/scripts/bench_torch_native.py);
 // gloo's threads share the cores with the caller, so each Python statement runs on cold caches.
 //
 // The Python path (`TorchBackend._dispatch_cpu` / `_combine_cpu`) stays the definition: these
