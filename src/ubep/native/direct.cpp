@@ -2,8 +2,8 @@
 // glue around its numba kernels (result arrays, the recv_x view, the combine output, the
 // result objects, two or three kernel entries) was ~25 µs of a ~48 µs batch-1
 // dispatch+combine in one process; here the kernels run as numba cfuncs called by address
-// (`runtime/shm/direct/entries.py`), with no Python in between. The protocol is entirely theirs: this
-// file only allocates, passes pointers and makes the results.
+// (`runtime/shm/direct/entries.py`), with no Python in between. The protocol is entirely
+// theirs: this file only allocates, passes pointers and makes the results.
 //
 // Each entry returns early, with what it made so far, when a wait is needed (counts or rows
 // not all in after the kernels' inline spins, tokens not all summed): the Python path then
@@ -291,8 +291,10 @@ PyObject* dispatch_call(int64_t* st, PyObject* x_obj, PyObject* idx_obj, PyObjec
         && results.dispatch) {
       const int64_t n = c[D_N];
       PyObject* handle = instance(results.handle, {
-          {names[N_BUFFER_ID], PyLong_FromLongLong(buffer_id)}, {names[N_CALL], PyLong_FromLongLong(call)},
-          {names[N_NUM_TOKENS], PyLong_FromLongLong(t_n)}, {names[N_NUM_RECV], PyLong_FromLongLong(n)},
+          {names[N_BUFFER_ID], PyLong_FromLongLong(buffer_id)},
+          {names[N_CALL], PyLong_FromLongLong(call)},
+          {names[N_NUM_TOKENS], PyLong_FromLongLong(t_n)},
+          {names[N_NUM_RECV], PyLong_FromLongLong(n)},
           {names[N_HIDDEN], PyLong_FromLongLong(st[ST_HIDDEN])}, {names[N_TOPK_IDX], ref(idx_obj)},
           {names[N_TOPK_WEIGHTS], ref(w_obj)}, {names[N_ORIGINS], origins.share()},
           {names[N_STATE], state.release()}});
@@ -301,7 +303,8 @@ PyObject* dispatch_call(int64_t* st, PyObject* x_obj, PyObject* idx_obj, PyObjec
           times(t0, t1, now_us()), ref(Py_None), ref(idx_obj), PyLong_FromLongLong(n),
           PyLong_FromLongLong(c[D_RB]), PyLong_FromLongLong(c[D_EPOCH])}));
       return instance(results.dispatch, {
-          {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], wts.release()}, {names[N_TPE], tpe.release()},
+          {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], wts.release()},
+          {names[N_TPE], tpe.release()},
           {names[N_HANDLE], handle}, {names[N_STATS], stats}});
     }
     return tuple_steal({PyLong_FromLongLong(c[D_LEFT]), PyLong_FromLongLong(c[D_N]),

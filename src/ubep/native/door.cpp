@@ -3,8 +3,9 @@
 // path's choice of where rows go, the compiled entry (direct.cpp) and the Buffer's stats.
 //
 // Why: a call that follows other work (an attention layer, another system) starts on cold
-// caches, and there each Python statement costs ~0.5-2 µs; the layers between `Buffer.dispatch`
-// and the entry were about half of such a call in one process (benchmarks/scripts/bench_shm_door.py).
+// caches, and there each Python statement costs ~0.5-2 µs; the layers between
+// `Buffer.dispatch` and the entry were about half of such a call in one process
+// (benchmarks/scripts/bench_shm_door.py).
 // The Python code stays the definition: this file takes the call only when the Python path
 // would take its straight line (nothing to refuse, a free lent area, views and codes already
 // made), else it answers NotImplemented before changing anything and the Python path runs as

@@ -138,7 +138,8 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
                                        ints.share()});
         PyObject* handle = instance(results.handle, {
             {names[N_BUFFER_ID], pyint(d.v[SD_BUFFER_ID])}, {names[N_CALL], pyint(call)},
-            {names[N_NUM_TOKENS], pyint(t_n)}, {names[N_NUM_RECV], pyint(n)}, {names[N_HIDDEN], pyint(hidden)},
+            {names[N_NUM_TOKENS], pyint(t_n)}, {names[N_NUM_RECV], pyint(n)},
+            {names[N_HIDDEN], pyint(hidden)},
             {names[N_TOPK_IDX], ref(a[2])}, {names[N_TOPK_WEIGHTS], ref(a[3])},
             {names[N_ORIGINS], ints.share()}, {names[N_STATE], state}});
         if (!handle) return nullptr;
@@ -147,7 +148,8 @@ PyObject* staged_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) 
         PyObject* stats = deferred_stats(d.o[SD_DBUILD], tuple_steal({
             ts, pyint(c[S_SENDS]), pyint(n), pyint(rb), pyint(epoch)}));
         r = instance(results.dispatch, {
-            {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], wts.release()}, {names[N_TPE], tpe.release()},
+            {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], wts.release()},
+            {names[N_TPE], tpe.release()},
             {names[N_HANDLE], handle}, {names[N_STATS], stats}});
         return r;
       }

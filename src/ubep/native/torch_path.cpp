@@ -368,7 +368,8 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
           ref(d[TD_RANK]), times, ref(d[TD_BYTES]), ref(d[TD_COLL])}));
     }
     return instance(results.dispatch, {
-        {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], weights.release()}, {names[N_TPE], tpe.release()},
+        {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], weights.release()},
+        {names[N_TPE], tpe.release()},
         {names[N_HANDLE], handle}, {names[N_STATS], stats}});
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
