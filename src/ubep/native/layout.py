@@ -15,6 +15,8 @@ changed layout never loads a stale build. The Python side imports the names from
 
 from __future__ import annotations
 
+import numpy as np
+
 # -- int64 blocks of the shm direct path's compiled entries (`shm/direct/entries.py`) --------
 # the path's kept state: one array made once per DirectPath
 (ST_BASES, ST_WORLD, ST_DLAY, ST_DLAY_N, ST_RANK, ST_EXPERTS, ST_EL, ST_COUNTS, ST_TAILS,
@@ -108,6 +110,23 @@ NAMES = ("buffer_id", "call", "num_tokens", "num_recv", "hidden", "topk_idx", "t
 #: each block's C++ enum: (its name, the prefix of its words)
 ENUMS = (("St", "ST_"), ("D", "D_"), ("C", "C_"), ("S", "S_"), ("Cast", "CAST_"), ("K", "K_"),
          ("B", "B_"), ("Bw", "BW_"), ("Dw", "DW_"), ("Sw", "SW_"), ("Tw", "TW_"))
+
+
+def door(fields: tuple[str, ...], **words) -> tuple:
+    """The door tuple `fields` names (`DIRECT_DOOR`, ...), from `words` by name: each field
+    exactly once, in its order (a TypeError names what is missing or extra)."""
+    if words.keys() != set(fields):
+        raise TypeError(f"door words: missing {sorted(set(fields) - words.keys())}, "
+                        f"extra {sorted(words.keys() - set(fields))}")
+    return tuple(words[f] for f in fields)
+
+
+def block(length: int, words: dict[int, int]) -> np.ndarray:
+    """An int64 block of `length` words (`ST_LEN`, `K_LEN`, ...): `words` set, the rest 0."""
+    b = np.zeros(length, np.int64)
+    for k, v in words.items():
+        b[k] = v
+    return b
 
 
 def _words(prefix: str) -> list[tuple[str, int]]:

@@ -360,11 +360,10 @@ class TorchBackend(Backend):
         max_tokens_per_rank, max_top_k). None without `ubep.native`."""
         if self._native is None:
             return None
-        words = {"words": self._tw, "buffer_words": buffer_words, "lock": lock,
-                 "doors": self._doors, "state_type": _TorchState, "rest": self._native_rest,
-                 "buffer_id": self.buffer_id, "hidden": limits[0], "experts": limits[1],
-                 "max_tokens": limits[2], "max_top_k": limits[3]}
-        return tuple(words[f] for f in L.TORCH_DOOR)
+        return L.door(L.TORCH_DOOR, words=self._tw, buffer_words=buffer_words, lock=lock,
+                      doors=self._doors, state_type=_TorchState, rest=self._native_rest,
+                      buffer_id=self.buffer_id, hidden=limits[0], experts=limits[1],
+                      max_tokens=limits[2], max_top_k=limits[3])
 
     @property
     def last_global_max(self) -> int:
@@ -762,24 +761,21 @@ class TorchBackend(Backend):
          _, _, wsv, _) = shape
         header = torch.from_numpy(wsv[4])
         hdr_recv = torch.empty_like(header)
-        k = np.zeros(L.K_LEN, dtype=np.int64)
-        words = {L.K_ROW_BYTES: row_bytes, L.K_PER_RANK: c.experts_per_rank,
-                 L.K_WORLD: c.world_size, L.K_ME: c.rank, L.K_META_K: meta_k,
-                 L.K_INLINE: C, L.K_HROWS: hrows, L.K_WS: ws.ctypes.data,
-                 L.K_WS_LEN: len(ws), L.K_RECV_BYTES: n1, L.K_BLK_BYTES: blk * row_bytes,
-                 L.K_PAIRS: min(meta_k, c.experts_per_rank), L.K_CAP: cap,
-                 L.K_POLL_NS: self._poll_ns, L.K_HDR_IN: hdr_recv.data_ptr(),
-                 L.K_PACK: te.pack_c.address, L.K_HEADERS: te.headers_c.address,
-                 L.K_COUNTS: te.counts_c.address, L.K_PHASE2: te.phase2_c.address,
-                 L.K_PLAN: te.plan_c.address, L.K_ROWS: te.rows_c.address}
-        for word, v in words.items():
-            k[word] = v
-        words = {"k": k, "ws": ws, "group": self._group_cap, "scratch": self._scratch,
-                 "hdr_send": header, "hdr_recv": hdr_recv, "words": self._tw,
-                 "state": _TorchState.cpu, "build": _cpu_dispatch_stats,
-                 "build_rows": _rows_dispatch_stats, "coll": coll1, "buffer_id": self.buffer_id,
-                 "rank": self.config.rank, "bytes": bytes1, "pool": self._owned_t}
-        return tuple(words[f] for f in L.TORCH_DISPATCH_DOOR)
+        k = L.block(L.K_LEN, {
+            L.K_ROW_BYTES: row_bytes, L.K_PER_RANK: c.experts_per_rank,
+            L.K_WORLD: c.world_size, L.K_ME: c.rank, L.K_META_K: meta_k,
+            L.K_INLINE: C, L.K_HROWS: hrows, L.K_WS: ws.ctypes.data,
+            L.K_WS_LEN: len(ws), L.K_RECV_BYTES: n1, L.K_BLK_BYTES: blk * row_bytes,
+            L.K_PAIRS: min(meta_k, c.experts_per_rank), L.K_CAP: cap,
+            L.K_POLL_NS: self._poll_ns, L.K_HDR_IN: hdr_recv.data_ptr(),
+            L.K_PACK: te.pack_c.address, L.K_HEADERS: te.headers_c.address,
+            L.K_COUNTS: te.counts_c.address, L.K_PHASE2: te.phase2_c.address,
+            L.K_PLAN: te.plan_c.address, L.K_ROWS: te.rows_c.address})
+        return L.door(L.TORCH_DISPATCH_DOOR, k=k, ws=ws, group=self._group_cap,
+                      scratch=self._scratch, hdr_send=header, hdr_recv=hdr_recv,
+                      words=self._tw, state=_TorchState.cpu, build=_cpu_dispatch_stats,
+                      build_rows=_rows_dispatch_stats, coll=coll1, buffer_id=self.buffer_id,
+                      rank=self.config.rank, bytes=bytes1, pool=self._owned_t)
 
     #: one attempt of a call (an elastic Buffer's calls may make several)
     _dispatch_once = dispatch
@@ -1115,14 +1111,12 @@ class TorchBackend(Backend):
         it), how to make the stats."""
         from ubep.runtime import torch_entries as te
 
-        b = np.zeros(L.B_LEN, dtype=np.int64)
-        b[L.B_HIDDEN], b[L.B_INLINE_BYTES], b[L.B_POLL_NS] = hidden, _INLINE_BYTES, \
-            self._poll_ns
-        b[L.B_BAGS], b[L.B_FINAL] = te.bags_c.address, te.final_c.address
-        b[L.B_KIND] = _CPU_COMBINE[pdtype]
-        words = {"b": b, "group": self._group_cap, "scratch": self._scratch,
-                 "build": _native_combine_stats, "rank": self.config.rank}
-        return tuple(words[f] for f in L.TORCH_COMBINE_DOOR)
+        b = L.block(L.B_LEN, {
+            L.B_HIDDEN: hidden, L.B_INLINE_BYTES: _INLINE_BYTES, L.B_POLL_NS: self._poll_ns,
+            L.B_BAGS: te.bags_c.address, L.B_FINAL: te.final_c.address,
+            L.B_KIND: _CPU_COMBINE[pdtype]})
+        return L.door(L.TORCH_COMBINE_DOOR, b=b, group=self._group_cap, scratch=self._scratch,
+                      build=_native_combine_stats, rank=self.config.rank)
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""

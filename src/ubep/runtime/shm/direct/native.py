@@ -42,44 +42,40 @@ class DirectNativePath(DirectPath):
         objects and constants, the Buffer's `lock`, its state words and `limits` its fast
         checks' (hidden, num_experts, max_tokens_per_rank, max_top_k), and `resume`, where a
         call that must wait goes on."""
-        words = {"path_words": self._w, "buffer_words": buffer_words, "lock": lock,
-                 "resume": resume, "cdata": self._area_cdata,
-                 "uses": self._area_uses, "views": self._area_views, "codes": _CODES,
-                 "elems": {d: combine_codes(d)[:2] for d in OUT_KIND},
-                 "dbuild": self._dispatch_stats, "cbuild": self._combine_stats,
-                 "st": self._st_addr, "owned": int(self.owned), "buffer_id": self.ctx.buffer_id,
-                 "recv_off": self._recv_off, "area": self._area, "base": self.ctx.base,
-                 "comb": self._comb_addr, "hidden": limits[0], "experts": limits[1],
-                 "max_tokens": limits[2], "max_top_k": limits[3]}
-        return tuple(words[f] for f in DIRECT_DOOR)
+        return L.door(DIRECT_DOOR, path_words=self._w, buffer_words=buffer_words, lock=lock,
+                      resume=resume, cdata=self._area_cdata,
+                      uses=self._area_uses, views=self._area_views, codes=_CODES,
+                      elems={d: combine_codes(d)[:2] for d in OUT_KIND},
+                      dbuild=self._dispatch_stats, cbuild=self._combine_stats,
+                      st=self._st_addr, owned=int(self.owned), buffer_id=self.ctx.buffer_id,
+                      recv_off=self._recv_off, area=self._area, base=self.ctx.base,
+                      comb=self._comb_addr, hidden=limits[0], experts=limits[1],
+                      max_tokens=limits[2], max_top_k=limits[3])
 
     def _native_state(self) -> np.ndarray:
         """The kept state `ubep.native`'s entries read (`entries.py`, `layout`'s `ST_*` words):
         the addresses of this path's arrays (kept alive by it) and the kernels'."""
         from ubep.runtime.shm.direct import entries as EN
 
-        b, st = self.ctx, np.zeros(L.ST_LEN, np.int64)
+        b = self.ctx
         self._lut0 = np.zeros(1, np.float32)
-        words = {L.ST_BASES: b.bases.ctypes.data, L.ST_WORLD: b.world,
-                 L.ST_DLAY: self.dlay.ctypes.data, L.ST_DLAY_N: len(self.dlay),
-                 L.ST_RANK: b.rank, L.ST_EXPERTS: self.num_experts, L.ST_EL: self.el,
-                 L.ST_COUNTS: self._counts.ctypes.data, L.ST_TAILS: self._tails.ctypes.data,
-                 L.ST_GOT: self._got.ctypes.data, L.ST_SPINS: INLINE_SPINS,
-                 L.ST_POS: self._pos_addr, L.ST_HIDDEN: self.hidden,
-                 L.ST_READY: self._ready.ctypes.data, L.ST_DONE_T: self._done_t.ctypes.data,
-                 L.ST_Y: self._y_addr, L.ST_DONE_MINE: self._done_mine.ctypes.data,
-                 L.ST_DONE_FIRST: self._done_first, L.ST_LUT: self._lut0.ctypes.data,
-                 L.ST_BEGIN: EN.dispatch_begin_c.address, L.ST_ROWS: EN.dispatch_rows_c.address,
-                 L.ST_COMBINE: EN.combine_begin_c.address}
-        for k, v in words.items():
-            st[k] = v
-        return st
+        return L.block(L.ST_LEN, {
+            L.ST_BASES: b.bases.ctypes.data, L.ST_WORLD: b.world,
+            L.ST_DLAY: self.dlay.ctypes.data, L.ST_DLAY_N: len(self.dlay),
+            L.ST_RANK: b.rank, L.ST_EXPERTS: self.num_experts, L.ST_EL: self.el,
+            L.ST_COUNTS: self._counts.ctypes.data, L.ST_TAILS: self._tails.ctypes.data,
+            L.ST_GOT: self._got.ctypes.data, L.ST_SPINS: INLINE_SPINS,
+            L.ST_POS: self._pos_addr, L.ST_HIDDEN: self.hidden,
+            L.ST_READY: self._ready.ctypes.data, L.ST_DONE_T: self._done_t.ctypes.data,
+            L.ST_Y: self._y_addr, L.ST_DONE_MINE: self._done_mine.ctypes.data,
+            L.ST_DONE_FIRST: self._done_first, L.ST_LUT: self._lut0.ctypes.data,
+            L.ST_BEGIN: EN.dispatch_begin_c.address, L.ST_ROWS: EN.dispatch_rows_c.address,
+            L.ST_COMBINE: EN.combine_begin_c.address})
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 call: int, t0: float) -> DispatchResult:
-        area = self._free_area() if self.owned else 0   # owned: a free lent area, else scratch
-        roff = self._recv_off + area * self._area
-        self._w[L.DW_EPOCH] = epoch = int(self._w[L.DW_EPOCH]) + 1
+    def _dispatch_from(self, x, topk_idx, topk_weights, call, t0, epoch, area,
+                       roff) -> DispatchResult:
+        """The compiled entry where rows land in place; else (and after a wait) as
+        `DirectPath` goes on."""
         if self._in_place(area):
             # one C++ entry for the whole call (`ubep.native`); rows land where `recv_x` lies
             # (a lent area, or the recv area with direct=True). Straight-line while nothing
@@ -96,8 +92,7 @@ class DirectNativePath(DirectPath):
                 return r
             return self.dispatch_resume(r, x, topk_idx, topk_weights, call, t0, epoch, area,
                                         roff)
-        return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff, None,
-                                 False)
+        return super()._dispatch_from(x, topk_idx, topk_weights, call, t0, epoch, area, roff)
 
     def dispatch_resume(self, r: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
                         topk_weights: torch.Tensor, call: int, t0: float, epoch: int, area: int,

@@ -206,6 +206,11 @@ class DirectPath:
         area = self._free_area() if self.owned else 0   # owned: a free lent area, else scratch
         roff = self._recv_off + area * self._area
         self._w[DW_EPOCH] = epoch = int(self._w[DW_EPOCH]) + 1
+        return self._dispatch_from(x, topk_idx, topk_weights, call, t0, epoch, area, roff)
+
+    def _dispatch_from(self, x, topk_idx, topk_weights, call, t0, epoch, area,
+                       roff) -> DispatchResult:
+        """`dispatch` once it has its epoch and where rows land (`area` at `roff`)."""
         return self._dispatch_py(x, topk_idx, topk_weights, call, t0, epoch, area, roff, None,
                                  False)
 

@@ -30,6 +30,7 @@ from ubep.handle import (
     new_handle,
     rerouted,
 )
+from ubep.native import layout as L
 from ubep.native import load_native
 from ubep.native.layout import CAST_16, CAST_NONE, STAGED_DOOR, SW_C_EPOCH, SW_D_EPOCH, SW_LEN
 from ubep.options import BufferConfig
@@ -112,21 +113,20 @@ class SinglePath:
         from ubep.runtime.shm.staged import entries as SE
 
         ctx, c = self.ctx, self.ctx.config
-        words = {"path_words": self._w, "buffer_words": buffer_words, "lock": lock,
-                 "resume": resume, "codes": dict(DTYPE_CODES),
-                 "elems": {d: _combine_elem(d) for d in (torch.bfloat16, torch.float16,
-                                                          torch.float32)},
-                 "dbuild": functools.partial(_dispatch_stats, c, ctx.fmt, ctx.rank),
-                 "cbuild": functools.partial(_combine_stats, c, ctx.fmt, ctx.rank),
-                 "lend": self._lend.empty,
-                 "state": self._state_addr, "y": self._y_addr, "buffer_id": ctx.buffer_id,
-                 "world": ctx.world, "el": c.experts_per_rank, "spins": INLINE_SPINS,
-                 "min_lent": self._lend.min_bytes,
-                 "begin": SE.dispatch_begin_c.address, "rows": SE.dispatch_rows_c.address,
-                 "cbegin": SE.combine_begin_c.address, "cpoll": SE.combine_poll_c.address,
-                 "hidden": limits[0], "experts": limits[1], "max_tokens": limits[2],
-                 "max_top_k": limits[3]}
-        return tuple(words[f] for f in STAGED_DOOR)
+        return L.door(STAGED_DOOR, path_words=self._w, buffer_words=buffer_words, lock=lock,
+                      resume=resume, codes=dict(DTYPE_CODES),
+                      elems={d: _combine_elem(d) for d in (torch.bfloat16, torch.float16,
+                                                               torch.float32)},
+                      dbuild=functools.partial(_dispatch_stats, c, ctx.fmt, ctx.rank),
+                      cbuild=functools.partial(_combine_stats, c, ctx.fmt, ctx.rank),
+                      lend=self._lend.empty,
+                      state=self._state_addr, y=self._y_addr, buffer_id=ctx.buffer_id,
+                      world=ctx.world, el=c.experts_per_rank, spins=INLINE_SPINS,
+                      min_lent=self._lend.min_bytes,
+                      begin=SE.dispatch_begin_c.address, rows=SE.dispatch_rows_c.address,
+                      cbegin=SE.combine_begin_c.address, cpoll=SE.combine_poll_c.address,
+                      hidden=limits[0], experts=limits[1], max_tokens=limits[2],
+                      max_top_k=limits[3])
 
     def dispatch_resume(self, r: tuple, x: torch.Tensor, topk_idx: torch.Tensor,
                         topk_weights: torch.Tensor, call: int, t0: float,
