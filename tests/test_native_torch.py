@@ -198,3 +198,58 @@ def _peer_gone(rank, world):
 def test_a_peer_that_is_gone_is_an_error_of_the_compiled_dispatch_and_breaks_the_buffer():
     out = run_ranks(_peer_gone, 2, timeout_s=120, return_exceptions=True, pg_timeout_s=20)
     assert out[0] == "raised", out
+
+
+def _elastic_pair(rank, world):
+    """`_phase2`'s six calls on two elastic Buffers, one on the compiled path and one on the
+    Python path: what each call's collectives sent (the compiled path's from the record a
+    recovery would replay, the Python path's as they ran), as bytes and byte splits."""
+    import ubep
+
+    kw = dict(backend="torch", num_experts=16, hidden=7168, max_tokens_per_rank=16,
+              elastic=True)
+    nat = ubep.Buffer(**kw)
+    os.environ["UBEP_NATIVE"] = "0"
+    try:
+        py = ubep.Buffer(**kw)
+    finally:
+        os.environ.pop("UBEP_NATIVE")
+
+    def sent(buf) -> list:
+        return [(_bits(i).clone(), [n * i.element_size() for n in s],
+                 [n * i.element_size() for n in r])
+                for i, s, r in buf._backend.recovery.last_collectives()]
+
+    log = []
+    with nat, py:
+        assert nat._door is None and py._backend._native is None
+        for call in range(12):      # the second six: on scratch the first six grew
+            x, idx, w = _phase2_inputs(rank, call % 6)
+            for buf in (nat, py):   # what a call does not write is the same in both: zeros
+                for scratch in (buf._backend._scratch, buf._backend._alt[0]):
+                    for t in scratch.values():
+                        t.zero_()
+            a, b = nat.dispatch(x, idx, w), py.dispatch(x, idx, w)
+            sd = sent(nat), sent(py)
+            ya = nat.combine(expert_fn(a.recv_x), a.handle)
+            yb = py.combine(expert_fn(b.recv_x), b.handle)
+            sc = sent(nat), sent(py)
+            same = (torch.equal(_bits(a.recv_x), _bits(b.recv_x)) and torch.equal(ya, yb)
+                    and torch.equal(a.recv_src_token, b.recv_src_token))
+            log.append((same, sd, sc) if call >= 6 else (same,))
+        compiled = nat._backend.recovery.compiled_calls
+    return log, compiled
+
+
+def test_an_elastic_buffer_runs_compiled_and_records_what_the_python_path_sends():
+    """With `elastic=True` the compiled path takes the calls while every rank is active, its
+    waits bounded and each collective recorded for a replay (`torch_path.cpp`'s Watch); the
+    record is, byte for byte, what the Python path's collectives sent."""
+    for log, compiled in run_ranks(_elastic_pair, 2, timeout_s=300):
+        assert compiled >= 20                    # of 24 calls (a new shape's: Python)
+        for same, *sends in log:
+            assert same
+            for nat, py in sends:
+                assert len(nat) == len(py) > 0
+                for (a, sa, ra), (b, sb, rb) in zip(nat, py):
+                    assert torch.equal(a, b) and sa == sb and ra == rb

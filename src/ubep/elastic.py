@@ -50,6 +50,8 @@ class Membership:
     @property
     def inactive(self) -> list[int]:
         """The inactive ranks, ascending."""
+        if not self.any_inactive:       # (read after every call of an elastic Buffer)
+            return []
         return [int(r) for r in np.flatnonzero(~self.active)]
 
     def active_ranks(self) -> torch.Tensor:

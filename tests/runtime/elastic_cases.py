@@ -169,8 +169,11 @@ def elastic_trial(rank: int, world: int, kw: dict, victim: int, kill_at: int, ph
                              bits=buf.config.backend == "shm")
             if why:
                 errors.append(f"call {i}: {why}")
+        # the torch backend's recovery: calls its compiled path took, calls it replayed
+        el = getattr(buf._backend, "recovery", None)
         return dict(errors=errors, active=buf.active_ranks.tolist(), slowest=slowest,
-                    load=buf.expert_load().tolist(), seen=seen, backend=buf.config.backend)
+                    load=buf.expert_load().tolist(), seen=seen, backend=buf.config.backend,
+                    compiled=el.compiled_calls if el else 0, replays=el.replays if el else 0)
     finally:
         buf.close()
 

@@ -23,11 +23,17 @@ from elastic_cases import (
     assert_drained,
     assert_survivors,
     calls_until_store_host_dies,
+    check_call,
     drain_trial,
     elastic_trial,
+    expert_rows,
+    inputs,
 )
 
+from ubep.native import load_native
 from ubep.testing import run_ranks
+
+NATIVE = load_native()
 
 WORLD = 4
 DEADLINE_S = 10.0
@@ -49,6 +55,70 @@ def test_survivors_go_on_after_a_sigkill(trial, phase, victim, kill_at, delay):
                     return_exceptions=True, env={"UBEP_JOB_ID": f"elt{os.getpid()}t{trial}"})
     where = f"{phase} victim={victim} kill_at={kill_at} delay={delay * 1e3:.2f} ms"
     assert_survivors(out, victim, DEADLINE_S, where)
+    if NATIVE is not None:      # the calls before the death ran on the compiled path
+        assert all(o["compiled"] >= kill_at for r, o in enumerate(out) if r != victim), out
+
+
+def _replay_trial(rank: int, world: int, at: int, phase: str) -> dict:
+    """Six calls; rank 1 sees call `at`'s `phase` fail after its last collective completed
+    (as when a peer died between sending to one rank and to another): the others completed
+    the call, so the recovery has them replay it from what they kept (the compiled path's
+    record, or the Python path's collectives) while rank 1 redoes it. Nobody died: every call
+    is exact on every rank, the redone one too."""
+    import ubep
+    from ubep.runtime.torch_elastic import Redo
+
+    experts = 2 * world
+    buf = ubep.Buffer(num_experts=experts, hidden=HIDDEN, max_tokens_per_rank=TOKENS,
+                      max_top_k=TOP_K, timeout_s=DEADLINE_S, elastic=True, backend="torch")
+    backend, el = buf._backend, buf._backend.recovery
+    errors, calls = [], [0]
+
+    def failing(once):
+        def call(*args):
+            res = once(*args)
+            if rank == 1 and calls[0] == at and el.gen == 0:
+                try:
+                    el.recover(RuntimeError("injected: the collective failed here"))
+                except Redo:
+                    raise
+            return res
+        return call
+
+    if phase == "dispatch":
+        backend._dispatch_once = failing(backend._dispatch_once)
+    else:
+        backend._combine_once = failing(backend._combine_once)
+    try:
+        for i in range(6):
+            calls[0] = i
+            ins = inputs(world, experts, i, 3)
+            res = buf.dispatch(*ins[rank])
+            y = buf.combine(expert_rows(res.recv_x, res.tokens_per_expert,
+                                        rank * (experts // world)), res.handle)
+            why = check_call(rank, world, experts, ins, res, y, buf.active_ranks, True, -1,
+                             bits=False)
+            if why:
+                errors.append(f"call {i}: {why}")
+        return dict(errors=errors, active=buf.active_ranks.tolist(), replays=el.replays,
+                    compiled=el.compiled_calls, gen=el.gen)
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_ranks_a_call_ahead_replay_it_exactly(phase, native):
+    """The replay a recovery needs when some ranks completed the failed call: from the
+    compiled path's record (`UBEP_NATIVE=1`) and from the Python path's collectives."""
+    if native == "1" and NATIVE is None:
+        pytest.skip("ubep.native not built")
+    out = run_ranks(_replay_trial, 3, 2, phase, timeout_s=120,
+                    env={"UBEP_NATIVE": native, "UBEP_JOB_ID": f"rp{os.getpid()}{phase}"})
+    for r, o in enumerate(out):
+        assert o["errors"] == [] and o["active"] == [True] * 3 and o["gen"] == 1, (r, o)
+        assert o["replays"] == (0 if r == 1 else 1), (r, o)
+        assert (o["compiled"] >= 2) == (native == "1"), (r, o)
 
 
 def test_planned_drain():

@@ -51,14 +51,38 @@ CAST_NONE, CAST_16 = 0, 1
  K_NUM_BACK, K_SENDS, K_FIRST, K_N_ME, K_GMAX, K_NUM_BAGS, K_SUM_R2, K_SUM_S2, K_NUM_REMOTE,
  K_REMOTE_BAGS, K_NUM_RECV, K_OFFSETS) = range(50)
 K_ERR = K_OFFSETS + 8          # after res_offsets' 8 words
-K_LEN = K_ERR + 1
+# elastic: how often a collective's wait calls the door's `check` once it polled K_POLL_NS
+K_CHECK_NS = K_ERR + 1
+K_LEN = K_CHECK_NS + 1
 # a combine's block: the scratch's addresses (each call), constants, one call's inputs
 # (`B_KIND`: the partials' dtype, a `torch_layout.KIND_*` code)
 (B_SEND_AT, B_BACK_AT, B_HIDDEN, B_INLINE_BYTES, B_POLL_NS, B_BAGS, B_FINAL, B_KIND, B_OWN_AT,
  B_NRET, B_OWN, B_BACK, B_ROWS, B_NUM_ROWS, B_WEIGHTED, B_W_AT, B_ROWS_AT, B_OFFS_AT,
  B_FIN_ROWS_AT, B_FIN_OFFS_AT, B_NUM_PAIRS, B_NUM_BAGS, B_SENDS, B_NUM_TOKENS, B_J0, B_J1,
- B_DST, B_Y, B_ERR) = range(29)
-B_LEN = 29
+ B_DST, B_Y, B_ERR, B_CHECK_NS) = range(30)
+B_LEN = 30
+
+# an elastic torch backend's record of the collectives a compiled call ran (what a replay
+# after a recovery sends again, `TorchElastic`): their count, then per collective its
+# source (REC_SEND: the scratch's "send", REC_HDR: the door's `hdr_send`, REC_CSEND: the
+# scratch's "csend"), byte offset, bytes, and then `world` input and `world` output splits
+# in bytes (`rec_len`)
+(REC_COUNT, REC_FIRST) = range(2)
+(REC_SOURCE, REC_AT, REC_BYTES, REC_SPLITS) = range(4)
+(REC_SEND, REC_HDR, REC_CSEND) = range(3)
+#: collectives a compiled call runs at most (dispatch: phase 1, then phase 2)
+REC_MOST = 2
+
+
+def rec_words(world: int) -> int:
+    """Words of one collective's record in a REC block."""
+    return REC_SPLITS + 2 * world
+
+
+def rec_len(world: int) -> int:
+    """Length of a REC block for a group of `world` ranks."""
+    return REC_FIRST + REC_MOST * rec_words(world)
+
 
 # -- state words shared with the doors (int64 arrays; the Python paths read them too) ---------
 # a Buffer's: whether it takes calls (not closed, not broken), its dispatches so far
@@ -86,10 +110,12 @@ STAGED_DOOR = ("path_words", "buffer_words", "lock", "codes", "elems", "dbuild",
                "begin", "rows", "cbegin", "cpoll", "hidden", "experts", "max_tokens",
                "max_top_k")
 #: `TorchBackend._dispatch_door`, per row type and inline capacity (`torch_dispatch`)
+#: `check`, `rec`: None, or an elastic Buffer's (`TorchElastic.overdue`; a REC_* block)
 TORCH_DISPATCH_DOOR = ("k", "ws", "group", "scratch", "hdr_send", "hdr_recv", "words", "state",
-                       "build", "build_rows", "coll", "buffer_id", "rank", "bytes", "pool")
+                       "build", "build_rows", "coll", "buffer_id", "rank", "bytes", "pool",
+                       "check", "rec")
 #: `TorchBackend._combine_door` (`torch_combine`)
-TORCH_COMBINE_DOOR = ("b", "group", "scratch", "build", "rank")
+TORCH_COMBINE_DOOR = ("b", "group", "scratch", "build", "rank", "check", "rec")
 #: `TorchBackend.door`: the Buffer-level door's words
 TORCH_DOOR = ("words", "buffer_words", "lock", "doors", "state_type", "rest", "buffer_id",
               "hidden", "experts", "max_tokens", "max_top_k")
@@ -109,7 +135,8 @@ NAMES = ("buffer_id", "call", "num_tokens", "num_recv", "hidden", "topk_idx", "t
 
 #: each block's C++ enum: (its name, the prefix of its words)
 ENUMS = (("St", "ST_"), ("D", "D_"), ("C", "C_"), ("S", "S_"), ("Cast", "CAST_"), ("K", "K_"),
-         ("B", "B_"), ("Bw", "BW_"), ("Dw", "DW_"), ("Sw", "SW_"), ("Tw", "TW_"))
+         ("B", "B_"), ("Bw", "BW_"), ("Dw", "DW_"), ("Sw", "SW_"), ("Tw", "TW_"),
+         ("Rec", "REC_"))
 
 
 def door(fields: tuple[str, ...], **words) -> tuple:

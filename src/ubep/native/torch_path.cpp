@@ -20,6 +20,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -85,17 +86,56 @@ bool fits(int64_t* k, PyObject* dict, int64_t t_n) {
   return true;
 }
 
+// An elastic Buffer's hooks on its collectives (`TorchElastic`), from a door's `check` and
+// `rec` words (None, None without elastic): each collective is written in `rec` (a REC_*
+// block: what a replay after a recovery sends again) before it starts; `check()` is called
+// every `every_ns` while a collective is overdue, and raises (the recovery's `Redo`, or a
+// named error) to abandon it.
+struct Watch {
+  PyObject* check;
+  int64_t* rec;       // nullptr without elastic
+  int64_t every_ns;
+};
+
+Watch watch_of(PyObject* check, PyObject* rec, int64_t every_ns) {
+  if (rec != Py_None) words(rec)[REC_COUNT] = 0;        // a new call
+  return Watch{check, rec == Py_None ? nullptr : words(rec), every_ns};
+}
+
+// one collective into `watch.rec`: its source (REC_SEND ...), byte offset, bytes, and its
+// splits in bytes (empty: equal parts)
+void record(const Watch& watch, int64_t source, int64_t at, const at::Tensor& in,
+            const at::Tensor& out, const std::vector<int64_t>& in_splits,
+            const std::vector<int64_t>& out_splits, int64_t world) {
+  int64_t* r = watch.rec + REC_FIRST + watch.rec[REC_COUNT]++ * (REC_SPLITS + 2 * world);
+  const int64_t isz = in.element_size(), osz = out.element_size();
+  r[REC_SOURCE] = source;
+  r[REC_AT] = at;
+  r[REC_BYTES] = in.numel() * isz;
+  for (int64_t i = 0; i < world; ++i) {
+    r[REC_SPLITS + i] = in_splits.empty() ? in.numel() * isz / world : in_splits[i] * isz;
+    r[REC_SPLITS + world + i] =
+        out_splits.empty() ? out.numel() * osz / world : out_splits[i] * osz;
+  }
+}
+
 // One all_to_all_single on `g`, from launch to completion: `between` runs while it is in
 // flight; the wait polls `isCompleted()` for up to `poll_ns`, yielding the core (as
 // `torch_backend.wait`), then blocks in `wait()`, which raises the collective's error and keeps
-// the group's timeout. All of it without the GIL, the launch too: gloo's thread takes the GIL
-// to drop a finished collective's Python-owned tensors while it holds the lock a launch takes.
-// False with a RuntimeError on a collective's error.
+// the group's timeout; with `watch.check` (elastic) it sleeps between polls instead, backing
+// off to 1 ms, and calls `check` every `watch.every_ns` (as `TorchElastic._wait`). All of it
+// without the GIL but `check`, the launch too: gloo's thread takes the GIL to drop a finished
+// collective's Python-owned tensors while it holds the lock a launch takes.
+// `source`, `at`: where `in` lies, for `watch.rec`. False with a RuntimeError on a
+// collective's error, or with `check`'s exception.
 template <typename F>
 bool exchange(Group& g, at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
-              std::vector<int64_t>& in_splits, int64_t poll_ns, F between) {
+              std::vector<int64_t>& in_splits, int64_t poll_ns, const Watch& watch,
+              int64_t source, int64_t at, F between) {
+  if (watch.rec) record(watch, source, at, in, out, in_splits, out_splits, g->getSize());
   std::string error;
-  Py_BEGIN_ALLOW_THREADS
+  bool raised = false;          // `check` raised: its exception is set
+  PyThreadState* py = PyEval_SaveThread();
   try {
     c10d::AllToAllOptions opts;
     opts.asyncOp = true;
@@ -107,12 +147,26 @@ bool exchange(Group& g, at::Tensor& out, at::Tensor& in, std::vector<int64_t>& o
     if (work) {
       const double end = now_us() + poll_ns * 1e-3;
       while (!work->isCompleted() && now_us() < end) sched_yield();
-      work->wait();
+      if (watch.check != Py_None) {
+        double next = now_us() + watch.every_ns * 1e-3;
+        for (int64_t n = 1; !raised && !work->isCompleted(); ++n) {
+          usleep(static_cast<useconds_t>(std::min<int64_t>(1000, 50 * n)));
+          if (now_us() < next) continue;
+          PyEval_RestoreThread(py);
+          PyObject* r = PyObject_CallNoArgs(watch.check);
+          raised = r == nullptr;
+          Py_XDECREF(r);
+          py = PyEval_SaveThread();
+          next = now_us() + watch.every_ns * 1e-3;
+        }
+      }
+      if (!raised) work->wait();
     }
   } catch (const std::exception& e) {
     error = e.what();
   }
-  Py_END_ALLOW_THREADS
+  PyEval_RestoreThread(py);
+  if (raised) return false;
   if (error.empty()) return true;
   PyErr_SetString(PyExc_RuntimeError, error.c_str());
   return false;
@@ -234,6 +288,7 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
     const at::Tensor& idx = THPVariable_Unpack(idx_obj);
     const at::Tensor& w = THPVariable_Unpack(w_obj);
     const int64_t t_n = idx.size(0), hidden = x.size(1), world = k[K_WORLD], me = k[K_ME];
+    const Watch watch = watch_of(d[TD_CHECK], d[TD_REC], k[K_CHECK_NS]);
     if (!fits(k, d[TD_SCRATCH], t_n)) return not_taken();   // the scratch must grow: Python
     k[K_IDX] = reinterpret_cast<intptr_t>(idx.const_data_ptr());
     k[K_W] = reinterpret_cast<intptr_t>(w.const_data_ptr());
@@ -253,14 +308,16 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
       std::vector<int64_t> split(world, k[K_BLK_BYTES]);
       split[me] = 0;
       at::Tensor r1 = on_storage(recv, 0, {n1}), s1 = on_storage(send, 0, {n1});
-      if (!exchange(*g, r1, s1, split, split, k[K_POLL_NS], [] {})) return nullptr;
+      if (!exchange(*g, r1, s1, split, split, k[K_POLL_NS], watch, REC_SEND, 0, [] {}))
+        return nullptr;
       if (!run(k, K_HEADERS, K_ERR)) return nullptr;
     } else {
       const at::Tensor &hr_t = THPVariable_Unpack(d[TD_HDR_RECV]),
                        &hs_t = THPVariable_Unpack(d[TD_HDR_SEND]);
       at::Tensor hr = on_storage(hr_t, 0, hr_t.sizes()), hs = on_storage(hs_t, 0, hs_t.sizes());
       std::vector<int64_t> equal;
-      if (!exchange(*g, hr, hs, equal, equal, k[K_POLL_NS], [] {})) return nullptr;
+      if (!exchange(*g, hr, hs, equal, equal, k[K_POLL_NS], watch, REC_HDR, 0, [] {}))
+        return nullptr;
       if (!run(k, K_COUNTS, K_ERR)) return nullptr;
     }
     const double t2 = now_us();
@@ -286,7 +343,8 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
       const int64_t send1 = (world - 1) * (k[K_HROWS] + inl) * rb;
       at::Tensor r = on_storage(recv, n1, {k[K_SUM_R2] * rb});
       at::Tensor s = on_storage(send, send1, {k[K_SUM_S2] * rb});
-      if (!exchange(*g, r, s, gb, sb, k[K_POLL_NS], [] {})) return nullptr;
+      if (!exchange(*g, r, s, gb, sb, k[K_POLL_NS], watch, REC_SEND, send1, [] {}))
+        return nullptr;
       k[K_WORK_BYTES] = got;
     }
     const double t3 = now_us();
@@ -386,6 +444,7 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
     int64_t* b = words(d[TC_B]);
     Group* g = group_of(d[TC_GROUP]);
     if (!g) return nullptr;
+    const Watch watch = watch_of(d[TC_CHECK], d[TC_REC], b[B_CHECK_NS]);
     const at::Tensor& e = THPVariable_Unpack(e_obj);
     Obj at_words(PyObject_GetAttr(st, names[N_AT])), sizes(PyObject_GetAttr(st, names[N_SIZES]));
     Obj t_obj(PyObject_GetAttr(st, names[N_NUM_TOKENS]));
@@ -444,8 +503,8 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
     Kernel bags = reinterpret_cast<Kernel>(static_cast<intptr_t>(b[B_BAGS]));
     double t2, t3;
     if (nret * prow <= b[B_INLINE_BYTES]) {   // latency: own tokens summed while it runs
-      if (!exchange(*g, recv, send, recv_splits, send_splits, b[B_POLL_NS],
-                    [&] { bags(b); t2 = now_us(); }))
+      if (!exchange(*g, recv, send, recv_splits, send_splits, b[B_POLL_NS], watch,
+                    REC_CSEND, 0, [&] { bags(b); t2 = now_us(); }))
         return nullptr;
       t3 = now_us();
       if (b[B_ERR]) {
@@ -454,7 +513,8 @@ static PyObject* combine_core(PyObject* const* d, PyObject* e_obj, PyObject* st,
       }
     } else {                                  // bytes: the sums would compete for the cores
       t2 = now_us();
-      if (!exchange(*g, recv, send, recv_splits, send_splits, b[B_POLL_NS], [] {}))
+      if (!exchange(*g, recv, send, recv_splits, send_splits, b[B_POLL_NS], watch,
+                    REC_CSEND, 0, [] {}))
         return nullptr;
       t3 = now_us();
       if (!run(b, B_BAGS, B_ERR)) return nullptr;

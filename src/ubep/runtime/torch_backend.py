@@ -69,6 +69,9 @@ every bf16/fp16/fp32 combine (into a contiguous `out` too); its words (`_doors`)
 and inline capacity and read the scratch on every call, so changing batches keep it. A
 dispatch whose phase 2 needs a larger receive buffer goes on in Python after its first
 collective (`_native_rest`); everything else runs the Python path below, the definition.
+An elastic Buffer runs it too (through `_elastic_dispatch`, not the door) until a recovery
+replaces the group: its waits call `TorchElastic.overdue` and each collective is recorded in
+the door's REC block for a replay (`torch_elastic.Recorded`).
 Same bits as the Python path (tests/test_native_torch.py). Why: at batch 1 the Python between the
 collectives cost more than the collectives' own host work, each statement on caches gloo's
 threads had just used (docs/results/torch_backend.md, "The compiled path").
@@ -103,7 +106,7 @@ from ubep.native import load_native
 from ubep.options import BufferConfig
 from ubep.runtime import Backend
 from ubep.runtime.collectives import HOST_BACKENDS, POLL_S, all_to_all, wait
-from ubep.runtime.torch_elastic import Redo, TorchElastic
+from ubep.runtime.torch_elastic import FLAG_EVERY_S, Recorded, Redo, TorchElastic
 from ubep.runtime.torch_layout import (
     BAG_WORDS,
     KIND_BF16,
@@ -136,6 +139,10 @@ HOST_MOVES_ROWS = True
 #: `final_sums_at`: the same rounding as embedding_bag's, which the device path uses), by
 #: the kernels' code for them
 _CPU_COMBINE = {torch.bfloat16: KIND_BF16, torch.float16: KIND_F16, torch.float32: KIND_F32}
+#: where an elastic call's record of its compiled collectives lies in the doors' tuples
+_TD_REC, _TD_SCRATCH, _TD_HDR = (L.TORCH_DISPATCH_DOOR.index(f)
+                                 for f in ("rec", "scratch", "hdr_send"))
+_TC_REC, _TC_SCRATCH = (L.TORCH_COMBINE_DOOR.index(f) for f in ("rec", "scratch"))
 #: partial sums travel in the output dtype for these; in fp32 for everything else (the
 #: hybrid backend's partials too)
 PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -326,8 +333,10 @@ class TorchBackend(Backend):
             self.membership = Membership(config.rank, config.world_size,
                                          config.experts_per_rank)
             self._el = TorchElastic(self.membership, group, buffer_id, config.timeout_s)
-            self._native = None     # the compiled path runs its collectives itself
-            self._alt = ({}, {}, {})
+            # the compiled path runs while the group is the original one: its collectives
+            # bounded and recorded through the door's `check` and `note` (`torch_path.cpp`)
+            self._el.on_regroup = self._native_off
+            self._alt = ({}, {}, {}, {})
             self.dispatch, self.combine = self._elastic_dispatch, self._elastic_combine
 
     @property
@@ -358,7 +367,7 @@ class TorchBackend(Backend):
         and makes them), the handle state's class, where a dispatch whose phase 2 needs more
         scratch goes on (`_native_rest`), and `limits` the fast checks' (hidden, num_experts,
         max_tokens_per_rank, max_top_k). None without `ubep.native`."""
-        if self._native is None:
+        if self._native is None or self._el is not None:    # (elastic: `_elastic_dispatch`)
             return None
         return L.door(L.TORCH_DOOR, words=self._tw, buffer_words=buffer_words, lock=lock,
                       doors=self._doors, state_type=_TorchState, rest=self._native_rest,
@@ -465,11 +474,19 @@ class TorchBackend(Backend):
         return self._el is not None and self._el.redo_collectives >= 2
 
     def _flip(self) -> None:
-        """Elastic: the next call uses the other scratch set, so this call's send buffers
-        stay intact for a replay (`torch_elastic.py`, step 5)."""
+        """Elastic: the next call uses the other scratch set (and the compiled path's words
+        made on it), so this call's send buffers stay intact for a replay
+        (`torch_elastic.py`, step 5)."""
         alt = self._alt
-        self._alt = (self._scratch, self._views, self._shapes)
-        self._scratch, self._views, self._shapes = alt
+        self._alt = (self._scratch, self._views, self._shapes, self._doors)
+        self._scratch, self._views, self._shapes, self._doors = alt
+
+    def _native_off(self) -> None:
+        """Elastic: the members' group replaced the original one, on which the compiled
+        path's collectives run: the Python path runs every call from now on."""
+        self._native = None
+        self._doors.clear()
+        self._alt[3].clear()
 
     def _elastic_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                           topk_weights: torch.Tensor, call: int):
@@ -770,12 +787,14 @@ class TorchBackend(Backend):
             L.K_POLL_NS: self._poll_ns, L.K_HDR_IN: hdr_recv.data_ptr(),
             L.K_PACK: te.pack_c.address, L.K_HEADERS: te.headers_c.address,
             L.K_COUNTS: te.counts_c.address, L.K_PHASE2: te.phase2_c.address,
-            L.K_PLAN: te.plan_c.address, L.K_ROWS: te.rows_c.address})
+            L.K_PLAN: te.plan_c.address, L.K_ROWS: te.rows_c.address,
+            L.K_CHECK_NS: int(FLAG_EVERY_S * 1e9)})
         return L.door(L.TORCH_DISPATCH_DOOR, k=k, ws=ws, group=self._group_cap,
                       scratch=self._scratch, hdr_send=header, hdr_recv=hdr_recv,
                       words=self._tw, state=_TorchState.cpu, build=_cpu_dispatch_stats,
                       build_rows=_rows_dispatch_stats, coll=coll1, buffer_id=self.buffer_id,
-                      rank=self.config.rank, bytes=bytes1, pool=self._owned_t)
+                      rank=self.config.rank, bytes=bytes1, pool=self._owned_t,
+                      **self._watch())
 
     #: one attempt of a call (an elastic Buffer's calls may make several)
     _dispatch_once = dispatch
@@ -794,7 +813,11 @@ class TorchBackend(Backend):
         key = (x.shape[1], x.dtype, self._inline)
         door = self._doors.get(key)
         if door is not None:     # compiled (`ubep.native`): the whole call, or phase 1 of it
-            r = self._native.torch_dispatch(door, x, topk_idx, topk_weights, call)
+            r = (self._native.torch_dispatch(door, x, topk_idx, topk_weights, call)
+                 if self._el is None else self._el.compiled(
+                     self._native.torch_dispatch, Recorded(door[_TD_REC], door[_TD_SCRATCH],
+                                                           door[_TD_HDR]),
+                     door, x, topk_idx, topk_weights, call))
             if type(r) is tuple:
                 return self._native_rest(x, topk_idx, topk_weights, call, r)
             if r is not NotImplemented:
@@ -1039,7 +1062,11 @@ class TorchBackend(Backend):
             door = self._doors[key] = self._combine_door(pdtype, hidden)
         if door is not None and src is expert_out and (out is None or out.is_contiguous()):
             # compiled (`ubep.native`): the same kernels and collective, no Python between
-            r = self._native.torch_combine(door, expert_out, st, weighted, out)
+            r = (self._native.torch_combine(door, expert_out, st, weighted, out)
+                 if self._el is None else self._el.compiled(
+                     self._native.torch_combine, Recorded(door[_TC_REC], door[_TC_SCRATCH],
+                                                          None),
+                     door, expert_out, st, weighted, out))
             if r is not NotImplemented:
                 return r
         v = self._shapes.get(key)
@@ -1114,9 +1141,16 @@ class TorchBackend(Backend):
         b = L.block(L.B_LEN, {
             L.B_HIDDEN: hidden, L.B_INLINE_BYTES: _INLINE_BYTES, L.B_POLL_NS: self._poll_ns,
             L.B_BAGS: te.bags_c.address, L.B_FINAL: te.final_c.address,
-            L.B_KIND: _CPU_COMBINE[pdtype]})
+            L.B_KIND: _CPU_COMBINE[pdtype], L.B_CHECK_NS: int(FLAG_EVERY_S * 1e9)})
         return L.door(L.TORCH_COMBINE_DOOR, b=b, group=self._group_cap, scratch=self._scratch,
-                      build=_native_combine_stats, rank=self.config.rank)
+                      build=_native_combine_stats, rank=self.config.rank, **self._watch())
+
+    def _watch(self) -> dict:
+        """The compiled path's elastic hooks (`check`, `rec`: `torch_path.cpp`'s Watch)."""
+        el = self._el
+        return (dict(check=None, rec=None) if el is None
+                else dict(check=el.overdue, rec=np.zeros(L.rec_len(self.config.world_size),
+                                                         np.int64)))
 
     def close(self) -> None:
         """Drop the scratch buffers; the process group belongs to the caller."""

@@ -25,7 +25,10 @@ the process group's store:
    and the dead rank's rows of the failed call all or none.
 
 Nothing of this runs while nothing fails, beyond a bounded wait that polls the collective (as
-the non-elastic path's `wait` does) and a per-call swap of the scratch set. When the rank that
+the non-elastic path's `wait` does) and a per-call swap of the scratch set. The compiled path
+(`native/torch_path.cpp`) runs the calls while the group is the original one: its waits call
+`overdue` every `FLAG_EVERY_S`, and it writes each collective it runs into its door's REC
+block (`Recorded`: ints, no Python object), from which a replay rebuilds them. When the rank that
 hosts the store (rank 0 of the default group: the TCPStore master) dies, recovery is
 impossible: `StoreHostDiedError` says so.
 """
@@ -36,6 +39,7 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +47,7 @@ import torch.distributed as dist
 
 from ubep.elastic import Membership
 from ubep.errors import PeerTimeoutError, RankRemovedError, StoreHostDiedError
+from ubep.native import layout as L
 from ubep.runtime.collectives import all_to_all
 
 #: how often each rank's heartbeat thread bumps its counter in the store, seconds
@@ -57,6 +62,30 @@ POLL_S = 2e-3
 
 class Redo(Exception):
     """The call must start again (a recovery changed the members); internal."""
+
+
+class Recorded(NamedTuple):
+    """The collectives a compiled call ran, as its door wrote them (`layout`'s REC_* block,
+    `torch_path.cpp`'s Watch: no Python object per collective), and the buffers they sent
+    from: the door's scratch dict (its "send" and "csend") and header tensor."""
+    rec: np.ndarray
+    scratch: dict
+    header: torch.Tensor | None
+
+    def collectives(self, world: int) -> list[tuple]:
+        """(flat uint8 input, input splits, output splits) of each, splits in bytes."""
+        rec, out = self.rec, []
+        size = L.rec_words(world)
+        for i in range(int(rec[L.REC_COUNT])):
+            r = rec[L.REC_FIRST + i * size:L.REC_FIRST + (i + 1) * size].tolist()
+            src = (self.header if r[L.REC_SOURCE] == L.REC_HDR else
+                   self.scratch["send" if r[L.REC_SOURCE] == L.REC_SEND else "csend"])
+            at = r[L.REC_AT]
+            out.append((src.reshape(-1).view(torch.uint8)[at:at + r[L.REC_BYTES]],
+                        r[L.REC_SPLITS:L.REC_SPLITS + world], r[L.REC_SPLITS + world:]))
+        return out
+
+
 
 
 def _dead_store(e: BaseException) -> StoreHostDiedError:
@@ -95,8 +124,14 @@ class TorchElastic:
         self.redo_collectives = 0
         self.served = False
         self.drains = 0
+        #: calls the compiled path took (`compiled`), and calls this rank replayed for others
+        self.compiled_calls = 0
+        self.replays = 0
         self._fruitless = 0             # recoveries in a row that found nobody dead
         self.deadline = float("inf")
+        #: called when the members' group replaces the original one (`TorchBackend` turns its
+        #: compiled path off: its collectives run on the original group)
+        self.on_regroup = None
         self._stop = threading.Event()
         self._beat_store = self.store.clone()
         self._hb = threading.Thread(target=self._heartbeat, name=f"ubep-hb-b{buffer_id}",
@@ -115,6 +150,15 @@ class TorchElastic:
         self._last, self._now = self._now, []
         self.redo_collectives = 0
         self.served = False
+
+    def last_collectives(self) -> list[tuple]:
+        """The latest completed call's collectives, in order: (flat input, input splits,
+        output splits in its elements), the Python path's as they ran and the compiled
+        path's from its record (`Recorded`): what a replay sends again."""
+        out = []
+        for c in self._last:
+            out.extend(c.collectives(self.world) if type(c) is Recorded else [c])
+        return out
 
     def close(self) -> None:
         self._stop.set()
@@ -145,6 +189,28 @@ class TorchElastic:
                         else [int(n) * i_row for n in input_splits])
         self._now.append((input, input_splits, output_splits))
         return self._run(output, input, output_splits, input_splits, async_op)
+
+    def overdue(self) -> None:
+        """The compiled path's check while a collective is slow (every `FLAG_EVERY_S` past
+        its first `POLL_S`): recover (`Redo`) when the deadline passed or another rank began
+        a recovery."""
+        if time.perf_counter() > self.deadline or self._flag_up():
+            self.recover()
+
+    def compiled(self, entry, recorded: Recorded, *args):
+        """`entry(*args)`, a compiled call whose collectives `recorded` says (its door's
+        record) and whose waits call `overdue`; a collective's failure (a RuntimeError from
+        gloo) starts the recovery."""
+        self._now.append(recorded)
+        try:
+            r = entry(*args)
+            if r is not NotImplemented:
+                self.compiled_calls += 1
+            return r
+        except (Redo, StoreHostDiedError, RankRemovedError, PeerTimeoutError):
+            raise
+        except Exception as e:   # noqa: BLE001 - a collective that failed: a peer died
+            self.recover(e)
 
     def finish(self, work) -> None:
         """Wait for the work an `all_to_all(..., async_op=True)` returned (see `_run`)."""
@@ -249,7 +315,8 @@ class TorchElastic:
     def _recover(self) -> None:
         g, store, pfx = self.gen, self.store, f"{self._prefix}/g{self.gen}"
         store.set(f"{pfx}/started", "1")
-        store.set(f"{pfx}/in/{self.rank}", f"{self.completed},{len(self._last)}")
+        ran = len(self.last_collectives())
+        store.set(f"{pfx}/in/{self.rank}", f"{self.completed},{ran}")
         members = np.flatnonzero(self.members.active).tolist()
         beats: dict[int, tuple[int, float]] = {}
         deadline = time.perf_counter() + self.timeout_s
@@ -293,10 +360,12 @@ class TorchElastic:
         self.group = dist.new_group([self._global[r] for r in live],
                                     timeout=timedelta(seconds=self.timeout_s),
                                     use_local_synchronization=True)
+        self._regrouped()
         self.gen = g + 1
         self.served = self.completed > fewest
         if self.served:                     # others redo my previous call: replay it
-            for input, in_splits, out_splits in self._last:
+            self.replays += 1
+            for input, in_splits, out_splits in self.last_collectives():
                 self._run(input.new_empty(sum(out_splits)), input, out_splits, in_splits)
         self.redo_collectives = 0 if self.served else served
 
@@ -335,3 +404,8 @@ class TorchElastic:
             self.group = dist.new_group([self._global[r] for r in stay],
                                         timeout=timedelta(seconds=self.timeout_s),
                                         use_local_synchronization=True)
+            self._regrouped()
+
+    def _regrouped(self) -> None:
+        if self.on_regroup is not None:
+            self.on_regroup()
