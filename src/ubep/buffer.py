@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -225,6 +226,8 @@ class Buffer:
         if self._door is not None:
             self._door_dispatch, self._door_combine = (
                 getattr(native, name) for name in self._backend.DOOR_ENTRIES)
+        #: the backend's books on the calls its door took (`Backend.door_hooks`), or None
+        self._hooks = self._backend.door_hooks
         self._companions: dict[int, Buffer] = {}  # rows of other widths (`companion`)
         # `expert_load`: each dispatch's tokens per local expert, summed when read (or every
         # `_LOAD_FOLD` dispatches): a list append per call
@@ -307,6 +310,16 @@ class Buffer:
         if isinstance(e, UbepError) or not before_sending:
             self._break(e)
 
+    def _door_failed(self, e: BaseException) -> NoReturn:
+        """Raise what a door call's error `e` is in the backend's terms, recorded."""
+        if self._hooks is not None:
+            named = self._hooks[2](e)
+            if named is not e:
+                self._failed(named)
+                raise named from e
+        self._failed(e)
+        raise e
+
     def _break(self, e: BaseException) -> None:
         """Refuse every later call, naming `e` (`_check_usable`)."""
         self._broken = e
@@ -350,9 +363,10 @@ class Buffer:
                 try:
                     res = self._door_dispatch(self._door, x, topk_idx, topk_weights)
                 except BaseException as e:
-                    self._failed(e)
-                    raise
+                    self._door_failed(e)
                 if res is not NotImplemented:
+                    if self._hooks is not None:
+                        self._hooks[0](res)
                     self.last_stats = res.stats
                     tpe = res.__dict__.get("_tpe")     # `expert_load`'s: not the rows
                     self._loads.append(res.tokens_per_expert if tpe is None else tpe)
@@ -455,9 +469,10 @@ class Buffer:
             try:
                 r = self._door_combine(self._door, expert_out, handle, weighted, out)
             except BaseException as e:
-                self._failed(e)
-                raise
+                self._door_failed(e)
             if r is not NotImplemented:
+                if self._hooks is not None:
+                    self._hooks[1](r, handle)
                 if self._members is not None and self._members.any_inactive:
                     self._door = None       # a rank died in this call (the door assumes none)
                 self.last_stats = r.stats

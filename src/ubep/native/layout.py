@@ -95,9 +95,11 @@ DW_LEN = 5
 # the staged path's: its dispatch and combine epochs
 (SW_D_EPOCH, SW_C_EPOCH) = range(2)
 SW_LEN = 2
-# the torch backend's: tokens per peer that ride in dispatch's first collective
-(TW_INLINE,) = range(1)
-TW_LEN = 1
+# the torch backend's: tokens per peer that ride in dispatch's first collective, the largest
+# count any rank sent one peer in the latest dispatch, and whether the Buffer's door is shut
+# (the hybrid backend shuts it while its calls are not flat)
+(TW_INLINE, TW_GMAX, TW_SHUT) = range(3)
+TW_LEN = 3
 
 # -- door tuples: objects first, then ints (`<PREFIX>_INTS` is the first int) -----------------
 #: `DirectPath.door` (`native/door.cpp`)

@@ -348,7 +348,9 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
       k[K_WORK_BYTES] = got;
     }
     const double t3 = now_us();
-    state_words(d[TD_WORDS])[TW_INLINE] = gmax <= k[K_CAP] ? gmax : 0;
+    int64_t* tw = state_words(d[TD_WORDS]);
+    tw[TW_INLINE] = gmax <= k[K_CAP] ? gmax : 0;
+    tw[TW_GMAX] = gmax;
     // the plan, into room for every pair the received tokens could name (res_offsets' end at
     // num_recv = most); then recv_x's rows, exactly
     const int64_t most = num_bags * k[K_PAIRS], n_me = k[K_N_ME], sends = k[K_SENDS];
@@ -578,7 +580,9 @@ PyObject* torch_door_dispatch(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   if (!bw[BW_USABLE]) return not_taken();     // closed or broken: Python names why
   const at::Tensor& x = THPVariable_Unpack(a[1]);
   const at::Tensor& idx = THPVariable_Unpack(a[2]);
-  const int64_t inl = state_words(d[TR_WORDS])[TW_INLINE];
+  const int64_t* tw = state_words(d[TR_WORDS]);
+  if (tw[TW_SHUT]) return not_taken();        // (the hybrid backend's calls not flat)
+  const int64_t inl = tw[TW_INLINE];
   PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
   Obj k(Py_BuildValue("(LOL)", static_cast<long long>(x.size(1)), dtype,
                       static_cast<long long>(inl)));

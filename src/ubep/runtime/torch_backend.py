@@ -304,7 +304,6 @@ class TorchBackend(Backend):
         #: words; `_inline` reads and writes it)
         self._tw = np.zeros(L.TW_LEN, np.int64)
         self._inline = config.max_tokens_per_rank
-        self._global_max = 0
         #: the CPU path's per-shape constants and scratch views (`_cpu_shape`,
         #: `_combine_views`); emptied whenever a scratch buffer is reallocated, so its views
         #: are always the current ones
@@ -378,8 +377,13 @@ class TorchBackend(Backend):
     def last_global_max(self) -> int:
         """The largest count of tokens any rank sent one peer in this backend's latest
         dispatch (from the count headers every rank receives: the same on every rank; 0
-        before the first). Through `dispatch`, not the Buffer's compiled door."""
-        return self._global_max
+        before the first), through `dispatch` or the Buffer's compiled door."""
+        return int(self._tw[L.TW_GMAX])
+
+    def shut_door(self, shut: bool) -> None:
+        """Whether the Buffer's compiled door declines every dispatch (the hybrid backend's
+        while its next call is not flat; it makes this backend's door its own)."""
+        self._tw[L.TW_SHUT] = int(shut)
 
     def _buffer(self, name: str, rows: int, row_bytes: int, device,
                 keep: int = 0) -> torch.Tensor:
@@ -660,7 +664,7 @@ class TorchBackend(Backend):
         # else none (a batch that overflowed will likely overflow again: then the first
         # collective is a 16-byte count exchange, not rows that save nothing)
         self._inline = global_max if global_max <= cap else 0
-        self._global_max = global_max
+        self._tw[L.TW_GMAX] = global_max
         t4 = _now_us()
         own = slice(first := sum(dests[:me]), first + n_me)
         if n_me:
@@ -821,7 +825,6 @@ class TorchBackend(Backend):
             if type(r) is tuple:
                 return self._native_rest(x, topk_idx, topk_weights, call, r)
             if r is not NotImplemented:
-                self._global_max = int(door[0][L.K_GMAX])     # its headers' largest count
                 return r
         shape = self._shapes.get(key)
         if shape is None or num_tokens > shape[-1]:     # (grows the send scratch)
@@ -920,7 +923,7 @@ class TorchBackend(Backend):
         else:
             work, work_addr, work_bytes = None, recv_addr, recv1_bytes
         self._inline = global_max if global_max <= cap else 0
-        self._global_max = global_max
+        self._tw[L.TW_GMAX] = global_max
         t3 = _now_us()
 
         if pool is None:    # large batches: the plan first, then recv_x's rows exactly

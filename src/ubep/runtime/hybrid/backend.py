@@ -120,8 +120,8 @@ class _HybridState:
 
 
 class HybridBackend(Backend):
-    """Dispatch/combine across hosts: shm inside a host, point-to-point between hosts (no
-    door: every call goes through `dispatch` and `combine`)."""
+    """Dispatch/combine across hosts: shm inside a host, point-to-point between hosts (the
+    Buffer's door is the flat torch backend's, open while small batches run flat)."""
 
     def __init__(self, config: BufferConfig, group, buffer_id: int):
         from ubep.runtime.shm.backend import ShmBackend
@@ -189,10 +189,12 @@ class HybridBackend(Backend):
                                                       elastic=False),
                                   group if self._elastic is None else self._pg, buffer_id)
         self._mode = "joint"        # the first call's (then the last call's batch picks)
+        self._flat.shut_door(True)
         self._chunks = 1            # split mode's chunks per peer (picked with the mode)
         #: flat or hierarchical above FLAT_BYTES: from the costs the ranks measured
         self._picker = ModePicker()
-        self._flat_t: tuple[int, float] = (0, 0.0)     # a flat dispatch's (bucket, µs)
+        #: a flat dispatch's (bucket, seconds; None: the door's, not timed)
+        self._flat_t: tuple[int, float | None] = (0, 0.0)
 
     def set_active_ranks(self, mask: np.ndarray) -> None:
         """Elastic: remove the ranks `mask` drops (`HybridElastic.set_active_ranks`)."""
@@ -327,7 +329,7 @@ class HybridBackend(Backend):
         nbytes = most * c.hidden * 2
         flat = self._picker.after_hier(bucket(most), nbytes <= FLAT_BYTES, flat_us, hier_us,
                                        call)
-        self._mode = "flat" if flat else self._mode_for(most)
+        self._set_mode("flat" if flat else self._mode_for(most))
         cost = [bucket(most), 0.0]
         merged = self._merge(x, topk_idx, topk_weights, call, results, joint,
                              split.tokens, tuple(recv_rows), cost)
@@ -572,16 +574,59 @@ class HybridBackend(Backend):
             self.in_step = False
             raise network_error(self.rank, "dispatch/flat", self._others(), e,
                                 self.config.timeout_s) from e
+        self._after_flat(res, call)
+        self._flat_t = (self._picker.bucket, _clock() - t0)
+        return res
+
+    def _after_flat(self, res: DispatchResult, call: int) -> None:
+        """After a flat dispatch (through `dispatch` or the Buffer's door): the next call's
+        mode, and the result's stats in this backend's terms (made when first read)."""
         # the largest count any rank sent one peer: every rank's headers say the same
         most = self._flat.last_global_max
         small = most * self.config.hidden * 2 <= FLAT_BYTES
         flat = self._picker.after_flat(bucket(most), small, call)
-        self._mode = "flat" if flat else self._mode_for(most)
-        self._flat_t = (self._picker.bucket, _clock() - t0)
+        self._set_mode("flat" if flat else self._mode_for(most))
         d = res.__dict__        # (a result made for this call: its stats replaced in place)
         d["stats"] = DeferredStats.of(_flat_dispatch_stats, d["stats"], d["handle"], self._far,
-                                      x.shape[1] * x.element_size())
-        return res
+                                      self.config.hidden * res.recv_x.element_size())
+
+    def _set_mode(self, mode: str) -> None:
+        """The next call's mode; the Buffer's door (the flat torch backend's) takes the
+        calls of a run of small flat batches, which need no measured costs."""
+        self._mode = mode
+        self._flat.shut_door(mode != "flat" or not self._picker.small_run)
+
+    # -- the Buffer's door: the flat torch backend's, while small batches run flat -----------
+    DOOR_ENTRIES = TorchBackend.DOOR_ENTRIES
+
+    def door(self, lock, limits: tuple[int, int, int, int],
+             buffer_words: np.ndarray) -> tuple | None:
+        """The flat torch backend's door (`TorchBackend.door`), shut while the next call is
+        not a small flat one; None with elastic (its calls are wrapped)."""
+        if self._elastic is not None:
+            return None
+        return self._flat.door(lock, limits, buffer_words)
+
+    @property
+    def door_hooks(self) -> tuple:
+        """After a door call: the next mode and this backend's stats; errors named as
+        `dispatch`'s (`Backend.door_hooks`)."""
+        return self._door_dispatched, self._door_combined, self._door_error
+
+    def _door_dispatched(self, res: DispatchResult) -> None:
+        self._after_flat(res, res.handle.call)
+        self._flat_t = (self._picker.bucket, None)      # (not timed: a small batch's)
+
+    def _door_combined(self, res: CombineResult, handle: DispatchHandle) -> None:
+        prow = handle.hidden * _partial_dtype(res.y.dtype).itemsize
+        res.__dict__["stats"] = DeferredStats.of(_flat_combine_stats, res.stats, handle,
+                                                 self._far, prow)
+
+    def _door_error(self, e: BaseException) -> BaseException:
+        if isinstance(e, (ValueError, TypeError)):
+            return e
+        self.in_step = False
+        return network_error(self.rank, "flat", self._others(), e, self.config.timeout_s)
 
     def _flat_combine(self, expert_out, handle, weighted, out) -> CombineResult:
         t0 = _clock()
@@ -594,7 +639,8 @@ class HybridBackend(Backend):
             raise network_error(self.rank, "combine/flat", self._others(), e,
                                 self.config.timeout_s) from e
         key, took = self._flat_t
-        self._picker.record(key, True, (took + _clock() - t0) * 1e6)
+        if took is not None:
+            self._picker.record(key, True, (took + _clock() - t0) * 1e6)
         prow = expert_out.shape[1] * _partial_dtype(expert_out.dtype).itemsize
         d = res.__dict__
         d["stats"] = DeferredStats.of(_flat_combine_stats, d["stats"], handle, self._far, prow)

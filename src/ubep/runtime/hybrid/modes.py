@@ -85,6 +85,11 @@ class ModePicker:
             return True
         return False
 
+    @property
+    def small_run(self) -> bool:
+        """Whether the calls run flat because their batches are small (no costs taken)."""
+        return self._run == "small"
+
     def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
         """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
         at most the flat threshold): is the next call flat?"""
