@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ubep import reference
+from ubep.native import load_native
 from ubep.testing import Case, check_case, run_case, run_ranks, runtime_cases
 
 
@@ -55,6 +56,9 @@ def _run(rank, world, hosts, cases):
             out["mode"] = buf.last_stats.extra["mode"]
             out["chunks"] = buf.last_stats.extra.get("chunks", 1)
             outs.append(out)
+        # how many costs this rank keeps for the latest batch's bucket, per family
+        p = buf._backend._picker
+        outs[-1]["costs"] = {flat: len(v) for (b, flat), v in p._cost.items() if b == p.bucket}
         return buf.config.hosts, buf.config.backend_reason, outs
 
 
@@ -93,7 +97,7 @@ def test_hybrid_measured_modes_agree():
     """A steady large batch for more than REPROBE calls: the ranks measure both families
     (flat and hierarchical), pick one from their costs and re-measure the other; on every
     call every rank ran the same mode (`check_hybrid`) and moved the oracle's rows."""
-    from ubep.runtime.hybrid.modes import REPROBE
+    from ubep.runtime.hybrid.modes import REPROBE, SAMPLES
 
     hosts = ((0, 1), (2, 3))
     case = Case(num_experts=16, hidden=37, top_k=2, tokens=(2000, 40, 1900, 3), seed=21)
@@ -103,6 +107,10 @@ def test_hybrid_measured_modes_agree():
         check_hybrid(c, hosts, [res[r][2][i] for r in range(4)])
     modes = {res[0][2][i]["mode"] for i in range(len(cases))}
     assert "flat" in modes and modes & {"joint", "split"}, modes
+    # both families timed, the flat one too (its calls run in Python: the Buffer's compiled
+    # door, which takes runs of small flat calls whole, untimed, declines timed ones)
+    for r in range(4):
+        assert res[r][2][-1]["costs"] == {True: SAMPLES, False: SAMPLES}, (r, res[r][2][-1])
 
 
 def _kill(rank, world, hosts, victim, phase, deadline_s, batch=8):
@@ -161,3 +169,44 @@ def test_hybrid_peer_on_other_host_killed(phase, batch):
         assert kind in ("PeerDiedError", "PeerTimeoutError"), (r, out[r])
         assert waited < deadline + 2.0, (r, out[r])
     assert not [n for n in os.listdir("/dev/shm") if "ubep" in n.lower()]
+
+
+def _door_then_measured(rank, world, hosts):
+    import ubep
+    from ubep.runtime.hybrid.modes import SAMPLES
+    from ubep.testing import Counted, make_routing, make_tokens
+
+    os.environ["UBEP_SHM_DOMAIN"] = f"h{host_of(hosts, rank)}"
+    with ubep.Buffer(num_experts=4 * world, hidden=7168, max_tokens_per_rank=128) as buf:
+        assert buf._door is not None
+        d = buf._door_dispatch = Counted(buf._door_dispatch)
+        c = buf._door_combine = Counted(buf._door_combine)
+        took, modes = [], []
+        for i in range(12 + 4 * (SAMPLES + 1)):
+            batch = 4 if i < 12 else 96
+            idx, w = make_routing(batch, 8, 4 * world, seed=10 * i + rank)
+            x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=i)
+            before = (d.took, c.took)
+            res = buf.dispatch(x, idx, w)
+            buf.combine(res.recv_x, res.handle)
+            took.append((d.took - before[0], c.took - before[1]))
+            modes.append(res.stats.extra["mode"])
+        p = buf._backend._picker
+        costs = {flat: len(v) for (b, flat), v in p._cost.items() if b == p.bucket}
+        return took, modes, costs
+
+
+def test_the_door_takes_small_flat_calls_and_leaves_the_timed_ones():
+    """With `ubep.native`, the Buffer's compiled door (the flat torch backend's) takes a run
+    of small flat calls whole; a larger batch's calls, which the ranks time to choose a
+    mode (its flat probe too, dispatch and combine), run through the backend."""
+    from ubep.runtime.hybrid.modes import SAMPLES
+
+    if load_native() is None:
+        pytest.skip("ubep.native not built")
+    hosts = ((0, 1), (2, 3))
+    for took, modes, costs in run_ranks(_door_then_measured, 4, hosts, timeout_s=240):
+        assert all(m == "flat" for m in modes[1:12]) and "flat" in modes[12:], modes
+        assert all(t == (1, 1) for t in took[5:12]), took         # the small flat run
+        assert all(t == (0, 0) for t in took[12:]), took          # timed: not the door
+        assert costs == {True: SAMPLES, False: SAMPLES}, costs

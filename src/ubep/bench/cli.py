@@ -69,7 +69,9 @@ def register(subparsers) -> None:
     p.add_argument("--peers", action="store_true",
                    help="add the peers (MPI under mpiexec; AgRs, vLLM's all-gather + "
                         "reduce-scatter) and use the peer sweep defaults")
-    p.add_argument("--iters", type=int, default=100, help="timed iterations per point")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations per point (default 100; with --hosts, timed calls "
+                        "per line and batch, in turns of 3: default 12)")
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations per point")
     p.add_argument("--block", type=int, default=20,
                    help="timed iterations each system runs back to back per round, after "
@@ -142,7 +144,7 @@ def _config_from_args(args) -> BenchConfig:
                        experts=given(args.experts, "experts", 16),
                        dtype=given(args.dtype, "dtype", "bfloat16"),
                        fp8=given(args.fp8, "fp8", False), systems=tuple(systems),
-                       iters=args.iters, warmup=args.warmup, block=args.block,
+                       iters=args.iters or 100, warmup=args.warmup, block=args.block,
                        routing=args.routing, expert=args.expert,
                        workers=args.workers, seed=args.seed, pin=args.pin)
 
@@ -195,6 +197,8 @@ def _hosts_main(args) -> int:
         kw["hidden"] = args.hidden[0]
     if args.top_k:
         kw["top_k"] = args.top_k
+    if args.iters:
+        kw["rounds"] = max(1, -(-args.iters // MultihostConfig.block))
     if args.hosts < 2:
         raise SystemExit(f"ubep bench: --hosts {args.hosts} must be >= 2")
     out = Path(args.out or Path("results/multihost") / time.strftime("%Y%m%d-%H%M%S"))

@@ -97,7 +97,7 @@ DW_LEN = 5
 SW_LEN = 2
 # the torch backend's: tokens per peer that ride in dispatch's first collective, the largest
 # count any rank sent one peer in the latest dispatch, and whether the Buffer's door is shut
-# (the hybrid backend shuts it while its calls are not flat)
+# (the hybrid backend shuts it but for a run of small flat calls: it times the others)
 (TW_INLINE, TW_GMAX, TW_SHUT) = range(3)
 TW_LEN = 3
 

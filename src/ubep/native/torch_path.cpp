@@ -626,6 +626,7 @@ PyObject* torch_door_combine(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
   Locked locked(d[TR_LOCK]);
   if (!locked.ok()) return nullptr;
   if (!state_words(d[TR_BUFFER_WORDS])[BW_USABLE]) return not_taken();   // Python names why
+  if (state_words(d[TR_WORDS])[TW_SHUT]) return not_taken();   // (the hybrid's: timed calls)
   Obj st(PyObject_GetAttr(handle, names[N_STATE]));
   if (!st) return nullptr;
   if (reinterpret_cast<PyObject*>(Py_TYPE(st.get())) != d[TR_STATE_TYPE]) return not_taken();
