@@ -418,14 +418,16 @@ static PyObject* dispatch_core(PyObject* const* d, PyObject* x_obj, PyObject* id
                                    PyFloat_FromDouble(t2), PyFloat_FromDouble(t3),
                                    PyFloat_FromDouble(t4), PyFloat_FromDouble(t5)});
     PyObject* stats;
-    if (gmax > inl) {          // _rows_dispatch_stats(world, me, t, inline, block, row, s2, r2)
+    // (the handle last: a backend that reports the call in its own terms reads it)
+    if (gmax > inl) {   // _rows_dispatch_stats(world, me, t, inline, block, row, s2, r2, handle)
       stats = deferred_stats(d[TD_BUILD_ROWS], tuple_steal({
           PyLong_FromLongLong(world), ref(d[TD_RANK]), times, PyLong_FromLongLong(inl),
           PyLong_FromLongLong(k[K_BLK_BYTES]), PyLong_FromLongLong(rb),
-          int_list(s2.data(), world, -1), int_list(r2.data(), world, -1)}));
-    } else {                   // _cpu_dispatch_stats(rank, t, bytes, collectives)
+          int_list(s2.data(), world, -1), int_list(r2.data(), world, -1), ref(handle)}));
+    } else {            // _cpu_dispatch_stats(rank, t, bytes, collectives, row, handle)
       stats = deferred_stats(d[TD_BUILD], tuple_steal({
-          ref(d[TD_RANK]), times, ref(d[TD_BYTES]), ref(d[TD_COLL])}));
+          ref(d[TD_RANK]), times, ref(d[TD_BYTES]), ref(d[TD_COLL]), PyLong_FromLongLong(rb),
+          ref(handle)}));
     }
     return instance(results.dispatch, {
         {names[N_RECV_X], recv_x.release()}, {names[N_WEIGHTS], weights.release()},

@@ -86,6 +86,7 @@ alternations: 2.25x against 2.13x in turns of 20, 1.98x against 1.74x interleave
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -126,7 +127,7 @@ from ubep.runtime.torch_layout import (
     ws_size,
     ws_views,
 )
-from ubep.stats import DeferredStats, Stats
+from ubep.stats import DeferredStats, Stats, pending_build
 
 #: phase 1's header per peer: int32 token count, int32 the sender's largest count, padding
 _HEADER_BYTES = 16
@@ -186,8 +187,10 @@ def _dispatch_stats(world: int, me: int, phases: dict[str, float], inline: int,
 
 
 def _rows_dispatch_stats(world: int, me: int, t: tuple, inline: int, block_bytes: int,
-                         row_bytes: int, sent_rows: list, got_rows: list) -> Stats:
-    """A two-collective CPU dispatch's Stats from its timestamps (`DeferredStats`)."""
+                         row_bytes: int, sent_rows: list, got_rows: list,
+                         handle: DispatchHandle | None = None) -> Stats:
+    """A two-collective CPU dispatch's Stats from its timestamps (`DeferredStats`; the
+    compiled path passes the `handle` too, for a backend's own builder: `stats=`)."""
     t0, t1, t2, t3, t4, t5 = t
     phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
               "token_exchange": t3 - t2, "reorder": t4 - t3}
@@ -195,8 +198,10 @@ def _rows_dispatch_stats(world: int, me: int, t: tuple, inline: int, block_bytes
                            (sent_rows, got_rows))
 
 
-def _cpu_dispatch_stats(rank: int, t: tuple, nbytes: int, collectives: list) -> Stats:
-    """A one-collective CPU dispatch's Stats from its timestamps (`DeferredStats`)."""
+def _cpu_dispatch_stats(rank: int, t: tuple, nbytes: int, collectives: list,
+                        row_bytes: int = 0, handle: DispatchHandle | None = None) -> Stats:
+    """A one-collective CPU dispatch's Stats from its timestamps (`DeferredStats`; the
+    compiled path passes the row bytes and `handle` too, as `_rows_dispatch_stats`)."""
     t0, t1, t2, t3, t4, t5 = t
     phases = {"layout": t5 - t4, "pack": t1 - t0, "count_exchange": t2 - t1,
               "token_exchange": t3 - t2, "reorder": t4 - t3}
@@ -226,6 +231,29 @@ def _native_combine_stats(rank: int, t: tuple, sent: int, recv: int, st: _TorchS
                           prow_bytes: int) -> Stats:
     """`_cpu_combine_stats` of a combine `ubep.native` ran (its collectives from the handle)."""
     return _cpu_combine_stats(rank, t, sent, recv, _combine_splits(st, prow_bytes)[2])
+
+
+def _restated_one(restate, rank: int, t: tuple, nbytes: int, collectives: list,
+                  row_bytes: int, handle: DispatchHandle) -> Stats:
+    return restate.flat_dispatch_stats(_cpu_dispatch_stats(rank, t, nbytes, collectives),
+                                       handle, row_bytes)
+
+
+def _restated_rows(restate, world: int, me: int, t: tuple, inline: int, block_bytes: int,
+                   row_bytes: int, sent_rows: list, got_rows: list,
+                   handle: DispatchHandle) -> Stats:
+    return restate.flat_dispatch_stats(_rows_dispatch_stats(
+        world, me, t, inline, block_bytes, row_bytes, sent_rows, got_rows), handle, row_bytes)
+
+
+def _restated_combine(restate, rank: int, t: tuple, sent: int, recv: int, st: _TorchState,
+                      prow_bytes: int) -> Stats:
+    return restate.flat_combine_stats(_native_combine_stats(rank, t, sent, recv, st,
+                                                            prow_bytes), st, prow_bytes)
+
+
+#: the compiled path's stats builders for a backend made with `restate`
+_RESTATED = (_restated_one, _restated_rows, _restated_combine)
 
 
 class _TorchState:
@@ -290,8 +318,15 @@ class _TorchState:
 class TorchBackend(Backend):
     """Dispatch/combine over `torch.distributed.all_to_all_single`."""
 
-    def __init__(self, config: BufferConfig, group, buffer_id: int):
+    def __init__(self, config: BufferConfig, group, buffer_id: int, restate=None):
+        """`restate`: None, or an object whose `flat_dispatch_stats(stats, handle,
+        row_bytes)` and `flat_combine_stats(stats, state, partial_row_bytes)` turn this
+        backend's stats into its own (the hybrid backend's flat calls): the compiled path's
+        results come with them (built when read), `restated` tells which."""
         self.config = config
+        self._builders = ((_cpu_dispatch_stats, _rows_dispatch_stats, _native_combine_stats)
+                          if restate is None else
+                          tuple(functools.partial(f, restate) for f in _RESTATED))
         #: the process group object the collectives run on (`group`, or the default one)
         self._pg = group if group is not None else dist.group.WORLD
         self.buffer_id = buffer_id
@@ -379,6 +414,12 @@ class TorchBackend(Backend):
         dispatch (from the count headers every rank receives: the same on every rank; 0
         before the first), through `dispatch` or the Buffer's compiled door."""
         return int(self._tw[L.TW_GMAX])
+
+    def restated(self, stats: Stats) -> bool:
+        """Whether a result's `stats` are in `restate`'s terms already (the compiled
+        path's, with `restate`), without building them."""
+        build = pending_build(stats)
+        return type(build) is functools.partial and build.func in _RESTATED
 
     def shut_door(self, shut: bool) -> None:
         """Whether the Buffer's compiled door declines every dispatch (the hybrid backend's
@@ -795,8 +836,8 @@ class TorchBackend(Backend):
             L.K_CHECK_NS: int(FLAG_EVERY_S * 1e9)})
         return L.door(L.TORCH_DISPATCH_DOOR, k=k, ws=ws, group=self._group_cap,
                       scratch=self._scratch, hdr_send=header, hdr_recv=hdr_recv,
-                      words=self._tw, state=_TorchState.cpu, build=_cpu_dispatch_stats,
-                      build_rows=_rows_dispatch_stats, coll=coll1, buffer_id=self.buffer_id,
+                      words=self._tw, state=_TorchState.cpu, build=self._builders[0],
+                      build_rows=self._builders[1], coll=coll1, buffer_id=self.buffer_id,
                       rank=self.config.rank, bytes=bytes1, pool=self._owned_t,
                       **self._watch())
 
@@ -1146,7 +1187,7 @@ class TorchBackend(Backend):
             L.B_BAGS: te.bags_c.address, L.B_FINAL: te.final_c.address,
             L.B_KIND: _CPU_COMBINE[pdtype], L.B_CHECK_NS: int(FLAG_EVERY_S * 1e9)})
         return L.door(L.TORCH_COMBINE_DOOR, b=b, group=self._group_cap, scratch=self._scratch,
-                      build=_native_combine_stats, rank=self.config.rank, **self._watch())
+                      build=self._builders[2], rank=self.config.rank, **self._watch())
 
     def _watch(self) -> dict:
         """The compiled path's elastic hooks (`check`, `rec`: `torch_path.cpp`'s Watch)."""

@@ -187,12 +187,15 @@ class HybridBackend(Backend):
         #: small batches: the flat exchange, the torch backend's, on the same group
         self._flat = TorchBackend(dataclasses.replace(c, backend="torch", hosts=(),
                                                       elastic=False),
-                                  group if self._elastic is None else self._pg, buffer_id)
+                                  group if self._elastic is None else self._pg, buffer_id,
+                                  restate=self)
         self._mode = "joint"        # the first call's (then the last call's batch picks)
         self._flat.shut_door(True)
         self._chunks = 1            # split mode's chunks per peer (picked with the mode)
         #: flat or hierarchical above FLAT_BYTES: from the costs the ranks measured
         self._picker = ModePicker()
+        #: the largest count to one peer of a small flat call (`_after_flat`'s rule)
+        self._small_most = FLAT_BYTES // (c.hidden * 2)
         #: a flat dispatch's (bucket, seconds; None: the door's, not timed)
         self._flat_t: tuple[int, float | None] = (0, 0.0)
 
@@ -583,12 +586,13 @@ class HybridBackend(Backend):
         mode, and the result's stats in this backend's terms (made when first read)."""
         # the largest count any rank sent one peer: every rank's headers say the same
         most = self._flat.last_global_max
-        small = most * self.config.hidden * 2 <= FLAT_BYTES
+        small = most <= self._small_most
         flat = self._picker.after_flat(bucket(most), small, call)
         self._set_mode("flat" if flat else self._mode_for(most))
         d = res.__dict__        # (a result made for this call: its stats replaced in place)
-        d["stats"] = DeferredStats.of(_flat_dispatch_stats, d["stats"], d["handle"], self._far,
-                                      self.config.hidden * res.recv_x.element_size())
+        if not self._flat.restated(d["stats"]):     # (the Python path's)
+            d["stats"] = DeferredStats.of(self.flat_dispatch_stats, d["stats"], d["handle"],
+                                          self.config.hidden * res.recv_x.element_size())
 
     def _set_mode(self, mode: str) -> None:
         """The next call's mode; the Buffer's door (the flat torch backend's) takes the
@@ -611,16 +615,33 @@ class HybridBackend(Backend):
     def door_hooks(self) -> tuple:
         """After a door call: the next mode and this backend's stats; errors named as
         `dispatch`'s (`Backend.door_hooks`)."""
-        return self._door_dispatched, self._door_combined, self._door_error
+        return self._door_dispatched, _nothing, self._door_error
 
     def _door_dispatched(self, res: DispatchResult) -> None:
-        self._after_flat(res, res.handle.call)
-        self._flat_t = (self._picker.bucket, None)      # (not timed: a small batch's)
+        # (its stats are this backend's already: `flat_dispatch_stats`, through `restate`)
+        if self._flat.last_global_max > self._small_most:   # the batch grew: the next mode
+            self._after_flat(res, res.handle.call)
+            self._flat_t = (self._picker.bucket, None)      # (not timed: a small batch's)
 
-    def _door_combined(self, res: CombineResult, handle: DispatchHandle) -> None:
-        prow = handle.hidden * _partial_dtype(res.y.dtype).itemsize
-        res.__dict__["stats"] = DeferredStats.of(_flat_combine_stats, res.stats, handle,
-                                                 self._far, prow)
+    def flat_dispatch_stats(self, st: Stats, handle: DispatchHandle, row_bytes: int) -> Stats:
+        """A flat dispatch's stats: the torch backend's `st`, with its network row bytes,
+        one row per (token, rank on another host holding one of its experts), and the rest
+        of what crossed the network as metadata."""
+        st = _plain(st)
+        row = _far_rows(handle.state.sent_per_rank, self._far) * row_bytes
+        wire = sum(s[p] for _, s, _ in st.extra.get("collectives", ())
+                   for p in np.flatnonzero(self._far))
+        extra = {**st.extra, "mode": "flat", "network_meta_bytes": max(int(wire) - row, 0)}
+        return dataclasses.replace(st, backend="hybrid", extra=extra, bytes_sent_network=row)
+
+    def flat_combine_stats(self, st: Stats, state, prow_bytes: int) -> Stats:
+        """A flat combine's stats: the torch backend's `st`, with its network row bytes,
+        one partial row per (token, rank) received from another host (`state`: the
+        dispatch's, the torch backend's)."""
+        st = _plain(st)
+        rows = _far_rows(state.recv_per_rank, self._far)
+        return dataclasses.replace(st, backend="hybrid", extra={**st.extra, "mode": "flat"},
+                                   bytes_sent_network=rows * prow_bytes)
 
     def _door_error(self, e: BaseException) -> BaseException:
         if isinstance(e, (ValueError, TypeError)):
@@ -643,7 +664,9 @@ class HybridBackend(Backend):
             self._picker.record(key, True, (took + _clock() - t0) * 1e6)
         prow = expert_out.shape[1] * _partial_dtype(expert_out.dtype).itemsize
         d = res.__dict__
-        d["stats"] = DeferredStats.of(_flat_combine_stats, d["stats"], handle, self._far, prow)
+        if not self._flat.restated(d["stats"]):     # (the Python path's)
+            d["stats"] = DeferredStats.of(self.flat_combine_stats, d["stats"], handle.state,
+                                          prow)
         return res
 
     def _others(self) -> list[int]:
@@ -673,6 +696,10 @@ class HybridBackend(Backend):
         self._scratch.clear()
 
 
+def _nothing(*_) -> None:
+    """(A door's combine: its stats are this backend's already, nothing to keep.)"""
+
+
 def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in PARTIAL_DTYPES else torch.float32
 
@@ -680,28 +707,6 @@ def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
 def _far_rows(per_rank, far: np.ndarray) -> int:
     """Rows of a flat call's per-rank counts `per_rank` that cross the network."""
     return int(sum(n for n, f in zip(per_rank, far.tolist()) if f))
-
-
-def _flat_dispatch_stats(st: Stats, handle: DispatchHandle, far: np.ndarray,
-                         row_bytes: int) -> Stats:
-    """A flat dispatch's stats: the torch backend's `st`, with its network row bytes, one row
-    per (token, rank on another host holding one of its experts), and the rest of what
-    crossed the network as metadata."""
-    st = _plain(st)
-    row = _far_rows(handle.state.sent_per_rank, far) * row_bytes
-    wire = sum(s[p] for _, s, _ in st.extra.get("collectives", ()) for p in np.flatnonzero(far))
-    extra = {**st.extra, "mode": "flat", "network_meta_bytes": max(int(wire) - row, 0)}
-    return dataclasses.replace(st, backend="hybrid", extra=extra, bytes_sent_network=row)
-
-
-def _flat_combine_stats(st: Stats, handle: DispatchHandle, far: np.ndarray,
-                        prow_bytes: int) -> Stats:
-    """A flat combine's stats: the torch backend's `st`, with its network row bytes, one
-    partial row per (token, rank) received from another host."""
-    st = _plain(st)
-    rows = _far_rows(handle.state.recv_per_rank, far)
-    return dataclasses.replace(st, backend="hybrid", extra={**st.extra, "mode": "flat"},
-                               bytes_sent_network=rows * prow_bytes)
 
 
 def _plain(st: Stats) -> Stats:
