@@ -14,7 +14,6 @@ The default is the path `backend="auto"` runs on one host (shm, `direct="owned"`
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
@@ -26,36 +25,18 @@ def _rank(rank: int, world: int, kw: dict, rounds: int, batch: int) -> dict:
     import torch
 
     import ubep
-    from ubep.bench.flags import HostSync
-    from ubep.testing import alternate, make_routing, make_tokens
+    from benchmarks.pair import call, pinned_inputs, timed_turns
 
-    os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})   # one core per rank
-    idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
-    x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
-    sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"], timeout_s=60)
+    x, idx, w = pinned_inputs(rank, batch)
     base = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128, **kw)
-    try:
-        with ubep.Buffer(**base) as plain, ubep.Buffer(**base, elastic=True) as elastic:
-            a, b = plain.dispatch(x, idx, w), elastic.dispatch(x, idx, w)
-            if not (torch.equal(a.recv_x, b.recv_x) and torch.equal(
-                    plain.combine(a.recv_x, a.handle), elastic.combine(b.recv_x, b.handle))):
-                raise SystemExit("the two Buffers disagree")
-            del a, b
-
-            def call(buf):
-                def run():
-                    r = buf.dispatch(x, idx, w)
-                    buf.combine(r.recv_x, r.handle)
-                return run
-
-            gc.collect()
-            gc.disable()
-            times = alternate({"elastic=False": call(plain), "elastic=True": call(elastic)},
-                              rounds, barrier=sync.barrier)
-            gc.enable()
-            return times
-    finally:
-        sync.close()
+    with ubep.Buffer(**base) as plain, ubep.Buffer(**base, elastic=True) as elastic:
+        a, b = plain.dispatch(x, idx, w), elastic.dispatch(x, idx, w)
+        if not (torch.equal(a.recv_x, b.recv_x) and torch.equal(
+                plain.combine(a.recv_x, a.handle), elastic.combine(b.recv_x, b.handle))):
+            raise SystemExit("the two Buffers disagree")
+        del a, b
+        return timed_turns(rank, world, {"elastic=False": call(plain, x, idx, w),
+                                         "elastic=True": call(elastic, x, idx, w)}, rounds)
 
 
 def main() -> None:

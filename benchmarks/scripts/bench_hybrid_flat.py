@@ -11,48 +11,27 @@ call. Not a test (pytest does not collect it); the figure is in docs/results/mul
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
 
 def _rank(rank: int, world: int, batch: int, rounds: int, hybrid_first: bool) -> dict:
-    import torch
-
     os.environ["UBEP_SHM_DOMAIN"] = f"host{rank}"
     import ubep
-    from ubep.bench.flags import HostSync
-    from ubep.testing import alternate, make_routing, make_tokens
+    from benchmarks.pair import call, pinned_inputs, timed_turns
 
-    os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})   # one core per rank
-    idx, w = make_routing(batch, 8, 16, kind="uniform", seed=7 + rank)
-    x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=3)
-    sync = HostSync.create(rank, world, os.environ["UBEP_JOB_ID"], timeout_s=60)
+    x, idx, w = pinned_inputs(rank, batch)
     base = dict(num_experts=16, hidden=7168, max_tokens_per_rank=128)
-    try:
-        with ubep.Buffer(**base, backend="torch") as t, ubep.Buffer(**base) as h:
-            if h.config.backend != "hybrid":
-                raise SystemExit(f"expected hybrid: {h.config.backend_reason}")
-
-            def call(buf):
-                def run():
-                    r = buf.dispatch(x, idx, w)
-                    buf.combine(r.recv_x, r.handle)
-                return run
-
-            for _ in range(20):     # shapes made, the hybrid settled on its mode
-                call(t)()
-                call(h)()
-            lines = {"torch": call(t), "hybrid": call(h)}
-            if hybrid_first:
-                lines = dict(reversed(lines.items()))
-            gc.collect()
-            gc.disable()
-            times = alternate(lines, rounds, barrier=sync.barrier)
-            gc.enable()
-            return times
-    finally:
-        sync.close()
+    with ubep.Buffer(**base, backend="torch") as t, ubep.Buffer(**base) as h:
+        if h.config.backend != "hybrid":
+            raise SystemExit(f"expected hybrid: {h.config.backend_reason}")
+        lines = {"torch": call(t, x, idx, w), "hybrid": call(h, x, idx, w)}
+        for _ in range(20):     # shapes made, the hybrid settled on its mode
+            for run in lines.values():
+                run()
+        if hybrid_first:
+            lines = dict(reversed(lines.items()))
+        return timed_turns(rank, world, lines, rounds)
 
 
 def main() -> None:
