@@ -57,3 +57,13 @@ def test_unknown_backend_is_not_implemented():
                        max_top_k=1, backend="triton")
     with pytest.raises(NotImplementedError, match="backend 'triton' is not built yet"):
         make_backend(cfg, None, 0)
+
+
+def test_alternate_times_every_way_and_rotates_which_goes_first():
+    from ubep.testing import alternate
+
+    ran: list[str] = []
+    ways = {name: (lambda n=name: ran.append(n)) for name in "abc"}
+    times = alternate(ways, rounds=3, block=2, barrier=lambda: None)
+    assert {k: len(v) for k, v in times.items()} == {"a": 6, "b": 6, "c": 6}
+    assert "".join(ran[::2]) == "abc" "bca" "cab"

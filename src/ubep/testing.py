@@ -92,14 +92,18 @@ def alternate(ways: dict[str, Callable[[], Any]], rounds: int, block: int = 20,
 
     Each turn starts after `barrier()` (default: the default process group's, so every rank
     turns together). The host's drift (this project's VM flips between speed states ~1.6x
-    apart every few seconds) then hits every way alike: the A/B a noisy host needs."""
+    apart every few seconds) then hits every way alike: the A/B a noisy host needs. Each
+    round starts one way later than the one before, so no way always follows the same
+    other (whose caches and leftover work it would inherit)."""
     import torch.distributed as dist
 
     barrier = barrier or dist.barrier
     perf = time.perf_counter_ns
     times: dict[str, list[int]] = {name: [] for name in ways}
-    for _ in range(rounds):
-        for name, call in ways.items():
+    order = list(ways.items())
+    for r in range(rounds):
+        k = r % len(order)
+        for name, call in order[k:] + order[:k]:
             barrier()
             for _ in range(block):
                 t = perf()
