@@ -313,7 +313,7 @@ class Buffer:
     def _door_failed(self, e: BaseException) -> NoReturn:
         """Raise what a door call's error `e` is in the backend's terms, recorded."""
         if self._hooks is not None:
-            named = self._hooks[2](e)
+            named = self._hooks[1](e)
             if named is not e:
                 self._failed(named)
                 raise named from e
@@ -471,8 +471,6 @@ class Buffer:
             except BaseException as e:
                 self._door_failed(e)
             if r is not NotImplemented:
-                if self._hooks is not None:
-                    self._hooks[1](r, handle)
                 if self._members is not None and self._members.any_inactive:
                     self._door = None       # a rank died in this call (the door assumes none)
                 self.last_stats = r.stats

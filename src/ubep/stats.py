@@ -62,12 +62,6 @@ class Stats:
         return out
 
 
-def pending_build(st: Stats) -> Callable | None:
-    """The function a `DeferredStats` not yet read will build `st` with; None otherwise."""
-    pending = st.__dict__.get("_pending")
-    return pending[0] if pending is not None else None
-
-
 class DeferredStats(Stats):
     """A `Stats` whose fields are built on first read, by `build(*args)`.
 

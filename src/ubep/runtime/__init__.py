@@ -31,9 +31,9 @@ class Backend(Protocol):
     #: `ubep_native`'s two entries (dispatch, combine) that take `door`'s tuple, when `door`
     #: returns one
     DOOR_ENTRIES: tuple[str, str] = ("", "")
-    #: what `Buffer` calls after its door took a call, for a backend that keeps books on its
-    #: calls (None: nothing): `(dispatched(result), combined(result, handle), failed(error)
-    #: -> the error to raise)`
+    #: what `Buffer` calls around its door's calls, for a backend that keeps books on its
+    #: dispatches (None: nothing): `(dispatched(result), failed(error) -> the error to
+    #: raise)`
     door_hooks: tuple | None = None
 
     #: elastic (`Buffer(elastic=True)`): this rank's `ubep.elastic.Membership`; None where

@@ -127,7 +127,7 @@ from ubep.runtime.torch_layout import (
     ws_size,
     ws_views,
 )
-from ubep.stats import DeferredStats, Stats, pending_build
+from ubep.stats import DeferredStats, Stats
 
 #: phase 1's header per peer: int32 token count, int32 the sender's largest count, padding
 _HEADER_BYTES = 16
@@ -321,9 +321,10 @@ class TorchBackend(Backend):
     def __init__(self, config: BufferConfig, group, buffer_id: int, restate=None):
         """`restate`: None, or an object whose `flat_dispatch_stats(stats, handle,
         row_bytes)` and `flat_combine_stats(stats, state, partial_row_bytes)` turn this
-        backend's stats into its own (the hybrid backend's flat calls): the compiled path's
-        results come with them (built when read), `restated` tells which."""
+        backend's stats into its own (the hybrid backend's flat calls): every result comes
+        with them, built when read."""
         self.config = config
+        self._restate = restate
         self._builders = ((_cpu_dispatch_stats, _rows_dispatch_stats, _native_combine_stats)
                           if restate is None else
                           tuple(functools.partial(f, restate) for f in _RESTATED))
@@ -368,7 +369,7 @@ class TorchBackend(Backend):
                                          config.experts_per_rank)
             self._el = TorchElastic(self.membership, group, buffer_id, config.timeout_s)
             # the compiled path runs while the group is the original one: its collectives
-            # bounded and recorded through the door's `check` and `note` (`torch_path.cpp`)
+            # bounded and recorded through the door's `check` and `rec` (`torch_path.cpp`)
             self._el.on_regroup = self._native_off
             self._alt = ({}, {}, {}, {})
             self.dispatch, self.combine = self._elastic_dispatch, self._elastic_combine
@@ -415,11 +416,18 @@ class TorchBackend(Backend):
         before the first), through `dispatch` or the Buffer's compiled door."""
         return int(self._tw[L.TW_GMAX])
 
-    def restated(self, stats: Stats) -> bool:
-        """Whether a result's `stats` are in `restate`'s terms already (the compiled
-        path's, with `restate`), without building them."""
-        build = pending_build(stats)
-        return type(build) is functools.partial and build.func in _RESTATED
+    def _restate_dispatch(self, stats: Stats, handle: DispatchHandle, row_bytes: int) -> Stats:
+        """A Python-path dispatch's `stats` in `restate`'s terms (the compiled path's
+        builders make them so), built when read."""
+        if self._restate is None:
+            return stats
+        return DeferredStats.of(self._restate.flat_dispatch_stats, stats, handle, row_bytes)
+
+    def _restate_combine(self, stats: Stats, state: _TorchState, prow_bytes: int) -> Stats:
+        """`_restate_dispatch` of a Python-path combine."""
+        if self._restate is None:
+            return stats
+        return DeferredStats.of(self._restate.flat_combine_stats, stats, state, prow_bytes)
 
     def shut_door(self, shut: bool) -> None:
         """Whether the Buffer's compiled door declines every dispatch (the hybrid backend's
@@ -758,7 +766,8 @@ class TorchBackend(Backend):
                   "token_exchange": t4 - t3, "reorder": t5 - t4}
         stats = self._dispatch_stats(phases, C, blk * row_bytes, row_bytes,
                                      (send2, recv2) if global_max > C else None)
-        return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
+        return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle,
+                                   self._restate_dispatch(stats, handle, row_bytes))
 
     def _cpu_shape(self, num_tokens: int, x: torch.Tensor) -> tuple:
         """What a CPU dispatch of rows like `x` needs before its first collective, computed
@@ -1011,7 +1020,8 @@ class TorchBackend(Backend):
         else:   # built when first read
             stats = DeferredStats.of(_cpu_dispatch_stats, c.rank, (t0, t1, t2, t3, t4, t5),
                                      bytes1, coll1)
-        return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle, stats)
+        return new_dispatch_result(recv_x, recv_weights, tokens_per_expert, handle,
+                                   self._restate_dispatch(stats, handle, row_bytes))
 
     def _bag_weights(self, st: _TorchState, dtype: torch.dtype, device) -> torch.Tensor:
         """The slots' weights as `embedding_bag` takes them for rows of `dtype`.
@@ -1081,8 +1091,9 @@ class TorchBackend(Backend):
             y = out.copy_(y)
         t3 = _now_us()
         phases = {"reduce": t1 - t0 + t3 - t2, "token_exchange": t2 - t1}
-        return CombineResult(y=y, stats=self._stats("combine", phases, nret * prow_bytes,
-                                                    back * prow_bytes, collectives))
+        return CombineResult(y=y, stats=self._restate_combine(
+            self._stats("combine", phases, nret * prow_bytes, back * prow_bytes, collectives),
+            st, prow_bytes))
 
     _combine_once = combine
 
@@ -1152,9 +1163,9 @@ class TorchBackend(Backend):
             if out is not None:
                 y = out.copy_(y)
         t4 = _now_us()
-        return new_combine_result(y, DeferredStats.of(
+        return new_combine_result(y, self._restate_combine(DeferredStats.of(
             _cpu_combine_stats, self.config.rank, (t0, t2, t3, t4), nret * nbytes,
-            back * nbytes, coll))
+            back * nbytes, coll), st, nbytes))
 
     def _combine_views(self, pdtype: torch.dtype, hidden: int, sums: int, back: int,
                        device) -> tuple:

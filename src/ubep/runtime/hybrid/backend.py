@@ -67,7 +67,7 @@ from ubep.runtime.hybrid.network import Exchange, network_error, post
 from ubep.runtime.hybrid.origins import OriginTables
 from ubep.runtime.shm.outputs import OutputPool
 from ubep.runtime.torch_backend import PARTIAL_DTYPES, TorchBackend
-from ubep.stats import DeferredStats, Stats
+from ubep.stats import Stats
 
 __all__ = ["HybridBackend", "PARTIAL_DTYPES", "FLAT_BYTES", "SPLIT_BYTES"]
 
@@ -583,16 +583,12 @@ class HybridBackend(Backend):
 
     def _after_flat(self, res: DispatchResult, call: int) -> None:
         """After a flat dispatch (through `dispatch` or the Buffer's door): the next call's
-        mode, and the result's stats in this backend's terms (made when first read)."""
+        mode (its stats are this backend's already: the torch backend's `restate`)."""
         # the largest count any rank sent one peer: every rank's headers say the same
         most = self._flat.last_global_max
         small = most <= self._small_most
         flat = self._picker.after_flat(bucket(most), small, call)
         self._set_mode("flat" if flat else self._mode_for(most))
-        d = res.__dict__        # (a result made for this call: its stats replaced in place)
-        if not self._flat.restated(d["stats"]):     # (the Python path's)
-            d["stats"] = DeferredStats.of(self.flat_dispatch_stats, d["stats"], d["handle"],
-                                          self.config.hidden * res.recv_x.element_size())
 
     def _set_mode(self, mode: str) -> None:
         """The next call's mode; the Buffer's door (the flat torch backend's) takes the
@@ -615,10 +611,9 @@ class HybridBackend(Backend):
     def door_hooks(self) -> tuple:
         """After a door call: the next mode and this backend's stats; errors named as
         `dispatch`'s (`Backend.door_hooks`)."""
-        return self._door_dispatched, _nothing, self._door_error
+        return self._door_dispatched, self._door_error
 
     def _door_dispatched(self, res: DispatchResult) -> None:
-        # (its stats are this backend's already: `flat_dispatch_stats`, through `restate`)
         if self._flat.last_global_max > self._small_most:   # the batch grew: the next mode
             self._after_flat(res, res.handle.call)
             self._flat_t = (self._picker.bucket, None)      # (not timed: a small batch's)
@@ -662,11 +657,6 @@ class HybridBackend(Backend):
         key, took = self._flat_t
         if took is not None:
             self._picker.record(key, True, (took + _clock() - t0) * 1e6)
-        prow = expert_out.shape[1] * _partial_dtype(expert_out.dtype).itemsize
-        d = res.__dict__
-        if not self._flat.restated(d["stats"]):     # (the Python path's)
-            d["stats"] = DeferredStats.of(self.flat_combine_stats, d["stats"], handle.state,
-                                          prow)
         return res
 
     def _others(self) -> list[int]:
@@ -694,10 +684,6 @@ class HybridBackend(Backend):
         self._shm.close()
         self._pool.close()
         self._scratch.clear()
-
-
-def _nothing(*_) -> None:
-    """(A door's combine: its stats are this backend's already, nothing to keep.)"""
 
 
 def _partial_dtype(dtype: torch.dtype) -> torch.dtype:
