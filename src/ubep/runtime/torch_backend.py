@@ -367,10 +367,10 @@ class TorchBackend(Backend):
         if config.elastic:
             self.membership = Membership(config.rank, config.world_size,
                                          config.experts_per_rank)
-            self._el = TorchElastic(self.membership, group, buffer_id, config.timeout_s)
             # the compiled path runs while the group is the original one: its collectives
             # bounded and recorded through the door's `check` and `rec` (`torch_path.cpp`)
-            self._el.on_regroup = self._native_off
+            self._el = TorchElastic(self.membership, group, buffer_id, config.timeout_s,
+                                    on_regroup=self._native_off)
             self._alt = ({}, {}, {}, {})
             self.dispatch, self.combine = self._elastic_dispatch, self._elastic_combine
 

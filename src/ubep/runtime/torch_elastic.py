@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -62,6 +63,10 @@ POLL_S = 2e-3
 
 class Redo(Exception):
     """The call must start again (a recovery changed the members); internal."""
+
+
+#: what a recovery raises itself (a restart, or a named end): passed on, never recovered from
+_OURS = (Redo, StoreHostDiedError, RankRemovedError, PeerTimeoutError)
 
 
 class Recorded(NamedTuple):
@@ -101,7 +106,11 @@ class TorchElastic:
     """One rank's elastic state of a torch-backend Buffer: heartbeat, recovery, collectives
     on the current members' group."""
 
-    def __init__(self, members: Membership, group, buffer_id: int, timeout_s: float):
+    def __init__(self, members: Membership, group, buffer_id: int, timeout_s: float,
+                 on_regroup: Callable[[], None]):
+        """`on_regroup`: called when the members' group replaces the original one (the
+        torch backend turns its compiled path off: its collectives run on the original
+        group)."""
         self.members = members
         self.rank, self.world = members.rank, members.world
         self.timeout_s = timeout_s
@@ -129,9 +138,7 @@ class TorchElastic:
         self.replays = 0
         self._fruitless = 0             # recoveries in a row that found nobody dead
         self.deadline = float("inf")
-        #: called when the members' group replaces the original one (`TorchBackend` turns its
-        #: compiled path off: its collectives run on the original group)
-        self.on_regroup = None
+        self._on_regroup = on_regroup
         self._stop = threading.Event()
         self._beat_store = self.store.clone()
         self._hb = threading.Thread(target=self._heartbeat, name=f"ubep-hb-b{buffer_id}",
@@ -207,7 +214,7 @@ class TorchElastic:
             if r is not NotImplemented:
                 self.compiled_calls += 1
             return r
-        except (Redo, StoreHostDiedError, RankRemovedError, PeerTimeoutError):
+        except _OURS:
             raise
         except Exception as e:   # noqa: BLE001 - a collective that failed: a peer died
             self.recover(e)
@@ -216,7 +223,7 @@ class TorchElastic:
         """Wait for the work an `all_to_all(..., async_op=True)` returned (see `_run`)."""
         try:
             self._wait(work)
-        except (Redo, StoreHostDiedError, RankRemovedError, PeerTimeoutError):
+        except _OURS:
             raise
         except Exception as e:   # noqa: BLE001 - a collective that failed: a peer died
             self.recover(e)
@@ -247,9 +254,7 @@ class TorchElastic:
                 else:
                     output[o_at[r]:o_at[r] + n].zero_()
             return None
-        except Redo:
-            raise
-        except (StoreHostDiedError, RankRemovedError, PeerTimeoutError):
+        except _OURS:
             raise
         except Exception as e:   # noqa: BLE001 - a collective that failed: a peer died
             self.recover(e)
@@ -305,7 +310,7 @@ class TorchElastic:
         before = self.members.version
         try:
             self._recover()
-        except (StoreHostDiedError, RankRemovedError, PeerTimeoutError, Redo):
+        except _OURS:
             raise
         except dist.DistNetworkError as e:     # the store's connection: its host is gone
             raise _dead_store(e) from e
@@ -360,7 +365,7 @@ class TorchElastic:
         self.group = dist.new_group([self._global[r] for r in live],
                                     timeout=timedelta(seconds=self.timeout_s),
                                     use_local_synchronization=True)
-        self._regrouped()
+        self._on_regroup()
         self.gen = g + 1
         self.served = self.completed > fewest
         if self.served:                     # others redo my previous call: replay it
@@ -404,8 +409,4 @@ class TorchElastic:
             self.group = dist.new_group([self._global[r] for r in stay],
                                         timeout=timedelta(seconds=self.timeout_s),
                                         use_local_synchronization=True)
-            self._regrouped()
-
-    def _regrouped(self) -> None:
-        if self.on_regroup is not None:
-            self.on_regroup()
+            self._on_regroup()
