@@ -107,8 +107,8 @@ def test_hybrid_measured_modes_agree():
         check_hybrid(c, hosts, [res[r][2][i] for r in range(4)])
     modes = {res[0][2][i]["mode"] for i in range(len(cases))}
     assert "flat" in modes and modes & {"joint", "split"}, modes
-    # both families timed, the flat one too (its calls run in Python: the Buffer's compiled
-    # door, which takes runs of small flat calls whole, untimed, declines timed ones)
+    # both families timed, the flat one too (its timed calls run in Python: the Buffer's
+    # compiled door takes only flat calls no one times)
     for r in range(4):
         assert res[r][2][-1]["costs"] == {True: SAMPLES, False: SAMPLES}, (r, res[r][2][-1])
 
@@ -173,7 +173,7 @@ def test_hybrid_peer_on_other_host_killed(phase, batch):
 
 def _door_then_measured(rank, world, hosts):
     import ubep
-    from ubep.runtime.hybrid.modes import SAMPLES
+    from ubep.runtime.hybrid.modes import REPROBE, SAMPLES
     from ubep.testing import Counted, make_routing, make_tokens
 
     os.environ["UBEP_SHM_DOMAIN"] = f"h{host_of(hosts, rank)}"
@@ -181,8 +181,11 @@ def _door_then_measured(rank, world, hosts):
         assert buf._door is not None
         d = buf._door_dispatch = Counted(buf._door_dispatch)
         c = buf._door_combine = Counted(buf._door_combine)
+        p = buf._backend._picker
+        record = p.record       # flat measures 10x cheaper: the ranks choose it, whatever
+        p.record = lambda b, flat, us: record(b, flat, us / 10 if flat else us)  # this host
         took, modes = [], []
-        for i in range(12 + 4 * (SAMPLES + 1)):
+        for i in range(12 + 2 * (SAMPLES + 1) + 1 + 2 * REPROBE):
             batch = 4 if i < 12 else 96
             idx, w = make_routing(batch, 8, 4 * world, seed=10 * i + rank)
             x = make_tokens(rank, batch, 7168, torch.bfloat16, seed=i)
@@ -191,22 +194,38 @@ def _door_then_measured(rank, world, hosts):
             buf.combine(res.recv_x, res.handle)
             took.append((d.took - before[0], c.took - before[1]))
             modes.append(res.stats.extra["mode"])
-        p = buf._backend._picker
         costs = {flat: len(v) for (b, flat), v in p._cost.items() if b == p.bucket}
         return took, modes, costs
 
 
-def test_the_door_takes_small_flat_calls_and_leaves_the_timed_ones():
+def test_the_door_takes_the_flat_calls_no_one_times():
     """With `ubep.native`, the Buffer's compiled door (the flat torch backend's) takes a run
-    of small flat calls whole; a larger batch's calls, which the ranks time to choose a
-    mode (its flat probe too, dispatch and combine), run through the backend."""
-    from ubep.runtime.hybrid.modes import SAMPLES
+    of small flat calls whole, and a run where flat measured cheaper but for its last
+    SAMPLES calls before each re-measurement; the calls the ranks time (a new batch's
+    hierarchical calls, the flat probe, those last calls: dispatch and combine) run
+    through the backend, and every cost is measured."""
+    from ubep.runtime.hybrid.modes import REPROBE, SAMPLES
 
     if load_native() is None:
         pytest.skip("ubep.native not built")
     hosts = ((0, 1), (2, 3))
-    for took, modes, costs in run_ranks(_door_then_measured, 4, hosts, timeout_s=240):
-        assert all(m == "flat" for m in modes[1:12]) and "flat" in modes[12:], modes
+    n = SAMPLES + 1
+    for took, modes, costs in run_ranks(_door_then_measured, 4, hosts, timeout_s=300):
+        assert all(m == "flat" for m in modes[1:12]), modes
         assert all(t == (1, 1) for t in took[5:12]), took         # the small flat run
-        assert all(t == (0, 0) for t in took[12:]), took          # timed: not the door
+        # the first large call runs as the last small one chose; then the new batch explored
+        explore = modes[13:13 + 2 * n + 1]
+        assert explore == ["split"] * n + ["flat"] * n + ["split"], modes
+        assert all(t == (0, 0) for t in took[13:13 + 2 * n + 1]), took    # timed
+        chosen = list(range(13 + 2 * n + 1, len(modes)))
+        hier = [i for i in chosen if modes[i] != "flat"]
+        assert len(hier) == 2, modes                    # a re-measurement per REPROBE calls
+        for i in chosen:
+            if modes[i] == "flat":
+                left = min([h - i for h in hier if h > i], default=len(modes))
+                if left <= SAMPLES:         # timed: the costs the re-measurement compares
+                    assert took[i] == (0, 0), (i, took, modes)
+                else:       # (its combine too, but where the dispatch left phase 2 to Python)
+                    assert took[i][0] == 1, (i, took, modes)
+        assert sum(t[1] for t in took[13 + 2 * n + 1:]) > REPROBE, took
         assert costs == {True: SAMPLES, False: SAMPLES}, costs

@@ -56,3 +56,24 @@ def test_a_probe_ends_even_where_the_per_peer_count_is_small():
     assert decided == [False] * SAMPLES + [True]
     probe = [p.after_flat(3, True, SAMPLES + 1 + i) for i in range(1, SAMPLES + 2)]
     assert probe == [True] * SAMPLES + [False]
+
+
+def test_a_chosen_flat_run_times_only_what_the_re_measurement_compares():
+    """Where flat was chosen, only its last SAMPLES calls before each re-measurement are
+    timed (the costs that call compares); a small batch's flat calls never are."""
+    p, flat, runs = ModePicker(), False, []
+    for call in range(1, 4 * REPROBE):
+        p.record(p.bucket, flat, 10.0 if flat else 30.0)
+        flat = p.after_flat(7, False, call) if flat else p.after_hier(8, False, *p.shared(),
+                                                                      call)
+        runs.append((flat, flat and not p.untimed(call + 1)))      # the next call's
+    explore = 2 * (SAMPLES + 1) + 1
+    hier = [i for i in range(explore, len(runs)) if not runs[i][0]]
+    assert len(hier) >= 2
+    for i in range(explore, len(runs)):
+        if runs[i][0]:
+            left = min([h - i for h in hier if h > i], default=REPROBE)
+            assert runs[i][1] == (left <= SAMPLES), (i, runs)
+    assert sum(f and not t for f, t in runs[explore:]) > len(runs) // 2        # most
+    small = ModePicker()
+    assert small.after_flat(1, True, 1) and small.untimed(2)

@@ -332,7 +332,7 @@ class HybridBackend(Backend):
         nbytes = most * c.hidden * 2
         flat = self._picker.after_hier(bucket(most), nbytes <= FLAT_BYTES, flat_us, hier_us,
                                        call)
-        self._set_mode("flat" if flat else self._mode_for(most))
+        self._set_mode("flat" if flat else self._mode_for(most), call)
         cost = [bucket(most), 0.0]
         merged = self._merge(x, topk_idx, topk_weights, call, results, joint,
                              split.tokens, tuple(recv_rows), cost)
@@ -588,13 +588,14 @@ class HybridBackend(Backend):
         most = self._flat.last_global_max
         small = most <= self._small_most
         flat = self._picker.after_flat(bucket(most), small, call)
-        self._set_mode("flat" if flat else self._mode_for(most))
+        self._set_mode("flat" if flat else self._mode_for(most), call)
 
-    def _set_mode(self, mode: str) -> None:
-        """The next call's mode; the Buffer's door (the flat torch backend's) takes the
-        calls of a run of small flat batches, which need no measured costs."""
+    def _set_mode(self, mode: str, call: int) -> None:
+        """The mode of the call after `call`; the Buffer's door (the flat torch backend's)
+        takes the flat calls whose costs the ranks need not measure (`ModePicker.untimed`):
+        small batches, and most of a run where flat measured cheaper."""
         self._mode = mode
-        self._flat.shut_door(mode != "flat" or not self._picker.small_run)
+        self._flat.shut_door(mode != "flat" or not self._picker.untimed(call + 1))
 
     # -- the Buffer's door: the flat torch backend's, while small batches run flat -----------
     DOOR_ENTRIES = TorchBackend.DOOR_ENTRIES
@@ -614,9 +615,11 @@ class HybridBackend(Backend):
         return self._door_dispatched, self._door_error
 
     def _door_dispatched(self, res: DispatchResult) -> None:
-        if self._flat.last_global_max > self._small_most:   # the batch grew: the next mode
+        # past a small batch, or a chosen run (its count to the next re-measurement): the
+        # next mode
+        if self._flat.last_global_max > self._small_most or not self._picker.small_run:
             self._after_flat(res, res.handle.call)
-            self._flat_t = (self._picker.bucket, None)      # (not timed: a small batch's)
+            self._flat_t = (self._picker.bucket, None)      # (a door call: not timed)
 
     def flat_dispatch_stats(self, st: Stats, handle: DispatchHandle, row_bytes: int) -> Stats:
         """A flat dispatch's stats: the torch backend's `st`, with its network row bytes,

@@ -17,6 +17,9 @@ combine) per mode and batch bucket, and the ranks decide together:
   (a probe), then a hierarchical call again, which carries the probe's cost to every
   rank;
 * every `REPROBE` calls the mode not chosen runs once, so the choice follows the load;
+  a chosen flat run times only its last `SAMPLES` calls before that (`untimed`): the
+  costs that re-measurement compares, the other calls free to take the Buffer's compiled
+  door, as small batches do;
 * a flat call leaves flat when the largest per-peer count changes bucket (the batch
   changed: a hierarchical call finds the new bucket).
 """
@@ -89,6 +92,13 @@ class ModePicker:
     def small_run(self) -> bool:
         """Whether the calls run flat because their batches are small (no costs taken)."""
         return self._run == "small"
+
+    def untimed(self, call: int) -> bool:
+        """Whether flat call number `call` needs no cost taken: a small batch's, or a
+        chosen run's but for its last SAMPLES before a re-measurement (whose costs the next
+        hierarchical call carries to every rank)."""
+        return self._run == "small" or (
+            self._run == "chosen" and (call + SAMPLES) % REPROBE >= SAMPLES)
 
     def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
         """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
