@@ -59,11 +59,21 @@ def test_unknown_backend_is_not_implemented():
         make_backend(cfg, None, 0)
 
 
-def test_alternate_times_every_way_and_rotates_which_goes_first():
+def test_alternate_times_every_way_and_balances_what_runs_before_it():
+    from collections import Counter
+
     from ubep.testing import alternate
 
-    ran: list[str] = []
-    ways = {name: (lambda n=name: ran.append(n)) for name in "abc"}
-    times = alternate(ways, rounds=3, block=2, barrier=lambda: None)
-    assert {k: len(v) for k, v in times.items()} == {"a": 6, "b": 6, "c": 6}
-    assert "".join(ran[::2]) == "abc" "bca" "cab"
+    for n in (1, 2, 3, 4, 5):
+        ran: list[str] = []
+        names = "abcde"[:n]
+        ways = {name: (lambda m=name, ran=ran: ran.append(m)) for name in names}
+        cycle = n if n % 2 == 0 or n == 1 else 2 * n
+        times = alternate(ways, rounds=cycle, block=2, barrier=lambda: None)
+        assert {k: len(v) for k, v in times.items()} == {k: 2 * cycle for k in names}
+        turns = ran[::2]
+        rounds = [turns[i:i + n] for i in range(0, len(turns), n)]
+        assert all(sorted(r) == sorted(names) for r in rounds)
+        assert Counter(r[0] for r in rounds) == Counter({k: cycle // n for k in names})
+        after = Counter((a, b) for r in rounds for a, b in zip(r, r[1:]))
+        assert set(after.values()) <= {cycle // n} and len(after) == n * (n - 1), after

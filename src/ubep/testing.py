@@ -86,24 +86,40 @@ def one_rank_group(timeout_s: float = 60.0) -> Iterator[None]:
 ROUTINGS = ("uniform", "skewed", "one_expert", "unrouted", "partial")
 
 
+def williams_orders(n: int) -> list[list[int]]:
+    """Orders of `n` ways, one per round, balanced for what runs just before: each way is
+    first once per cycle and follows each other way once (twice for odd `n`, whose cycle
+    is 2n rounds: the n rows and their mirrors), as in a Williams Latin square."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(f + r) % n for f in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
+
+
 def alternate(ways: dict[str, Callable[[], Any]], rounds: int, block: int = 20,
               barrier: Callable[[], Any] | None = None) -> dict[str, list[int]]:
     """ns per call of each of `ways`, run in turns of `block` calls, `rounds` turns each.
 
     Each turn starts after `barrier()` (default: the default process group's, so every rank
     turns together). The host's drift (this project's VM flips between speed states ~1.6x
-    apart every few seconds) then hits every way alike: the A/B a noisy host needs. Each
-    round starts one way later than the one before, so no way always follows the same
-    other (whose caches and leftover work it would inherit)."""
+    apart every few seconds) then hits every way alike: the A/B a noisy host needs. The
+    rounds' orders form a Williams design: over every n rounds (2n for an odd number n of
+    ways) each way goes first equally often and follows every other way exactly as often,
+    so none inherits one other's caches, link state or leftover work more than the rest."""
     import torch.distributed as dist
 
     barrier = barrier or dist.barrier
     perf = time.perf_counter_ns
     times: dict[str, list[int]] = {name: [] for name in ways}
-    order = list(ways.items())
+    items = list(ways.items())
+    orders = williams_orders(len(items))
     for r in range(rounds):
-        k = r % len(order)
-        for name, call in order[k:] + order[:k]:
+        for name, call in (items[i] for i in orders[r % len(orders)]):
             barrier()
             for _ in range(block):
                 t = perf()
