@@ -20,4 +20,5 @@ def test_bench_hosts_runs_and_writes_its_table(tmp_path):
     # one rank per host: the torch backend sends a token once per rank = once per host
     big = rows[-1]
     assert big["net_bytes_torch"] == big["net_bytes_ubep"] > 0
+    assert big["torch_over_control"] > 0          # the A/A control line ran
     assert (tmp_path / "multihost_2x1_unlimited.csv").exists()

@@ -7,6 +7,9 @@ line alike), after `WARM_CALLS` untimed calls of each Buffer:
 
 * `ubep`: the default Buffer (`backend="auto"`, which picks "hybrid" across hosts);
 * `torch`: `Buffer(backend="torch")`, one `all_to_all_single` per exchange over the group;
+* `torch'`: a second such Buffer, the control: torch over torch' is what the host's noise
+  alone makes of two identical lines in this run (an A/A test), the yardstick for a ratio
+  near 1;
 * `torch raw`: the torch backend's own collectives, replayed bare on the same bytes (how far
   the baseline is from its primitive);
 * `ubep raw`: the hybrid backend's messages between hosts, replayed bare (isend/irecv of the
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-LINES = ("ubep", "torch", "ubep raw", "torch raw")
+LINES = ("ubep", "torch", "torch'", "ubep raw", "torch raw")
 #: untimed calls of each Buffer per batch before the timed turns
 WARM_CALLS = 12
 
@@ -93,7 +96,8 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
     e = cfg.experts_per_rank * world
     kw = dict(num_experts=e, hidden=cfg.hidden, max_tokens_per_rank=max(cfg.batches),
               max_top_k=cfg.top_k, timeout_s=120.0)
-    ub, tb = ubep.Buffer(**kw), ubep.Buffer(backend="torch", **kw)
+    ub, tb, tb2 = ubep.Buffer(**kw), ubep.Buffer(backend="torch", **kw), ubep.Buffer(
+        backend="torch", **kw)
     out: dict = {"backend": ub.config.backend, "reason": ub.config.backend_reason}
     try:
         for b in cfg.batches:
@@ -110,6 +114,7 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
             for _ in range(WARM_CALLS):
                 ud, uc = call(ub)
                 td, tc = call(tb)
+                call(tb2)
             raw_t = [_replay_collectives(replay_calls(st), all_to_all) for st in (td, tc)]
             # what the call ran: messages between hosts, or (flat mode) the collectives
             raw_u = [_replay_messages(st.extra["messages"]) if "messages" in st.extra
@@ -123,8 +128,8 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
                 for f in raw_u:
                     f()
 
-            ways = {"ubep": lambda: call(ub), "torch": lambda: call(tb), "ubep raw": ubep_raw,
-                    "torch raw": torch_raw}
+            ways = {"ubep": lambda: call(ub), "torch": lambda: call(tb),
+                    "torch'": lambda: call(tb2), "ubep raw": ubep_raw, "torch raw": torch_raw}
             times = alternate(ways, cfg.rounds, block=cfg.block)
             before = ud.extra["mode"]
             ud = call(ub)[0]        # the mode the timed calls ended in, its network bytes
@@ -136,8 +141,8 @@ def _rank(rank: int, world: int, cfg: MultihostConfig) -> dict:
                       + ud.extra["mode"],
                       "ubep_meta": ud.extra["network_meta_bytes"], "torch_net": torch_net}
     finally:
-        ub.close()
-        tb.close()
+        for buf in (ub, tb, tb2):
+            buf.close()
     return out
 
 
@@ -160,7 +165,9 @@ def run(cfg: MultihostConfig, out_dir: str | Path | None = None) -> list[dict]:
         ub_net = sum(p["ubep_net"] for p in per)
         t_net = sum(p["torch_net"] for p in per)
         for r in rows[-len(LINES):]:
-            r.update(torch_over_ubep=med["torch"] / med["ubep"], ubep_mode=per[0]["ubep_mode"],
+            r.update(torch_over_ubep=med["torch"] / med["ubep"],
+                     torch_over_control=med["torch"] / med["torch'"],
+                     ubep_mode=per[0]["ubep_mode"],
                      net_bytes_ubep=ub_net, net_bytes_torch=t_net,
                      net_bytes_ratio=t_net / ub_net if ub_net else float("nan"))
     _print(cfg, res[0]["backend"], res[0]["reason"], rows, time.time() - t0)
@@ -185,13 +192,14 @@ def _print(cfg: MultihostConfig, backend: str, reason: str, rows: list[dict],
                     f"{cfg.link_rate or 'unlimited'}, hidden {cfg.hidden} bf16, top-"
                     f"{cfg.top_k}, {cfg.experts_per_rank} experts/rank "
                     f"(dispatch+combine, slowest rank per call)")
-    for col in ("batch", "line", "median ms", "p90 ms", "torch/ubep", "net bytes torch/ubep",
-                "ubep mode"):
+    for col in ("batch", "line", "median ms", "p90 ms", "torch/ubep", "torch/torch'",
+                "net bytes torch/ubep", "ubep mode"):
         t.add_column(col, justify="right")
     for r in rows:
         first = r["line"] == LINES[0]
         t.add_row(str(r["batch"]) if first else "", r["line"], f"{r['median_ms']:.2f}",
                   f"{r['p90_ms']:.2f}", f"{r['torch_over_ubep']:.2f}" if first else "",
+                  f"{r['torch_over_control']:.2f}" if first else "",
                   f"{r['net_bytes_ratio']:.2f}" if first else "",
                   r["ubep_mode"] if first else "")
     con = Console()
