@@ -3,7 +3,7 @@ a pure function of what every rank knows alike, so every rank picks the same mod
 
 from __future__ import annotations
 
-from ubep.runtime.hybrid.modes import REPROBE, SAMPLES, ModePicker
+from ubep.runtime.hybrid.modes import REPROBE, REPROBE_MOST, SAMPLES, ModePicker
 
 
 def _steady(picker: ModePicker, costs: dict[bool, float], calls: int, start: int = 1):
@@ -63,7 +63,7 @@ def test_a_chosen_flat_run_times_only_what_the_re_measurement_compares():
     timed (the costs that call compares); a small batch's flat calls never are."""
     p, flat, runs = ModePicker(), False, []
     for call in range(1, 4 * REPROBE):
-        p.record(p.bucket, flat, 10.0 if flat else 30.0)
+        p.record(p.bucket, flat, 10.0 if flat else 12.0)
         flat = p.after_flat(7, False, call) if flat else p.after_hier(8, False, *p.shared(),
                                                                       call)
         runs.append((flat, flat and not p.untimed(call + 1)))      # the next call's
@@ -77,3 +77,19 @@ def test_a_chosen_flat_run_times_only_what_the_re_measurement_compares():
     assert sum(f and not t for f, t in runs[explore:]) > len(runs) // 2        # most
     small = ModePicker()
     assert small.after_flat(1, True, 1) and small.untimed(2)
+
+
+def test_a_choice_far_cheaper_is_re_measured_rarer():
+    """Re-measurements run every REPROBE calls times the costs' rounded ratio (at most
+    REPROBE_MOST): a probe of a mode 3x costlier costs the same share of the time as one
+    of a mode 1.2x costlier would every REPROBE calls, about 2/3 / REPROBE."""
+    calls = 10 * REPROBE
+    n = 2 * (SAMPLES + 1) + 2
+    for costs, every in (({True: 10.0, False: 12.0}, REPROBE),
+                         ({True: 10.0, False: 30.0}, 3 * REPROBE),
+                         ({True: 30.0, False: 10.0}, 3 * REPROBE),
+                         ({True: 1.0, False: 1000.0}, REPROBE_MOST)):
+        cheap = min(costs, key=costs.get)
+        modes = _steady(ModePicker(), costs, calls)
+        other = sum(m != cheap for m in modes[n:])
+        assert (calls - n) // every - 1 <= other <= (calls - n) // every + 1, (costs, other)

@@ -16,7 +16,9 @@ combine) per mode and batch bucket, and the ranks decide together:
   grows buffers): a new bucket runs that many hierarchical calls, then as many flat ones
   (a probe), then a hierarchical call again, which carries the probe's cost to every
   rank;
-* every `REPROBE` calls the mode not chosen runs once, so the choice follows the load;
+* the mode not chosen runs once every `REPROBE` calls, times the rounded ratio of the two
+  costs (up to `REPROBE_MOST`), so the choice follows the load while a re-measurement far
+  costlier than the choice runs rarer: its share of the time stays under ~1/REPROBE;
   a chosen flat run times only its last `SAMPLES` calls before that (`untimed`): the
   costs that re-measurement compares, the other calls free to take the Buffer's compiled
   door, as small batches do;
@@ -26,8 +28,10 @@ combine) per mode and batch bucket, and the ranks decide together:
 
 from __future__ import annotations
 
-#: calls between re-measurements of the mode not chosen
+#: calls between re-measurements of the mode not chosen, where the two cost about the same
+#: (times their costs' rounded ratio otherwise, at most REPROBE_MOST)
 REPROBE = 32
+REPROBE_MOST = 8 * REPROBE
 #: a cost is the median of its latest SAMPLES calls: a typical call's, robust to a busy
 #: host's spikes (a bucket's first call in a mode, which grows buffers, is not among them)
 SAMPLES = 3
@@ -54,6 +58,8 @@ class ModePicker:
         self._hier_calls = 0
         #: in a chosen run: the per-peer count's bucket of its first call (agreed)
         self._flat_key: int | None = None
+        #: calls between re-measurements, from the costs the choice was made with (agreed)
+        self._every = REPROBE
 
     def shared(self) -> tuple[int, int]:
         """(flat µs, hierarchical µs) this rank measured in the current bucket (0: not yet),
@@ -80,7 +86,10 @@ class ModePicker:
             return True
         if self._hier_calls <= SAMPLES:     # this bucket's costs: measure them first
             return False
-        if not flat_us or (call + 1) % REPROBE == 0 and flat_us >= hier_us:
+        if flat_us and hier_us:
+            ratio = max(flat_us, hier_us) / min(flat_us, hier_us)
+            self._every = min(REPROBE_MOST, REPROBE * max(1, round(ratio)))
+        if not flat_us or (call + 1) % self._every == 0 and flat_us >= hier_us:
             self._run, self._left = "probe", 1 if flat_us else SAMPLES + 1     # then back
             return True
         if flat_us < hier_us:
@@ -98,7 +107,7 @@ class ModePicker:
         chosen run's but for its last SAMPLES before a re-measurement (whose costs the next
         hierarchical call carries to every rank)."""
         return self._run == "small" or (
-            self._run == "chosen" and (call + SAMPLES) % REPROBE >= SAMPLES)
+            self._run == "chosen" and (call + SAMPLES) % self._every >= SAMPLES)
 
     def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
         """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
@@ -112,7 +121,7 @@ class ModePicker:
         if self._run == "chosen":
             if self._flat_key is None:
                 self._flat_key = peer_bucket
-            if peer_bucket == self._flat_key and (call + 1) % REPROBE:
+            if peer_bucket == self._flat_key and (call + 1) % self._every:
                 return True
             self._run = None            # the batch changed, or time to re-measure
             return False
