@@ -12,12 +12,19 @@ def _steady(picker: ModePicker, costs: dict[bool, float], calls: int, start: int
     modes, flat = [], False
     for call in range(start, start + calls):
         modes.append(flat)
-        picker.record(picker.bucket, flat, costs[flat])
-        if flat:
-            flat = picker.after_flat(7, False, call)
-        else:
-            flat = picker.after_hier(8, False, *picker.shared(), call)
+        flat = _call(picker, flat, costs[flat], call)
     return modes
+
+
+def _call(picker: ModePicker, flat: bool, us: float, call: int) -> bool:
+    """One call in the backend's order: the decision at the dispatch's end (a hierarchical
+    call's header carrying the costs known when it started), the cost at the combine's."""
+    if flat:
+        nxt = picker.after_flat(7, False, call)
+    else:
+        nxt = picker.after_hier(8, False, *picker.shared(), call)
+    picker.record(picker.bucket, flat, us)
+    return nxt
 
 
 def test_probes_flat_once_then_keeps_the_cheaper():
@@ -63,9 +70,7 @@ def test_a_chosen_flat_run_times_only_what_the_re_measurement_compares():
     timed (the costs that call compares); a small batch's flat calls never are."""
     p, flat, runs = ModePicker(), False, []
     for call in range(1, 4 * REPROBE):
-        p.record(p.bucket, flat, 10.0 if flat else 12.0)
-        flat = p.after_flat(7, False, call) if flat else p.after_hier(8, False, *p.shared(),
-                                                                      call)
+        flat = _call(p, flat, 10.0 if flat else 12.0, call)
         runs.append((flat, flat and not p.untimed(call + 1)))      # the next call's
     explore = 2 * (SAMPLES + 1) + 1
     hier = [i for i in range(explore, len(runs)) if not runs[i][0]]
@@ -77,6 +82,11 @@ def test_a_chosen_flat_run_times_only_what_the_re_measurement_compares():
     assert sum(f and not t for f, t in runs[explore:]) > len(runs) // 2        # most
     small = ModePicker()
     assert small.after_flat(1, True, 1) and small.untimed(2)
+
+
+def _runs(modes: list[bool], family: bool) -> int:
+    """How many runs of calls of `family` `modes` holds."""
+    return sum(m == family and (i == 0 or modes[i - 1] != family) for i, m in enumerate(modes))
 
 
 def test_a_choice_far_cheaper_is_re_measured_rarer():
@@ -91,5 +101,21 @@ def test_a_choice_far_cheaper_is_re_measured_rarer():
                          ({True: 1.0, False: 1000.0}, REPROBE_MOST)):
         cheap = min(costs, key=costs.get)
         modes = _steady(ModePicker(), costs, calls)
-        other = sum(m != cheap for m in modes[n:])
+        other = _runs(modes[n:], not cheap)
         assert (calls - n) // every - 1 <= other <= (calls - n) // every + 1, (costs, other)
+
+
+def test_a_first_call_after_the_other_mode_does_not_keep_a_stale_choice():
+    """A mode's first call after the other's costs more than its steady calls. Where the
+    costs are close, a re-measurement measures past that call: when the chosen mode
+    becomes the costlier, the ranks switch (one re-measurement late at most)."""
+    for first in (False, True):                 # the family that starts out cheaper
+        p, flat, prev, modes = ModePicker(), False, None, []
+        for call in range(1, 8 * REPROBE):
+            steady = {first: 10.0, not first: 11.0} if call < 3 * REPROBE else {
+                first: 12.0, not first: 11.0}   # the load changed
+            us = steady[flat] + (6.0 if prev is not None and prev != flat else 0.0)
+            modes.append(flat)
+            prev, flat = flat, _call(p, flat, us, call)
+        assert modes[3 * REPROBE - 8:3 * REPROBE].count(first) >= 6, (first, modes)
+        assert modes[-REPROBE:].count(not first) >= REPROBE - 4, (first, modes)

@@ -19,6 +19,12 @@ combine) per mode and batch bucket, and the ranks decide together:
 * the mode not chosen runs once every `REPROBE` calls, times the rounded ratio of the two
   costs (up to `REPROBE_MOST`), so the choice follows the load while a re-measurement far
   costlier than the choice runs rarer: its share of the time stays under ~1/REPROBE;
+* where the two cost about the same (within 1.5x), a mode's first call after the other's
+  is not a typical one (its connections idle, its buffers out of cache: ~1.2-1.3x its
+  steady cost at batch 128, 2 emulated hosts x 4 ranks) and would keep whichever mode
+  came first; so there
+  a re-measurement runs two calls and keeps the second's cost (and a hierarchical one a
+  third, whose header carries it);
   a chosen flat run times only its last `SAMPLES` calls before that (`untimed`): the
   costs that re-measurement compares, the other calls free to take the Buffer's compiled
   door, as small batches do;
@@ -51,7 +57,8 @@ class ModePicker:
         #: the bucket of the largest batch the current choice was made for (agreed)
         self.bucket = 0
         #: why the current run of flat calls runs (agreed): "small" batches, a "probe"
-        #: (`_left` more calls), "chosen" as the cheaper; None in hierarchical calls
+        #: (`_left` more calls), "chosen" as the cheaper; "measure": hierarchical calls
+        #: re-measured in a chosen flat run (`_left` more); None in other hierarchical calls
         self._run: str | None = "small"
         self._left = 0
         #: hierarchical calls in a row in the current bucket (agreed)
@@ -60,6 +67,11 @@ class ModePicker:
         self._flat_key: int | None = None
         #: calls between re-measurements, from the costs the choice was made with (agreed)
         self._every = REPROBE
+        #: whether those costs were within 1.5x: re-measure past a first, untypical call
+        self._close = False
+        #: the families (flat?) of the last two calls: a first call after the other family's
+        #: is not measured where the costs are close
+        self._fam: tuple[bool | None, bool | None] = (None, None)
 
     def shared(self) -> tuple[int, int]:
         """(flat µs, hierarchical µs) this rank measured in the current bucket (0: not yet),
@@ -69,6 +81,8 @@ class ModePicker:
 
     def record(self, key_bucket: int, flat: bool, us: float) -> None:
         """One call's dispatch + combine time on this rank."""
+        if self._close and self._fam[0] != self._fam[1]:
+            return                      # a first call after the other family's
         last = self._cost.setdefault((key_bucket, flat), [])
         last.append(max(us, 1.0))
         del last[:-SAMPLES]
@@ -79,18 +93,27 @@ class ModePicker:
         at most the flat threshold) and whose ranks' largest costs for the bucket the call
         was chosen in were `flat_us`, `hier_us` (0: unknown): is the next call flat?"""
         same = batch_bucket == self.bucket
+        self._fam = (self._fam[1], False)
         self._hier_calls = self._hier_calls + 1 if same else 1
         self.bucket, self._flat_key = batch_bucket, None
-        self._run = "small" if small else None
         if small:
+            self._run = "small"
             return True
+        if self._run == "measure" and same:     # flat's chosen: the other family's calls
+            self._left -= 1
+            if self._left > 0:
+                return False
+        self._run = None
         if self._hier_calls <= SAMPLES:     # this bucket's costs: measure them first
             return False
         if flat_us and hier_us:
             ratio = max(flat_us, hier_us) / min(flat_us, hier_us)
             self._every = min(REPROBE_MOST, REPROBE * max(1, round(ratio)))
+            self._close = ratio < 1.5
         if not flat_us or (call + 1) % self._every == 0 and flat_us >= hier_us:
-            self._run, self._left = "probe", 1 if flat_us else SAMPLES + 1     # then back
+            # then a hierarchical call, which carries the probe's cost
+            self._run = "probe"
+            self._left = SAMPLES + 1 if not flat_us else 2 if self._close else 1
             return True
         if flat_us < hier_us:
             self._run = "chosen"
@@ -112,6 +135,7 @@ class ModePicker:
     def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
         """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
         at most the flat threshold): is the next call flat?"""
+        self._fam = (self._fam[1], True)
         if self._run == "probe":        # its calls, then a hierarchical one to share them
             self._left -= 1
             if self._left > 0:
@@ -123,7 +147,11 @@ class ModePicker:
                 self._flat_key = peer_bucket
             if peer_bucket == self._flat_key and (call + 1) % self._every:
                 return True
-            self._run = None            # the batch changed, or time to re-measure
+            if peer_bucket == self._flat_key:   # time to re-measure: a first hierarchical
+                # call, the measured one, then one whose header carries its cost
+                self._run, self._left = "measure", 3 if self._close else 1
+                return False
+            self._run = None            # the batch changed
             return False
         if small:
             self._run = "small"
