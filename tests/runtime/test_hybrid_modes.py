@@ -66,8 +66,8 @@ def test_a_probe_ends_even_where_the_per_peer_count_is_small():
 
 
 def test_a_chosen_flat_run_times_only_what_the_re_measurement_compares():
-    """Where flat was chosen, only its last SAMPLES calls before each re-measurement are
-    timed (the costs that call compares); a small batch's flat calls never are."""
+    """Where flat was chosen, only its last call before each re-measurement is timed (the
+    cost that re-measurement carries); a small batch's flat calls never are."""
     p, flat, runs = ModePicker(), False, []
     for call in range(1, 4 * REPROBE):
         flat = _call(p, flat, 10.0 if flat else 12.0, call)
@@ -78,7 +78,7 @@ def test_a_chosen_flat_run_times_only_what_the_re_measurement_compares():
     for i in range(explore, len(runs)):
         if runs[i][0]:
             left = min([h - i for h in hier if h > i], default=REPROBE)
-            assert runs[i][1] == (left <= SAMPLES), (i, runs)
+            assert runs[i][1] == (left == 1), (i, runs)
     assert sum(f and not t for f, t in runs[explore:]) > len(runs) // 2        # most
     small = ModePicker()
     assert small.after_flat(1, True, 1) and small.untimed(2)

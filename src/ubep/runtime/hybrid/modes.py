@@ -22,12 +22,11 @@ combine) per mode and batch bucket, and the ranks decide together:
 * where the two cost about the same (within 1.5x), a mode's first call after the other's
   is not a typical one (its connections idle, its buffers out of cache: ~1.2-1.3x its
   steady cost at batch 128, 2 emulated hosts x 4 ranks) and would keep whichever mode
-  came first; so there
-  a re-measurement runs two calls and keeps the second's cost (and a hierarchical one a
-  third, whose header carries it);
-  a chosen flat run times only its last `SAMPLES` calls before that (`untimed`): the
-  costs that re-measurement compares, the other calls free to take the Buffer's compiled
-  door, as small batches do;
+  came first; there a re-measurement runs two calls and keeps the second's cost;
+* a chosen flat run times only its last call before a re-measurement (`untimed`), whose
+  header carries that cost; the re-measured hierarchical cost reaches every rank with the
+  next re-measurement (a flat choice follows the load one re-measurement late), and every
+  other call of the run takes the Buffer's compiled door, as small batches do;
 * a flat call leaves flat when the largest per-peer count changes bucket (the batch
   changed: a hierarchical call finds the new bucket).
 """
@@ -127,10 +126,9 @@ class ModePicker:
 
     def untimed(self, call: int) -> bool:
         """Whether flat call number `call` needs no cost taken: a small batch's, or a
-        chosen run's but for its last SAMPLES before a re-measurement (whose costs the next
-        hierarchical call carries to every rank)."""
-        return self._run == "small" or (
-            self._run == "chosen" and (call + SAMPLES) % self._every >= SAMPLES)
+        chosen run's but its last before a re-measurement (whose calls carry its cost to
+        every rank; the run's costs are its latest SAMPLES such calls')."""
+        return self._run == "small" or (self._run == "chosen" and (call + 1) % self._every)
 
     def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
         """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
@@ -147,9 +145,9 @@ class ModePicker:
                 self._flat_key = peer_bucket
             if peer_bucket == self._flat_key and (call + 1) % self._every:
                 return True
-            if peer_bucket == self._flat_key:   # time to re-measure: a first hierarchical
-                # call, the measured one, then one whose header carries its cost
-                self._run, self._left = "measure", 3 if self._close else 1
+            if peer_bucket == self._flat_key:   # time to re-measure (close costs: past a
+                # first hierarchical call); the next re-measurement carries its cost
+                self._run, self._left = "measure", 2 if self._close else 1
                 return False
             self._run = None            # the batch changed
             return False
