@@ -128,7 +128,8 @@ class ModePicker:
         """Whether flat call number `call` needs no cost taken: a small batch's, or a
         chosen run's but its last before a re-measurement (whose calls carry its cost to
         every rank; the run's costs are its latest SAMPLES such calls')."""
-        return self._run == "small" or (self._run == "chosen" and (call + 1) % self._every)
+        return self._run == "small" or (
+            self._run == "chosen" and (call + 1) % self._every != 0)
 
     def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
         """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
