@@ -64,10 +64,10 @@ class ModePicker:
         self._hier_calls = 0
         #: in a chosen run: the per-peer count's bucket of its first call (agreed)
         self._flat_key: int | None = None
-        #: calls between re-measurements, from the costs the choice was made with (agreed)
+        #: calls between re-measurements, from the costs the choice was made with (agreed):
+        #: REPROBE where they are within 1.5x (or not known yet), so a re-measurement runs
+        #: past a first, untypical call (`_close`)
         self._every = REPROBE
-        #: whether those costs were within 1.5x: re-measure past a first, untypical call
-        self._close = False
         #: the families (flat?) of the last two calls: a first call after the other family's
         #: is not measured where the costs are close
         self._fam: tuple[bool | None, bool | None] = (None, None)
@@ -108,8 +108,7 @@ class ModePicker:
         if flat_us and hier_us:
             ratio = max(flat_us, hier_us) / min(flat_us, hier_us)
             self._every = min(REPROBE_MOST, REPROBE * max(1, round(ratio)))
-            self._close = ratio < 1.5
-        if not flat_us or (call + 1) % self._every == 0 and flat_us >= hier_us:
+        if not flat_us or self._due(call) and flat_us >= hier_us:
             # then a hierarchical call, which carries the probe's cost
             self._run = "probe"
             self._left = SAMPLES + 1 if not flat_us else 2 if self._close else 1
@@ -118,6 +117,15 @@ class ModePicker:
             self._run = "chosen"
             return True
         return False
+
+    @property
+    def _close(self) -> bool:
+        """Whether the two costs are within 1.5x (`round` gives 1), or not known yet."""
+        return self._every == REPROBE
+
+    def _due(self, call: int) -> bool:
+        """Whether call number `call` is the last before a re-measurement."""
+        return (call + 1) % self._every == 0
 
     @property
     def small_run(self) -> bool:
@@ -129,7 +137,7 @@ class ModePicker:
         chosen run's but its last before a re-measurement (whose calls carry its cost to
         every rank; the run's costs are its latest SAMPLES such calls')."""
         return self._run == "small" or (
-            self._run == "chosen" and (call + 1) % self._every != 0)
+            self._run == "chosen" and not self._due(call))
 
     def after_flat(self, peer_bucket: int, small: bool, call: int) -> bool:
         """After a flat call whose largest per-peer count fell in `peer_bucket` (`small`:
@@ -144,7 +152,7 @@ class ModePicker:
         if self._run == "chosen":
             if self._flat_key is None:
                 self._flat_key = peer_bucket
-            if peer_bucket == self._flat_key and (call + 1) % self._every:
+            if peer_bucket == self._flat_key and not self._due(call):
                 return True
             if peer_bucket == self._flat_key:   # time to re-measure (close costs: past a
                 # first hierarchical call); the next re-measurement carries its cost
